@@ -1,0 +1,4 @@
+"""The autograd engine: Tensor, no_grad, and the differentiable ops."""
+from .tensor import GraphError, Tensor, enable_grad, grad_enabled, no_grad, parameter, tensor
+from . import ops
+from .ops import *  # noqa: F401,F403  (the op functions: add, matmul, tanh, ...)

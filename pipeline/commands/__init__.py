@@ -1,0 +1,1 @@
+"""One module per `fucina` subcommand (discovered by pipeline.cli)."""

@@ -1,0 +1,38 @@
+"""Pin BLAS / OpenMP / numba thread counts for this process.
+
+Each worker process calls `pin_threads(n)` first thing, so N workers on an
+N-core machine do not oversubscribe the cores. The environment variables only
+take effect before numpy/numba load their thread pools, so `pin_threads` both
+sets them (for children) and limits the already-loaded pools.
+"""
+from __future__ import annotations
+
+import os
+
+_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
+        "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS", "NUMBA_NUM_THREADS")
+
+
+def pin_env(n: int, env=None):
+    """Return (or update) an environment dict with every thread knob set to n."""
+    env = os.environ if env is None else env
+    for k in _ENV:
+        env[k] = str(int(n))
+    return env
+
+
+def pin_threads(n: int):
+    """Limit BLAS and numba to n threads in this process (and its children)."""
+    n = max(1, int(n))
+    numba_max = os.environ.get("NUMBA_NUM_THREADS")
+    for k in _ENV:
+        if k != "NUMBA_NUM_THREADS" or numba_max is None:
+            os.environ[k] = str(n)
+    try:
+        from threadpoolctl import threadpool_limits
+        threadpool_limits(n)
+    except ImportError:  # pragma: no cover - threadpoolctl is a dependency
+        pass
+    import numba
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    return n

@@ -1,0 +1,1 @@
+"""Training state on disk: named state dicts, optimizer state, the checkpoint directory."""

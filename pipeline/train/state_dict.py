@@ -1,0 +1,242 @@
+"""Named state dicts over safetensors: name -> array, matched by name, validated.
+
+A state dict file is a plain safetensors file, so it opens in any safetensors
+tool. Writing goes through the `safetensors` library (spec-exact headers);
+reading uses our own small header parser over the whole file in memory.
+
+Trade-off: reading the whole file (instead of mmap) costs one copy, but lets
+us validate every entry (header, offsets, dtypes, shapes, names) BEFORE any
+target is touched, name the file and tensor in every error, and read bf16 the
+same way whatever the installed safetensors version does with it.
+
+Dtypes are kept as stored: f32/f16/bf16 in, the same bytes out, and a load
+into a target of another dtype is an error, never a silent conversion.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import safetensors.numpy
+
+from ..autograd import Tensor, named_parameters
+from ..errors import CheckpointError, DTypeMismatchError
+
+# safetensors dtype tag <-> numpy dtype (bf16 through ml_dtypes).
+DTYPES = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U64": np.dtype(np.uint64),
+    "U32": np.dtype(np.uint32),
+    "U16": np.dtype(np.uint16),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+_TAGS = {dt: tag for tag, dt in DTYPES.items()}
+_MAX_HEADER = 100 * 1024 * 1024  # the safetensors spec's own header limit
+
+
+def dtype_tag(dtype) -> str:
+    """'F32', 'BF16', ... for a numpy dtype (a readable name in error messages)."""
+    return _TAGS.get(np.dtype(dtype), str(np.dtype(dtype)))
+
+
+# --- atomic files -------------------------------------------------------------
+
+def fsync_dir(path) -> None:
+    """Make a rename/creation inside directory `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path, data: bytes) -> None:
+    """Write `data` to `path` so readers see the old file or the whole new one.
+
+    temp file in the same directory + fsync + rename + directory fsync: a crash
+    at any point leaves either no file / the previous file, or the complete new one.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+# --- safetensors files ----------------------------------------------------------
+
+def _as_array(value, name):
+    arr = value.data if isinstance(value, Tensor) else value
+    if not isinstance(arr, np.ndarray):
+        raise CheckpointError(f"state dict entry {name!r}: expected a numpy array or Tensor, got {type(value).__name__}")
+    if arr.dtype not in _TAGS:
+        raise CheckpointError(f"state dict entry {name!r}: dtype {arr.dtype} cannot be stored in safetensors")
+    return np.ascontiguousarray(arr)
+
+
+def _pairs(tensors):
+    """A mapping or an iterable of (name, array|Tensor) pairs -> list of pairs."""
+    return list(tensors.items()) if hasattr(tensors, "items") else list(tensors)
+
+
+def save_state_dict(path, tensors, metadata: dict[str, str] | None = None) -> None:
+    """Atomically write name -> array (or Tensor) as a safetensors state dict.
+
+    tensors: mapping or iterable of (name, array|Tensor); names must be unique.
+    metadata: str -> str, stored in the header's "__metadata__".
+    """
+    arrays = {}
+    for name, value in _pairs(tensors):
+        if not isinstance(name, str) or not name:
+            raise CheckpointError(f"{path}: tensor names must be non-empty strings, got {name!r}")
+        if name in arrays:
+            raise CheckpointError(f"{path}: duplicate tensor name {name!r}")
+        arrays[name] = _as_array(value, name)
+    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise CheckpointError(f"{path}: safetensors metadata must map str -> str")
+    atomic_write_bytes(path, safetensors.numpy.save(arrays, metadata=metadata))
+
+
+def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Read and fully validate a safetensors file -> ({name: array}, metadata).
+
+    Any defect (missing, truncated, bad header, unknown dtype, offsets that do
+    not match the shape) raises CheckpointError naming the file (and tensor).
+    """
+    path = Path(path)
+    try:
+        blob = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
+    if len(blob) < 8:
+        raise CheckpointError(f"{path}: truncated safetensors file ({len(blob)} bytes, no header)")
+    (header_len,) = struct.unpack("<Q", blob[:8])
+    if header_len > _MAX_HEADER or 8 + header_len > len(blob):
+        raise CheckpointError(
+            f"{path}: truncated or corrupt safetensors file (header claims {header_len} bytes, file has {len(blob) - 8})")
+    try:
+        header = json.loads(blob[8:8 + header_len].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{path}: corrupt safetensors metadata (must map str -> str)")
+    body = memoryview(blob)[8 + header_len:]
+    tensors, data_end = {}, 0
+    for name, entry in header.items():
+        where = f"{path}: tensor {name!r}"
+        try:
+            tag, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise CheckpointError(f"{where}: corrupt header entry {entry!r}") from None
+        if tag not in DTYPES:
+            raise CheckpointError(f"{where}: unsupported dtype {tag!r}")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise CheckpointError(f"{where}: corrupt shape {shape!r}")
+        dtype = DTYPES[tag]
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end) or end - begin != nbytes:
+            raise CheckpointError(f"{where}: data offsets [{begin}, {end}] do not fit {tag}{shape} ({nbytes} bytes)")
+        if end > len(body):
+            raise CheckpointError(f"{where}: truncated file (tensor data ends at byte {end}, file data has {len(body)})")
+        tensors[name] = np.frombuffer(body[begin:end], dtype=dtype).reshape(shape).copy()
+        data_end = max(data_end, end)
+    if data_end != len(body):
+        raise CheckpointError(f"{path}: corrupt safetensors file ({len(body) - data_end} stray bytes after the tensor data)")
+    return tensors, metadata
+
+
+# --- named state dicts --------------------------------------------------------
+
+def load_state_dict(path) -> dict[str, np.ndarray]:
+    """Read a state dict file: {name: array}, dtypes exactly as stored."""
+    return read_safetensors(path)[0]
+
+
+def model_state_dict(model, trainable_only=True) -> dict[str, np.ndarray]:
+    """{dotted name: array} of a model's tensors (the registry walk of autograd.module)."""
+    return {name: t.data for name, t in named_parameters(model, trainable_only=trainable_only)}
+
+
+@dataclass
+class LoadReport:
+    """What a non-strict load did not match (torch's missing/unexpected keys)."""
+
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+
+
+def _listed(names, limit=8):
+    names = sorted(names)
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def assign_state(targets, stored: dict[str, np.ndarray], source="state dict", strict=True,
+                 dry_run=False) -> LoadReport:
+    """Copy stored arrays into target Tensors matched by name.
+
+    targets: mapping or pairs name -> Tensor. Everything is validated first
+    (names, then shapes and dtypes); only then is any target written, so a
+    failed load leaves every target untouched. strict: both sides must match
+    one-to-one; otherwise unknown stored names are skipped and unmatched
+    targets kept, and both are returned in the LoadReport. dry_run: validate only.
+    """
+    targets = dict(_pairs(targets))
+    report = LoadReport(missing=sorted(set(targets) - set(stored)), unexpected=sorted(set(stored) - set(targets)))
+    if strict and (report.missing or report.unexpected):
+        parts = []
+        if report.missing:
+            parts.append(f"missing from the file: {_listed(report.missing)}")
+        if report.unexpected:
+            parts.append(f"not in the model: {_listed(report.unexpected)}")
+        raise CheckpointError(f"{source}: names do not match ({'; '.join(parts)})")
+    matched = [(name, t, stored[name]) for name, t in targets.items() if name in stored]
+    for name, t, arr in matched:
+        if arr.shape != t.data.shape:
+            raise CheckpointError(
+                f"{source}: tensor {name!r} has shape {list(arr.shape)} in the file, {list(t.data.shape)} in the model")
+        if arr.dtype != t.data.dtype:
+            raise DTypeMismatchError(
+                f"{source}: tensor {name!r} is {dtype_tag(arr.dtype)} in the file, {dtype_tag(t.data.dtype)} in the model "
+                "(no implicit conversion: convert the model or the file explicitly)")
+    if dry_run:
+        return report
+    for name, t, arr in matched:
+        if t.data.flags.writeable:
+            np.copyto(t.data, arr)
+        else:
+            t.data = arr.copy()
+    return report
+
+
+def load_into(model, path, strict=True, trainable_only=True) -> LoadReport:
+    """Load a state dict file into a model's named tensors (see assign_state).
+
+    trainable_only=False also fills tensors that do not require grad, e.g. a
+    gradient-free inference copy of the model.
+    """
+    return assign_state(named_parameters(model, trainable_only=trainable_only), load_state_dict(path),
+                        source=str(path), strict=strict)

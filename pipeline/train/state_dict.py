@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +46,9 @@ DTYPES = {
 }
 _TAGS = {dt: tag for tag, dt in DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors spec's own header limit
+# safetensors has no checksum; ours goes in the metadata (JSON {name: crc32})
+# so a flipped data byte is caught. Files from other tools simply lack it.
+CRC_KEY = "fucina.crc32"
 
 
 def dtype_tag(dtype) -> str:
@@ -103,7 +107,8 @@ def save_state_dict(path, tensors, metadata: dict[str, str] | None = None) -> No
     """Atomically write name -> array (or Tensor) as a safetensors state dict.
 
     tensors: mapping or iterable of (name, array|Tensor); names must be unique.
-    metadata: str -> str, stored in the header's "__metadata__".
+    metadata: str -> str, stored in the header's "__metadata__" (plus our
+    per-tensor CRC32s under CRC_KEY).
     """
     arrays = {}
     for name, value in _pairs(tensors):
@@ -112,8 +117,10 @@ def save_state_dict(path, tensors, metadata: dict[str, str] | None = None) -> No
         if name in arrays:
             raise CheckpointError(f"{path}: duplicate tensor name {name!r}")
         arrays[name] = _as_array(value, name)
-    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+    metadata = dict(metadata or {})
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise CheckpointError(f"{path}: safetensors metadata must map str -> str")
+    metadata[CRC_KEY] = json.dumps({name: zlib.crc32(arr) for name, arr in arrays.items()}, sort_keys=True)
     atomic_write_bytes(path, safetensors.numpy.save(arrays, metadata=metadata))
 
 
@@ -143,6 +150,10 @@ def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CheckpointError(f"{path}: corrupt safetensors metadata (must map str -> str)")
+    try:
+        crcs = json.loads(metadata.pop(CRC_KEY, "{}"))
+    except json.JSONDecodeError:
+        raise CheckpointError(f"{path}: corrupt safetensors metadata ({CRC_KEY})") from None
     body = memoryview(blob)[8 + header_len:]
     tensors, data_end = {}, 0
     for name, entry in header.items():
@@ -161,6 +172,8 @@ def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
             raise CheckpointError(f"{where}: data offsets [{begin}, {end}] do not fit {tag}{shape} ({nbytes} bytes)")
         if end > len(body):
             raise CheckpointError(f"{where}: truncated file (tensor data ends at byte {end}, file data has {len(body)})")
+        if name in crcs and zlib.crc32(body[begin:end]) != crcs[name]:
+            raise CheckpointError(f"{where}: corrupt data (CRC32 mismatch)")
         tensors[name] = np.frombuffer(body[begin:end], dtype=dtype).reshape(shape).copy()
         data_end = max(data_end, end)
     if data_end != len(body):

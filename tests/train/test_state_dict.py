@@ -184,3 +184,14 @@ def test_assign_state_dry_run_writes_nothing():
     assert not t.data.any()
     assign_state({"t": t}, {"t": np.ones(3, np.float32)})
     assert t.data.all()
+
+
+def test_flipped_data_byte_is_caught_by_the_crc(tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_state_dict(path, arrays())
+    blob = bytearray(path.read_bytes())
+    blob[-3] ^= 0x10  # inside the last tensor's data
+    path.write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError, match="CRC32 mismatch") as err:
+        load_state_dict(path)
+    assert str(path) in str(err.value)

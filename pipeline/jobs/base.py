@@ -1,0 +1,82 @@
+"""What a job gives the pipeline: pure functions keyed by (step, micro-batch).
+
+The roles never know what model they train. A job supplies:
+
+  init_params()            -> [(name, float32 array)]       (pure in the seed)
+  batch_layout()           -> [(name, shape, dtype)]        (one micro-batch)
+  fill_batch(step, k, out)  writes micro-batch (step, k) into `out` arrays
+                            (pure in (seed, step, k): the data-order contract)
+  bind(params)             -> a model whose parameters view `params` in place
+  micro_grad(model, batch, grads) -> (loss, rows): forward+backward, gradients
+                            written into `grads`; the loss is pre-scaled by
+                            1/rows_per_step, so the in-order SUM of micro-batch
+                            gradients is the gradient of the step's mean loss
+  make_optimizer(named)    -> object with step(lr), state_dict(), load_state_dict()
+  lr_at(step)              -> float (pure in the step)
+  validate(model)          -> float or None (run by the optimizer every eval_every)
+  finish(run_dir, params)  -> dict of extras for the summary (sample, exports)
+
+Trade-off: jobs hand over flat named arrays rather than a model object, so the
+same bytes can live in a numpy array (in-process) or a shared-memory segment.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..autograd.tensor import Tensor
+
+
+class Job:
+    name = "job"
+    Spec = None
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    # the fields every spec has
+    @property
+    def steps(self):
+        return self.spec.steps
+
+    @property
+    def micro_batches(self):
+        return self.spec.micro_batches
+
+    def rows_per_step(self):
+        return self.spec.batch
+
+    def rows_per_micro(self):
+        return self.spec.batch // self.spec.micro_batches
+
+    def tokens_per_row(self):
+        return 1
+
+    def param_layout(self):
+        return [(n, a.shape, a.dtype) for n, a in self.init_params()]
+
+    def validate(self, model):
+        return None
+
+    def finish(self, run_dir, params, log=print):
+        return {}
+
+
+def bind_tensors(named_arrays):
+    """{name: array} -> [(name, Tensor)] whose .data IS the array (no copy)."""
+    out = []
+    for name, arr in named_arrays:
+        t = Tensor.__new__(Tensor)
+        Tensor.__init__(t, np.empty(0, np.float32), requires_grad=True, name=name)
+        t.data = arr
+        out.append((name, t))
+    return out
+
+
+def zero_copy_grads(named_tensors, grads: dict):
+    """Copy each Tensor's .grad into `grads[name]` (zeros where no gradient reached)."""
+    for name, t in named_tensors:
+        if t.grad is None:
+            grads[name][...] = 0
+        else:
+            grads[name][...] = t.grad
+        t.grad = None

@@ -1,0 +1,66 @@
+"""`--inprocess`: every role's task executed inline, in plan order, in one process.
+
+This is the reference the multiprocess run must match bit for bit: the same
+LoaderLogic/TrainerLogic/OptimizerLogic calls on the same (step, k) keys,
+micro-batch gradients reduced in index order, checkpoints written synchronously.
+Trade-off: no overlap between loading, compute and checkpoint I/O - simple and
+the fastest option for tiny jobs where messaging would dominate.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from . import ckpt
+from .metrics import MetricsLog
+from .roles import (LoaderLogic, OptimizerLogic, TrainerLogic, checkpoint_dir, checkpoint_due, eval_due,
+                    trainer_state)
+
+
+def _buffers(layout):
+    return {name: np.zeros(shape, dtype=dtype) for name, shape, dtype in layout}
+
+
+def run_inprocess(job, run_dir, resume=None, log=print, on_step=None):
+    """Train `job` to its last step; -> summary dict (steps, final_loss, params_sha256, ...)."""
+    params = _buffers(job.param_layout())
+    optimizer = OptimizerLogic(job, params)
+    start = optimizer.init(ckpt.resolve(resume) if resume else None)
+    trainer, loader = TrainerLogic(job, params), LoaderLogic(job)
+    batch = _buffers(job.batch_layout())
+    slots = [_buffers(job.param_layout()) for _ in range(job.micro_batches)]
+    metrics = MetricsLog(run_dir)
+    metrics.write({"kind": "event", "event": "run_started", "detail": {"mode": "inprocess", "start_step": start}})
+    loss, t_run = None, time.perf_counter()
+    try:
+        for step in range(start, job.steps):
+            t0 = time.perf_counter()
+            loss = 0.0
+            for k in range(job.micro_batches):
+                loader.fill(step, k, batch)
+                micro_loss, _ = trainer.compute(batch, slots[k])
+                loss += micro_loss
+            info = optimizer.step(step, slots)
+            done = step + 1
+            record = {"kind": "metrics", "step": done, "loss": loss, **info,
+                      "step_ms": (time.perf_counter() - t0) * 1e3,
+                      "tokens_per_s": job.rows_per_step() * job.tokens_per_row() / max(time.perf_counter() - t0, 1e-9)}
+            if eval_due(job, done):
+                record["eval"] = optimizer.evaluate()
+            metrics.write(record)
+            on_step and on_step(record)
+            if checkpoint_due(job, done):
+                p, o, meta = optimizer.snapshot()
+                path = ckpt.write_checkpoint(checkpoint_dir(run_dir, done), p, o, meta, trainer_state(job, done))
+                metrics.write({"kind": "event", "event": "checkpoint_committed", "detail": {"path": path, "step": done}})
+        final = {n: a for n, a in params.items()}
+        extras = job.finish(run_dir, final, log=log)
+        summary = {"job": job.name, "mode": "inprocess", "steps": job.steps, "start_step": start,
+                   "final_loss": loss, "params_sha256": ckpt.params_sha256(final),
+                   "checkpoint": ckpt.latest_checkpoint(run_dir), "run_dir": run_dir,
+                   "elapsed_s": round(time.perf_counter() - t_run, 3), **extras}
+        metrics.write({"kind": "event", "event": "run_finished", "detail": summary})
+        return summary
+    finally:
+        metrics.close()

@@ -1,0 +1,200 @@
+"""ZeroMQ transport: ROUTER (scheduler) <-> DEALER (workers), PUB/SUB for metrics.
+
+Endpoints default to `ipc://` sockets inside the run directory (one host, no
+ports to collide). `tcp://` is available for several hosts; a tcp endpoint given
+as a bare port binds the loopback interface unless a host is named explicitly.
+
+Each message is one frame of msgpack (messages.py); a DEALER's identity is its
+worker id, so the scheduler can address a worker by name. Heartbeats run on a
+separate DEALER socket owned by a background thread (ZeroMQ sockets are not
+thread-safe, and a worker busy in a long backward pass must keep beating).
+
+Trade-off: the scheduler is a single hub (star topology). Every result passes
+through it, which costs one hop per task (~0.1 ms on ipc) but makes the commit
+order - and therefore determinism - a property of one loop in one process.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from . import messages
+
+log = logging.getLogger("fucina.transport")
+
+HEARTBEAT_S = 0.25       # how often both sides beat
+LIVENESS_S = 3.0         # silence after which a peer is declared dead
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    control: str   # scheduler ROUTER binds, workers' DEALERs connect
+    events: str    # scheduler PUB binds, monitors' SUBs connect
+
+    def to_wire(self):
+        return {"control": self.control, "events": self.events}
+
+
+def ipc_endpoints(run_dir: str) -> Endpoints:
+    run_dir = os.path.abspath(run_dir)
+    ctl, ev = os.path.join(run_dir, "control.sock"), os.path.join(run_dir, "events.sock")
+    if len(ctl) > 100:  # sun_path limit is 108 bytes
+        raise ValueError(f"transport: run directory path too long for an ipc:// socket ({len(ctl)} > 100 chars): "
+                         f"{run_dir}; use a shorter --run-dir or --transport tcp")
+    return Endpoints(f"ipc://{ctl}", f"ipc://{ev}")
+
+
+def tcp_endpoints(port: int, host: str = "127.0.0.1") -> Endpoints:
+    return Endpoints(f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}")
+
+
+def _socket(ctx, kind):
+    s = ctx.socket(kind)
+    s.setsockopt(zmq.LINGER, 0)
+    return s
+
+
+class RouterSocket:
+    """The scheduler's control socket: receive (identity, message), send to identity."""
+
+    def __init__(self, endpoint: str, ctx=None):
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock = _socket(self.ctx, zmq.ROUTER)
+        self.sock.bind(endpoint)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def send(self, identity: bytes, kind: str, step: int = 0, **fields):
+        self.sock.send_multipart([identity, messages.pack(kind, step, **fields)])
+
+    def recv(self, timeout_ms: int):
+        """(identity, message) or None on timeout; undecodable frames are dropped (logged)."""
+        if not self.sock.poll(timeout_ms):
+            return None
+        frames = self.sock.recv_multipart()
+        if len(frames) != 2:
+            log.warning("dropped a control message with %d frames (want identity + body)", len(frames))
+            return frames[0], None
+        return frames[0], messages.decode(frames[1])
+
+    def close(self):
+        self.sock.close(0)
+
+
+class DealerSocket:
+    """A worker's control socket, connected to the scheduler under its worker id."""
+
+    def __init__(self, endpoint: str, identity: str, ctx=None):
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock = _socket(self.ctx, zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, identity.encode())
+        self.sock.connect(endpoint)
+
+    def send(self, kind: str, step: int = 0, **fields):
+        self.sock.send(messages.pack(kind, step, **fields))
+
+    def recv(self, timeout_ms: int):
+        """A message, None on timeout, or False for a dropped (invalid) frame."""
+        if not self.sock.poll(timeout_ms):
+            return None
+        msg = messages.decode(self.sock.recv())
+        return msg if msg is not None else False
+
+    def close(self):
+        self.sock.close(0)
+
+
+class Publisher:
+    """PUB socket for metrics and events: monitors attach and leave at will."""
+
+    def __init__(self, endpoint: str, ctx=None):
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock = _socket(self.ctx, zmq.PUB)
+        self.sock.setsockopt(zmq.SNDHWM, 10000)
+        self.sock.bind(endpoint)
+
+    def publish(self, kind: str, step: int = 0, **fields) -> dict:
+        msg = messages.make(kind, step, **fields)
+        self.sock.send(messages.encode(msg))
+        return msg
+
+    def close(self):
+        self.sock.close(0)
+
+
+class Subscriber:
+    def __init__(self, endpoint: str, ctx=None):
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock = _socket(self.ctx, zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(endpoint)
+
+    def recv(self, timeout_ms: int):
+        if not self.sock.poll(timeout_ms):
+            return None
+        return messages.decode(self.sock.recv())
+
+    def close(self):
+        self.sock.close(0)
+
+
+class Liveness:
+    """Scheduler side: when did we last hear from each worker?"""
+
+    def __init__(self, timeout_s: float = LIVENESS_S):
+        self.timeout_s = timeout_s
+        self.last: dict[str, float] = {}
+
+    def beat(self, worker: str):
+        self.last[worker] = time.monotonic()
+
+    def forget(self, worker: str):
+        self.last.pop(worker, None)
+
+    def dead(self) -> list[str]:
+        now = time.monotonic()
+        return [w for w, t in self.last.items() if now - t > self.timeout_s]
+
+
+class HeartbeatThread(threading.Thread):
+    """Worker side: beat every HEARTBEAT_S on a private socket; the scheduler echoes.
+
+    If no echo arrives for `timeout_s` the scheduler is presumed dead and the
+    worker is sent SIGTERM (its handler unwinds and unlinks its segments), so
+    orphaned workers exit within a few seconds of losing the scheduler.
+    """
+
+    def __init__(self, endpoint: str, worker: str, timeout_s: float = LIVENESS_S, interval_s: float = HEARTBEAT_S):
+        super().__init__(name=f"heartbeat-{worker}", daemon=True)
+        self.endpoint, self.worker = endpoint, worker
+        self.timeout_s, self.interval_s = timeout_s, interval_s
+        self._stop = threading.Event()
+        self.lost = False
+
+    def run(self):
+        ctx = zmq.Context.instance()
+        sock = DealerSocket(self.endpoint, f"{self.worker}#hb", ctx)
+        last_heard = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                sock.send("heartbeat", worker=self.worker)
+                deadline = time.monotonic() + self.interval_s
+                while (left := deadline - time.monotonic()) > 0:
+                    msg = sock.recv(int(left * 1000) + 1)
+                    if msg:
+                        last_heard = time.monotonic()
+                if time.monotonic() - last_heard > self.timeout_s and not self._stop.is_set():
+                    self.lost = True
+                    log.warning("%s: no heartbeat from the scheduler for %.1f s; exiting", self.worker, self.timeout_s)
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    return
+        finally:
+            sock.close()
+
+    def stop(self):
+        self._stop.set()

@@ -3,95 +3,684 @@
 A backward closure receives the float32 gradient of the output and returns one
 gradient per parent (None where a parent needs none). Broadcasting is undone by
 the engine (`_reduce_to_shape`), so elementwise ops may return full-shape grads.
+
+Trade-off: plain numpy first (legible, BLAS for contractions); the few row
+kernels that dominate training time (cross-entropy, RMSNorm, dropout) call
+numba kernels in `kernels/`. Forward values keep the input dtype (float64
+inputs stay float64, which the finite-difference tests rely on); 16-bit inputs
+to contractions are widened to float32 for the compute. Gradients are float32.
+
+Anything that is not a Tensor (a numpy array, a Python number, a frozen
+bf16 weight) is a constant: it takes part in the forward and gets no gradient.
 """
 from __future__ import annotations
 
+import builtins
+import math
+
+import ml_dtypes
 import numpy as np
 
-from .tensor import Tensor
+from .tensor import OpError, OpIndexError, Tensor, _state, enable_grad, grad_enabled, no_grad
+
+__all__ = [
+    "as_tensor", "add", "sub", "mul", "div", "neg", "pow", "exp", "log", "tanh", "sigmoid", "silu", "gelu",
+    "relu", "matmul", "linear", "sum", "mean", "max", "reshape", "transpose", "permute", "index", "gather",
+    "embedding", "concat", "split", "softmax", "log_softmax", "rms_norm", "layer_norm", "rope", "rope_tables",
+    "attention", "dropout", "to", "checkpoint",
+]
+
+_SIXTEEN_BIT = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+_DTYPES = {
+    "float32": np.dtype(np.float32), "f32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16), "f16": np.dtype(np.float16), "half": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16), "bf16": np.dtype(ml_dtypes.bfloat16),
+    "float64": np.dtype(np.float64), "f64": np.dtype(np.float64),
+}
 
 
 def as_tensor(x) -> Tensor:
-    return x if isinstance(x, Tensor) else Tensor(np.asarray(x, dtype=np.float32))
+    if isinstance(x, Tensor):
+        return x
+    arr = np.asarray(x)
+    if arr.dtype.kind in "iub" or arr.dtype == np.float64:
+        arr = arr.astype(np.float32)
+    return Tensor(arr)
 
 
 def _f32(a):
     return a if a.dtype == np.float32 else a.astype(np.float32)
 
 
+def _compute(a):
+    """The array an op computes with: 16-bit floats are widened to float32."""
+    return a.astype(np.float32) if a.dtype in _SIXTEEN_BIT else a
+
+
+def _binary(op, a, b, fn):
+    a, b = as_tensor(a), as_tensor(b)
+    try:
+        np.broadcast_shapes(a.shape, b.shape)
+    except ValueError:
+        raise OpError(f"{op}: shapes {a.shape} and {b.shape} do not broadcast") from None
+    return a, b, fn(a.data, b.data)
+
+
 # --- elementwise arithmetic -------------------------------------------------
 def add(a, b):
-    a, b = as_tensor(a), as_tensor(b)
-    return Tensor.make(a.data + b.data, (a, b), lambda g: (g, g), "add")
+    a, b, out = _binary("add", a, b, np.add)
+    return Tensor.make(out, (a, b), lambda g: (g, g), "add")
 
 
 def sub(a, b):
-    a, b = as_tensor(a), as_tensor(b)
-    return Tensor.make(a.data - b.data, (a, b), lambda g: (g, -g), "sub")
+    a, b, out = _binary("sub", a, b, np.subtract)
+    return Tensor.make(out, (a, b), lambda g: (g, -g), "sub")
 
 
 def mul(a, b):
-    a, b = as_tensor(a), as_tensor(b)
-    return Tensor.make(a.data * b.data, (a, b), lambda g: (g * _f32(b.data), g * _f32(a.data)), "mul")
+    a, b, out = _binary("mul", a, b, np.multiply)
+
+    def backward(g):
+        return (g * b.data if a.requires_grad else None, g * a.data if b.requires_grad else None)
+
+    return Tensor.make(out, (a, b), backward, "mul")
 
 
 def div(a, b):
-    a, b = as_tensor(a), as_tensor(b)
-    out = a.data / b.data
-    return Tensor.make(out, (a, b), lambda g: (g / _f32(b.data), -g * _f32(out) / _f32(b.data)), "div")
+    a, b, out = _binary("div", a, b, np.divide)
+
+    def backward(g):
+        ga = g / b.data if a.requires_grad else None
+        gb = -g * out / b.data if b.requires_grad else None
+        return ga, gb
+
+    return Tensor.make(out, (a, b), backward, "div")
 
 
 def neg(a):
+    a = as_tensor(a)
     return Tensor.make(-a.data, (a,), lambda g: (-g,), "neg")
 
 
 def pow(a, p: float):
+    """a ** p for a constant exponent p."""
     a = as_tensor(a)
-    return Tensor.make(a.data ** p, (a,), lambda g: (g * p * _f32(a.data) ** (p - 1),), "pow")
+    if isinstance(p, Tensor):
+        raise OpError("pow: the exponent must be a constant number, got a Tensor")
+    out = a.data ** p
+    return Tensor.make(out, (a,), lambda g: (g * p * a.data ** (p - 1),), "pow")
+
+
+def exp(a):
+    a = as_tensor(a)
+    out = np.exp(a.data)
+    return Tensor.make(out, (a,), lambda g: (g * out,), "exp")
+
+
+def log(a):
+    a = as_tensor(a)
+    return Tensor.make(np.log(a.data), (a,), lambda g: (g / a.data,), "log")
 
 
 def tanh(a):
+    a = as_tensor(a)
     out = np.tanh(a.data)
-    return Tensor.make(out, (a,), lambda g: (g * (1.0 - _f32(out) ** 2),), "tanh")
+    return Tensor.make(out, (a,), lambda g: (g * (1.0 - out * out),), "tanh")
+
+
+def _sigmoid(x):
+    # split by sign so exp never overflows
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(x.dtype, copy=False)
+
+
+def sigmoid(a):
+    a = as_tensor(a)
+    out = _sigmoid(a.data)
+    return Tensor.make(out, (a,), lambda g: (g * out * (1.0 - out),), "sigmoid")
+
+
+def silu(a):
+    """x * sigmoid(x) (a.k.a. swish), as in SwiGLU MLPs."""
+    a = as_tensor(a)
+    s = _sigmoid(a.data)
+    out = a.data * s
+    return Tensor.make(out, (a,), lambda g: (g * s * (1.0 + a.data * (1.0 - s)),), "silu")
+
+
+def relu(a):
+    a = as_tensor(a)
+    out = np.maximum(a.data, 0)
+    return Tensor.make(out, (a,), lambda g: (g * (a.data > 0),), "relu")
+
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_erf = np.frompyfunc(math.erf, 1, 1)
+
+
+def _erf_array(x):
+    try:
+        from scipy.special import erf  # fast path when scipy happens to be installed
+        return erf(x)
+    except ImportError:
+        return _erf(x.astype(np.float64)).astype(np.float64)
+
+
+def gelu(a, approximate="none"):
+    """GELU. approximate='none' (torch default): x * Phi(x) with the exact erf;
+    approximate='tanh': 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    a = as_tensor(a)
+    x = a.data
+    x64 = x.astype(np.float64)
+    if approximate == "tanh":
+        inner = _SQRT_2_OVER_PI * (x64 + 0.044715 * x64 ** 3)
+        t = np.tanh(inner)
+        out64 = 0.5 * x64 * (1.0 + t)
+        dydx = 0.5 * (1.0 + t) + 0.5 * x64 * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x64 ** 2)
+    elif approximate == "none":
+        cdf = 0.5 * (1.0 + _erf_array(x64 * _INV_SQRT_2))
+        out64 = x64 * cdf
+        dydx = cdf + x64 * _INV_SQRT_2PI * np.exp(-0.5 * x64 * x64)
+    else:
+        raise OpError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    out = out64.astype(x.dtype if x.dtype.kind == "f" else np.float32)
+    return Tensor.make(out, (a,), lambda g: (g * dydx,), "gelu")
 
 
 # --- linear algebra ----------------------------------------------------------
 def matmul(a, b):
+    """a @ b with numpy semantics (batched, broadcast batch dims; 1-D operands promoted)."""
     a, b = as_tensor(a), as_tensor(b)
     if a.ndim < 1 or b.ndim < 1 or a.shape[-1] != b.shape[-2 if b.ndim > 1 else 0]:
-        raise ValueError(f"matmul: shapes {a.shape} and {b.shape} are not aligned (last dim of a must equal the second-to-last of b)")
-    out = a.data @ b.data
+        raise OpError(f"matmul: shapes {a.shape} and {b.shape} are not aligned (last dim of a must equal the second-to-last of b)")
+    try:
+        out = _compute(a.data) @ _compute(b.data)
+    except ValueError:
+        raise OpError(f"matmul: batch dims of {a.shape} and {b.shape} do not broadcast") from None
 
     def backward(g):
-        ga = g @ np.swapaxes(_f32(b.data), -1, -2) if a.requires_grad else None
-        gb = np.swapaxes(_f32(a.data), -1, -2) @ g if b.requires_grad else None
+        A = _compute(a.data)
+        B = _compute(b.data)
+        A2 = A[None, :] if A.ndim == 1 else A
+        B2 = B[:, None] if B.ndim == 1 else B
+        G = g
+        if a.ndim == 1:
+            G = np.expand_dims(G, -2)
+        if b.ndim == 1:
+            G = np.expand_dims(G, -1)
+        ga = gb = None
+        if a.requires_grad:
+            ga = G @ np.swapaxes(B2, -1, -2)
+            if a.ndim == 1:
+                ga = ga.reshape(ga.shape[:-2] + (ga.shape[-1],)).reshape(-1, a.shape[0]).sum(0)
+        if b.requires_grad:
+            gb = np.swapaxes(A2, -1, -2) @ G
+            if b.ndim == 1:
+                gb = gb.reshape(-1, b.shape[0]).sum(0)
         return ga, gb
 
     return Tensor.make(out, (a, b), backward, "matmul")
 
 
-# --- reductions and shape ----------------------------------------------------
-def sum(a, axis=None, keepdims=False):
-    out = a.data.sum(axis=axis, keepdims=keepdims, dtype=np.float32)
+def linear(x, w, b=None):
+    """y = x @ w.T + b with w laid out [out, in] (torch nn.Linear). w may be a
+    16-bit constant or leaf; the product is computed in float32."""
+    x, w = as_tensor(x), as_tensor(w)
+    if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[1]:
+        raise OpError(f"linear: x {x.shape} and weight {w.shape} do not fit (weight is [out, in]; x's last dim must equal in)")
+    if b is not None:
+        b = as_tensor(b)
+        if b.shape != (w.shape[0],):
+            raise OpError(f"linear: bias shape {b.shape} must be ({w.shape[0]},) for weight {w.shape}")
+    X = _compute(x.data)
+    W = _compute(w.data)
+    out = X @ W.T
+    if b is not None:
+        out = out + _compute(b.data)
 
     def backward(g):
-        if axis is not None and not keepdims:
-            g = np.expand_dims(g, axis)
+        g2 = g.reshape(-1, g.shape[-1])
+        gx = (g2 @ _compute(w.data)).reshape(x.shape) if x.requires_grad else None
+        gw = g2.T @ _compute(x.data).reshape(-1, x.shape[-1]) if w.requires_grad else None
+        gb = g2.sum(axis=0) if b is not None and b.requires_grad else None
+        return gx, gw, gb
+
+    parents = (x, w) if b is None else (x, w, b)
+    return Tensor.make(out, parents, backward, "linear")
+
+
+# --- reductions -----------------------------------------------------------------
+def _axes(axis, ndim):
+    if axis is None:
+        return tuple(range(ndim))
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    return tuple(ax % ndim for ax in axes)
+
+
+def _acc_dtype(a):
+    return np.float32 if a.dtype in _SIXTEEN_BIT or a.dtype.kind != "f" else a.dtype
+
+
+def sum(a, axis=None, keepdims=False):
+    a = as_tensor(a)
+    axes = _axes(axis, a.ndim)
+    out = np.asarray(a.data.sum(axis=axes, keepdims=keepdims, dtype=_acc_dtype(a)))
+
+    def backward(g):
+        if not keepdims:
+            g = np.expand_dims(g, axes)
         return (np.broadcast_to(g, a.shape),)
 
-    return Tensor.make(np.asarray(out), (a,), backward, "sum")
+    return Tensor.make(out, (a,), backward, "sum")
 
 
 def mean(a, axis=None, keepdims=False):
-    n = a.data.size if axis is None else int(np.prod([a.shape[i] for i in np.atleast_1d(axis)]))
-    return mul(sum(a, axis, keepdims), np.float32(1.0 / n))
+    a = as_tensor(a)
+    axes = _axes(axis, a.ndim)
+    n = int(np.prod([a.shape[i] for i in axes])) if axes else 1
+    s = sum(a, axes, keepdims)
+    return mul(s, np.asarray(1.0 / n, dtype=s.dtype))
 
 
+def max(a, axis=None, keepdims=False):
+    """Maximum over axes. Gradient is split evenly among tied maxima (torch amax)."""
+    a = as_tensor(a)
+    axes = _axes(axis, a.ndim)
+    out_keep = a.data.max(axis=axes, keepdims=True)
+    out = out_keep if keepdims else out_keep.reshape([s for i, s in enumerate(a.shape) if i not in axes])
+
+    def backward(g):
+        if not keepdims:
+            g = np.expand_dims(g, axes)
+        hit = (a.data == out_keep).astype(np.float32)
+        return (g * hit / hit.sum(axis=axes, keepdims=True),)
+
+    return Tensor.make(np.asarray(out), (a,), backward, "max")
+
+
+# --- shape ------------------------------------------------------------------
 def reshape(a, *shape):
+    a = as_tensor(a)
     shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
-    return Tensor.make(a.data.reshape(shape), (a,), lambda g: (g.reshape(a.shape),), "reshape")
+    try:
+        out = a.data.reshape(shape)
+    except ValueError:
+        raise OpError(f"reshape: cannot reshape {a.shape} ({a.size} elements) into {tuple(shape)}") from None
+    return Tensor.make(out, (a,), lambda g: (g.reshape(a.shape),), "reshape")
 
 
+def transpose(a, axis0=-2, axis1=-1):
+    """Swap two axes (defaults: the last two)."""
+    a = as_tensor(a)
+    return Tensor.make(np.swapaxes(a.data, axis0, axis1), (a,), lambda g: (np.swapaxes(g, axis0, axis1),), "transpose")
+
+
+def permute(a, *axes):
+    a = as_tensor(a)
+    axes = tuple(axes[0]) if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else axes
+    if sorted(ax % a.ndim for ax in axes) != list(range(a.ndim)):
+        raise OpError(f"permute: axes {axes} are not a permutation of {a.ndim} dims (shape {a.shape})")
+    inverse = np.argsort([ax % a.ndim for ax in axes])
+    return Tensor.make(np.transpose(a.data, axes), (a,), lambda g: (np.transpose(g, inverse),), "permute")
+
+
+def _is_basic_index(idx):
+    items = idx if isinstance(idx, tuple) else (idx,)
+    return all(isinstance(i, (int, np.integer, slice, type(None), type(Ellipsis))) for i in items)
+
+
+def index(a, idx):
+    """a[idx] (basic or advanced numpy indexing). Backward scatters with a
+    sequential add, so repeated indices accumulate in a fixed order."""
+    a = as_tensor(a)
+    if isinstance(idx, Tensor):
+        idx = idx.data
+    if isinstance(idx, tuple):
+        idx = tuple(i.data if isinstance(i, Tensor) else i for i in idx)
+    try:
+        out = a.data[idx]
+    except IndexError as e:
+        raise OpIndexError(f"index: {e} (tensor shape {a.shape})") from None
+    basic = _is_basic_index(idx)
+
+    def backward(g):
+        ga = np.zeros(a.shape, dtype=np.float32)
+        if basic:
+            ga[idx] = g
+        else:
+            np.add.at(ga, idx, g)
+        return (ga,)
+
+    return Tensor.make(np.array(out) if basic else out, (a,), backward, "index")
+
+
+def gather(a, axis, idx):
+    """torch.gather: out[..., i, ...] = a[..., idx[..., i, ...], ...] along `axis`."""
+    a = as_tensor(a)
+    ids = np.asarray(idx.data if isinstance(idx, Tensor) else idx)
+    if ids.dtype.kind not in "iu":
+        raise OpError(f"gather: index must be an integer array, got dtype {ids.dtype}")
+    if ids.ndim != a.ndim:
+        raise OpError(f"gather: index rank {ids.ndim} (shape {ids.shape}) must equal input rank {a.ndim} (shape {a.shape})")
+    axis = axis % a.ndim
+    if ids.size and (ids.min() < 0 or ids.max() >= a.shape[axis]):
+        raise OpError(f"gather: index values must be in [0, {a.shape[axis]}) along axis {axis}, got [{ids.min()}, {ids.max()}]")
+    out = np.take_along_axis(a.data, ids, axis)
+
+    def backward(g):
+        ga = np.zeros(a.shape, dtype=np.float32)
+        full = list(np.indices(ids.shape, sparse=True))
+        full[axis] = ids
+        np.add.at(ga, tuple(full), g)
+        return (ga,)
+
+    return Tensor.make(out, (a,), backward, "gather")
+
+
+def embedding(ids, table):
+    """table[ids]: ids any-shape integer array, table [vocab, dim] -> [*ids.shape, dim].
+    Backward is a deterministic scatter-add (rows summed in id order)."""
+    from kernels.nn import embedding_backward
+
+    table = as_tensor(table)
+    ids = np.asarray(ids.data if isinstance(ids, Tensor) else ids)
+    if ids.dtype.kind not in "iu":
+        raise OpError(f"embedding: ids must be integers, got dtype {ids.dtype}")
+    if table.ndim != 2:
+        raise OpError(f"embedding: table must be [vocab, dim], got shape {table.shape}")
+    if ids.size and (ids.min() < 0 or ids.max() >= table.shape[0]):
+        raise OpError(f"embedding: ids must be in [0, {table.shape[0]}), got range [{ids.min()}, {ids.max()}]")
+    out = table.data[ids]
+
+    def backward(g):
+        return (embedding_backward(ids.reshape(-1), g.reshape(-1, table.shape[1]), table.shape[0]),)
+
+    return Tensor.make(out, (table,), backward, "embedding")
+
+
+def concat(tensors, axis=0):
+    ts = [as_tensor(t) for t in tensors]
+    if not ts:
+        raise OpError("concat: needs at least one tensor")
+    try:
+        out = np.concatenate([t.data for t in ts], axis=axis)
+    except ValueError:
+        raise OpError(f"concat: shapes {[t.shape for t in ts]} do not match outside axis {axis}") from None
+    cuts = np.cumsum([t.shape[axis] for t in ts])[:-1]
+    return Tensor.make(out, tuple(ts), lambda g: tuple(np.split(g, cuts, axis=axis)), "concat")
+
+
+def split(a, sizes, axis=0):
+    """torch.split: `sizes` an int (chunk length) or a list of lengths; returns a tuple."""
+    a = as_tensor(a)
+    n = a.shape[axis]
+    if isinstance(sizes, (int, np.integer)):
+        sizes = [builtins.min(int(sizes), n - s) for s in range(0, n, int(sizes))]
+    if builtins.sum(sizes) != n:
+        raise OpError(f"split: sizes {list(sizes)} do not add up to {n} (axis {axis} of shape {a.shape})")
+    pieces, start = [], 0
+    ax = axis % a.ndim
+    for s in sizes:
+        sl = (slice(None),) * ax + (slice(start, start + s),)
+        pieces.append(index(a, sl))
+        start += s
+    return tuple(pieces)
+
+
+# --- softmax family -------------------------------------------------------------
+def softmax(a, axis=-1):
+    a = as_tensor(a)
+    x = _compute(a.data)
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    out = e / e.sum(axis=axis, keepdims=True)
+    return Tensor.make(out, (a,), lambda g: (out * (g - (g * out).sum(axis=axis, keepdims=True)),), "softmax")
+
+
+def log_softmax(a, axis=-1):
+    a = as_tensor(a)
+    x = _compute(a.data)
+    m = x.max(axis=axis, keepdims=True)
+    lse = m + np.log(np.exp(x - m).sum(axis=axis, keepdims=True))
+    out = x - lse
+    return Tensor.make(out, (a,), lambda g: (g - np.exp(out) * g.sum(axis=axis, keepdims=True),), "log_softmax")
+
+
+# --- normalization --------------------------------------------------------------
+def rms_norm(x, weight=None, eps=1e-6):
+    """x / sqrt(mean(x^2, last axis) + eps) * weight (weight optional, shape [dim])."""
+    from kernels.nn import rms_norm_backward, rms_norm_forward
+
+    x = as_tensor(x)
+    parents = (x,)
+    if weight is not None:
+        weight = as_tensor(weight)
+        if weight.shape != x.shape[-1:]:
+            raise OpError(f"rms_norm: weight shape {weight.shape} must be ({x.shape[-1]},) for input {x.shape}")
+        parents = (x, weight)
+    X = _compute(x.data)
+    W = None if weight is None else _compute(weight.data)
+    out, rstd = rms_norm_forward(X.reshape(-1, X.shape[-1]), W, eps)
+
+    def backward(g):
+        gx, gw = rms_norm_backward(g.reshape(-1, x.shape[-1]), X.reshape(-1, x.shape[-1]), W, rstd,
+                                   need_weight_grad=weight is not None and weight.requires_grad)
+        return (gx.reshape(x.shape), gw)[: len(parents)]
+
+    return Tensor.make(out.reshape(x.shape), parents, backward, "rms_norm")
+
+
+def layer_norm(x, weight=None, bias=None, eps=1e-5):
+    """torch.nn.LayerNorm over the last axis (biased variance); affine optional."""
+    x = as_tensor(x)
+    d = x.shape[-1]
+    for nm, t in (("weight", weight), ("bias", bias)):
+        if t is not None and as_tensor(t).shape != (d,):
+            raise OpError(f"layer_norm: {nm} shape {as_tensor(t).shape} must be ({d},) for input {x.shape}")
+    weight = None if weight is None else as_tensor(weight)
+    bias = None if bias is None else as_tensor(bias)
+    X = _compute(x.data)
+    mu = X.mean(axis=-1, keepdims=True)
+    xc = X - mu
+    rstd = 1.0 / np.sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)
+    xhat = xc * rstd
+    out = xhat
+    if weight is not None:
+        out = out * _compute(weight.data)
+    if bias is not None:
+        out = out + _compute(bias.data)
+    parents = (x,) + tuple(t for t in (weight, bias) if t is not None)
+
+    def backward(g):
+        gh = g * _compute(weight.data) if weight is not None else g
+        gx = rstd * (gh - gh.mean(axis=-1, keepdims=True) - xhat * (gh * xhat).mean(axis=-1, keepdims=True))
+        grads = [gx]
+        if weight is not None:
+            grads.append((g * xhat).reshape(-1, d).sum(axis=0))
+        if bias is not None:
+            grads.append(g.reshape(-1, d).sum(axis=0))
+        return tuple(grads)
+
+    return Tensor.make(out, parents, backward, "layer_norm")
+
+
+# --- rotary embedding and attention ---------------------------------------------------
+def rope_tables(positions, head_dim, theta=10000.0):
+    """(cos, sin) of shape [*positions.shape, head_dim // 2], float32, angles
+    pos * theta^(-2j/head_dim) computed in float64."""
+    if head_dim % 2:
+        raise OpError(f"rope: head_dim must be even, got {head_dim}")
+    pos = np.asarray(positions, dtype=np.float64)
+    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    ang = pos[..., None] * inv_freq
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def rope(x, positions, theta=10000.0):
+    """Rotary position embedding, NeoX half-rotation layout.
+
+    x: [..., seq, heads, head_dim]; positions: integer array broadcastable to
+    x.shape[:-2] (usually [seq], or [batch, seq]). With h = head_dim // 2:
+    out[:h] = x1 cos - x2 sin, out[h:] = x2 cos + x1 sin.
+    """
+    x = as_tensor(x)
+    if x.ndim < 3:
+        raise OpError(f"rope: x must be [..., seq, heads, head_dim], got shape {x.shape}")
+    pos = np.asarray(positions)
+    try:
+        np.broadcast_shapes(pos.shape, x.shape[:-2])
+    except ValueError:
+        raise OpError(f"rope: positions shape {pos.shape} does not broadcast to {x.shape[:-2]} (x shape {x.shape})") from None
+    cos, sin = rope_tables(pos, x.shape[-1], theta)
+    cos, sin = cos[..., None, :], sin[..., None, :]  # broadcast over heads
+    X = _compute(x.data)
+    h = x.shape[-1] // 2
+    x1, x2 = X[..., :h], X[..., h:]
+    out = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+    def backward(g):  # rotate back by -angle
+        g1, g2 = g[..., :h], g[..., h:]
+        return (np.concatenate([g1 * cos + g2 * sin, g2 * cos - g1 * sin], axis=-1),)
+
+    return Tensor.make(out, (x,), backward, "rope")
+
+
+def attention(q, k, v, causal=True, offset=None, scale=None):
+    """Scaled dot-product attention with grouped-query heads.
+
+    q: [batch, seq_q, heads_q, head_dim]; k, v: [batch, seq_k, heads_kv, head_dim]
+    with heads_q a multiple of heads_kv (query head h reads kv head h // group).
+    Causal: query i sits at absolute position offset + i and sees keys j <= offset + i;
+    offset defaults to seq_k - seq_q (the KV-cache decoding case). Returns
+    [batch, seq_q, heads_q, head_dim]. scale defaults to 1/sqrt(head_dim).
+    """
+    q, k, v = as_tensor(q), as_tensor(k), as_tensor(v)
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise OpError(f"attention: q, k, v must be [batch, seq, heads, head_dim], got {q.shape}, {k.shape}, {v.shape}")
+    B, Sq, Hq, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
+        raise OpError(f"attention: k {k.shape} and v {v.shape} must be equal and match q {q.shape} in batch and head_dim")
+    Sk, Hkv = k.shape[1], k.shape[2]
+    if Hq % Hkv:
+        raise OpError(f"attention: query heads {Hq} must be a multiple of kv heads {Hkv}")
+    G = Hq // Hkv
+    offset = Sk - Sq if offset is None else int(offset)
+    if causal and offset < 0:
+        raise OpError(f"attention: causal offset must be >= 0 (seq_q {Sq}, seq_k {Sk}, offset {offset})")
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+
+    Q = _compute(q.data).transpose(0, 2, 1, 3).reshape(B, Hkv, G, Sq, D)
+    K = _compute(k.data).transpose(0, 2, 1, 3)[:, :, None]  # [B, Hkv, 1, Sk, D]
+    V = _compute(v.data).transpose(0, 2, 1, 3)[:, :, None]
+    s = (Q @ np.swapaxes(K, -1, -2)) * np.asarray(scale, dtype=Q.dtype)  # [B, Hkv, G, Sq, Sk]
+    if causal:
+        masked = np.arange(Sk)[None, :] > (offset + np.arange(Sq))[:, None]
+        s[..., masked] = -np.inf
+    s -= s.max(axis=-1, keepdims=True)
+    p = np.exp(s, out=s)
+    p /= p.sum(axis=-1, keepdims=True)
+    o = p @ V  # [B, Hkv, G, Sq, D]
+    out = o.reshape(B, Hq, Sq, D).transpose(0, 2, 1, 3)
+
+    def backward(g):
+        dO = g.transpose(0, 2, 1, 3).reshape(B, Hkv, G, Sq, D)
+        dv = (np.swapaxes(p, -1, -2) @ dO).sum(axis=2) if v.requires_grad else None
+        dp = dO @ np.swapaxes(V, -1, -2)
+        ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+        ds *= np.asarray(scale, dtype=ds.dtype)
+        dq = (ds @ K).reshape(B, Hq, Sq, D).transpose(0, 2, 1, 3) if q.requires_grad else None
+        dk = (np.swapaxes(ds, -1, -2) @ Q).sum(axis=2) if k.requires_grad else None
+        return (dq,
+                None if dk is None else dk.transpose(0, 2, 1, 3),
+                None if dv is None else dv.transpose(0, 2, 1, 3))
+
+    return Tensor.make(np.ascontiguousarray(out), (q, k, v), backward, "attention")
+
+
+# --- dropout, casts, checkpointing ------------------------------------------------
+def dropout(x, p, seed):
+    """Inverted dropout: element i (flat C order) is kept as x[i] / (1 - p) iff
+    uniform(seed, i) < 1 - p (kernels.rng), else 0. The mask is never stored:
+    backward regenerates it from (seed, i). p == 0 returns x unchanged."""
+    from kernels.nn import dropout_apply
+
+    x = as_tensor(x)
+    if not 0.0 <= p < 1.0:
+        raise OpError(f"dropout: p must be in [0, 1), got {p}")
+    if p == 0.0:
+        return x
+    out = dropout_apply(seed, _compute(x.data), p)
+    return Tensor.make(out, (x,), lambda g: (dropout_apply(seed, g, p),), "dropout")
+
+
+def _dtype(d):
+    if isinstance(d, str):
+        if d not in _DTYPES:
+            raise OpError(f"to: unknown dtype {d!r} (use one of {sorted(_DTYPES)})")
+        return _DTYPES[d]
+    return np.dtype(d)
+
+
+def to(a, dtype):
+    """Cast between float32 / float16 / bfloat16 (and float64). The gradient
+    passes back unchanged as float32."""
+    a = as_tensor(a)
+    dt = _dtype(dtype)
+    if dt.kind != "f" and dt not in _SIXTEEN_BIT:
+        raise OpError(f"to: only floating dtypes are differentiable casts, got {dt}")
+    if a.dtype == dt:
+        return a
+    return Tensor.make(a.data.astype(dt), (a,), lambda g: (g,), "to")
+
+
+def checkpoint(fn, *inputs):
+    """Activation checkpointing: run fn(*inputs) keeping no intermediates; in
+    backward, re-run it with grad enabled and backprop through the rebuilt graph.
+
+    fn must be deterministic in its inputs (dropout replays from its seed).
+    Tensors captured by fn (weights) that require grad also receive gradients,
+    added into their .grad during the recompute. Returns one Tensor.
+    """
+    if not grad_enabled():
+        return fn(*inputs)
+    tensors = [(i, t) for i, t in enumerate(inputs) if isinstance(t, Tensor)]
+    prev_probe = getattr(_state, "probe", None)
+    _state.probe = [False]
+    try:
+        with no_grad():
+            out = fn(*inputs)
+        touched_trainable = _state.probe[0]
+    finally:
+        _state.probe = prev_probe
+    if not isinstance(out, Tensor):
+        raise OpError(f"checkpoint: fn must return one Tensor, got {type(out).__name__}")
+    if prev_probe is not None and touched_trainable:
+        prev_probe[0] = True
+
+    def backward(g):
+        args = list(inputs)
+        leaves = []
+        for i, t in tensors:
+            leaf = Tensor(t.data, requires_grad=t.requires_grad, dtype=t.dtype)
+            args[i] = leaf
+            leaves.append(leaf)
+        with enable_grad():
+            again = fn(*args)
+        if again.requires_grad:
+            again.backward(g)
+        return tuple(leaf.grad for leaf in leaves)
+
+    parents = tuple(t for _, t in tensors)
+    node = Tensor.make(out.data, parents, backward, "checkpoint")
+    if touched_trainable and not node.requires_grad:
+        # only captured weights need grad: the node hangs off no input, so give it a dummy parent
+        anchor = Tensor(np.zeros((), np.float32), requires_grad=True)
+        node = Tensor.make(out.data, parents + (anchor,), lambda g: backward(g) + (None,), "checkpoint")
+    return node
+
+
+# --- Tensor methods and operators ---------------------------------------------------
 Tensor.__add__ = add
 Tensor.__radd__ = lambda a, b: add(b, a)
 Tensor.__sub__ = sub
@@ -104,7 +693,21 @@ Tensor.__neg__ = neg
 Tensor.__pow__ = pow
 Tensor.__matmul__ = matmul
 Tensor.__rmatmul__ = lambda a, b: matmul(b, a)
+Tensor.__getitem__ = index
 Tensor.sum = sum
 Tensor.mean = mean
+Tensor.max = max
 Tensor.reshape = reshape
+Tensor.transpose = transpose
+Tensor.permute = permute
+Tensor.T = property(lambda a: transpose(a, -2, -1))
+Tensor.exp = exp
+Tensor.log = log
 Tensor.tanh = tanh
+Tensor.sigmoid = sigmoid
+Tensor.silu = silu
+Tensor.relu = relu
+Tensor.gelu = gelu
+Tensor.softmax = softmax
+Tensor.log_softmax = log_softmax
+Tensor.to = to

@@ -20,6 +20,8 @@ import threading
 
 import numpy as np
 
+from ..errors import UserError
+
 _state = threading.local()
 
 
@@ -50,6 +52,14 @@ def enable_grad():
 
 class GraphError(RuntimeError):
     pass
+
+
+class OpError(UserError, ValueError):
+    """Bad input to an op (shapes, dtypes, label ranges); the message names the op."""
+
+
+class OpIndexError(OpError, IndexError):
+    """Out-of-range indexing (an IndexError, so iteration over a Tensor stops)."""
 
 
 class Tensor:
@@ -85,7 +95,7 @@ class Tensor:
     def make(data, parents, backward, op):
         """Result of an op. `backward(g)` returns one gradient (or None) per parent."""
         out = Tensor.__new__(Tensor)
-        out.data = data
+        out.data = data if isinstance(data, np.ndarray) else np.asarray(data)
         out.grad = None
         out.name = None
         out._consumed = False
@@ -98,6 +108,9 @@ class Tensor:
             out.requires_grad = False
             out._parents = ()
             out._backward = None
+            probe = getattr(_state, "probe", None)
+            if probe is not None and any(p.requires_grad for p in parents):
+                probe[0] = True  # checkpoint(): a trainable tensor took part in a no-grad forward
         return out
 
     @property

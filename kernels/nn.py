@@ -1,0 +1,149 @@
+"""Row kernels for the autograd engine: RMSNorm, dropout, embedding scatter-add.
+
+Trade-off: numba loops instead of composed numpy so each op is one pass over
+memory with no temporaries; in exchange every kernel has a numpy reference in
+tests/kernels/test_nn.py. Parallel loops run over a FIXED chunk grid (rows or
+columns per chunk are constants, never derived from the thread count), and any
+cross-chunk reduction combines per-chunk partials serially in chunk order, so
+the output bits do not depend on how many threads run.
+"""
+import numpy as np
+from numba import njit, prange
+
+from kernels.rng import _u64, uniform_at
+
+ROW_CHUNK = 32      # rows per parallel task (RMSNorm)
+COL_CHUNK = 64      # columns per parallel task (embedding scatter-add)
+ELEM_CHUNK = 1 << 15  # elements per parallel task (dropout)
+
+
+# --- RMSNorm -------------------------------------------------------------------
+@njit(cache=True, parallel=True)
+def _rms_norm_fwd(x, w, eps, out, rstd):
+    """x [N, D], w [D], out [N, D] (x's dtype), rstd [N] float64.
+    out = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps), sum of squares in float64."""
+    n, d = x.shape
+    nchunks = (n + ROW_CHUNK - 1) // ROW_CHUNK
+    for c in prange(nchunks):
+        for i in range(c * ROW_CHUNK, min(n, (c + 1) * ROW_CHUNK)):
+            acc = 0.0
+            for j in range(d):
+                v = np.float64(x[i, j])
+                acc += v * v
+            r = 1.0 / np.sqrt(acc / d + eps)
+            rstd[i] = r
+            rr = x.dtype.type(r)
+            for j in range(d):
+                out[i, j] = x[i, j] * rr * w[j]
+
+
+@njit(cache=True, parallel=True)
+def _rms_norm_bwd(g, x, w, rstd, gx, gw_partial):
+    """g, x [N, D]; w [D]; rstd [N]; gx [N, D] out; gw_partial [nchunks, D] out
+    (per-chunk sums of g * xhat, combined serially by the caller).
+    gx = rstd * (g w - xhat * mean(g w xhat)), xhat = x * rstd."""
+    n, d = x.shape
+    nchunks = (n + ROW_CHUNK - 1) // ROW_CHUNK
+    for c in prange(nchunks):
+        for j in range(d):
+            gw_partial[c, j] = 0.0
+        for i in range(c * ROW_CHUNK, min(n, (c + 1) * ROW_CHUNK)):
+            r = rstd[i]
+            dot = 0.0
+            for j in range(d):
+                dot += np.float64(g[i, j]) * w[j] * x[i, j]
+            dot *= r / d
+            for j in range(d):
+                xhat = x[i, j] * r
+                gx[i, j] = r * (g[i, j] * w[j] - xhat * dot)
+                gw_partial[c, j] += g[i, j] * xhat
+
+
+def _check_rows(op, x):
+    if not isinstance(x, np.ndarray) or x.ndim != 2 or x.dtype not in (np.float32, np.float64):
+        raise ValueError(f"{op}: expected a 2-D float32/float64 array, got {getattr(x, 'dtype', type(x))} {getattr(x, 'shape', '')}")
+    return np.ascontiguousarray(x)
+
+
+def rms_norm_forward(x, w, eps):
+    """x [N, D] float32/64, w [D] or None -> (out [N, D] x.dtype, rstd [N] float64)."""
+    x = _check_rows("rms_norm", x)
+    w = np.ones(x.shape[1], x.dtype) if w is None else np.ascontiguousarray(w, dtype=x.dtype)
+    out = np.empty_like(x)
+    rstd = np.empty(x.shape[0], np.float64)
+    _rms_norm_fwd(x, w, float(eps), out, rstd)
+    return out, rstd
+
+
+def rms_norm_backward(g, x, w, rstd, need_weight_grad=True):
+    """-> (gx [N, D] float32, gw [D] float32 or None); gw summed chunk by chunk in order."""
+    x = _check_rows("rms_norm backward", x)
+    g = np.ascontiguousarray(g, dtype=x.dtype)
+    w = np.ones(x.shape[1], x.dtype) if w is None else np.ascontiguousarray(w, dtype=x.dtype)
+    gx = np.empty_like(x)
+    nchunks = (x.shape[0] + ROW_CHUNK - 1) // ROW_CHUNK
+    partial = np.empty((nchunks, x.shape[1]), np.float64)
+    _rms_norm_bwd(g, x, w, rstd, gx, partial)
+    gw = None
+    if need_weight_grad:
+        gw = np.zeros(x.shape[1], np.float64)
+        for c in range(nchunks):  # serial, chunk order
+            gw += partial[c]
+        gw = gw.astype(np.float32)
+    return gx.astype(np.float32, copy=False), gw
+
+
+# --- dropout -------------------------------------------------------------------------
+@njit(cache=True, parallel=True)
+def _dropout(seed, x, out, keep, scale):
+    """x, out flat [n]: out[i] = x[i] * scale if uniform(seed, i) < keep else 0."""
+    n = x.size
+    nchunks = (n + ELEM_CHUNK - 1) // ELEM_CHUNK
+    for c in prange(nchunks):
+        for i in range(c * ELEM_CHUNK, min(n, (c + 1) * ELEM_CHUNK)):
+            if uniform_at(seed, np.uint64(i)) < keep:
+                out[i] = x[i] * scale
+            else:
+                out[i] = 0
+
+
+def dropout_apply(seed, x, p):
+    """Inverted dropout of x (any shape, float32/float64) with the mask of (seed, flat index)."""
+    if x.dtype not in (np.float32, np.float64):
+        raise ValueError(f"dropout: expected float32/float64, got {x.dtype}")
+    flat = np.ascontiguousarray(x).reshape(-1)
+    out = np.empty_like(flat)
+    _dropout(_u64(seed), flat, out, 1.0 - float(p), x.dtype.type(1.0 / (1.0 - float(p))))
+    return out.reshape(x.shape)
+
+
+def dropout_mask(seed, shape, p):
+    """The boolean keep-mask dropout(seed, p) uses for an array of `shape`."""
+    return dropout_apply(seed, np.ones(shape, np.float32), p) != 0
+
+
+# --- embedding backward --------------------------------------------------------------
+@njit(cache=True, parallel=True)
+def _embedding_bwd(ids, g, out):
+    """ids [R] int64, g [R, D], out [V, D] zeroed: out[ids[r]] += g[r], rows in order.
+    Parallel over fixed column chunks, so each output element sums in row order."""
+    rows, d = g.shape
+    nchunks = (d + COL_CHUNK - 1) // COL_CHUNK
+    for c in prange(nchunks):
+        j0 = c * COL_CHUNK
+        j1 = min(d, j0 + COL_CHUNK)
+        for r in range(rows):
+            t = ids[r]
+            for j in range(j0, j1):
+                out[t, j] += g[r, j]
+
+
+def embedding_backward(ids, g, vocab):
+    """Scatter-add g [R, D] into a [vocab, D] float32 gradient at rows ids [R]."""
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    g = np.ascontiguousarray(g, dtype=np.float32)
+    if g.ndim != 2 or g.shape[0] != ids.shape[0]:
+        raise ValueError(f"embedding backward: g {g.shape} must be [len(ids)={ids.shape[0]}, dim]")
+    out = np.zeros((vocab, g.shape[1]), np.float32)
+    _embedding_bwd(ids, g, out)
+    return out

@@ -1,0 +1,119 @@
+"""The GGML weight formats Fucina reads: one table, no logic.
+
+Trade-off: only the formats a Qwen3 GGUF actually ships with (F32/F16/BF16,
+Q8_0, Q4_0 and the K-quants Q4_K/Q5_K/Q6_K) get kernels; anything else is
+rejected at load time with the format's name instead of being half-supported.
+Block sizes come from gguf-py's GGML_QUANT_SIZES so they can never drift from
+the file format.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str          # ggml's spelling, e.g. "Q4_K"
+    qtype: QT          # the GGUF tensor type id
+    block_size: int    # elements per block
+    type_size: int     # bytes per block
+    quantized: bool    # True when the bytes are blocks, not plain floats
+
+    def row_bytes(self, n_cols: int) -> int:
+        return n_cols // self.block_size * self.type_size
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.type_size / self.block_size
+
+
+def _fmt(qtype: QT, quantized: bool) -> Format:
+    block, size = GGML_QUANT_SIZES[qtype]
+    return Format(qtype.name, qtype, block, size, quantized)
+
+
+FORMATS: dict[QT, Format] = {
+    QT.F32: _fmt(QT.F32, False),
+    QT.F16: _fmt(QT.F16, False),
+    QT.BF16: _fmt(QT.BF16, False),
+    QT.Q8_0: _fmt(QT.Q8_0, True),
+    QT.Q4_0: _fmt(QT.Q4_0, True),
+    QT.Q4_K: _fmt(QT.Q4_K, True),
+    QT.Q5_K: _fmt(QT.Q5_K, True),
+    QT.Q6_K: _fmt(QT.Q6_K, True),
+}
+
+SUPPORTED_NAMES = ", ".join(f.name for f in FORMATS.values())
+
+
+def format_of(qtype) -> Format | None:
+    """The Format for a tensor type id, or None when Fucina has no kernel for it."""
+    try:
+        return FORMATS.get(QT(int(qtype)))
+    except ValueError:
+        return None
+
+
+class FrozenWeight:
+    """A frozen [n_out, n_in] matrix kept in its file format (quantized stays quantized).
+
+    `raw` is the GGUF data as read (memory-mapped): f32/f16 arrays, uint16 bits for
+    BF16, or uint8 block bytes [n_out, row_bytes]. `matmul_t(x)` computes x @ W.T:
+    a fused dequant-matvec for a few rows of x (decode), or a dequant into f32
+    followed by BLAS for many rows (prefill, training). It carries no gradient.
+    """
+
+    FUSED_MAX_ROWS = 4  # below this many activation rows the fused kernel wins (docs/models.md)
+
+    def __init__(self, fmt: Format, raw, shape: tuple[int, int], name: str = ""):
+        self.format, self.raw, self.shape, self.name = fmt, raw, tuple(shape), name
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.nbytes)
+
+    def dequantize(self):
+        """The f32 copy [n_out, n_in] (allocated per call)."""
+        import numpy as np
+        from kernels import dequant
+        if self.format.qtype == QT.F32:
+            return np.asarray(self.raw, dtype=np.float32)
+        if self.format.qtype == QT.F16:
+            return np.asarray(self.raw).astype(np.float32)
+        if self.format.qtype == QT.BF16:
+            bits = np.asarray(self.raw).view(np.uint16).astype(np.uint32) << 16
+            return bits.view(np.float32).reshape(self.shape)
+        return dequant.dequantize_rows(int(self.format.qtype), self.raw, self.shape[1])
+
+    def matmul_t(self, x):
+        """x [..., n_in] f32 -> x @ W.T [..., n_out] f32."""
+        import numpy as np
+        from kernels import dequant
+        x2 = np.asarray(x, dtype=np.float32).reshape(-1, self.shape[1])
+        if self.format.quantized and x2.shape[0] <= self.FUSED_MAX_ROWS:
+            y = dequant.matvec_rows(int(self.format.qtype), self.raw, x2)
+        elif self.format.qtype == QT.F32:
+            y = x2 @ self.raw.T
+        else:
+            y = x2 @ self.dequantize().T
+        return y.reshape(*np.shape(x)[:-1], self.shape[0])
+
+    def __repr__(self):
+        return f"FrozenWeight({self.name!r}, {self.format.name}, {self.shape})"
+
+
+def weight_rows(w: FrozenWeight, ids):
+    """Dequantize only the rows `ids` of w (embedding lookup) -> f32 [len(ids), n_in]."""
+    import numpy as np
+    from kernels import dequant
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    raw = np.asarray(w.raw)[ids]
+    if w.format.qtype == QT.F32:
+        return raw.astype(np.float32, copy=True)
+    if w.format.qtype == QT.F16:
+        return raw.astype(np.float32)
+    if w.format.qtype == QT.BF16:
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    return dequant.dequantize_rows(int(w.format.qtype), raw, w.shape[1])

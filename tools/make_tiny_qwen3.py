@@ -1,0 +1,244 @@
+"""Build tiny random Qwen3 GGUFs (fixtures for tests, docs and llama.cpp parity).
+
+Usage:
+  python tools/make_tiny_qwen3.py --out tests/fixtures            # the committed fixtures
+  python tools/make_tiny_qwen3.py --out /tmp/q --shape wide --dtype F16
+
+The tokenizer is a byte-level BPE trained (deterministically) with Hugging Face
+`tokenizers` on a small built-in corpus and stored the way llama.cpp expects it
+(tokenizer.ggml.model "gpt2", pre "qwen2", tokens/types/merges, ChatML special
+tokens). Weights come from the project's counter RNG, so a (shape, seed) pair
+always gives the same bytes. Quantized variants (Q8_0, Q4_K_S, Q5_K_M, Q6_K)
+are made by llama.cpp's own quantizer via llama-cpp-python when installed.
+Generating versions are written into the GGUF's general.description.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import gguf  # noqa: E402
+from gguf import GGMLQuantizationType as QT  # noqa: E402
+
+from kernels import rng  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    tied: bool
+    vocab: int = 512
+    context: int = 256
+    rope_base: float = 1_000_000.0
+
+
+SHAPES = {
+    # docs/unit-test model: small enough to commit in F32
+    "mini": Shape(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, tied=True, vocab=384),
+    # parity shapes: every matrix row (n_in) is a multiple of 256 so K-quants apply
+    "tied": Shape(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, ffn=512, tied=True),
+    "untied": Shape(hidden=256, layers=3, heads=8, kv_heads=2, head_dim=32, ffn=256, tied=False, rope_base=10_000.0),
+    "wide": Shape(hidden=256, layers=4, heads=4, kv_heads=1, head_dim=128, ffn=256, tied=False),
+}
+
+SPECIAL_TOKENS = [  # (text, llama.cpp token type)
+    ("<|endoftext|>", gguf.TokenType.CONTROL),
+    ("<|im_start|>", gguf.TokenType.CONTROL),
+    ("<|im_end|>", gguf.TokenType.CONTROL),
+    ("<think>", gguf.TokenType.USER_DEFINED),
+    ("</think>", gguf.TokenType.USER_DEFINED),
+]
+
+# A ChatML template in the style of Qwen3's (system, user/assistant turns, and
+# an empty think block when enable_thinking is false).
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+
+CORPUS = """\
+The quick brown fox jumps over the lazy dog. A forge heats metal until it glows;
+the smith hammers it into shape, quenches it, and tempers it again.
+def forward(self, x):\n    return self.down(silu(self.gate(x)) * self.up(x))
+for (int i = 0; i < 1024; ++i) { sum += a[i] * b[i]; }
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 256 1024 3.14159 2026-11-29 12:35
+Questions? Answers! Quotes "like this" and 'that' -- dashes, ellipses...
+   indented lines\n\n\ttabs\tand   runs of    spaces
+你好，世界。机器学习在中央处理器上训练。 こんにちは世界 안녕하세요
+Emoji: 🔥🚀😀 and accents: café, naïve, Ärger, façade, São Paulo
+user assistant system message content think answer model token
+"""
+
+
+def train_vocab(n_vocab: int):
+    """(tokens, types, merges) of a byte-level BPE with the qwen2 pre-tokenizer."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+    from pipeline.llm.tokenizer import QWEN2_PATTERN
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    n_special = len(SPECIAL_TOKENS)
+    trainer = trainers.BpeTrainer(vocab_size=n_vocab - n_special, min_frequency=1, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([CORPUS] * 4, trainer)
+    import json
+    model = json.loads(tok.to_str())["model"]
+    vocab = sorted(model["vocab"].items(), key=lambda kv: kv[1])
+    tokens = [t for t, _ in vocab]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    types = [gguf.TokenType.NORMAL] * len(tokens)
+    for text, ttype in SPECIAL_TOKENS:
+        tokens.append(text)
+        types.append(ttype)
+    while len(tokens) < n_vocab:  # pad (rare): unused tokens llama.cpp accepts
+        tokens.append(f"[PAD{len(tokens)}]")
+        types.append(gguf.TokenType.UNUSED)
+    return tokens, types, merges
+
+
+def _matrix(seed: int, name_index: int, rows: int, cols: int, std: float) -> np.ndarray:
+    return rng.gaussian(rng.derive_seed(seed, name_index), (rows, cols)) * np.float32(std)
+
+
+def make_weights(shape: Shape, seed: int) -> dict[str, np.ndarray]:
+    """name -> f32 array, numpy order [rows=n_out, cols=n_in]."""
+    w, k = {}, iter(range(10_000))
+    h, qd, kvd = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+
+    def norm(n):  # RMSNorm gains near 1 so activations keep a useful scale
+        return 1.0 + 0.1 * rng.gaussian(rng.derive_seed(seed, next(k)), (n,))
+
+    w["token_embd.weight"] = _matrix(seed, next(k), shape.vocab, h, 1.0)
+    for i in range(shape.layers):
+        p = f"blk.{i}."
+        w[p + "attn_norm.weight"] = norm(h)
+        w[p + "attn_q.weight"] = _matrix(seed, next(k), qd, h, h ** -0.5)
+        w[p + "attn_k.weight"] = _matrix(seed, next(k), kvd, h, h ** -0.5)
+        w[p + "attn_v.weight"] = _matrix(seed, next(k), kvd, h, h ** -0.5)
+        w[p + "attn_q_norm.weight"] = norm(shape.head_dim)
+        w[p + "attn_k_norm.weight"] = norm(shape.head_dim)
+        w[p + "attn_output.weight"] = _matrix(seed, next(k), h, qd, qd ** -0.5)
+        w[p + "ffn_norm.weight"] = norm(h)
+        w[p + "ffn_gate.weight"] = _matrix(seed, next(k), shape.ffn, h, h ** -0.5)
+        w[p + "ffn_up.weight"] = _matrix(seed, next(k), shape.ffn, h, h ** -0.5)
+        w[p + "ffn_down.weight"] = _matrix(seed, next(k), h, shape.ffn, shape.ffn ** -0.5)
+    w["output_norm.weight"] = norm(h)
+    if not shape.tied:
+        w["output.weight"] = _matrix(seed, next(k), shape.vocab, h, 1.0)
+    return {name: a.astype(np.float32) for name, a in w.items()}
+
+
+def versions() -> str:
+    import tokenizers
+    return f"fucina tools/make_tiny_qwen3.py; gguf-py {gguf.__version__ if hasattr(gguf, '__version__') else '0.19'}; tokenizers {tokenizers.__version__}; numpy {np.__version__}"
+
+
+def write_gguf(path, shape: Shape, seed: int = 0, dtype: str = "F32", name: str = "tiny-qwen3",
+               weights: dict | None = None, vocab=None):
+    """Write one Qwen3 GGUF. dtype: F32, F16 or BF16 for the matrices (norms stay F32)."""
+    tokens, types, merges = vocab or train_vocab(shape.vocab)
+    weights = weights if weights is not None else make_weights(shape, seed)
+    wr = gguf.GGUFWriter(str(path), arch="qwen3")
+    wr.add_name(name)
+    wr.add_description(versions())
+    wr.add_context_length(shape.context)
+    wr.add_embedding_length(shape.hidden)
+    wr.add_block_count(shape.layers)
+    wr.add_feed_forward_length(shape.ffn)
+    wr.add_head_count(shape.heads)
+    wr.add_head_count_kv(shape.kv_heads)
+    wr.add_key_length(shape.head_dim)
+    wr.add_value_length(shape.head_dim)
+    wr.add_rope_freq_base(shape.rope_base)
+    wr.add_layer_norm_rms_eps(1e-6)
+    wr.add_file_type({"F32": 0, "F16": 1, "BF16": 32}[dtype])
+    wr.add_tokenizer_model("gpt2")
+    wr.add_tokenizer_pre("qwen2")
+    wr.add_token_list(tokens)
+    wr.add_token_types([int(t) for t in types])
+    wr.add_token_merges(merges)
+    wr.add_bos_token_id(tokens.index("<|endoftext|>"))
+    wr.add_eos_token_id(tokens.index("<|im_end|>"))
+    wr.add_pad_token_id(tokens.index("<|endoftext|>"))
+    wr.add_add_bos_token(False)
+    wr.add_chat_template(CHAT_TEMPLATE)
+    for tname, a in weights.items():
+        if a.ndim == 1 or dtype == "F32":
+            wr.add_tensor(tname, a)
+        elif dtype == "F16":
+            wr.add_tensor(tname, a.astype(np.float16))
+        else:
+            wr.add_tensor(tname, gguf.quants.quantize(a, QT.BF16), raw_dtype=QT.BF16)
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    return Path(path)
+
+
+LLAMA_FTYPES = {"Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_K_S": "LLAMA_FTYPE_MOSTLY_Q4_K_S",
+                "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K",
+                "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
+
+
+def quantize_with_llama(src, dst, kind: str):
+    """Quantize a GGUF with llama.cpp's own quantizer (llama-cpp-python)."""
+    import llama_cpp
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, LLAMA_FTYPES[kind])
+    params.nthread = 1
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize({src} -> {dst}, {kind}) failed with {rc}")
+    return Path(dst)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--shape", choices=sorted(SHAPES), help="one shape (default: the committed fixture set)")
+    ap.add_argument("--dtype", default="F32", help="F32, F16, BF16, or a llama.cpp quant (Q8_0, Q4_K_S, Q5_K_M, Q6_K)")
+    ap.add_argument("--seed", type=int, default=0, help="weight seed")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.shape:
+        jobs = [(args.shape, args.dtype)]
+    else:  # the committed fixtures (each well under 1 MB)
+        jobs = [("mini", "F32"), ("tied", "Q4_K_S"), ("untied", "Q8_0")]
+    for shape_name, dtype in jobs:
+        shape = SHAPES[shape_name]
+        dst = out / f"qwen3-{shape_name}-{dtype.lower()}.gguf"
+        if dtype in LLAMA_FTYPES:
+            src = out / f".qwen3-{shape_name}-f32.tmp.gguf"
+            write_gguf(src, shape, args.seed, "F32", name=f"qwen3-{shape_name}")
+            quantize_with_llama(src, dst, dtype)
+            os.remove(src)
+        else:
+            write_gguf(dst, shape, args.seed, dtype, name=f"qwen3-{shape_name}")
+        print(f"{dst}  {dst.stat().st_size / 1e3:.0f} kB")
+
+
+if __name__ == "__main__":
+    main()

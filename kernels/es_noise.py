@@ -1,0 +1,222 @@
+"""ES noise: a fast gaussian fill, and the three ES noise passes built on it.
+
+Trade-off: evolution strategies regenerate every member's noise on every
+perturb, restore and update instead of storing it, so the gaussian draw is the
+hot loop. This module keeps the splitmix64 pair stream and the 53-bit uniforms
+of kernels.rng but replaces libm's log/cos/sin with short polynomials written
+in plain IEEE float64 arithmetic (no libm, no FMA contraction). That makes it
+a few times cheaper than the exact scalar kernel AND makes its values the same
+bits on every platform. It is therefore its OWN (key -> values) mapping, a
+checkpoint contract pinned by tests/goldens/es/: never change a formula or a
+constant here. Values agree with kernels.rng.gaussian_at to ~1e-10.
+
+    pair p of stream `key` (elements 2p and 2p+1):
+        u1 = 1 - (at(key, 2p)     >> 11) * 2**-53      in (0, 1]
+        u2 =     (at(key, 2p + 1) >> 11) * 2**-53      in [0, 1)
+        r  = sqrt(-2 * log_poly(u1))
+        element 2p   = r * cos_poly(2 pi u2)
+        element 2p+1 = r * sin_poly(2 pi u2)
+    log_poly:  u1 = m * 2**e (frexp), m folded into [sqrt(1/2), sqrt(2));
+               log m = 2 s (1 + s^2/3 + ... + s^12/13), s = (m-1)/(m+1)
+    sincos:    y = 4 u2, q = floor(y + 1/2), x = (y - q) * pi/2 in [-pi/4, pi/4],
+               Taylor sin to x^11 and cos to x^12, rotated by quadrant q mod 4
+
+The ES passes work on a flat float32 parameter vector split into slots
+(offsets/sizes); one noise stream key per (member, slot). The parallel loops
+run over a fixed task grid (each slot cut into CHUNK-element pieces), never
+over a thread-dependent split, so results are bitwise identical for any
+thread count. All ES arithmetic is float32:
+    materialize: out[b, j] = theta[j] + scale[b] * f32(eps_b[j])
+    weighted_sum: out[j]   = sum_n (in member order) coeff[n] * f32(eps_n[j])
+"""
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from .rng import at
+
+CHUNK = 1 << 14  # fixed task grid: elements per parallel task (even: tasks start on pair boundaries)
+
+_INV53 = 1.0 / 9007199254740992.0  # 2**-53
+_S11 = np.uint64(11)
+_ONE = np.uint64(1)
+SQRT_HALF = 0.7071067811865476
+LN2 = 0.6931471805599453
+HALF_PI = 1.5707963267948966
+# log series 2 s (1 + s^2 L1 + s^4 L2 + ...), L_k = 1 / (2k + 1)
+L1, L2, L3, L4, L5, L6 = 1.0 / 3.0, 1.0 / 5.0, 1.0 / 7.0, 1.0 / 9.0, 1.0 / 11.0, 1.0 / 13.0
+# Taylor: sin x = x (1 + x^2 S1 + ...), cos x = 1 + x^2 K1 + ...
+S1, S2, S3, S4, S5 = -1.0 / 6.0, 1.0 / 120.0, -1.0 / 5040.0, 1.0 / 362880.0, -1.0 / 39916800.0
+K1, K2, K3, K4, K5, K6 = -0.5, 1.0 / 24.0, -1.0 / 720.0, 1.0 / 40320.0, -1.0 / 3628800.0, 1.0 / 479001600.0
+
+
+@njit(cache=True, inline="always")
+def _log_poly(u):
+    m, e = math.frexp(u)
+    if m < SQRT_HALF:
+        m = m * 2.0
+        e = e - 1
+    s = (m - 1.0) / (m + 1.0)
+    z = s * s
+    poly = 1.0 + z * (L1 + z * (L2 + z * (L3 + z * (L4 + z * (L5 + z * L6)))))
+    return e * LN2 + 2.0 * s * poly
+
+
+@njit(cache=True, inline="always")
+def gaussian_pair(key, p):
+    """The two gaussians (elements 2p, 2p+1) of stream `key` (float64)."""
+    two_p = np.uint64(p) + np.uint64(p)
+    u1 = 1.0 - np.float64(at(key, two_p) >> _S11) * _INV53
+    u2 = np.float64(at(key, two_p + _ONE) >> _S11) * _INV53
+    r = math.sqrt(-2.0 * _log_poly(u1))
+    y = u2 * 4.0
+    q = math.floor(y + 0.5)
+    x = (y - q) * HALF_PI
+    x2 = x * x
+    sin_x = x * (1.0 + x2 * (S1 + x2 * (S2 + x2 * (S3 + x2 * (S4 + x2 * S5)))))
+    cos_x = 1.0 + x2 * (K1 + x2 * (K2 + x2 * (K3 + x2 * (K4 + x2 * (K5 + x2 * K6)))))
+    quadrant = int(q) & 3
+    if quadrant == 0:
+        c, s = cos_x, sin_x
+    elif quadrant == 1:
+        c, s = -sin_x, cos_x
+    elif quadrant == 2:
+        c, s = -cos_x, -sin_x
+    else:
+        c, s = sin_x, -cos_x
+    return r * c, r * s
+
+
+@njit(cache=True, inline="always")
+def _fill_range_at(key, buf, start, stop):
+    """buf[0:stop-start] = stream values start..stop-1 (start even)."""
+    for j in range(start, stop - 1, 2):
+        g0, g1 = gaussian_pair(key, j >> 1)
+        buf[j - start] = g0
+        buf[j - start + 1] = g1
+    if (stop - start) & 1:
+        g0, _ = gaussian_pair(key, (stop - 1) >> 1)
+        buf[stop - 1 - start] = g0
+
+
+@njit(cache=True, parallel=True)
+def _gaussian_fill(key, out):
+    """out: (n,) float32/float64; out[j] = value j of stream key."""
+    n = out.size
+    for c in prange((n + CHUNK - 1) // CHUNK):
+        start, stop = c * CHUNK, min(n, (c + 1) * CHUNK)
+        _fill_range_at(key, out[start:stop], start, stop)
+
+
+@njit(cache=True)
+def _task_grid(offsets, sizes):
+    """(slot, start, stop) triples cutting every slot into CHUNK pieces: the fixed grid."""
+    count = 0
+    for s in range(sizes.size):
+        count += (sizes[s] + CHUNK - 1) // CHUNK
+    tasks = np.empty((count, 3), dtype=np.int64)
+    t = 0
+    for s in range(sizes.size):
+        for start in range(0, sizes[s], CHUNK):
+            tasks[t, 0] = s
+            tasks[t, 1] = start
+            tasks[t, 2] = min(sizes[s], start + CHUNK)
+            t += 1
+    return tasks
+
+
+@njit(cache=True, parallel=True)
+def _materialize(keys, scales, theta, offsets, sizes, out):
+    """keys (B, S) uint64, scales (B,) f32, theta (D,) f32, offsets/sizes (S,) int64,
+    out (B, D) f32: out[b, off_s + j] = theta[off_s + j] + scales[b] * f32(eps(keys[b, s], j))."""
+    tasks = _task_grid(offsets, sizes)
+    n_tasks = tasks.shape[0]
+    for flat in prange(keys.shape[0] * n_tasks):
+        b = flat // n_tasks
+        s, start, stop = tasks[flat % n_tasks, 0], tasks[flat % n_tasks, 1], tasks[flat % n_tasks, 2]
+        base = offsets[s]
+        key = keys[b, s]
+        scale = scales[b]
+        buf = np.empty(stop - start, dtype=np.float32)
+        _fill_range_at(key, buf, start, stop)
+        for j in range(start, stop):
+            out[b, base + j] = theta[base + j] + scale * buf[j - start]
+
+
+@njit(cache=True, parallel=True)
+def _weighted_sum(keys, coeffs, offsets, sizes, out):
+    """keys (N, S) uint64, coeffs (N,) f32, out (D,) f32:
+    out[off_s + j] = sum over n in order of coeffs[n] * f32(eps(keys[n, s], j)), from 0."""
+    tasks = _task_grid(offsets, sizes)
+    for t in prange(tasks.shape[0]):
+        s, start, stop = tasks[t, 0], tasks[t, 1], tasks[t, 2]
+        base = offsets[s]
+        buf = np.empty(stop - start, dtype=np.float32)
+        acc = np.zeros(stop - start, dtype=np.float32)
+        for n in range(keys.shape[0]):
+            _fill_range_at(keys[n, s], buf, start, stop)
+            c = coeffs[n]
+            for j in range(stop - start):
+                acc[j] = acc[j] + c * buf[j]
+        for j in range(stop - start):
+            out[base + j] = acc[j]
+
+
+# ----------------------------------------------------------------- wrappers
+
+def _u64(x):
+    return np.uint64(int(x) & 0xFFFFFFFFFFFFFFFF)
+
+
+def gaussian_fill_fast(key, out):
+    """out.flat[j] = value j of stream `key` (this module's mapping); in place, returns out."""
+    if not isinstance(out, np.ndarray) or out.dtype not in (np.float32, np.float64):
+        raise TypeError(f"gaussian_fill_fast: out must be a float32/float64 numpy array, got {getattr(out, 'dtype', type(out))}")
+    if not out.flags.c_contiguous:
+        raise ValueError("gaussian_fill_fast: out must be C-contiguous")
+    _gaussian_fill(_u64(key), out.reshape(-1))
+    return out
+
+
+def _check_layout(op, keys, offsets, sizes, dim):
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+    sizes = np.ascontiguousarray(sizes, dtype=np.int64)
+    keys = np.ascontiguousarray(keys, dtype=np.uint64)
+    if offsets.ndim != 1 or offsets.shape != sizes.shape:
+        raise ValueError(f"{op}: offsets {offsets.shape} and sizes {sizes.shape} must be equal 1-D shapes")
+    if keys.ndim != 2 or keys.shape[1] != sizes.size:
+        raise ValueError(f"{op}: keys must be (members, {sizes.size} slots), got {keys.shape}")
+    if sizes.size and (sizes.min() < 0 or offsets.min() < 0 or (offsets + sizes).max() > dim):
+        raise ValueError(f"{op}: slots (offsets, sizes) exceed the parameter vector of {dim} elements")
+    return keys, offsets, sizes
+
+
+def _check_f32(op, name, a, ndim):
+    if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.ndim != ndim or not a.flags.c_contiguous:
+        raise TypeError(f"{op}: {name} must be a C-contiguous {ndim}-D float32 array, "
+                        f"got {getattr(a, 'dtype', type(a))} {getattr(a, 'shape', '')}")
+
+
+def materialize(keys, scales, theta, offsets, sizes, out):
+    """out[b] = theta + scales[b] * eps_b (float32), eps_b's slot s drawn from keys[b, s]."""
+    _check_f32("materialize", "theta", theta, 1)
+    _check_f32("materialize", "out", out, 2)
+    keys, offsets, sizes = _check_layout("materialize", keys, offsets, sizes, theta.size)
+    scales = np.ascontiguousarray(scales, dtype=np.float32)
+    if out.shape != (keys.shape[0], theta.size) or scales.shape != (keys.shape[0],):
+        raise ValueError(f"materialize: out {out.shape} / scales {scales.shape} must be "
+                         f"({keys.shape[0]}, {theta.size}) / ({keys.shape[0]},)")
+    _materialize(keys, scales, theta, offsets, sizes, out)
+    return out
+
+
+def weighted_sum(keys, coeffs, offsets, sizes, out):
+    """out = sum_n coeffs[n] * eps_n in member order (float32); slots not covered are left alone."""
+    _check_f32("weighted_sum", "out", out, 1)
+    keys, offsets, sizes = _check_layout("weighted_sum", keys, offsets, sizes, out.size)
+    coeffs = np.ascontiguousarray(coeffs, dtype=np.float32)
+    if coeffs.shape != (keys.shape[0],):
+        raise ValueError(f"weighted_sum: coeffs {coeffs.shape} must be ({keys.shape[0]},)")
+    _weighted_sum(keys, coeffs, offsets, sizes, out)
+    return out

@@ -11,9 +11,9 @@ import numpy as np
 from numba import njit, prange
 
 ROW_CHUNK = 8  # rows per parallel task
+PARALLEL_MIN = 1 << 16  # below this many logits a thread launch costs more than it saves
 
 
-@njit(cache=True, parallel=True)
 def _ce_forward(logits, labels, ignore_index, smoothing, loss, lse):
     """logits [N, C] float32/64, labels [N] int64 -> loss [N] float64, lse [N] float64.
     loss = lse - (1 - eps) x[y] - eps/C sum_c x[c]; ignored rows get loss 0."""
@@ -44,7 +44,6 @@ def _ce_forward(logits, labels, ignore_index, smoothing, loss, lse):
             loss[i] = li
 
 
-@njit(cache=True, parallel=True)
 def _ce_backward(logits, labels, ignore_index, smoothing, lse, row_scale, out):
     """out [N, C] (may alias logits) = (softmax - target) * row_scale[i];
     target = (1 - eps) onehot(y) + eps / C; ignored rows are zero."""
@@ -66,6 +65,11 @@ def _ce_backward(logits, labels, ignore_index, smoothing, lse, row_scale, out):
             out[i, y] -= logits.dtype.type((1.0 - smoothing) * gs)
 
 
+# one body, two compilations: rows are independent, so both give the same bits
+_ce_forward_par, _ce_forward_ser = njit(cache=True, parallel=True)(_ce_forward), njit(cache=True)(_ce_forward)
+_ce_backward_par, _ce_backward_ser = njit(cache=True, parallel=True)(_ce_backward), njit(cache=True)(_ce_backward)
+
+
 def _check(logits, labels):
     if not isinstance(logits, np.ndarray) or logits.ndim != 2 or logits.dtype not in (np.float32, np.float64):
         raise ValueError(f"cross_entropy kernel: logits must be 2-D float32/float64, got {getattr(logits, 'dtype', None)} {getattr(logits, 'shape', None)}")
@@ -80,7 +84,8 @@ def ce_forward(logits, labels, ignore_index=-100, smoothing=0.0):
     n = logits.shape[0]
     loss = np.empty(n, np.float64)
     lse = np.empty(n, np.float64)
-    _ce_forward(logits, labels, int(ignore_index), float(smoothing), loss, lse)
+    kernel = _ce_forward_par if logits.size >= PARALLEL_MIN else _ce_forward_ser
+    kernel(logits, labels, int(ignore_index), float(smoothing), loss, lse)
     return loss, lse
 
 
@@ -89,6 +94,7 @@ def ce_backward(logits, labels, lse, row_scale, ignore_index=-100, smoothing=0.0
     logits, labels = _check(logits, labels)
     if out is None:
         out = np.empty_like(logits)
-    _ce_backward(logits, labels, int(ignore_index), float(smoothing), lse,
+    kernel = _ce_backward_par if logits.size >= PARALLEL_MIN else _ce_backward_ser
+    kernel(logits, labels, int(ignore_index), float(smoothing), lse,
                  np.ascontiguousarray(row_scale, dtype=np.float64), out)
     return out

@@ -15,10 +15,10 @@ from kernels.rng import _u64, uniform_at
 ROW_CHUNK = 32      # rows per parallel task (RMSNorm)
 COL_CHUNK = 64      # columns per parallel task (embedding scatter-add)
 ELEM_CHUNK = 1 << 15  # elements per parallel task (dropout)
+PARALLEL_MIN = 1 << 16  # below this many elements a thread launch costs more than it saves
 
 
 # --- RMSNorm -------------------------------------------------------------------
-@njit(cache=True, parallel=True)
 def _rms_norm_fwd(x, w, eps, out, rstd):
     """x [N, D], w [D], out [N, D] (x's dtype), rstd [N] float64.
     out = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps), sum of squares in float64."""
@@ -37,7 +37,6 @@ def _rms_norm_fwd(x, w, eps, out, rstd):
                 out[i, j] = x[i, j] * rr * w[j]
 
 
-@njit(cache=True, parallel=True)
 def _rms_norm_bwd(g, x, w, rstd, gx, gw_partial):
     """g, x [N, D]; w [D]; rstd [N]; gx [N, D] out; gw_partial [nchunks, D] out
     (per-chunk sums of g * xhat, combined serially by the caller).
@@ -59,6 +58,19 @@ def _rms_norm_bwd(g, x, w, rstd, gx, gw_partial):
                 gw_partial[c, j] += g[i, j] * xhat
 
 
+# one body, two compilations (serial for small inputs); the chunk grid is the same,
+# so both give the same bits
+def _pick(body):
+    par, ser = njit(cache=True, parallel=True)(body), njit(cache=True)(body)
+    return lambda size: par if size >= PARALLEL_MIN else ser
+
+
+_rms_norm_fwd_k = _pick(_rms_norm_fwd)
+_rms_norm_bwd_k = _pick(_rms_norm_bwd)
+_dropout_k = _pick(_dropout)
+_embedding_bwd_k = _pick(_embedding_bwd)
+
+
 def _check_rows(op, x):
     if not isinstance(x, np.ndarray) or x.ndim != 2 or x.dtype not in (np.float32, np.float64):
         raise ValueError(f"{op}: expected a 2-D float32/float64 array, got {getattr(x, 'dtype', type(x))} {getattr(x, 'shape', '')}")
@@ -71,7 +83,7 @@ def rms_norm_forward(x, w, eps):
     w = np.ones(x.shape[1], x.dtype) if w is None else np.ascontiguousarray(w, dtype=x.dtype)
     out = np.empty_like(x)
     rstd = np.empty(x.shape[0], np.float64)
-    _rms_norm_fwd(x, w, float(eps), out, rstd)
+    _rms_norm_fwd_k(x.size)(x, w, float(eps), out, rstd)
     return out, rstd
 
 
@@ -83,7 +95,7 @@ def rms_norm_backward(g, x, w, rstd, need_weight_grad=True):
     gx = np.empty_like(x)
     nchunks = (x.shape[0] + ROW_CHUNK - 1) // ROW_CHUNK
     partial = np.empty((nchunks, x.shape[1]), np.float64)
-    _rms_norm_bwd(g, x, w, rstd, gx, partial)
+    _rms_norm_bwd_k(x.size)(g, x, w, rstd, gx, partial)
     gw = None
     if need_weight_grad:
         gw = np.zeros(x.shape[1], np.float64)
@@ -94,7 +106,6 @@ def rms_norm_backward(g, x, w, rstd, need_weight_grad=True):
 
 
 # --- dropout -------------------------------------------------------------------------
-@njit(cache=True, parallel=True)
 def _dropout(seed, x, out, keep, scale):
     """x, out flat [n]: out[i] = x[i] * scale if uniform(seed, i) < keep else 0."""
     n = x.size
@@ -113,7 +124,7 @@ def dropout_apply(seed, x, p):
         raise ValueError(f"dropout: expected float32/float64, got {x.dtype}")
     flat = np.ascontiguousarray(x).reshape(-1)
     out = np.empty_like(flat)
-    _dropout(_u64(seed), flat, out, 1.0 - float(p), x.dtype.type(1.0 / (1.0 - float(p))))
+    _dropout_k(flat.size)(_u64(seed), flat, out, 1.0 - float(p), x.dtype.type(1.0 / (1.0 - float(p))))
     return out.reshape(x.shape)
 
 
@@ -123,7 +134,6 @@ def dropout_mask(seed, shape, p):
 
 
 # --- embedding backward --------------------------------------------------------------
-@njit(cache=True, parallel=True)
 def _embedding_bwd(ids, g, out):
     """ids [R] int64, g [R, D], out [V, D] zeroed: out[ids[r]] += g[r], rows in order.
     Parallel over fixed column chunks, so each output element sums in row order."""
@@ -145,5 +155,5 @@ def embedding_backward(ids, g, vocab):
     if g.ndim != 2 or g.shape[0] != ids.shape[0]:
         raise ValueError(f"embedding backward: g {g.shape} must be [len(ids)={ids.shape[0]}, dim]")
     out = np.zeros((vocab, g.shape[1]), np.float32)
-    _embedding_bwd(ids, g, out)
+    _embedding_bwd_k(g.size)(ids, g, out)
     return out

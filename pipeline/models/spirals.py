@@ -15,14 +15,15 @@ from kernels import rng
 from pipeline.autograd import Module, Tensor, linear, no_grad, tanh
 
 
-def make_spirals(n_per_arm=200, turns=1.75, noise=0.02, seed=0):
+def make_spirals(n_per_arm=200, turns=1.75, noise=0.05, seed=0, radius=3.0):
     """X float32 [2 * n_per_arm, 2], y int64 [2 * n_per_arm].
 
-    Arm 0: radius r = 0.05 + 0.95 * i / n_per_arm growing with angle 2 pi turns * i / n_per_arm;
-    arm 1 is arm 0 rotated by pi. Gaussian noise (std `noise`) from rng.gaussian(seed).
-    Rows are arm 0 then arm 1."""
+    Arm 0: radius r = radius * (0.05 + 0.95 t) growing with angle 2 pi turns t,
+    t = i / n_per_arm; arm 1 is arm 0 rotated by pi. Gaussian noise (std `noise`)
+    from rng.gaussian(seed). Rows are arm 0 then arm 1. The outer radius of 3
+    puts the inputs in tanh's useful range, so plain SGD solves it in 2000 steps."""
     t = np.arange(n_per_arm, dtype=np.float64) / n_per_arm
-    r = 0.05 + 0.95 * t
+    r = radius * (0.05 + 0.95 * t)
     angle = 2.0 * math.pi * turns * t
     arm = np.stack([r * np.cos(angle), r * np.sin(angle)], axis=1)
     X = np.concatenate([arm, -arm], axis=0)

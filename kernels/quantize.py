@@ -466,7 +466,8 @@ def quantize(x, qtype):
 
 def to_f16(x):
     """float32 -> float16, round to nearest even (ggml's fp32->fp16; NaN -> quiet NaN)."""
-    return np.asarray(x, np.float32).astype(np.float16)
+    with np.errstate(over="ignore"):  # beyond 65504 rounds to infinity, as in ggml
+        return np.asarray(x, np.float32).astype(np.float16)
 
 
 def to_bf16_bits(x):

@@ -10,10 +10,12 @@ row order, so results are bitwise identical for any thread count.
 import numpy as np
 from numba import njit, prange
 
+from kernels.nn import threads_for
+
 ROW_CHUNK = 8  # rows per parallel task
-PARALLEL_MIN = 1 << 16  # below this many logits a thread launch costs more than it saves
 
 
+@njit(cache=True, parallel=True)
 def _ce_forward(logits, labels, ignore_index, smoothing, loss, lse):
     """logits [N, C] float32/64, labels [N] int64 -> loss [N] float64, lse [N] float64.
     loss = lse - (1 - eps) x[y] - eps/C sum_c x[c]; ignored rows get loss 0."""
@@ -44,6 +46,7 @@ def _ce_forward(logits, labels, ignore_index, smoothing, loss, lse):
             loss[i] = li
 
 
+@njit(cache=True, parallel=True)
 def _ce_backward(logits, labels, ignore_index, smoothing, lse, row_scale, out):
     """out [N, C] (may alias logits) = (softmax - target) * row_scale[i];
     target = (1 - eps) onehot(y) + eps / C; ignored rows are zero."""
@@ -65,10 +68,6 @@ def _ce_backward(logits, labels, ignore_index, smoothing, lse, row_scale, out):
             out[i, y] -= logits.dtype.type((1.0 - smoothing) * gs)
 
 
-# one body, two compilations: rows are independent, so both give the same bits
-_ce_forward_par, _ce_forward_ser = njit(cache=True, parallel=True)(_ce_forward), njit(cache=True)(_ce_forward)
-_ce_backward_par, _ce_backward_ser = njit(cache=True, parallel=True)(_ce_backward), njit(cache=True)(_ce_backward)
-
 
 def _check(logits, labels):
     if not isinstance(logits, np.ndarray) or logits.ndim != 2 or logits.dtype not in (np.float32, np.float64):
@@ -84,8 +83,8 @@ def ce_forward(logits, labels, ignore_index=-100, smoothing=0.0):
     n = logits.shape[0]
     loss = np.empty(n, np.float64)
     lse = np.empty(n, np.float64)
-    kernel = _ce_forward_par if logits.size >= PARALLEL_MIN else _ce_forward_ser
-    kernel(logits, labels, int(ignore_index), float(smoothing), loss, lse)
+    with threads_for(logits.size):
+        _ce_forward(logits, labels, int(ignore_index), float(smoothing), loss, lse)
     return loss, lse
 
 
@@ -94,7 +93,7 @@ def ce_backward(logits, labels, lse, row_scale, ignore_index=-100, smoothing=0.0
     logits, labels = _check(logits, labels)
     if out is None:
         out = np.empty_like(logits)
-    kernel = _ce_backward_par if logits.size >= PARALLEL_MIN else _ce_backward_ser
-    kernel(logits, labels, int(ignore_index), float(smoothing), lse,
-                 np.ascontiguousarray(row_scale, dtype=np.float64), out)
+    with threads_for(logits.size):
+        _ce_backward(logits, labels, int(ignore_index), float(smoothing), lse,
+                     np.ascontiguousarray(row_scale, dtype=np.float64), out)
     return out

@@ -7,6 +7,9 @@ columns per chunk are constants, never derived from the thread count), and any
 cross-chunk reduction combines per-chunk partials serially in chunk order, so
 the output bits do not depend on how many threads run.
 """
+import contextlib
+
+import numba
 import numpy as np
 from numba import njit, prange
 
@@ -18,7 +21,23 @@ ELEM_CHUNK = 1 << 15  # elements per parallel task (dropout)
 PARALLEL_MIN = 1 << 16  # below this many elements a thread launch costs more than it saves
 
 
+@contextlib.contextmanager
+def threads_for(size):
+    """Run small kernels on the calling thread only. The chunk grid does not
+    change, so the bits do not either; only the launch overhead goes away."""
+    if size >= PARALLEL_MIN:
+        yield
+        return
+    prev = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(prev)
+
+
 # --- RMSNorm -------------------------------------------------------------------
+@njit(cache=True, parallel=True)
 def _rms_norm_fwd(x, w, eps, out, rstd):
     """x [N, D], w [D], out [N, D] (x's dtype), rstd [N] float64.
     out = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps), sum of squares in float64."""
@@ -37,6 +56,7 @@ def _rms_norm_fwd(x, w, eps, out, rstd):
                 out[i, j] = x[i, j] * rr * w[j]
 
 
+@njit(cache=True, parallel=True)
 def _rms_norm_bwd(g, x, w, rstd, gx, gw_partial):
     """g, x [N, D]; w [D]; rstd [N]; gx [N, D] out; gw_partial [nchunks, D] out
     (per-chunk sums of g * xhat, combined serially by the caller).
@@ -58,18 +78,6 @@ def _rms_norm_bwd(g, x, w, rstd, gx, gw_partial):
                 gw_partial[c, j] += g[i, j] * xhat
 
 
-# one body, two compilations (serial for small inputs); the chunk grid is the same,
-# so both give the same bits
-def _pick(body):
-    par, ser = njit(cache=True, parallel=True)(body), njit(cache=True)(body)
-    return lambda size: par if size >= PARALLEL_MIN else ser
-
-
-_rms_norm_fwd_k = _pick(_rms_norm_fwd)
-_rms_norm_bwd_k = _pick(_rms_norm_bwd)
-_dropout_k = _pick(_dropout)
-_embedding_bwd_k = _pick(_embedding_bwd)
-
 
 def _check_rows(op, x):
     if not isinstance(x, np.ndarray) or x.ndim != 2 or x.dtype not in (np.float32, np.float64):
@@ -83,7 +91,8 @@ def rms_norm_forward(x, w, eps):
     w = np.ones(x.shape[1], x.dtype) if w is None else np.ascontiguousarray(w, dtype=x.dtype)
     out = np.empty_like(x)
     rstd = np.empty(x.shape[0], np.float64)
-    _rms_norm_fwd_k(x.size)(x, w, float(eps), out, rstd)
+    with threads_for(x.size):
+        _rms_norm_fwd(x, w, float(eps), out, rstd)
     return out, rstd
 
 
@@ -95,7 +104,8 @@ def rms_norm_backward(g, x, w, rstd, need_weight_grad=True):
     gx = np.empty_like(x)
     nchunks = (x.shape[0] + ROW_CHUNK - 1) // ROW_CHUNK
     partial = np.empty((nchunks, x.shape[1]), np.float64)
-    _rms_norm_bwd_k(x.size)(g, x, w, rstd, gx, partial)
+    with threads_for(x.size):
+        _rms_norm_bwd(g, x, w, rstd, gx, partial)
     gw = None
     if need_weight_grad:
         gw = np.zeros(x.shape[1], np.float64)
@@ -106,6 +116,7 @@ def rms_norm_backward(g, x, w, rstd, need_weight_grad=True):
 
 
 # --- dropout -------------------------------------------------------------------------
+@njit(cache=True, parallel=True)
 def _dropout(seed, x, out, keep, scale):
     """x, out flat [n]: out[i] = x[i] * scale if uniform(seed, i) < keep else 0."""
     n = x.size
@@ -124,7 +135,8 @@ def dropout_apply(seed, x, p):
         raise ValueError(f"dropout: expected float32/float64, got {x.dtype}")
     flat = np.ascontiguousarray(x).reshape(-1)
     out = np.empty_like(flat)
-    _dropout_k(flat.size)(_u64(seed), flat, out, 1.0 - float(p), x.dtype.type(1.0 / (1.0 - float(p))))
+    with threads_for(flat.size):
+        _dropout(_u64(seed), flat, out, 1.0 - float(p), x.dtype.type(1.0 / (1.0 - float(p))))
     return out.reshape(x.shape)
 
 
@@ -134,6 +146,7 @@ def dropout_mask(seed, shape, p):
 
 
 # --- embedding backward --------------------------------------------------------------
+@njit(cache=True, parallel=True)
 def _embedding_bwd(ids, g, out):
     """ids [R] int64, g [R, D], out [V, D] zeroed: out[ids[r]] += g[r], rows in order.
     Parallel over fixed column chunks, so each output element sums in row order."""
@@ -155,5 +168,6 @@ def embedding_backward(ids, g, vocab):
     if g.ndim != 2 or g.shape[0] != ids.shape[0]:
         raise ValueError(f"embedding backward: g {g.shape} must be [len(ids)={ids.shape[0]}, dim]")
     out = np.zeros((vocab, g.shape[1]), np.float32)
-    _embedding_bwd_k(g.size)(ids, g, out)
+    with threads_for(g.size):
+        _embedding_bwd(ids, g, out)
     return out

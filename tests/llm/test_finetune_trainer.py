@@ -1,0 +1,207 @@
+"""The LoRA trainer over a frozen Qwen3: torch goldens, finite differences,
+frozen base, checkpointed layers, dropout streams, accumulation arm."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from pipeline.autograd import Tensor
+from pipeline.errors import UserError
+from pipeline.autograd import parameter
+from pipeline.llm.finetune import TARGETS, Trainer
+from pipeline.models.qwen3 import MLP, Attention, Block, FrozenLinear, Linear, Qwen3, Qwen3Config
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "..", "goldens", "lora", "trainer_golden.npz")
+CFG = Qwen3Config(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, ffn=48)
+
+
+def random_model(cfg=CFG, seed=0):
+    return Qwen3.init_random(cfg, seed=seed)
+
+
+def model_from_arrays(cfg, z):
+    """A Qwen3 whose weights are the golden's arrays (GGUF-style names)."""
+    lin = lambda name: Linear(parameter(z[name], name))
+    vec = lambda name: Tensor(z[name])
+    blocks = []
+    for i in range(cfg.layers):
+        p = f"blk.{i}."
+        attn = Attention(lin(p + "q"), lin(p + "k"), lin(p + "v"), lin(p + "o"), vec(p + "attn_q_norm"), vec(p + "attn_k_norm"))
+        blocks.append(Block(vec(p + "attn_norm"), attn, vec(p + "ffn_norm"), MLP(lin(p + "gate"), lin(p + "up"), lin(p + "down"))))
+    embed = parameter(z["token_embd"], "token_embd")
+    return Qwen3(cfg, embed, blocks, vec("output_norm"), Linear(embed))
+
+
+def _sample(seq=24, n_masked=6, seed=0):
+    g = np.random.default_rng(seed)
+    tokens = g.integers(0, CFG.vocab_size, seq)
+    labels = np.r_[tokens[1:], g.integers(0, CFG.vocab_size)]
+    labels[:n_masked] = -100
+    return tokens, labels
+
+
+def _grads(tr):
+    return {n: p.grad.copy() for n, p in tr.named_parameters()}
+
+
+def _warm(tr, steps=2, lr=0.05, seed=0):
+    """A few plain SGD steps so B != 0 and the A gradients are live."""
+    for s in range(steps):
+        tr.zero_grad()
+        tr.loss(*_sample(seed=100 + s)).backward()
+        for p in tr.parameters():
+            p.data -= np.float32(lr) * p.grad
+    tr.zero_grad()
+
+
+def test_golden_parity_with_torch_replica():
+    z = np.load(GOLDEN)
+    meta = json.loads(str(z["meta"]))["config"]
+    cfg = Qwen3Config(vocab_size=meta["vocab"], hidden=meta["hidden"], layers=meta["layers"], heads=meta["heads"],
+                      kv_heads=meta["kv_heads"], head_dim=meta["head_dim"], ffn=meta["ffn"],
+                      rope_base=meta["rope_theta"], rms_eps=meta["norm_eps"])
+    tr = Trainer(model_from_arrays(cfg, z), targets=TARGETS, rank=meta["rank"], alpha=meta["alpha"])
+    tr.load_adapter_tensors({n: z[n] for n, _ in tr.named_parameters()})
+    loss = tr.loss(z["tokens"], z["labels"])
+    loss.backward()
+    assert abs(loss.item() - float(z["expected_loss"])) <= 1e-5 * abs(float(z["expected_loss"]))
+    worst = 0.0
+    for n, p in tr.named_parameters():
+        ref = z["grad." + n]
+        worst = max(worst, float(np.abs(p.grad - ref).max() / np.abs(ref).max()))
+    print(f"golden: worst grad rel dev {worst:.2e}")
+    assert worst <= 1e-5, worst
+
+
+def test_finite_differences_through_the_whole_loss():
+    base = random_model(seed=5)
+    tr = Trainer(base, targets=("q", "v", "down"), rank=4, alpha=8, seed=1)
+    _warm(tr)
+    tokens, labels = _sample(seq=40, n_masked=10, seed=7)
+    tr.loss(tokens, labels).backward()
+    g = np.random.default_rng(3)
+    analytic, numeric = [], []
+    eps = 1e-2
+    for name, p in tr.named_parameters():
+        idx = [tuple(int(g.integers(0, s)) for s in p.shape) for _ in range(8)]
+        for i in idx:
+            keep = p.data[i]
+            vals = []
+            for e in (eps, -eps):
+                p.data[i] = keep + e
+                vals.append(tr.loss(tokens, labels).data.astype(np.float64).item())
+            p.data[i] = keep
+            numeric.append((vals[0] - vals[1]) / (2 * eps))
+            analytic.append(float(p.grad[i]))
+    a, n = np.array(analytic), np.array(numeric)
+    cos = a @ n / (np.linalg.norm(a) * np.linalg.norm(n))
+    print(f"FD cosine {cos:.7f} over {len(a)} elements")
+    assert cos >= 0.99999, cos
+    assert np.abs(a).min() > 0  # the A gradients are live after warm-up
+
+
+def _projections(model):
+    for blk in model.blocks:
+        yield from (blk.attn.q, blk.attn.k, blk.attn.v, blk.attn.o, blk.mlp.gate, blk.mlp.up, blk.mlp.down)
+
+
+def test_zero_b_is_the_base_and_frozen_base_gets_no_gradient():
+    model = random_model(seed=2)  # init_random: every base weight is even a requires_grad parameter
+    snapshot = [p.weight.data.copy() for p in _projections(model)]
+    tokens, labels = _sample()
+    base_logits = model.forward(tokens).data
+    tr = Trainer(model, targets=TARGETS, rank=2, dropout=0.2, seed=9)
+    # B == 0: the adapted model IS the base model (the model's own autograd forward)
+    np.testing.assert_allclose(tr.eval_logits(tokens), base_logits, rtol=1e-5, atol=1e-5)
+    loss = tr.loss(tokens, labels)
+    loss.backward()
+    # only adapters are parameters and every one got a gradient ...
+    assert all(n.rsplit(".", 1)[1] in ("lora_a", "lora_b") for n, _ in tr.named_parameters())
+    assert all(p.grad is not None for p in tr.parameters())
+    # ... while no base tensor received one (they enter the graph as constants) and none changed
+    from pipeline.autograd import named_parameters
+    base_tensors = named_parameters(model)
+    assert len(base_tensors) > 0 and all(t.grad is None for _, t in base_tensors)
+    for p, before in zip(_projections(model), snapshot):
+        np.testing.assert_array_equal(p.weight.data, before)
+    # zero structure: B == 0 -> dL/dA == 0 exactly, dL/dB != 0
+    for n, p in tr.named_parameters():
+        assert (np.abs(p.grad).sum() == 0) == n.endswith("lora_a"), n
+
+
+def test_quantized_base_trains_and_stays_untouched():
+    from gguf import GGMLQuantizationType as QT, quantize
+    from pipeline.llm.quants import FORMATS, FrozenWeight
+    cfg = Qwen3Config(vocab_size=64, hidden=64, layers=1, heads=2, kv_heads=1, head_dim=32, ffn=64)
+    model = random_model(cfg, seed=4)
+    blk = model.blocks[0]
+    for holder, attr in ((blk.attn, "q"), (blk.attn, "k"), (blk.attn, "v"), (blk.attn, "o"),
+                         (blk.mlp, "gate"), (blk.mlp, "up"), (blk.mlp, "down")):
+        w = getattr(holder, attr).weight.data
+        setattr(holder, attr, FrozenLinear(FrozenWeight(FORMATS[QT.Q8_0], quantize(w, QT.Q8_0), w.shape, attr)))
+    before = blk.attn.q.weight.raw.copy()
+    tr = Trainer(model, rank=4)
+    tokens, labels = _sample(seq=12, n_masked=3)
+    # with B == 0 the trainer reproduces the model's forward over the quantized weights
+    np.testing.assert_allclose(tr.eval_logits(tokens), model.forward(tokens).data, rtol=1e-4, atol=1e-4)
+    l0 = tr.loss(tokens, labels)
+    l0.backward()
+    for p in tr.parameters():
+        p.data -= np.float32(0.1) * p.grad
+    assert tr.loss(tokens, labels).item() < l0.item()
+    np.testing.assert_array_equal(blk.attn.q.weight.raw, before)
+
+
+def test_checkpoint_layers_is_bitwise_equal_with_dropout():
+    base = random_model(seed=3)
+    tokens, labels = _sample(seq=20)
+    runs = []
+    for ckpt in (False, True):
+        tr = Trainer(base, targets=("q", "v", "gate"), rank=4, dropout=0.3, seed=11, checkpoint_layers=ckpt)
+        _warm(tr, steps=2)
+        loss = tr.loss(tokens, labels)
+        loss.backward()
+        runs.append((loss.item(), _grads(tr)))
+    assert runs[0][0] == runs[1][0]
+    for n in runs[0][1]:
+        np.testing.assert_array_equal(runs[0][1][n], runs[1][1][n])
+
+
+def test_dropout_stream_follows_the_step_counter_and_eval_does_not_advance_it():
+    base = random_model(seed=3)
+    tokens, labels = _sample(seq=16)
+    tr = Trainer(base, rank=4, dropout=0.5, seed=2)
+    _warm(tr, steps=1)
+    step = tr.step
+    tr.eval_logits(tokens)
+    tr.generate(tokens[:4], max_new_tokens=2)
+    assert tr.step == step
+    a = tr.loss(tokens, labels).item()
+    b = tr.loss(tokens, labels).item()
+    assert a != b  # a new step draws a new dropout mask
+    tr.step = step
+    assert tr.loss(tokens, labels).item() == a  # a restored counter replays it
+
+
+def test_sum_reduction_with_scale_is_the_mean():
+    base = random_model(seed=6)
+    tokens, labels = _sample()
+    tr = Trainer(base, rank=2)
+    mean = tr.loss(tokens, labels).item()
+    n_valid = int((labels != -100).sum())
+    s = tr.loss(tokens, labels, reduction="sum", loss_scale=1.0 / n_valid).item()
+    assert s == pytest.approx(mean, rel=1e-6)
+
+
+def test_bad_inputs_are_clear_errors():
+    base = random_model(seed=6)
+    with pytest.raises(UserError, match="targets"):
+        Trainer(base, targets=("q", "x"))
+    with pytest.raises(UserError, match="rank"):
+        Trainer(base, rank=100)
+    tr = Trainer(base)
+    with pytest.raises(UserError, match="token ids"):
+        tr.loss(np.array([1, 2, 999]), np.array([2, 3, 4]))
+    with pytest.raises(UserError, match="labels shape"):
+        tr.loss(np.array([1, 2]), np.array([2]))

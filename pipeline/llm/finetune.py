@@ -29,6 +29,7 @@ import numpy as np
 from kernels.rng import derive_seed
 from pipeline.autograd import ops
 from pipeline.autograd.losses import linear_cross_entropy
+from pipeline.autograd.module import Module
 from pipeline.autograd.tensor import Tensor, no_grad
 from pipeline.errors import UserError
 
@@ -96,11 +97,14 @@ def _proj_shape(c, target):
     return {"q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q), "gate": (f, h), "up": (f, h), "down": (h, f)}[target]
 
 
-class Trainer:
+class Trainer(Module):
     """LoRA adapters on the selected projections of a frozen Qwen3, and its losses.
 
     model: a `pipeline.models.qwen3.Qwen3` (its projection seam is read, never
     written: every weight becomes a constant of this trainer's forward).
+    As a Module its only tensors are `layers[i][target].lora_{a,b}`, so
+    named_parameters() yields exactly the checkpoint names
+    "layers.<i>.<target>.lora_a" / ".lora_b".
     """
 
     def __init__(self, model, targets=DEFAULT_TARGETS, rank=8, alpha=16.0, dropout=0.0, seed=0,
@@ -108,7 +112,7 @@ class Trainer:
         bad = [t for t in targets if t not in TARGETS]
         if bad or not targets:
             raise UserError(f"targets must be a non-empty subset of {','.join(TARGETS)}, got {','.join(targets) or '(none)'}")
-        self.model, self.config = model, model.config
+        self._model, self.config = model, model.config
         self._layers = []
         for b in model.blocks:
             projs = {"q": b.attn.q, "k": b.attn.k, "v": b.attn.v, "o": b.attn.o,
@@ -125,14 +129,14 @@ class Trainer:
         self.checkpoint_layers = checkpoint_layers
         self.ignore_index = ignore_index
         self.step = 0  # micro-batch counter: one per training loss call (dropout streams)
-        self.adapters = []
+        self.layers = []  # per layer: {target: LoraAdapter}
         for i in range(self.config.layers):
             layer = {}
             for t in self.targets:
                 out_dim, in_dim = _proj_shape(self.config, t)
                 a_seed = derive_seed(self.seed, i * len(TARGETS) + TARGETS.index(t))
                 layer[t] = LoraAdapter(in_dim, out_dim, rank, alpha, dropout, a_seed, prefix=f"layers.{i}.{t}")
-            self.adapters.append(layer)
+            self.layers.append(layer)
 
     @classmethod
     def from_gguf(cls, path, **kwargs):
@@ -140,17 +144,11 @@ class Trainer:
         from pipeline.models.qwen3 import Qwen3
         return cls(Qwen3.from_gguf(path), **kwargs)
 
+    @property
+    def model(self):
+        return self._model
+
     # --- parameters -------------------------------------------------------
-    def named_parameters(self):
-        return [nt for layer in self.adapters for t in self.targets for nt in layer[t].named_parameters()]
-
-    def parameters(self):
-        return [p for _, p in self.named_parameters()]
-
-    def zero_grad(self):
-        for p in self.parameters():
-            p.grad = None
-
     def n_parameters(self):
         return int(sum(p.size for p in self.parameters()))
 
@@ -162,7 +160,7 @@ class Trainer:
 
     def _proj(self, x, i, target, step):
         y = frozen_linear(x, self._layers[i][target])
-        adapter = self.adapters[i].get(target)
+        adapter = self.layers[i].get(target)
         if adapter is not None:
             y = y + adapter.delta(x, self._dropout_seed(step, i, target))
         return y

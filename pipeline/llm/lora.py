@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernels.rng import kaiming_uniform, uniform
+from pipeline.autograd.module import Module
 from pipeline.autograd.tensor import Tensor, parameter
 from pipeline.errors import UserError
 
@@ -68,8 +69,8 @@ def lora_delta(x, a, b, scale, dropout_p=0.0, dropout_seed=None):
     return Tensor.make(y.reshape(*lead, b.shape[0]), (x, a, b), backward, "lora_delta")
 
 
-class LoraAdapter:
-    """One adapter beside one frozen [out, in] linear."""
+class LoraAdapter(Module):
+    """One adapter beside one frozen [out, in] linear (a Module: its tensors are lora_a, lora_b)."""
 
     def __init__(self, in_dim, out_dim, rank=8, alpha=16.0, dropout=0.0, seed=0, prefix="adapter"):
         if not (isinstance(rank, (int, np.integer)) and 1 <= rank <= min(in_dim, out_dim)):
@@ -83,8 +84,10 @@ class LoraAdapter:
         self.lora_a = parameter(kaiming_uniform(seed, (self.rank, self.in_dim), fan_in=self.in_dim), name=f"{prefix}.lora_a")
         self.lora_b = parameter(np.zeros((self.out_dim, self.rank), dtype=np.float32), name=f"{prefix}.lora_b")
 
-    def named_parameters(self):
-        return [(f"{self.prefix}.lora_a", self.lora_a), (f"{self.prefix}.lora_b", self.lora_b)]
+    def named_parameters(self, prefix=None, trainable_only=True):
+        """[("<prefix>.lora_a", A), ("<prefix>.lora_b", B)]: the registration and persistence names."""
+        prefix = self.prefix if prefix is None else prefix
+        return [(f"{prefix}.lora_a", self.lora_a), (f"{prefix}.lora_b", self.lora_b)]
 
     def delta(self, x, dropout_seed=None):
         """(alpha/rank) * B (A dropout(x)); dropout_seed None = eval (no dropout)."""

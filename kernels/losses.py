@@ -1,4 +1,4 @@
-"""Cross-entropy row kernels: forward saves per-row (max, logsumexp), backward
+"""Cross-entropy row kernels: forward saves per-row (max, sum_exp), backward
 writes the logit gradient in ONE pass from those stats (optionally in place).
 
 Trade-off: the forward stores 16 bytes per row instead of the softmax, so the
@@ -16,8 +16,9 @@ ROW_CHUNK = 8  # rows per parallel task
 
 
 @njit(cache=True, parallel=True)
-def _ce_forward(logits, labels, ignore_index, smoothing, loss, lse):
-    """logits [N, C] float32/64, labels [N] int64 -> loss [N] float64, lse [N] float64.
+def _ce_forward(logits, labels, ignore_index, smoothing, loss, stats):
+    """logits [N, C] float32/64, labels [N] int64 -> loss [N] float64,
+    stats [N, 2] float64 = (row max, sum_c exp(x - max)).
     loss = lse - (1 - eps) x[y] - eps/C sum_c x[c]; ignored rows get loss 0."""
     n, c = logits.shape
     nchunks = (n + ROW_CHUNK - 1) // ROW_CHUNK
@@ -31,13 +32,14 @@ def _ce_forward(logits, labels, ignore_index, smoothing, loss, lse):
             s = 0.0
             for j in range(c):
                 s += np.exp(row[j] - m)
-            lse_i = np.float64(m) + np.log(s)
-            lse[i] = lse_i
+            stats[i, 0] = m
+            stats[i, 1] = s
             y = labels[i]
             if y == ignore_index:
                 loss[i] = 0.0
                 continue
-            li = lse_i - (1.0 - smoothing) * np.float64(row[y])
+            lse = np.float64(m) + np.log(s)
+            li = lse - (1.0 - smoothing) * np.float64(row[y])
             if smoothing != 0.0:
                 tot = 0.0
                 for j in range(c):
@@ -47,26 +49,28 @@ def _ce_forward(logits, labels, ignore_index, smoothing, loss, lse):
 
 
 @njit(cache=True, parallel=True)
-def _ce_backward(logits, labels, ignore_index, smoothing, lse, row_scale, out):
-    """out [N, C] (may alias logits) = (softmax - target) * row_scale[i];
+def _ce_backward(logits, labels, ignore_index, smoothing, stats, row_scale, out):
+    """out [N, C] (may alias logits) = (softmax - target) * row_scale[i], with
+    softmax = exp(x - max) * (1 / sum_exp) from the saved stats (x - max is
+    small, so the float32 exp stays accurate for large logits);
     target = (1 - eps) onehot(y) + eps / C; ignored rows are zero."""
     n, c = logits.shape
     nchunks = (n + ROW_CHUNK - 1) // ROW_CHUNK
+    zero = logits[0, 0] * 0  # typed constant of the logits dtype
     for ch in prange(nchunks):
         for i in range(ch * ROW_CHUNK, min(n, (ch + 1) * ROW_CHUNK)):
             y = labels[i]
             if y == ignore_index:
                 for j in range(c):
-                    out[i, j] = 0
+                    out[i, j] = zero
                 continue
             gs = row_scale[i]
-            base = logits.dtype.type(lse[i])
-            off = logits.dtype.type(smoothing / c)
-            gsc = logits.dtype.type(gs)
+            m = zero + stats[i, 0]
+            scale = zero + gs / stats[i, 1]
+            off = zero + smoothing / c * gs
             for j in range(c):
-                out[i, j] = (np.exp(logits[i, j] - base) - off) * gsc
-            out[i, y] -= logits.dtype.type((1.0 - smoothing) * gs)
-
+                out[i, j] = np.exp(logits[i, j] - m) * scale - off
+            out[i, y] -= zero + (1.0 - smoothing) * gs
 
 
 def _check(logits, labels):
@@ -78,22 +82,22 @@ def _check(logits, labels):
 
 
 def ce_forward(logits, labels, ignore_index=-100, smoothing=0.0):
-    """-> (loss_rows [N] float64, lse [N] float64). Labels must already be validated."""
+    """-> (loss_rows [N] float64, stats [N, 2] float64 (max, sum_exp)). Labels must already be validated."""
     logits, labels = _check(logits, labels)
     n = logits.shape[0]
     loss = np.empty(n, np.float64)
-    lse = np.empty(n, np.float64)
+    stats = np.empty((n, 2), np.float64)
     with threads_for(logits.size):
-        _ce_forward(logits, labels, int(ignore_index), float(smoothing), loss, lse)
-    return loss, lse
+        _ce_forward(logits, labels, int(ignore_index), float(smoothing), loss, stats)
+    return loss, stats
 
 
-def ce_backward(logits, labels, lse, row_scale, ignore_index=-100, smoothing=0.0, out=None):
+def ce_backward(logits, labels, stats, row_scale, ignore_index=-100, smoothing=0.0, out=None):
     """Gradient of sum_i row_scale[i] * loss_i w.r.t. logits; `out=logits` writes in place."""
     logits, labels = _check(logits, labels)
     if out is None:
         out = np.empty_like(logits)
     with threads_for(logits.size):
-        _ce_backward(logits, labels, int(ignore_index), float(smoothing), lse,
+        _ce_backward(logits, labels, int(ignore_index), float(smoothing), stats,
                      np.ascontiguousarray(row_scale, dtype=np.float64), out)
     return out

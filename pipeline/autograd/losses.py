@@ -3,8 +3,8 @@
 Classes are on the LAST axis: logits [..., C] with integer labels [...]
 (the LLM convention; torch's F.cross_entropy puts classes on axis 1).
 
-Trade-off: one row kernel pass for the forward saving only per-row logsumexp,
-one pass for the backward; the fused linear variant keeps its logits buffer
+Trade-off: one row kernel pass for the forward saving only 16 bytes per row,
+one pass for the backward (from the saved per-row max and sum-exp); the fused linear variant keeps its logits buffer
 outside the graph and overwrites it in place with the logit gradient (or, with
 `chunk_rows`, never holds more than one chunk of logits and recomputes them in
 backward: one extra GEMM for O(chunk x classes) memory).
@@ -53,17 +53,18 @@ def _check_options(op, reduction, label_smoothing):
         raise OpError(f"{op}: label_smoothing must be in [0, 1), got {label_smoothing}")
 
 
-def _reduce(loss_rows, valid, reduction, lead_shape):
-    """Loss value (float32) and the per-row gradient scale function of the upstream g."""
+def _reduce(loss_rows, valid, reduction, lead_shape, dtype):
+    """Loss value (float32, or float64 for float64 inputs) and the per-row
+    gradient scale as a function of the upstream gradient g."""
     n_valid = int(valid.sum())
     if reduction == "none":
-        return loss_rows.astype(np.float32).reshape(lead_shape), lambda g: np.asarray(g, np.float64).reshape(-1) * valid
+        return loss_rows.astype(dtype).reshape(lead_shape), lambda g: np.asarray(g, np.float64).reshape(-1) * valid
     total = _serial_sum(loss_rows)
     if reduction == "sum":
-        return np.asarray(total, np.float32), lambda g: np.full(valid.shape, float(g), np.float64) * valid
+        return np.asarray(total, dtype), lambda g: np.full(valid.shape, float(g), np.float64) * valid
     if n_valid == 0:
-        return np.asarray(0.0, np.float32), lambda g: np.zeros(valid.shape, np.float64)
-    return np.asarray(total / n_valid, np.float32), lambda g: np.full(valid.shape, float(g) / n_valid, np.float64) * valid
+        return np.asarray(0.0, dtype), lambda g: np.zeros(valid.shape, np.float64)
+    return np.asarray(total / n_valid, dtype), lambda g: np.full(valid.shape, float(g) / n_valid, np.float64) * valid
 
 
 def cross_entropy(logits, labels, ignore_index=-100, reduction="mean", label_smoothing=0.0):
@@ -82,12 +83,12 @@ def cross_entropy(logits, labels, ignore_index=-100, reduction="mean", label_smo
     lead = logits.shape[:-1]
     _, flat = _labels(op, labels, lead, C, ignore_index)
     X = np.ascontiguousarray(_compute(logits.data)).reshape(-1, C)
-    loss_rows, lse = ce_forward(X, flat, ignore_index, label_smoothing)
+    loss_rows, stats = ce_forward(X, flat, ignore_index, label_smoothing)
     valid = flat != ignore_index
-    value, row_scale = _reduce(loss_rows, valid, reduction, lead)
+    value, row_scale = _reduce(loss_rows, valid, reduction, lead, X.dtype)
 
     def backward(g):
-        grad = ce_backward(X, flat, lse, row_scale(g), ignore_index, label_smoothing)
+        grad = ce_backward(X, flat, stats, row_scale(g), ignore_index, label_smoothing)
         return (grad.reshape(logits.shape),)
 
     return Tensor.make(value, (logits,), backward, op)
@@ -117,14 +118,14 @@ def linear_cross_entropy(x, w, labels, ignore_index=-100, reduction="mean", labe
     starts = range(0, N, step) if N else []
 
     loss_rows = np.empty(N, np.float64)
-    lse = np.empty(N, np.float64)
+    stats = np.empty((N, 2), np.float64)
     saved = None
     for s in starts:
         logits = X[s:s + step] @ W.T
-        loss_rows[s:s + step], lse[s:s + step] = ce_forward(logits, flat[s:s + step], ignore_index, label_smoothing)
+        loss_rows[s:s + step], stats[s:s + step] = ce_forward(logits, flat[s:s + step], ignore_index, label_smoothing)
         if chunk_rows is None:
             saved = logits
-    value, row_scale = _reduce(loss_rows, valid, reduction, lead)
+    value, row_scale = _reduce(loss_rows, valid, reduction, lead, X.dtype)
 
     def backward(g):
         nonlocal saved
@@ -133,7 +134,7 @@ def linear_cross_entropy(x, w, labels, ignore_index=-100, reduction="mean", labe
         gw = np.zeros((C, H), np.float32) if w.requires_grad else None
         for s in starts:
             logits = saved if chunk_rows is None else X[s:s + step] @ W.T
-            dl = ce_backward(logits, flat[s:s + step], lse[s:s + step], scale[s:s + step],
+            dl = ce_backward(logits, flat[s:s + step], stats[s:s + step], scale[s:s + step],
                              ignore_index, label_smoothing, out=logits)  # in place: no second buffer
             if gx is not None:
                 gx[s:s + step] = dl @ W

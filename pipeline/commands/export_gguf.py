@@ -1,0 +1,77 @@
+"""`fucina export-gguf`: merge LoRA adapters into a dense GGUF, transcode/quantize a GGUF, or write an adapter GGUF.
+
+Three modes, chosen by the flags (merge and quantize are separate passes by
+design, so the final file has exactly one quantization in its history):
+
+  merge      --from-gguf BASE --adapters RUN_DIR [--alpha A] --out MERGED.gguf
+  transcode  --from-gguf SRC [--dtype q4_k] --out OUT.gguf   (no --dtype: verbatim, byte-identical copy)
+  adapter    --adapters RUN_DIR --base BASE.gguf [--alpha A] --lora-out ADAPTER.gguf
+"""
+from __future__ import annotations
+
+from pipeline.errors import UserError
+from pipeline.llm.export import load_adapters, merge, resolve_alpha, write_lora_gguf
+from pipeline.llm.gguf_write import TARGETS, transcode
+
+NAME = "export-gguf"
+HELP = "merge LoRA adapters into a dense GGUF, transcode/quantize a GGUF (llama.cpp byte-exact), or write a LoRA adapter GGUF"
+DESCRIPTION = __doc__.split("\n", 1)[1].strip() + (
+    "\n\nThe adapter file stores A and B but NOT alpha: pass --alpha with the training-time value, "
+    "or let it default to config.lora_alpha recorded in the checkpoint's trainer_state.json.")
+
+
+def add_arguments(parser):
+    import argparse
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--from-gguf", metavar="GGUF", help="source GGUF: the dense base to merge into, or the file to transcode")
+    parser.add_argument("--adapters", metavar="DIR",
+                        help="fine-tune checkpoint directory (adapters.safetensors + trainer_state.json)")
+    parser.add_argument("--alpha", metavar="A",
+                        help="LoRA alpha used in training (scale = alpha/rank). It is NOT stored in the adapter file; "
+                             "default: config.lora_alpha from the checkpoint's trainer_state.json")
+    parser.add_argument("--out", metavar="GGUF", help="output GGUF for merge or transcode")
+    parser.add_argument("--dtype", choices=sorted(TARGETS), type=str.lower,
+                        help="transcode matrix weights to this type (llama-quantize policy; norms and 1-D tensors keep "
+                             "their type; K-quants need rows %% 256 == 0, else the source type is kept and reported; "
+                             "already-quantized tensors are copied verbatim). Omit for a verbatim copy")
+    parser.add_argument("--lora-out", metavar="GGUF", help="write a llama.cpp LoRA adapter GGUF here (needs --adapters and --base)")
+    parser.add_argument("--base", metavar="GGUF",
+                        help="with --lora-out: the base model the adapter is for (names, shapes, architecture); "
+                             "defaults to --from-gguf")
+
+
+def run(args):
+    if args.lora_out:
+        base = args.base or args.from_gguf
+        if not args.adapters or not base:
+            raise UserError("--lora-out needs --adapters DIR and --base BASE.gguf")
+        if args.out or args.dtype:
+            raise UserError("--lora-out writes only the adapter; run merge/transcode (--out/--dtype) as a separate command")
+        adapters = load_adapters(args.adapters)
+        alpha = resolve_alpha(args.alpha, adapters)
+        print(f"export-gguf: adapter GGUF  adapters={args.adapters} base={base} alpha={alpha:g} rank={adapters.rank}")
+        write_lora_gguf(adapters, alpha, base, args.lora_out)
+        print(f"wrote {args.lora_out}: {len(adapters.pairs)} lora_a/lora_b pairs (targets {','.join(adapters.targets)})")
+        return 0
+    if not args.from_gguf or not args.out:
+        raise UserError("need --from-gguf SRC and --out OUT (or --adapters, --base and --lora-out for an adapter GGUF)")
+    if args.adapters:
+        if args.dtype:
+            raise UserError("merge and --dtype are separate passes by design (one quantization in the file's history): "
+                            "merge first into a dense --out, then run export-gguf --from-gguf MERGED --dtype "
+                            f"{args.dtype} --out FINAL")
+        adapters = load_adapters(args.adapters)
+        alpha = resolve_alpha(args.alpha, adapters)
+        print(f"export-gguf: merge  base={args.from_gguf} adapters={args.adapters} alpha={alpha:g} "
+              f"rank={adapters.rank} scale={alpha / adapters.rank:g}")
+        names = merge(args.from_gguf, adapters, alpha, args.out)
+        print(f"wrote {args.out}: merged {len(names)} weights, everything else copied verbatim")
+        return 0
+    if args.alpha is not None:
+        raise UserError("--alpha only applies with --adapters")
+    print(f"export-gguf: transcode  {args.from_gguf} -> {args.out}  dtype={args.dtype or 'verbatim'}")
+    rows = transcode(args.from_gguf, args.out, args.dtype, log=lambda line: print(f"  {line}"))
+    converted = sum(1 for r in rows if r[1] != r[2])
+    print(f"wrote {args.out}: {len(rows)} tensors, {converted} converted")
+    return 0

@@ -1,0 +1,254 @@
+"""Export a LoRA fine-tune: merge into a dense GGUF, write a llama.cpp adapter GGUF, or a PEFT directory.
+
+Trade-off: merging is allowed only into a dense (F32/F16/BF16) base, and
+quantization is a separate pass afterwards (`gguf_write.transcode`). A merge
+into a quantized base would have to dequantize -> add -> re-encode, which
+stacks a second quantization error on the first; refusing it keeps exactly
+one quantization in the artifact's history, at the price of a two-command
+recipe. The adapter GGUF and PEFT exports never touch the base weights at
+all: they are the small, composable form of the same fine-tune.
+
+Names: the trainer saves `layers.<i>.<target>.lora_{a,b}` with A [rank, in]
+and B [out, rank]; the GGUF weight is `blk.<i>.<tensor>.weight`, row-major
+[out, in]; the merge adds (alpha / rank) * B @ A. Alpha is NOT in the adapter
+file: it comes from --alpha or the checkpoint's trainer_state.json
+(`config.lora_alpha`, else `config.lora.alpha`).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFValueType
+from gguf.gguf_writer import GGUFValue
+
+from pipeline.errors import CheckpointError, UserError
+from pipeline.train.checkpoint import read_sentinel
+from pipeline.train.state_dict import atomic_write_bytes, read_safetensors, save_state_dict
+
+from .gguf_write import DENSE, GGUFTensor, encode, read_gguf, write_gguf
+
+ADAPTER_FILE = "adapters.safetensors"
+GGUF_TENSOR = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
+               "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
+PEFT_MODULE = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+               "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+_NAME = re.compile(r"^layers\.(\d+)\.([a-z]+)\.lora_([ab])$")
+
+QUANTIZED_BASE_REFUSAL = (
+    "merging into a quantized base would dequantize -> merge -> re-encode and compound the quantization error, "
+    "so it is refused. Merge into the dense f32/f16/bf16 base the adapters were trained against, then quantize "
+    "the result in a second pass:\n"
+    "  fucina export-gguf --from-gguf BASE-f16.gguf --adapters RUN_DIR --out merged-f16.gguf\n"
+    "  fucina export-gguf --from-gguf merged-f16.gguf --dtype q4_k --out merged-q4_k.gguf")
+
+
+@dataclass
+class AdapterPair:
+    layer: int
+    target: str
+    a: np.ndarray  # [rank, in] float32
+    b: np.ndarray  # [out, rank] float32
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+    @property
+    def gguf_name(self) -> str:
+        return f"blk.{self.layer}.{GGUF_TENSOR[self.target]}.weight"
+
+    @property
+    def trainer_name(self) -> str:
+        return f"layers.{self.layer}.{self.target}"
+
+
+@dataclass
+class Adapters:
+    """The adapter pairs of one checkpoint directory plus what its sentinel says."""
+    directory: Path
+    pairs: list[AdapterPair]
+    config: dict
+
+    @property
+    def rank(self) -> int:
+        return self.pairs[0].rank
+
+    @property
+    def targets(self) -> list[str]:
+        return sorted({p.target for p in self.pairs}, key=list(GGUF_TENSOR).index)
+
+
+def load_adapters(directory) -> Adapters:
+    """Read `directory/adapters.safetensors`; the directory must be a committed checkpoint."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise UserError(f"--adapters {directory}: not a directory (pass the fine-tune's checkpoint directory)")
+    state = read_sentinel(directory)  # CheckpointError: "not a committed checkpoint (no trainer_state.json)"
+    path = directory / ADAPTER_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{directory}: no {ADAPTER_FILE} (is this a LoRA fine-tune checkpoint?)")
+    tensors, _ = read_safetensors(path)
+    halves: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    for name, value in tensors.items():
+        m = _NAME.match(name)
+        if not m or m.group(2) not in GGUF_TENSOR:
+            raise UserError(f"{path}: tensor '{name}' is not an adapter name layers.<i>.<target>.lora_{{a,b}} "
+                            f"with target in {'/'.join(GGUF_TENSOR)}")
+        if value.ndim != 2 or value.dtype.kind != "f":
+            raise UserError(f"{path}: tensor '{name}' must be a 2-D float matrix, got {value.dtype}{list(value.shape)}")
+        halves.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = value.astype(np.float32)
+    if not halves:
+        raise UserError(f"{path}: no adapter tensors")
+    pairs = []
+    for (layer, target), ab in sorted(halves.items()):
+        where = f"{path}: layers.{layer}.{target}"
+        if set(ab) != {"a", "b"}:
+            raise UserError(f"{where}: lora_{'b' if 'a' in ab else 'a'} is missing (A and B come in pairs)")
+        a, b = ab["a"], ab["b"]
+        if a.shape[0] != b.shape[1]:
+            raise UserError(f"{where}: rank mismatch, lora_a {list(a.shape)} is [rank, in] and "
+                            f"lora_b {list(b.shape)} is [out, rank]")
+        pairs.append(AdapterPair(layer, target, a, b))
+    ranks = sorted({p.rank for p in pairs})
+    if len(ranks) != 1:
+        raise UserError(f"{path}: adapters have different ranks {ranks}; one rank per checkpoint is supported")
+    return Adapters(directory, pairs, state.config)
+
+
+def resolve_alpha(alpha, adapters: Adapters) -> float:
+    """--alpha if given, else the training alpha recorded in trainer_state.json; positive and finite."""
+    source = "--alpha"
+    if alpha is None:
+        cfg = adapters.config
+        source = f"{adapters.directory / 'trainer_state.json'}: config.lora_alpha"
+        alpha = cfg.get("lora_alpha")
+        if alpha is None and isinstance(cfg.get("lora"), dict):
+            alpha, source = cfg["lora"].get("alpha"), source.replace("lora_alpha", "lora.alpha")
+        if alpha is None:
+            raise UserError(f"{adapters.directory}: the training alpha is not recorded in trainer_state.json "
+                            "(and the adapter file never stores it); pass --alpha with the training-time value "
+                            "(fucina finetune's default is 16)")
+    if isinstance(alpha, str):
+        try:
+            alpha = float(alpha)
+        except ValueError:
+            raise UserError(f"{source}: alpha must be a number, got {alpha!r}") from None
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise UserError(f"{source}: alpha must be a number, got {type(alpha).__name__} {alpha!r}")
+    if not math.isfinite(alpha) or alpha <= 0:
+        raise UserError(f"{source}: alpha must be a positive finite number, got {alpha!r}")
+    return float(alpha)
+
+
+def _match(adapters: Adapters, base, base_path) -> dict[str, AdapterPair]:
+    """Map every adapter pair onto a base tensor, checking names and [out, in] shapes."""
+    matched = {}
+    missing = []
+    for p in adapters.pairs:
+        t = base.tensor(p.gguf_name)
+        if t is None:
+            missing.append(f"{p.trainer_name} -> {p.gguf_name}")
+            continue
+        want = (p.b.shape[0], p.a.shape[1])
+        if tuple(t.shape) != want:
+            raise UserError(f"{base_path}: tensor '{p.gguf_name}' is [out, in] = {list(t.shape)} but adapter "
+                            f"{p.trainer_name} is B{list(p.b.shape)} @ A{list(p.a.shape)} = {list(want)}; "
+                            "were the adapters trained on another model?")
+        matched[p.gguf_name] = p
+    if missing:
+        head = ", ".join(missing[:4]) + (f" (+{len(missing) - 4} more)" if len(missing) > 4 else "")
+        what = "none of the adapters match" if not matched else f"{len(missing)} adapter(s) match no tensor"
+        raise UserError(f"{base_path}: {what} a tensor of this model: {head}; "
+                        "is it the base the adapters were trained on?")
+    return matched
+
+
+def merge(base_path, adapters: Adapters, alpha: float, out_path) -> list[str]:
+    """Write base + (alpha/rank) * B @ A for every adapter pair to `out_path`; returns the merged tensor names.
+
+    Every merged tensor keeps its stored type (F32 stays F32; F16/BF16 are
+    widened, merged in float32 and rounded back once). Everything else is
+    re-emitted verbatim.
+    """
+    base = read_gguf(base_path)
+    matched = _match(adapters, base, base_path)
+    quantized = [f"{n} ({base.tensor(n).qtype.name})" for n in matched if base.tensor(n).qtype not in DENSE]
+    if quantized:
+        raise UserError(f"{base_path}: quantized base weights {', '.join(quantized[:3])}: {QUANTIZED_BASE_REFUSAL}")
+    tensors = []
+    for t in base.tensors:
+        p = matched.get(t.name)
+        if p is not None:
+            scale = np.float32(alpha / p.rank)
+            merged = t.dense() + (p.b @ p.a) * scale
+            t = GGUFTensor(t.name, t.qtype, t.shape, encode(merged, t.qtype))
+        tensors.append(t)
+    write_gguf(out_path, base.metadata, tensors, base.alignment)
+    return list(matched)
+
+
+def write_lora_gguf(adapters: Adapters, alpha: float, base_path, out_path) -> Path:
+    """A llama.cpp LoRA adapter GGUF: general.type adapter, adapter.type lora, adapter.lora.alpha,
+    tensors `<base weight>.lora_a` [rank, in] and `.lora_b` [out, rank] (numpy order), float32.
+
+    The base is read only to check names/shapes and copy its architecture
+    (llama.cpp refuses an adapter whose architecture differs from the model's)."""
+    base = read_gguf(base_path)
+    matched = _match(adapters, base, base_path)
+    arch = base.metadata.get("general.architecture")
+    if arch is None:
+        raise UserError(f"{base_path}: metadata key 'general.architecture' is missing")
+    metadata = {
+        "general.architecture": arch,
+        "general.type": GGUFValue("adapter", GGUFValueType.STRING),
+        "adapter.type": GGUFValue("lora", GGUFValueType.STRING),
+        "adapter.lora.alpha": GGUFValue(float(alpha), GGUFValueType.FLOAT32),
+    }
+    tensors = []
+    for name, p in matched.items():
+        for suffix, value in (("lora_a", p.a), ("lora_b", p.b)):
+            value = np.ascontiguousarray(value, np.float32)
+            tensors.append(GGUFTensor(f"{name}.{suffix}", QT.F32, value.shape, value.view(np.uint8)))
+    return write_gguf(out_path, metadata, tensors)
+
+
+def write_peft(adapters: Adapters, alpha: float, out_dir, base_model: str = "") -> Path:
+    """A PEFT LoRA directory for Hugging Face Qwen3: adapter_config.json + adapter_model.safetensors."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--out {out_dir}: exists and is not a directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for p in adapters.pairs:
+        prefix = f"base_model.model.model.layers.{p.layer}.{PEFT_MODULE[p.target]}"
+        tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(p.a, np.float32)
+        tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(p.b, np.float32)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model or None,
+        "r": adapters.rank,
+        "lora_alpha": alpha,
+        "lora_dropout": float(adapters.config.get("lora_dropout", 0.0) or 0.0),
+        "target_modules": [PEFT_MODULE[t].split(".")[1] for t in adapters.targets],
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+    # safetensors first, config last: a directory with a config is complete
+    save_state_dict(out_dir / "adapter_model.safetensors", tensors, metadata={"format": "pt"})
+    atomic_write_bytes(out_dir / "adapter_config.json", (json.dumps(config, indent=2) + "\n").encode("utf-8"))
+    return out_dir

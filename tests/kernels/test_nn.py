@@ -1,0 +1,105 @@
+"""kernels/nn.py against numpy references; 1 vs 2 numba threads bitwise."""
+import numba
+import numpy as np
+import pytest
+
+from kernels import nn, rng
+
+two_threads = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs NUMBA_NUM_THREADS >= 2")
+
+
+def with_threads(n, fn):
+    prev = numba.get_num_threads()
+    numba.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        numba.set_num_threads(prev)
+
+
+def ref_rms_norm(x, w, eps):
+    x64 = x.astype(np.float64)
+    r = 1.0 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + eps)
+    return (x64 * r * w).astype(x.dtype), r[:, 0]
+
+
+def ref_rms_norm_backward(g, x, w, r):
+    x64, g64 = x.astype(np.float64), g.astype(np.float64)
+    xhat = x64 * r[:, None]
+    gh = g64 * w
+    gx = r[:, None] * (gh - xhat * (gh * xhat).mean(-1, keepdims=True))
+    return gx, (g64 * xhat).sum(0)
+
+
+@pytest.fixture
+def big():
+    r = np.random.default_rng(7)
+    return r.standard_normal((300, 256)).astype(np.float32), r.standard_normal(256).astype(np.float32)
+
+
+def test_rms_norm_matches_reference(big):
+    x, w = big
+    out, rstd = nn.rms_norm_forward(x, w, 1e-6)
+    ref, rref = ref_rms_norm(x, w, 1e-6)
+    np.testing.assert_allclose(out, ref, rtol=2e-6, atol=1e-6)
+    np.testing.assert_allclose(rstd, rref, rtol=1e-12)
+    g = np.random.default_rng(1).standard_normal(x.shape).astype(np.float32)
+    gx, gw = nn.rms_norm_backward(g, x, w, rstd)
+    rgx, rgw = ref_rms_norm_backward(g, x, w, rstd)
+    np.testing.assert_allclose(gx, rgx, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(gw, rgw, rtol=1e-4, atol=1e-4)
+
+
+@two_threads
+def test_rms_norm_thread_count_bitwise(big):
+    x, w = big
+    g = np.random.default_rng(1).standard_normal(x.shape).astype(np.float32)
+
+    def run():
+        out, rstd = nn.rms_norm_forward(x, w, 1e-6)
+        return (out, rstd) + nn.rms_norm_backward(g, x, w, rstd)
+
+    for a, b in zip(with_threads(1, run), with_threads(2, run)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_dropout_matches_rng_reference():
+    x = np.random.default_rng(3).standard_normal((400, 300)).astype(np.float32)
+    out = nn.dropout_apply(99, x, 0.1)
+    keep = rng.uniform(99, x.shape, dtype=np.float64) < 0.9
+    np.testing.assert_array_equal(out, np.where(keep, x * np.float32(1 / 0.9), 0).astype(np.float32))
+    np.testing.assert_array_equal(nn.dropout_mask(99, x.shape, 0.1), keep)
+
+
+@two_threads
+def test_dropout_thread_count_bitwise():
+    x = np.random.default_rng(3).standard_normal((400, 300)).astype(np.float32)
+    np.testing.assert_array_equal(with_threads(1, lambda: nn.dropout_apply(5, x, 0.3)),
+                                  with_threads(2, lambda: nn.dropout_apply(5, x, 0.3)))
+
+
+def test_embedding_backward_matches_add_at():
+    r = np.random.default_rng(4)
+    ids = r.integers(0, 50, 700)
+    g = r.standard_normal((700, 130)).astype(np.float32)
+    ref = np.zeros((50, 130), np.float32)
+    np.add.at(ref, ids, g)  # sequential in row order, like the kernel
+    np.testing.assert_array_equal(nn.embedding_backward(ids, g, 50), ref)
+
+
+@two_threads
+def test_embedding_backward_thread_count_bitwise():
+    r = np.random.default_rng(4)
+    ids = r.integers(0, 50, 700)
+    g = r.standard_normal((700, 130)).astype(np.float32)
+    np.testing.assert_array_equal(with_threads(1, lambda: nn.embedding_backward(ids, g, 50)),
+                                  with_threads(2, lambda: nn.embedding_backward(ids, g, 50)))
+
+
+def test_wrappers_validate():
+    with pytest.raises(ValueError, match="rms_norm"):
+        nn.rms_norm_forward(np.zeros((2, 3), np.int32), None, 1e-6)
+    with pytest.raises(ValueError, match="dropout"):
+        nn.dropout_apply(0, np.zeros(3, np.int64), 0.5)
+    with pytest.raises(ValueError, match="embedding"):
+        nn.embedding_backward(np.zeros(3, np.int64), np.zeros((4, 2), np.float32), 5)

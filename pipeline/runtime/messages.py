@@ -27,18 +27,19 @@ KINDS: dict[str, tuple[str, ...]] = {
     # worker -> scheduler
     "hello": ("role", "worker", "pid"),          # a worker announces itself
     "heartbeat": ("worker",),                    # both ways (scheduler echoes)
-    "loaded": ("worker", "gen", "k", "slot"),    # loader filled a batch slot
-    "grad_done": ("worker", "gen", "k", "loss", "rows"),  # trainer wrote grad slot k
-    "stepped": ("worker", "gen", "lr", "grad_norm"),       # optimizer published version step+1
+    "loaded": ("worker", "gen", "k", "slot", "batch", "ms"),  # loader filled a slot of segment `batch`
+    "grad_done": ("worker", "gen", "k", "loss", "rows", "ms"),  # trainer wrote grad slot k
+    "stepped": ("worker", "gen", "lr", "grad_norm", "ms"),  # optimizer published version `step`
     "snapshot_ready": ("worker", "gen", "segment", "tensors", "meta"),  # optimizer copied state to shm
-    "ready": ("worker", "gen"),                  # optimizer finished init / restore
-    "committed": ("worker", "path"),             # checkpointer wrote a checkpoint dir
+    "ready": ("worker", "gen", "params", "grads"),  # optimizer finished init/restore; segment descriptors
+    "committed": ("worker", "path", "ms"),       # checkpointer wrote a checkpoint dir (step = its step)
     "failed": ("worker", "error"),               # a task failed for a reason retrying will not fix
     "bye": ("worker",),                          # a worker exits cleanly
     # scheduler -> worker
     "welcome": ("worker", "run"),                # handshake reply: run description
     "load": ("gen", "k", "slot"),                # loader: produce micro-batch (step, k) into slot
-    "grad": ("gen", "k", "slot", "version"),     # trainer: forward+backward micro-batch k
+    "grad": ("gen", "k", "slot", "batch", "params", "grads"),  # trainer: forward+backward micro-batch k
+                                                 # against params version `step`, gradient into grads slot k
     "step": ("gen", "micro_batches"),            # optimizer: reduce slots 0..M-1 in order, step
     "init": ("gen", "resume"),                   # optimizer: (re)load state (resume dir or "")
     "snapshot": ("gen",),                        # optimizer: copy params+state to a shm segment

@@ -161,7 +161,7 @@ class Registry:
         seg = self.created.pop(name, None)
         if seg is not None:
             seg.close()
-            _unlink_name(name)
+            unlink_name(name)
 
     def close(self):
         for name in list(self.attached):
@@ -170,7 +170,7 @@ class Registry:
             self.unlink(name)
 
 
-def _unlink_name(name: str):
+def unlink_name(name: str):
     try:
         os.unlink(os.path.join(SHM_DIR, name))
     except FileNotFoundError:
@@ -189,7 +189,7 @@ def unlink_run(run_id: str) -> list[str]:
     """Remove every segment of a run (the launcher's last word); returns the names removed."""
     names = run_segments(run_id)
     for n in names:
-        _unlink_name(n)
+        unlink_name(n)
     return names
 
 

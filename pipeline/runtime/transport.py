@@ -29,7 +29,7 @@ from . import messages
 log = logging.getLogger("fucina.transport")
 
 HEARTBEAT_S = 0.25       # how often both sides beat
-LIVENESS_S = 3.0         # silence after which a peer is declared dead
+LIVENESS_S = 5.0         # silence after which a peer is declared dead
 
 
 @dataclass(frozen=True)
@@ -164,9 +164,10 @@ class Liveness:
 class HeartbeatThread(threading.Thread):
     """Worker side: beat every HEARTBEAT_S on a private socket; the scheduler echoes.
 
-    If no echo arrives for `timeout_s` the scheduler is presumed dead and the
-    worker is sent SIGTERM (its handler unwinds and unlinks its segments), so
-    orphaned workers exit within a few seconds of losing the scheduler.
+    Once the scheduler has answered, silence for `timeout_s` means it is dead:
+    the worker is sent SIGTERM (its handler unwinds and unlinks its segments),
+    so orphaned workers exit within a few seconds of losing the scheduler.
+    Before the first answer the worker waits (the scheduler may start later).
     """
 
     def __init__(self, endpoint: str, worker: str, timeout_s: float = LIVENESS_S, interval_s: float = HEARTBEAT_S):
@@ -179,7 +180,7 @@ class HeartbeatThread(threading.Thread):
     def run(self):
         ctx = zmq.Context.instance()
         sock = DealerSocket(self.endpoint, f"{self.worker}#hb", ctx)
-        last_heard = time.monotonic()
+        last_heard = None
         try:
             while not self._stop.is_set():
                 sock.send("heartbeat", worker=self.worker)
@@ -188,7 +189,8 @@ class HeartbeatThread(threading.Thread):
                     msg = sock.recv(int(left * 1000) + 1)
                     if msg:
                         last_heard = time.monotonic()
-                if time.monotonic() - last_heard > self.timeout_s and not self._stop.is_set():
+                silent = last_heard is not None and time.monotonic() - last_heard > self.timeout_s
+                if silent and not self._stop.is_set():
                     self.lost = True
                     log.warning("%s: no heartbeat from the scheduler for %.1f s; exiting", self.worker, self.timeout_s)
                     os.kill(os.getpid(), signal.SIGTERM)

@@ -1,0 +1,123 @@
+"""`fucina launch`: start every role as a subprocess and supervise them.
+
+The launcher is not on the wire: it spawns the scheduler and the workers,
+keeps `pids.json` (role -> pid of the live process) current, re-spawns a
+worker that died while the scheduler lives (the scheduler re-queues or rewinds
+its work), and ends the run when the scheduler exits. Whatever happens - normal
+end, Ctrl-C, SIGTERM, a crash - it terminates the children and then removes
+every shared-memory segment carrying the run's prefix, including those of
+SIGKILLed workers that could not clean up after themselves.
+
+Trade-off: re-spawning lives here rather than in the scheduler so the scheduler
+also runs unsupervised under honcho (Procfile), where nobody re-spawns.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+from ..errors import FucinaError
+from ..threads import pin_env
+from . import shm
+
+MAX_RESPAWNS = 10
+
+
+class Supervisor:
+    def __init__(self, job_name, spec: dict, run_dir, trainers=1, resume=None, threads=1, port=None,
+                 host="127.0.0.1", liveness=3.0, env=None, quiet=False):
+        self.run_dir = os.path.abspath(run_dir)
+        self.run_id = uuid.uuid4().hex[:10]
+        self.trainers, self.threads, self.quiet = trainers, threads, quiet
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.env = pin_env(threads, dict(os.environ if env is None else env))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, self.env.get("PYTHONPATH")]))
+        self.env["PYTHONUNBUFFERED"] = "1"
+        conn = []
+        if port:
+            endpoint = f"tcp://{host}:{port}"
+            conn = ["--connect", endpoint]
+        else:
+            conn = ["--run-dir", self.run_dir]
+        sched = [sys.executable, "-m", "workers.scheduler", "--job", job_name, "--spec-json", json.dumps(spec),
+                 "--run-dir", self.run_dir, "--run-id", self.run_id, "--trainers", str(trainers),
+                 "--threads", str(threads), "--liveness", str(liveness)]
+        if resume:
+            sched += ["--resume", resume]
+        if port:
+            sched += ["--port", str(port), "--host", host]
+        worker = lambda role: [sys.executable, "-m", f"workers.{role}", *conn, "--threads", str(threads)]  # noqa: E731
+        self.commands = {"scheduler": sched, "loader": worker("loader"), "optimizer": worker("optimizer"),
+                         "checkpointer": worker("checkpointer")}
+        for i in range(trainers):
+            self.commands[f"trainer-{i}"] = worker("trainer")
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.respawns = 0
+        self.log_path = os.path.join(self.run_dir, "workers.log")
+
+    def spawn(self, name):
+        log = open(self.log_path, "ab")
+        self.procs[name] = subprocess.Popen(self.commands[name], env=self.env, stdout=log,
+                                            stderr=log if name != "scheduler" or self.quiet else None)
+        log.close()
+        self.write_pids()
+
+    def write_pids(self):
+        pids = {name: p.pid for name, p in self.procs.items() if p.poll() is None}
+        tmp = os.path.join(self.run_dir, "pids.json.tmp")
+        with open(tmp, "w") as fh:
+            json.dump(pids, fh, indent=1)
+        os.replace(tmp, os.path.join(self.run_dir, "pids.json"))
+
+    def run(self) -> dict:
+        """Start everything, supervise until the scheduler exits; -> summary (raises on failure)."""
+        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+
+        def stop(signum, _frame):
+            raise KeyboardInterrupt
+        for s in previous:
+            signal.signal(s, stop)
+        try:
+            for name in self.commands:
+                self.spawn(name)
+            while True:
+                code = self.procs["scheduler"].poll()
+                if code is not None:
+                    break
+                for name, p in list(self.procs.items()):
+                    if name != "scheduler" and p.poll() not in (None, 0):  # exit 0 = told to stop
+                        if self.respawns >= MAX_RESPAWNS:
+                            raise FucinaError(f"launch: workers died {self.respawns} times; see {self.log_path}")
+                        self.respawns += 1
+                        self.spawn(name)
+                time.sleep(0.05)
+            if code != 0:
+                raise FucinaError(f"launch: the scheduler exited with status {code}; see {self.log_path}")
+            with open(os.path.join(self.run_dir, "summary.json")) as fh:
+                summary = json.load(fh)
+            summary["respawns"] = self.respawns
+            return summary
+        finally:
+            self.shutdown()
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    def shutdown(self, grace_s=5.0):
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.write_pids()
+        shm.unlink_run(self.run_id)

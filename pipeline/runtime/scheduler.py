@@ -1,0 +1,338 @@
+"""The deterministic step scheduler: the plan, the step counter, the commit order.
+
+The plan of a run is the grid of tasks keyed by (step, micro-batch k):
+
+    load(step, k) -> grad(step, k) for k = 0..M-1 -> step(step) -> [snapshot -> write]
+
+Tasks go to whichever worker is idle, results may arrive in any order, but the
+optimizer always reduces gradient slots 0..M-1 in index order, so *who* ran a
+task never changes the bits. The scheduler only decides *when*.
+
+Generations: when a stateful role (optimizer, loader) is lost, the run restarts
+from the last committed checkpoint under a new generation number `gen`; every
+task carries its gen and late results of an older gen are ignored. A lost
+trainer's task is simply re-queued (tasks are idempotent). A lost
+checkpointer's write is re-sent (the snapshot segment outlives it).
+
+Trade-off: one hub process sees every message (simple, auditable ordering) at
+the cost of one extra hop per task and a single point of failure - which is
+why every worker exits when the scheduler's heartbeats stop.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+from ..errors import FucinaError
+from ..jobs.spec import to_dict
+from . import ckpt
+from .metrics import MetricsLog, plot_run
+from .roles import checkpoint_dir, checkpoint_due
+from .transport import LIVENESS_S, Liveness, Publisher, RouterSocket
+
+SINGLETONS = ("loader", "optimizer", "checkpointer")
+START_GRACE_S = 120.0  # how long to wait for every requested trainer before starting with fewer
+
+
+@dataclass
+class Peer:
+    id: str
+    role: str
+    identity: bytes
+    pid: int
+    task: tuple | None = None   # (gen, step, k) for trainers, (step,) for the checkpointer
+    born: float = field(default_factory=time.monotonic)
+
+
+class RunFailed(FucinaError):
+    pass
+
+
+class Scheduler:
+    def __init__(self, job, run_dir, run_id, endpoints, trainers=1, resume=None, log=print, liveness_s=LIVENESS_S):
+        self.job, self.run_dir, self.run_id, self.endpoints = job, run_dir, run_id, endpoints
+        self.trainers_wanted, self.resume, self.log = trainers, resume, log
+        self.M = job.micro_batches
+        self.router = RouterSocket(endpoints.control)
+        self.pub = Publisher(endpoints.events)
+        self.liveness = Liveness(liveness_s)
+        self.metrics = MetricsLog(run_dir)
+        self.peers: dict[str, Peer] = {}
+        self.gen = 0
+        self.ready = False           # optimizer has published parameters of version self.cur
+        self.init_sent = False
+        self.started = False
+        self.cur = 0
+        self.descs = {}              # params / grads / batch segment descriptors
+        self.loads: dict[tuple, str] = {}
+        self.grads: dict[int, tuple] = {}
+        self.optimizer_busy = False
+        self.writes_pending: dict[int, dict] = {}
+        self.writes_inflight: dict[int, tuple] = {}  # step -> (checkpointer id, write fields)
+        self.losses: dict[int, float] = {}
+        self.role_ms = {"loader": 0.0, "trainer": 0.0, "optimizer": 0.0}
+        self.last_step_t = None
+        self.restarts = 0
+        self.committed_steps = set()
+        self.summary = None
+        self.t_start = time.monotonic()
+
+    # --- wiring ------------------------------------------------------------
+    def run_description(self):
+        return {"run_id": self.run_id, "run_dir": os.path.abspath(self.run_dir), "job": self.job.name,
+                "spec": to_dict(self.job.spec), "endpoints": self.endpoints.to_wire(), "trainers": self.trainers_wanted}
+
+    def send(self, peer: Peer, kind, step=0, **fields):
+        self.router.send(peer.identity, kind, step, **fields)
+
+    def event(self, name, step=None, **detail):
+        step = self.cur if step is None else step
+        self.pub.publish("event", step, event=name, detail=detail)
+        self.metrics.write({"kind": "event", "event": name, "step": step, "detail": detail})
+        self.log(f"[scheduler] {name} {json.dumps(detail, default=str)}")
+
+    def role(self, role):
+        return [p for p in self.peers.values() if p.role == role]
+
+    def one(self, role):
+        peers = self.role(role)
+        return peers[0] if peers else None
+
+    # --- the loop ----------------------------------------------------------
+    def serve(self) -> dict:
+        """Run the plan to the end; -> summary. Raises RunFailed on a failed task."""
+        try:
+            while self.summary is None:
+                got = self.router.recv(20)
+                while got is not None:
+                    identity, msg = got
+                    if msg is not None:
+                        self.handle(identity, msg)
+                    got = self.router.recv(0)
+                for dead in self.liveness.dead():
+                    if dead in self.peers:
+                        self.lost(dead, "no heartbeat for %.1f s" % self.liveness.timeout_s)
+                self.pump()
+            return self.summary
+        finally:
+            for p in self.peers.values():
+                try:
+                    self.send(p, "shutdown", reason="run over")
+                except Exception:  # noqa: BLE001 - sockets may already be gone
+                    pass
+            time.sleep(0.1)  # let the shutdowns and the last events leave
+            self.metrics.close()
+            self.router.close()
+            self.pub.close()
+
+    def handle(self, identity: bytes, msg: dict):
+        kind, step = msg["kind"], msg["step"]
+        if kind == "heartbeat":
+            if msg["worker"] in self.peers:
+                self.liveness.beat(msg["worker"])
+            self.router.send(identity, "heartbeat", worker="scheduler")
+            return
+        if kind == "hello":
+            self.hello(identity, msg)
+            return
+        peer = self.peers.get(msg.get("worker"))
+        if peer is None:  # a worker we already declared lost: tell it to go
+            if kind != "bye":
+                self.router.send(identity, "shutdown", reason="you were declared lost; start afresh", replace=True)
+            return
+        self.liveness.beat(peer.id)
+        handler = getattr(self, f"on_{kind}", None)
+        if handler is None:
+            self.log(f"[scheduler] dropped a {kind!r} message from {peer.id} (not a result)")
+            return
+        handler(peer, msg)
+
+    def hello(self, identity, msg):
+        role, wid = msg["role"], msg["worker"]
+        if role not in (*SINGLETONS, "trainer"):
+            self.router.send(identity, "shutdown", reason=f"unknown role {role!r}")
+            return
+        if role in SINGLETONS:
+            for old in self.role(role):
+                self.lost(old.id, "replaced by a new " + role)
+        peer = Peer(wid, role, identity, msg["pid"])
+        self.peers[wid] = peer
+        self.liveness.beat(wid)
+        self.send(peer, "welcome", worker=wid, run=self.run_description())
+        self.event("worker_joined", worker=wid, role=role, pid=msg["pid"])
+
+    # --- results -----------------------------------------------------------
+    def on_bye(self, peer, msg):
+        if self.summary is None:
+            self.lost(peer.id, "left")
+
+    def on_failed(self, peer, msg):
+        self.event("task_failed", worker=peer.id, error=msg["error"])
+        raise RunFailed(f"task failed on {peer.id}: {msg['error']}")
+
+    def on_ready(self, peer, msg):
+        if msg["gen"] != self.gen:
+            return
+        self.cur, self.ready, self.optimizer_busy = msg["step"], True, False
+        self.descs["params"], self.descs["grads"] = msg["params"], msg["grads"]
+        self.last_step_t = time.monotonic()
+        self.event("optimizer_ready", step=msg["step"], resume=msg.get("resume") or None, gen=self.gen)
+
+    def on_loaded(self, peer, msg):
+        self.role_ms["loader"] += msg["ms"]
+        if msg["gen"] == self.gen:
+            self.loads[(msg["step"], msg["k"])] = "done"
+            self.descs["batch"] = msg["batch"]
+
+    def on_grad_done(self, peer, msg):
+        peer.task = None
+        if msg["gen"] != self.gen or msg["step"] != self.cur or msg.get("stale"):
+            if msg["gen"] == self.gen and msg["step"] == self.cur:
+                self.grads.pop(msg["k"], None)  # re-queue
+            return
+        self.role_ms["trainer"] += msg["ms"]
+        self.grads[msg["k"]] = ("done", msg["loss"], msg["rows"])
+
+    def on_stepped(self, peer, msg):
+        if msg["gen"] != self.gen:
+            return
+        self.role_ms["optimizer"] += msg["ms"]
+        done = msg["step"]
+        now = time.monotonic()
+        step_s = now - self.last_step_t
+        self.last_step_t = now
+        loss = self.losses[done]
+        record = {"loss": loss, "lr": msg["lr"], "grad_norm": msg["grad_norm"],
+                  "tokens_per_s": self.job.rows_per_step() * self.job.tokens_per_row() / max(step_s, 1e-9),
+                  "step_ms": step_s * 1e3, "roles": {k: round(v, 3) for k, v in self.role_ms.items()}}
+        if "eval" in msg:
+            record["eval"] = msg["eval"]
+        self.role_ms = dict.fromkeys(self.role_ms, 0.0)
+        self.pub.publish("metrics", done, total=self.job.steps, **record)
+        self.metrics.write({"kind": "metrics", "step": done, **record})
+        self.cur, self.optimizer_busy, self.grads = done, False, {}
+        self.loads = {key: v for key, v in self.loads.items() if key[0] >= done}
+        if checkpoint_due(self.job, done):
+            self.send(peer, "snapshot", done, gen=self.gen)
+
+    def on_snapshot_ready(self, peer, msg):
+        if msg["gen"] == self.gen:
+            self.writes_pending[msg["step"]] = {"segment": msg["segment"], "tensors": msg["tensors"],
+                                                "meta": msg["meta"], "dir": checkpoint_dir(os.path.abspath(self.run_dir), msg["step"])}
+
+    def on_committed(self, peer, msg):
+        peer.task = None
+        self.writes_inflight.pop(msg["step"], None)
+        self.committed_steps.add(msg["step"])
+        self.event("checkpoint_committed", step=msg["step"], path=msg["path"], ms=round(msg["ms"], 1))
+
+    # --- faults ------------------------------------------------------------
+    def lost(self, wid, why):
+        peer = self.peers.pop(wid, None)
+        self.liveness.forget(wid)
+        if peer is None:
+            return
+        self.event("worker_lost", worker=wid, role=peer.role, reason=why)
+        if peer.role == "trainer":
+            for k, v in list(self.grads.items()):
+                if v[0] == "issued" and v[1] == wid:
+                    del self.grads[k]
+        elif peer.role == "checkpointer":
+            for step, (owner, fields) in list(self.writes_inflight.items()):
+                if owner == wid:  # the snapshot segment outlives the writer: re-send the write
+                    del self.writes_inflight[step]
+                    self.writes_pending[step] = fields
+                    self.event("checkpoint_retry", step=step)
+        else:
+            self.restart_stateful(f"{peer.role} lost")
+
+    def restart_stateful(self, why):
+        """Rewind to the last committed checkpoint under a new generation."""
+        self.gen += 1
+        self.restarts += 1
+        self.ready = self.init_sent = self.optimizer_busy = False
+        self.loads, self.grads = {}, {}
+        self.writes_pending = {}
+        self.event("run_restarting", reason=why, gen=self.gen, resume=self.resume_point())
+
+    def resume_point(self) -> str:
+        latest = ckpt.latest_checkpoint(self.run_dir)
+        return latest or (self.resume or "")
+
+    # --- dispatch ----------------------------------------------------------
+    def pump(self):
+        checkpointer = self.one("checkpointer")
+        if checkpointer and checkpointer.task is None and self.writes_pending:
+            step = min(self.writes_pending)
+            fields = self.writes_pending.pop(step)
+            self.writes_inflight[step] = (checkpointer.id, fields)
+            checkpointer.task = (step,)
+            self.send(checkpointer, "write", step, **fields)
+        if not self.started:
+            have = {r: len(self.role(r)) for r in (*SINGLETONS, "trainer")}
+            enough = all(have[r] for r in SINGLETONS) and have["trainer"] >= 1
+            waited = time.monotonic() - self.t_start > START_GRACE_S
+            if not (enough and (have["trainer"] >= self.trainers_wanted or waited)):
+                return
+            self.started = True
+            self.event("run_started", trainers=have["trainer"], steps=self.job.steps, micro_batches=self.M)
+        optimizer = self.one("optimizer")
+        if optimizer and not self.init_sent:
+            self.send(optimizer, "init", gen=self.gen, resume=self.resume_point())
+            self.init_sent = True
+        if not self.ready:
+            return
+        if self.cur >= self.job.steps:
+            self.maybe_finish()
+            return
+        loader = self.one("loader")
+        if loader:
+            for t in (self.cur, self.cur + 1):
+                for k in range(self.M if t < self.job.steps else 0):
+                    if (t, k) not in self.loads:
+                        self.loads[(t, k)] = "issued"
+                        self.send(loader, "load", t, gen=self.gen, k=k, slot=(t % 2) * self.M + k)
+        trainers = self.role("trainer")
+        if any(p.task is not None and p.task[0] != self.gen for p in trainers):
+            return  # an older generation's task may still write a gradient slot: let it drain
+        idle = sorted((p for p in trainers if p.task is None), key=lambda p: p.born)
+        for k in range(self.M):
+            if not idle:
+                break
+            if k not in self.grads and self.loads.get((self.cur, k)) == "done":
+                peer = idle.pop(0)
+                peer.task = (self.gen, self.cur, k)
+                self.grads[k] = ("issued", peer.id)
+                self.send(peer, "grad", self.cur, gen=self.gen, k=k, slot=(self.cur % 2) * self.M + k,
+                          batch=self.descs["batch"], params=self.descs["params"], grads=self.descs["grads"])
+        if (optimizer and not self.optimizer_busy and len(self.grads) == self.M
+                and all(v[0] == "done" for v in self.grads.values())):
+            loss = 0.0
+            for k in range(self.M):  # the step's loss, summed in micro-batch order
+                loss += self.grads[k][1]
+            self.losses[self.cur + 1] = loss
+            self.optimizer_busy = True
+            self.send(optimizer, "step", self.cur, gen=self.gen, micro_batches=self.M)
+
+    def maybe_finish(self):
+        final = self.job.steps
+        if final not in self.committed_steps and not ckpt.is_committed(checkpoint_dir(self.run_dir, final)):
+            return
+        if self.writes_inflight or self.writes_pending:
+            return
+        path = checkpoint_dir(self.run_dir, final)
+        stored, _, _, _ = ckpt.read_checkpoint(path)
+        params = {n: stored[n] for n, _, _ in self.job.param_layout()}  # safetensors sorts names; jobs need model order
+        extras = self.job.finish(self.run_dir, params, log=self.log)
+        self.summary = {"job": self.job.name, "mode": "pipeline", "trainers": self.trainers_wanted,
+                        "steps": final, "final_loss": self.losses.get(final),
+                        "params_sha256": ckpt.params_sha256(params), "checkpoint": os.path.abspath(path),
+                        "run_dir": os.path.abspath(self.run_dir), "restarts": self.restarts,
+                        "elapsed_s": round(time.monotonic() - self.t_start, 3), **extras}
+        try:
+            self.summary["plot"] = plot_run(self.run_dir)
+        except FucinaError:
+            pass
+        self.event("run_finished", **{k: v for k, v in self.summary.items() if k != "sample"})

@@ -1,0 +1,146 @@
+"""The shared life of a worker process: connect, hello, welcome, tasks, exit.
+
+    hello(role, worker id, pid) -> welcome(run description) -> heartbeat thread
+    -> loop: one task message at a time, dispatched to on_<kind>(msg)
+    -> shutdown message, SIGTERM, Ctrl-C or a lost scheduler: unlink own
+       segments, say bye, exit 0.
+
+A task handler that raises sends `failed` (with the error text) and the worker
+exits 1: a deterministic task that failed once would fail again, so retrying
+is the scheduler's call, not ours. Unknown or malformed messages are dropped.
+
+Fault injection for tests: FUCINA_FAULT="role:point:step" makes the worker
+SIGKILL itself once at that point (a marker file in the run dir records that it
+fired, so the replacement process does not die again).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+
+from ..jobs import get_job
+from ..jobs.spec import build
+from ..threads import pin_threads
+from .shm import Registry, exit_on_signals
+from .transport import DealerSocket, HeartbeatThread, ipc_endpoints
+
+WELCOME_TIMEOUT_S = 60.0
+EXIT_REPLACED = 75  # EX_TEMPFAIL: the scheduler declared us lost; a supervisor should start a new one
+
+
+def worker_arguments(parser: argparse.ArgumentParser):
+    parser.add_argument("--run-dir", default=None, help="run directory (its control.sock is the default endpoint)")
+    parser.add_argument("--connect", default=None, help="scheduler control endpoint (ipc://... or tcp://host:port)")
+    parser.add_argument("--threads", type=int, default=1, help="BLAS/numba threads for this worker")
+    parser.add_argument("--log-level", default="WARNING", help="logging level")
+
+
+def control_endpoint(args) -> str:
+    if args.connect:
+        return args.connect
+    if args.run_dir:
+        return ipc_endpoints(args.run_dir).control
+    sys.exit("worker: give --run-dir DIR or --connect ENDPOINT")
+
+
+class Worker:
+    role = "worker"
+
+    def __init__(self, endpoint: str, threads: int = 1):
+        self.endpoint, self.threads = endpoint, threads
+        self.id = f"{self.role}-{os.getpid()}"
+        self.log = logging.getLogger(f"fucina.{self.role}")
+        self.registry = None
+        self.run = None
+
+    # --- hooks for roles ---------------------------------------------------
+    def setup(self):
+        """Called once after the welcome: build buffers, attach segments."""
+
+    # --- the life cycle ----------------------------------------------------
+    def main(self) -> int:
+        exit_on_signals()
+        pin_threads(self.threads)
+        self.sock = DealerSocket(self.endpoint, self.id)
+        heartbeat = None
+        try:
+            self.sock.send("hello", role=self.role, worker=self.id, pid=os.getpid())
+            heartbeat = HeartbeatThread(self.endpoint, self.id)
+            heartbeat.start()
+            welcome = self._await_welcome()
+            self.run = welcome["run"]
+            self.run_dir = self.run["run_dir"]
+            self.job = get_job(self.run["job"])(build(get_job(self.run["job"]).Spec, self.run["spec"]))
+            self.registry = Registry(self.run["run_id"], self.role)
+            self.setup()
+            return self._serve()
+        except SystemExit as e:  # SIGTERM / SIGHUP / lost scheduler: a clean exit
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+                return 1
+            return EXIT_REPLACED if e.code == EXIT_REPLACED else 0
+        except KeyboardInterrupt:
+            return 0
+        finally:
+            if heartbeat:
+                heartbeat.stop()
+            try:
+                self.sock.send("bye", worker=self.id)
+            except Exception:  # noqa: BLE001 - the context may be gone at exit
+                pass
+            if self.registry:
+                self.registry.close()
+            self.sock.close()
+
+    def _await_welcome(self):
+        deadline = time.monotonic() + WELCOME_TIMEOUT_S
+        while time.monotonic() < deadline:
+            msg = self.sock.recv(200)
+            if msg and msg["kind"] == "welcome":
+                return msg
+            if msg and msg["kind"] == "shutdown":
+                raise SystemExit(EXIT_REPLACED if msg.get("replace") else 0)
+        raise SystemExit(f"{self.id}: no scheduler answered at {self.endpoint} within {WELCOME_TIMEOUT_S:.0f} s")
+
+    def _serve(self) -> int:
+        while True:
+            msg = self.sock.recv(200)
+            if not msg:
+                continue
+            kind = msg["kind"]
+            if kind == "shutdown":  # EXIT_REPLACED asks a supervisor for a fresh process
+                return EXIT_REPLACED if msg.get("replace") else 0
+            handler = getattr(self, f"on_{kind}", None)
+            if handler is None:
+                self.log.warning("%s: dropped a %r message (not a task for this role)", self.id, kind)
+                continue
+            try:
+                handler(msg)
+            except Exception as e:  # noqa: BLE001 - reported to the scheduler, then we exit
+                self.log.error("%s: task %s failed:\n%s", self.id, kind, traceback.format_exc())
+                self.sock.send("failed", msg.get("step", 0), worker=self.id, error=f"{self.id} {kind}: {e}")
+                return 1
+
+    def fault(self, point: str, step: int):
+        """SIGKILL ourselves once if FUCINA_FAULT names this role, point and step."""
+        spec = os.environ.get("FUCINA_FAULT", "")
+        if spec != f"{self.role}:{point}:{step}":
+            return
+        marker = os.path.join(self.run_dir, f"fault-{self.role}-{point}-{step}.fired")
+        if os.path.exists(marker):
+            return
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_worker(cls, argv=None) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m workers.{cls.role}", description=cls.__doc__)
+    worker_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return cls(control_endpoint(args), threads=args.threads).main()

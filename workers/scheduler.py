@@ -1,0 +1,78 @@
+"""Scheduler role: binds the control ROUTER and the events PUB, runs the plan.
+
+Exits 0 when the run is done (after telling every worker to shut down), so
+under honcho (which stops all processes when the first exits) the scheduler is
+the one that ends a Procfile run. Exit 1 on a failed task, 2 on bad input.
+"""
+import argparse
+import json
+import logging
+import os
+import sys
+import uuid
+
+from pipeline.errors import FucinaError
+from pipeline.jobs import get_job
+from pipeline.jobs.spec import build, check_fields, load_toml
+from pipeline.runtime import ckpt
+from pipeline.runtime.scheduler import RunFailed, Scheduler
+from pipeline.runtime.shm import exit_on_signals
+from pipeline.runtime.transport import ipc_endpoints, tcp_endpoints
+from pipeline.threads import pin_threads
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m workers.scheduler", description=__doc__)
+    p.add_argument("--job", required=True, help="built-in job name (spirals, lm)")
+    p.add_argument("--config", help="TOML file of job fields")
+    p.add_argument("--spec-json", help="job fields as a JSON object (what `fucina launch` passes)")
+    p.add_argument("--run-dir", required=True, help="run directory (checkpoints, metrics.jsonl, sockets)")
+    p.add_argument("--run-id", default=None, help="shared-memory name prefix for this run (default: random)")
+    p.add_argument("--trainers", type=int, default=1, help="trainers to wait for before starting")
+    p.add_argument("--resume", default=None, help="checkpoint dir or run dir to resume from")
+    p.add_argument("--port", type=int, default=None, help="use tcp:// on this port (+1 for events) instead of ipc://")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind for tcp:// (loopback unless told otherwise)")
+    p.add_argument("--threads", type=int, default=1, help="BLAS/numba threads (for the final evaluation)")
+    p.add_argument("--liveness", type=float, default=3.0, help="seconds of silence before a worker is declared lost")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level="WARNING")
+    exit_on_signals()
+    pin_threads(args.threads)
+    try:
+        job_cls = get_job(args.job)
+        values = load_toml(args.config, job_cls.Spec) if args.config else {}
+        if args.spec_json:
+            values.update(check_fields(json.loads(args.spec_json), job_cls.Spec, "--spec-json"))
+        job = job_cls(build(job_cls.Spec, values))
+        os.makedirs(args.run_dir, exist_ok=True)
+        if not args.resume and ckpt.latest_checkpoint(args.run_dir):
+            raise FucinaError(f"{args.run_dir} already holds checkpoints: pass --resume {args.run_dir} "
+                              f"to continue that run, or choose another --run-dir")
+        resume = ckpt.resolve(args.resume) if args.resume else None
+        endpoints = tcp_endpoints(args.port, args.host) if args.port else ipc_endpoints(args.run_dir)
+        run_id = args.run_id or uuid.uuid4().hex[:10]
+        with open(os.path.join(args.run_dir, "run.json"), "w") as fh:
+            json.dump({"run_id": run_id, "job": job.name, "endpoints": endpoints.to_wire(), "scheduler_pid": os.getpid(),
+                       "trainers": args.trainers}, fh, indent=1)
+        sched = Scheduler(job, args.run_dir, run_id, endpoints, trainers=args.trainers, resume=resume,
+                          log=lambda m: print(m, file=sys.stderr, flush=True), liveness_s=args.liveness)
+        summary = sched.serve()
+    except RunFailed as e:
+        print(f"scheduler: {e}", file=sys.stderr)
+        return 1
+    except FucinaError as e:
+        print(f"scheduler: error: {e}", file=sys.stderr)
+        return 2
+    except (KeyboardInterrupt, SystemExit):
+        return 130
+    with open(os.path.join(args.run_dir, "summary.json"), "w") as fh:
+        json.dump(summary, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

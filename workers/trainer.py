@@ -1,0 +1,56 @@
+"""Trainer role (x N): forward + backward of one micro-batch per task.
+
+Reads parameters of the version it is told from the optimizer's segment and the
+batch from the loader's, writes the gradient into grads slot k. Holds nothing
+persistent: a task re-run anywhere gives the same bits, which is what makes a
+SIGKILLed trainer harmless.
+"""
+import sys
+import time
+
+from pipeline.runtime.roles import TrainerLogic
+from pipeline.runtime.worker import Worker, run_worker
+
+
+class Trainer(Worker):
+    role = "trainer"
+
+    def setup(self):
+        self.bound = None        # (params segment, owner) the model views
+        self.logic = None
+
+    def _attach(self, desc):
+        return self.registry.attach(desc["segment"], desc["tensors"])
+
+    def _rebind(self, params_desc):
+        key = (params_desc["segment"], params_desc["owner"])
+        if self.bound != key:
+            if self.bound is not None:  # the optimizer was restarted: its segment is a new mapping
+                self.registry.detach(self.bound[0])
+            self.params_seg = self._attach(params_desc)
+            self.logic = TrainerLogic(self.job, dict(self.params_seg.tensors))
+            self.bound = key
+
+    def on_grad(self, msg):
+        step, k, slot = msg["step"], msg["k"], msg["slot"]
+        self.fault("grad", step)
+        t0 = time.perf_counter()
+        self._rebind(msg["params"])
+        if self.params_seg.version != step:  # a task from before a restart: refuse, the scheduler re-queues
+            self.sock.send("grad_done", step, worker=self.id, gen=msg["gen"], k=k, loss=0.0, rows=0, ms=0.0, stale=True)
+            return
+        batch_seg = self._attach(msg["batch"])
+        batch = {name: batch_seg.tensors[f"{slot}/{name}"] for name, _, _ in self.job.batch_layout()}
+        grads_seg = self._attach(msg["grads"])
+        grads = {name: grads_seg.tensors[f"{k}/{name}"] for name in self.params_seg.tensors}
+        loss, rows = self.logic.compute(batch, grads)
+        self.sock.send("grad_done", step, worker=self.id, gen=msg["gen"], k=k, loss=loss, rows=rows,
+                       ms=(time.perf_counter() - t0) * 1e3)
+
+
+def main(argv=None):
+    return run_worker(Trainer, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

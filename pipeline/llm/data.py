@@ -109,6 +109,33 @@ def load_jsonl(path, instruction_key="instruction", response_key="response"):
 
 
 # --- encoding ---------------------------------------------------------------
+class ChatML:
+    """Qwen3's ChatML turn rendering, the template `encode_pair` expects.
+
+    render_prompt gives the user turn and the opened assistant turn; with
+    think_off the reasoning channel is suppressed by pre-filling an empty
+    think block, exactly as at inference. `stop` closes the assistant turn.
+    """
+
+    stop = "<|im_end|>"
+
+    def render_prompt(self, instruction, system=None, think_off=True):
+        turns = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
+        turns += f"<|im_start|>user\n{instruction}<|im_end|>\n<|im_start|>assistant\n"
+        return turns + ("<think>\n\n</think>\n\n" if think_off else "")
+
+
+class RawEncoder:
+    """Adapts a tokenizer with `encode(text, add_bos=...)` to encode_pair's contract:
+    special tokens parsed, no BOS added to the separately encoded parts."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def encode(self, text):
+        return self.tokenizer.encode(text, add_bos=False)
+
+
 @dataclass(frozen=True)
 class EncodeOptions:
     seq_max: int = 256           # a sample keeps at most seq_max input positions (seq_max + 1 tokens)

@@ -171,3 +171,12 @@ def test_loader_rejects_bad_config():
         Loader(3, "random")
     with pytest.raises(UserError, match="index"):
         Loader(3, index=4)
+
+
+def test_chatml_rendering_think_off_and_system():
+    from pipeline.llm.data import ChatML
+    t = ChatML()
+    assert t.render_prompt("Hi?") == "<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert t.render_prompt("Hi?", system="S", think_off=False) == (
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n")
+    assert t.stop == "<|im_end|>"

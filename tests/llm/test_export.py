@@ -259,7 +259,13 @@ def test_peft_directory_names_shapes_and_config(tmp_path, capsys):
 # --- llama.cpp parity ------------------------------------------------------------
 
 _LLAMA_EVAL = """
-import sys, numpy as np, llama_cpp
+import sys, numpy as np, llama_cpp, llama_cpp.llama_cpp as C
+_defaults = C.llama_model_default_params
+def _no_extra_bufts():  # the AMX extra buffer type SIGILLs on VMs that advertise AMX without enabling it
+    p = _defaults()
+    p.use_extra_bufts = False
+    return p
+C.llama_model_default_params = _no_extra_bufts
 model, out, lora, tokens = sys.argv[1], sys.argv[2], sys.argv[3], [int(t) for t in sys.argv[4].split(",")]
 kw = {"lora_path": lora} if lora else {}
 llm = llama_cpp.Llama(model, n_ctx=64, logits_all=True, verbose=False, n_threads=2,
@@ -272,8 +278,9 @@ np.save(out, np.array(llm.scores[:len(tokens)], np.float32))
 def _llama_logits(model, tokens, lora=None):
     """llama.cpp's logits for every position, evaluated in a child process.
 
-    A child, because on some CPUs llama-cpp-python's native backend dies with
-    SIGILL in its quantized matmul kernels; that is then a skip, not a crash."""
+    A child, because llama-cpp-python's native backend can die with SIGILL in
+    quantized matmul kernels (AMX advertised but not enabled); we turn its
+    extra buffer types off, and a SIGILL anyway is a skip, not a crash."""
     import subprocess
     import sys
     import tempfile

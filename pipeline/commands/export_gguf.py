@@ -17,7 +17,7 @@ NAME = "export-gguf"
 HELP = "merge LoRA adapters into a dense GGUF, transcode/quantize a GGUF (llama.cpp byte-exact), or write a LoRA adapter GGUF"
 DESCRIPTION = __doc__.split("\n", 1)[1].strip() + (
     "\n\nThe adapter file stores A and B but NOT alpha: pass --alpha with the training-time value, "
-    "or let it default to config.lora_alpha recorded in the checkpoint's trainer_state.json.")
+    "or let it default to config.lora.alpha recorded in the checkpoint's trainer_state.json.")
 
 
 def add_arguments(parser):
@@ -29,7 +29,7 @@ def add_arguments(parser):
                         help="fine-tune checkpoint directory (adapters.safetensors + trainer_state.json)")
     parser.add_argument("--alpha", metavar="A",
                         help="LoRA alpha used in training (scale = alpha/rank). It is NOT stored in the adapter file; "
-                             "default: config.lora_alpha from the checkpoint's trainer_state.json")
+                             "default: config.lora.alpha from the checkpoint's trainer_state.json")
     parser.add_argument("--out", metavar="GGUF", help="output GGUF for merge or transcode")
     parser.add_argument("--dtype", choices=sorted(TARGETS), type=str.lower,
                         help="transcode matrix weights to this type (llama-quantize policy; norms and 1-D tensors keep "

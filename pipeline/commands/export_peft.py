@@ -12,7 +12,7 @@ def add_arguments(parser):
                         help="fine-tune checkpoint directory (adapters.safetensors + trainer_state.json)")
     parser.add_argument("--out", metavar="DIR", required=True, help="output directory for the PEFT adapter")
     parser.add_argument("--alpha", metavar="A",
-                        help="LoRA alpha used in training (not stored in the adapter file); default: config.lora_alpha "
+                        help="LoRA alpha used in training (not stored in the adapter file); default: config.lora.alpha "
                              "from the checkpoint's trainer_state.json")
     parser.add_argument("--base-model", default="", metavar="NAME",
                         help="base_model_name_or_path to record in adapter_config.json (e.g. Qwen/Qwen3-0.6B)")

@@ -12,7 +12,7 @@ Names: the trainer saves `layers.<i>.<target>.lora_{a,b}` with A [rank, in]
 and B [out, rank]; the GGUF weight is `blk.<i>.<tensor>.weight`, row-major
 [out, in]; the merge adds (alpha / rank) * B @ A. Alpha is NOT in the adapter
 file: it comes from --alpha or the checkpoint's trainer_state.json
-(`config.lora_alpha`, else `config.lora.alpha`).
+(`config.lora.alpha`, as `fucina finetune` records it, else `config.lora_alpha`).
 """
 from __future__ import annotations
 
@@ -125,12 +125,13 @@ def resolve_alpha(alpha, adapters: Adapters) -> float:
     """--alpha if given, else the training alpha recorded in trainer_state.json; positive and finite."""
     source = "--alpha"
     if alpha is None:
-        cfg = adapters.config
-        source = f"{adapters.directory / 'trainer_state.json'}: config.lora_alpha"
-        alpha = cfg.get("lora_alpha")
-        if alpha is None and isinstance(cfg.get("lora"), dict):
-            alpha, source = cfg["lora"].get("alpha"), source.replace("lora_alpha", "lora.alpha")
-        if alpha is None:
+        cfg, where = adapters.config, adapters.directory / "trainer_state.json"
+        lora = cfg.get("lora") if isinstance(cfg.get("lora"), dict) else {}
+        if "alpha" in lora:  # what `fucina finetune` records
+            alpha, source = lora["alpha"], f"{where}: config.lora.alpha"
+        elif "lora_alpha" in cfg:
+            alpha, source = cfg["lora_alpha"], f"{where}: config.lora_alpha"
+        else:
             raise UserError(f"{adapters.directory}: the training alpha is not recorded in trainer_state.json "
                             "(and the adapter file never stores it); pass --alpha with the training-time value "
                             "(fucina finetune's default is 16)")
@@ -235,7 +236,7 @@ def write_peft(adapters: Adapters, alpha: float, out_dir, base_model: str = "") 
         "base_model_name_or_path": base_model or None,
         "r": adapters.rank,
         "lora_alpha": alpha,
-        "lora_dropout": float(adapters.config.get("lora_dropout", 0.0) or 0.0),
+        "lora_dropout": float((adapters.config.get("lora") or {}).get("dropout", 0.0) or 0.0),
         "target_modules": [PEFT_MODULE[t].split(".")[1] for t in adapters.targets],
         "bias": "none",
         "fan_in_fan_out": False,

@@ -179,9 +179,12 @@ def test_wrong_alpha_types_are_refused(bases, tmp_path, capsys):
     adapters = load_adapters(tmp_path / "bad")
     assert resolve_alpha(None, adapters) == 16.0  # a numeric string is still a number
     write_adapters(tmp_path / "worse", alpha=[16])
-    with pytest.raises(UserError, match="config.lora_alpha: alpha must be a number"):
+    with pytest.raises(UserError, match="config.lora.alpha: alpha must be a number"):
         resolve_alpha(None, load_adapters(tmp_path / "worse"))
-    write_adapters(tmp_path / "none")  # no lora_alpha recorded
+    from pipeline.train.trainer_state import TrainerState
+    (tmp_path / "bad" / "trainer_state.json").write_text(TrainerState(step=1, config={"lora_alpha": 2.5}).to_json())
+    assert resolve_alpha(None, load_adapters(tmp_path / "bad")) == 2.5  # the flat key is read too
+    write_adapters(tmp_path / "none")  # no alpha recorded
     _refused(common[:4] + [str(tmp_path / "none"), "--out", str(tmp_path / "x.gguf")], capsys, tmp_path,
              "pass --alpha", "never stores it")
 

@@ -102,7 +102,7 @@ def write_tiny_qwen3(path, *, hidden=256, layers=2, heads=4, kv_heads=2, head_di
 
 def write_adapters(ckpt_dir, *, layers=2, dims=None, targets=("q", "v"), rank=4, seed=1,
                    alpha=None, sentinel=True, scale=0.05):
-    """A checkpoint directory with adapters.safetensors (+ trainer_state.json recording lora_alpha).
+    """A checkpoint directory with adapters.safetensors (+ trainer_state.json recording config.lora.alpha).
 
     dims: target -> (out, in); defaults match write_tiny_qwen3's defaults."""
     from pipeline.train.trainer_state import TrainerState
@@ -119,9 +119,10 @@ def write_adapters(ckpt_dir, *, layers=2, dims=None, targets=("q", "v"), rank=4,
             tensors[f"layers.{i}.{t}.lora_b"] = (rng.standard_normal((out_dim, rank)) * scale).astype(np.float32)
     save_state_dict(ckpt_dir / "adapters.safetensors", tensors)
     if sentinel:
-        config = {"lora_rank": rank, "lora_targets": list(targets)}
+        lora = {"rank": rank, "targets": list(targets), "dropout": 0.0}  # the layout `fucina finetune` writes
         if alpha is not None:
-            config["lora_alpha"] = alpha
+            lora["alpha"] = alpha
+        config = {"lora": lora}
         (ckpt_dir / "trainer_state.json").write_text(TrainerState(step=10, config=config).to_json())
     return tensors
 

@@ -506,15 +506,15 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5):
 
 
 # --- rotary embedding and attention ---------------------------------------------------
-def rope_tables(positions, head_dim, theta=10000.0):
-    """(cos, sin) of shape [*positions.shape, head_dim // 2], float32, angles
-    pos * theta^(-2j/head_dim) computed in float64."""
+def rope_tables(positions, head_dim, theta=10000.0, dtype=np.float32):
+    """(cos, sin) of shape [*positions.shape, head_dim // 2] in `dtype`, angles
+    pos * theta^(-2j/head_dim) computed in float64 and rounded once."""
     if head_dim % 2:
         raise OpError(f"rope: head_dim must be even, got {head_dim}")
     pos = np.asarray(positions, dtype=np.float64)
     inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     ang = pos[..., None] * inv_freq
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    return np.cos(ang).astype(dtype), np.sin(ang).astype(dtype)
 
 
 def rope(x, positions, theta=10000.0):
@@ -532,9 +532,9 @@ def rope(x, positions, theta=10000.0):
         np.broadcast_shapes(pos.shape, x.shape[:-2])
     except ValueError:
         raise OpError(f"rope: positions shape {pos.shape} does not broadcast to {x.shape[:-2]} (x shape {x.shape})") from None
-    cos, sin = rope_tables(pos, x.shape[-1], theta)
-    cos, sin = cos[..., None, :], sin[..., None, :]  # broadcast over heads
     X = _compute(x.data)
+    cos, sin = rope_tables(pos, x.shape[-1], theta, X.dtype)
+    cos, sin = cos[..., None, :], sin[..., None, :]  # broadcast over heads
     h = x.shape[-1] // 2
     x1, x2 = X[..., :h], X[..., h:]
     out = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -1,0 +1,93 @@
+"""The two-spirals gauntlet and `fucina spirals` (few steps; the full run is marked slow)."""
+import json
+
+import pytest
+from threadpoolctl import threadpool_limits
+
+from pipeline.cli import main
+from pipeline.train.checkpoint import is_committed, step_dir
+from pipeline.train.gauntlet import RECIPES, run_recipe
+from pipeline.train.trainer_state import TrainerState
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_blas_thread():
+    """As the command does: 400-row matmuls only lose from a second BLAS thread."""
+    with threadpool_limits(1):
+        yield
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_every_recipe_resumes_bit_exact(tmp_path, name):
+    r = run_recipe(RECIPES[name], tmp_path, steps=16)
+    assert r["bit_exact"] and r["resume_max_abs_diff"] == 0.0
+    assert r["resume_from"] == 8
+    assert r["inference_accuracy"] == r["accuracy"]  # the frozen model got exactly the trained weights
+    assert is_committed(step_dir(tmp_path / name, 8)) and is_committed(step_dir(tmp_path / name, 16))
+
+
+@pytest.mark.parametrize("name,sabotage", [("adamw", "swap-biases"), ("muon", "swap-biases"),
+                                           ("groups", "swap-biases"), ("groups", "restart-schedule")])
+def test_the_gate_catches_a_broken_resume(tmp_path, name, sabotage):
+    r = run_recipe(RECIPES[name], tmp_path, steps=16, sabotage=sabotage)
+    assert not r["bit_exact"] and r["resume_max_abs_diff"] > 0.0
+
+
+def test_sentinel_records_the_run(tmp_path):
+    run_recipe(RECIPES["groups"], tmp_path, steps=6, seed=3)
+    state = TrainerState.read(step_dir(tmp_path / "groups", 3) / "trainer_state.json")
+    assert state.step == 3 and state.seeds == {"data": 3, "init": 3}
+    assert state.schedule == {"name": "warmup_cosine", "total": 6}
+    assert state.config["recipe"] == "groups"
+
+
+def test_command_json_shape_and_exit_code(tmp_path, capsys):
+    rc = main(["spirals", "--steps", "6", "--optimizer", "adamw,lion", "--optimizer", "sgd", "--json",
+               "--run-dir", str(tmp_path)])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in doc["runs"]] == ["sgd", "adamw", "lion"]
+    for r in doc["runs"]:
+        assert {"name", "loss", "accuracy", "resume_max_abs_diff", "inference_accuracy"} <= set(r)
+        assert r["resume_max_abs_diff"] == 0.0 and 0.0 <= r["accuracy"] <= 1.0
+    assert is_committed(step_dir(tmp_path / "lion", 3))
+    # a reused run dir (holding a later step) still resumes from the halfway checkpoint
+    assert main(["spirals", "--steps", "6", "--optimizer", "lion", "--json", "--run-dir", str(tmp_path)]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"][0]["resume_from"] == 3
+
+
+def test_command_text_and_failing_gate(capsys):
+    assert main(["spirals", "--steps", "6", "--optimizer", "adam"]) == 0
+    out = capsys.readouterr().out
+    assert "[adam] resume from step 3: max |delta param| = 0 (bit-exact)" in out
+    assert main(["spirals", "--steps", "6", "--optimizer", "adam", "--sabotage", "swap-biases"]) == 1
+    captured = capsys.readouterr()
+    assert "NOT bit-exact" in captured.out and "resume NOT bit-exact for adam" in captured.err
+
+
+def test_command_min_accuracy_fails_weak_runs_but_not_sgd(capsys):
+    assert main(["spirals", "--steps", "4", "--optimizer", "sgd", "--min-accuracy", "0.99"]) == 0
+    assert main(["spirals", "--steps", "4", "--optimizer", "adam", "--min-accuracy", "0.99"]) == 1
+    assert "accuracy below 0.99 for adam" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--optimizer", "adagrad"], "unknown --optimizer adagrad"),
+    (["--steps", "1"], "--steps must be >= 2"),
+])
+def test_command_bad_input_is_one_line(capsys, argv, message):
+    assert main(["spirals", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_full_gauntlet_reaches_the_accuracy_bar(capsys):
+    """The README job: 2000 steps, every recipe bit-exact, all but the SGD family >= 99%."""
+    assert main(["spirals", "--json", "--min-accuracy", "0.99"]) == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert len(runs) == len(RECIPES)
+    for r in runs:
+        assert r["resume_max_abs_diff"] == 0.0
+        if not RECIPES[r["name"]].sgd_family:
+            assert r["accuracy"] >= 0.99 and r["inference_accuracy"] >= 0.99

@@ -1,0 +1,104 @@
+"""`fucina finetune` end to end on a tiny GGUF: resume bit-exactness, trainer
+processes == in-process, accumulation, checkpoints, verify-grads, clear errors."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from pipeline.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        from make_tiny_qwen3 import SHAPES, write_gguf
+    finally:
+        sys.path.pop(0)
+    return str(write_gguf(tmp_path_factory.mktemp("model") / "mini.gguf", SHAPES["mini"], seed=0))
+
+
+def _run(capsys, *argv):
+    rc = main(["finetune", *argv, "--json", "--max-new-tokens", "3"])
+    out = capsys.readouterr()
+    return rc, (json.loads(out.out.strip().splitlines()[-1]) if rc == 0 else None), out.err
+
+
+COMMON = ("--accum-steps", "2", "--shuffle", "--dropout", "0.1", "--lr", "3e-3")
+
+
+def test_stop_and_resume_is_bit_identical(model_path, tmp_path, capsys):
+    rc, full, _ = _run(capsys, "--model", model_path, "--steps", "4", *COMMON)
+    assert rc == 0 and full["steps"] == 4
+    rc, half, _ = _run(capsys, "--model", model_path, "--steps", "2", "--save", str(tmp_path / "a"), *COMMON)
+    assert rc == 0 and half["adapters_sha256"] != full["adapters_sha256"]
+    # the resumed run keeps the checkpoint's accum_steps and lr even if the flags say otherwise
+    rc, resumed, err = _run(capsys, "--model", model_path, "--steps", "4", "--load", str(tmp_path / "a"),
+                            "--accum-steps", "2", "--shuffle", "--dropout", "0.1", "--lr", "1e-1")
+    assert rc == 0, err
+    assert resumed["adapters_sha256"] == full["adapters_sha256"]
+    assert resumed["final_loss"] == full["final_loss"]
+    state = json.loads((tmp_path / "a" / "trainer_state.json").read_text())
+    assert state["step"] == 4 and state["accum_steps"] == 2
+    assert state["config"]["lora"]["alpha"] == 16.0 and state["config"]["lora"]["rank"] == 8
+    assert set(state["loader"]) == {"seed", "epoch", "index"}
+    from safetensors.numpy import load_file
+    names = sorted(load_file(tmp_path / "a" / "adapters.safetensors"))
+    assert names[0] == "layers.0.q.lora_a" and len(names) == 2 * 2 * 2
+
+
+def test_trainer_processes_equal_in_process(model_path, capsys):
+    rc, inproc, _ = _run(capsys, "--model", model_path, "--steps", "2", *COMMON)
+    rc2, fanned, err = _run(capsys, "--model", model_path, "--steps", "2", "--trainers", "2", *COMMON)
+    assert rc == rc2 == 0, err
+    assert fanned["adapters_sha256"] == inproc["adapters_sha256"]
+    assert fanned["final_loss"] == inproc["final_loss"]
+
+
+def test_save_every_and_checkpoint_layers(model_path, tmp_path, capsys):
+    rc, plain, _ = _run(capsys, "--model", model_path, "--steps", "2", "--dropout", "0.2")
+    rc2, ckpt, _ = _run(capsys, "--model", model_path, "--steps", "2", "--dropout", "0.2", "--checkpoint-layers",
+                        "--save", str(tmp_path / "r"), "--save-every", "1")
+    assert rc == rc2 == 0
+    assert ckpt["adapters_sha256"] == plain["adapters_sha256"]
+    assert (tmp_path / "r" / "checkpoint-step-1" / "trainer_state.json").is_file()
+    assert (tmp_path / "r" / "adapters.safetensors").is_file()
+
+
+def test_loss_falls_and_json_summary(model_path, capsys):
+    rc, s, _ = _run(capsys, "--model", model_path, "--steps", "8", "--lr", "1e-2")
+    assert rc == 0
+    assert set(s) >= {"initial_loss", "final_loss", "before", "after", "steps", "adapters_sha256"}
+    assert s["final_loss"] < s["initial_loss"]
+
+
+def test_verify_grads_passes(model_path, capsys):
+    rc = main(["finetune", "--model", model_path, "--verify-grads", "--targets", "q,v,down"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert out.count("[PASS]") == 4
+
+
+def test_rank_mismatch_on_resume_is_a_config_error(model_path, tmp_path, capsys):
+    assert _run(capsys, "--model", model_path, "--steps", "1", "--save", str(tmp_path / "c"))[0] == 0
+    rc, _, err = _run(capsys, "--model", model_path, "--steps", "2", "--load", str(tmp_path / "c"), "--rank", "4")
+    assert rc == 2 and "config.lora.rank" in err and "is 8" in err
+
+
+def test_bad_inputs_are_one_line_errors(model_path, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"instruction": "a", "response": "b"}\n{"instruction": "a" "response": "b"}\n')
+    rc, _, err = _run(capsys, "--model", model_path, "--data", str(bad))
+    assert rc == 2 and "bad.jsonl:2: malformed JSON" in err
+    rc, _, err = _run(capsys, "--model", model_path, "--seq-max", "8")
+    assert rc == 2 and "sample too long" in err
+    rc, _, err = _run(capsys, "--model", str(tmp_path / "none.gguf"))
+    assert rc == 2 and "no such file" in err
+    rc, _, err = _run(capsys, "--model", model_path, "--targets", "q,z")
+    assert rc == 2 and "targets" in err
+    rc, _, err = _run(capsys, "--model", model_path, "--save-every", "2")
+    assert rc == 2 and "--save" in err

@@ -69,6 +69,7 @@ class FrozenWeight:
 
     def __init__(self, fmt: Format, raw, shape: tuple[int, int], name: str = ""):
         self.format, self.raw, self.shape, self.name = fmt, raw, tuple(shape), name
+        self.llama_numerics = False  # round activations like llama.cpp's CPU dot products (parity mode)
 
     @property
     def nbytes(self) -> int:
@@ -92,6 +93,8 @@ class FrozenWeight:
         import numpy as np
         from kernels import dequant
         x2 = np.asarray(x, dtype=np.float32).reshape(-1, self.shape[1])
+        if self.llama_numerics:
+            x2 = llama_activation_roundtrip(self.format.qtype, x2)
         if self.format.quantized and x2.shape[0] <= self.FUSED_MAX_ROWS:
             y = dequant.matvec_rows(int(self.format.qtype), self.raw, x2)
         elif self.format.qtype == QT.F32:
@@ -117,3 +120,30 @@ def weight_rows(w: FrozenWeight, ids):
     if w.format.qtype == QT.BF16:
         return (raw.astype(np.uint32) << 16).view(np.float32)
     return dequant.dequantize_rows(int(w.format.qtype), raw, w.shape[1])
+
+
+def llama_activation_roundtrip(qtype, x):
+    """x as llama.cpp's CPU matmul sees it: activations are themselves quantized to the
+    weight type's dot-product partner (Q8_0 for Q8_0/Q4_0, Q8_K for K-quants, BF16 for
+    BF16) and dequantized here. Only for parity runs: it costs accuracy, not speed."""
+    import numpy as np
+    x = np.asarray(x, dtype=np.float32)
+    if qtype in (QT.Q8_0, QT.Q4_0):
+        blocks = x.reshape(-1, 32)
+        d = (np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)).astype(np.float32)
+        with np.errstate(divide="ignore"):
+            inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+        q = np.rint(blocks * inv)  # x86 SIMD rounds half to even
+        return (q * d.astype(np.float16).astype(np.float32)).reshape(x.shape)
+    if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
+        blocks = x.reshape(-1, 256)
+        mx = blocks[np.arange(len(blocks)), np.abs(blocks).argmax(axis=1)]
+        with np.errstate(divide="ignore"):
+            iscale = np.where(mx == 0, np.float32(0), np.float32(-127.0) / mx).astype(np.float32)
+            d = np.where(iscale == 0, np.float32(0), np.float32(1) / iscale).astype(np.float32)
+        q = np.minimum(np.rint(iscale[:, None] * blocks), 127)
+        return (q * d[:, None]).astype(np.float32).reshape(x.shape)
+    if qtype == QT.BF16:
+        b = x.view(np.uint32)
+        return ((b + np.uint32(0x7FFF) + ((b >> 16) & 1)) >> 16 << 16).astype(np.uint32).view(np.float32)
+    return x

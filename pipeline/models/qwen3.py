@@ -174,10 +174,12 @@ class Qwen3(Module):
 
     # --- construction -------------------------------------------------------------
     @classmethod
-    def from_gguf(cls, path_or_file, trainable: bool = False) -> "Qwen3":
+    def from_gguf(cls, path_or_file, trainable: bool = False, llama_numerics: bool = False) -> "Qwen3":
         """Load a Qwen3 GGUF. Weights stay in the file's format (memory-mapped), frozen.
 
         trainable=True instead dequantizes every weight into f32 parameters (full fine-tune).
+        llama_numerics=True rounds each matmul's activations the way llama.cpp's CPU
+        kernels do (Q8_0/Q8_K/BF16), for tight parity checks; the default keeps them f32.
         """
         from ..llm.gguf import GGUFFile
         gg = path_or_file if isinstance(path_or_file, GGUFFile) else GGUFFile(path_or_file)
@@ -186,6 +188,7 @@ class Qwen3(Module):
 
         def proj(name):
             w = gg.weight(name)
+            w.llama_numerics = llama_numerics
             return Linear(parameter(w.dequantize(), name)) if trainable else FrozenLinear(w)
 
         def vec(name):
@@ -203,6 +206,7 @@ class Qwen3(Module):
             output = Linear(embed) if cfg.tied_output else proj("output.weight")
         else:
             embed = gg.weight("token_embd.weight")
+            embed.llama_numerics = llama_numerics
             output = FrozenLinear(embed) if cfg.tied_output else proj("output.weight")
         model = cls(cfg, embed, blocks, vec("output_norm.weight"), output)
         model._source = gg

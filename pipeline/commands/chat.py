@@ -1,0 +1,53 @@
+"""`fucina chat`: an interactive chat loop over a Qwen3 GGUF (ChatML, reasoning channel off)."""
+import sys
+
+from .generate import add_sampling_arguments, sampling_from
+
+NAME = "chat"
+HELP = "interactive chat with a Qwen3 GGUF (type /exit or Ctrl-D to quit, /reset to clear)"
+DESCRIPTION = ("Chat with a Qwen3-family GGUF. Each turn re-renders the whole conversation through the chat "
+               "template and decodes the reply greedily (or sampled with --temperature).")
+
+
+def add_arguments(parser):
+    add_sampling_arguments(parser)
+
+
+def run(args, stdin=None, stdout=None):
+    from ..errors import UserError
+    from ..llm.generate import LoadedModel, generate
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    lm = LoadedModel(args.model)
+    tok = lm.require_tokenizer()
+    sampling = sampling_from(args)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = stdin.isatty()
+    while True:
+        if interactive:
+            stdout.write("> ")
+            stdout.flush()
+        line = stdin.readline()
+        if not line or line.strip() == "/exit":
+            return 0
+        text = line.rstrip("\n")
+        if text.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        if not text.strip():
+            continue
+        history.append({"role": "user", "content": text})
+        ids = tok.encode(lm.template.render(history, think_off=not args.think), special=True)
+        stream, reply = tok.stream(), []
+        try:
+            for token in generate(lm.model, ids, args.max_tokens, sampling, stop_ids=lm.stop_ids()):
+                if token in lm.stop_ids():
+                    break
+                reply.append(token)
+                stdout.write(stream.push(token))
+                stdout.flush()
+        except UserError as e:  # e.g. the conversation outgrew the context: say so, keep the loop
+            stdout.write(f"\n[{e}; /reset to start over]\n")
+            history.pop()
+            continue
+        stdout.write(stream.flush() + "\n")
+        history.append({"role": "assistant", "content": tok.decode(reply)})

@@ -1,0 +1,52 @@
+"""`fucina generate`: stream a continuation of a prompt from a Qwen3 GGUF."""
+import sys
+import time
+
+from ..errors import UserError
+
+NAME = "generate"
+HELP = "generate text from a Qwen3 GGUF (streams tokens; greedy by default)"
+DESCRIPTION = ("Generate a continuation of --prompt with a Qwen3-family GGUF. Temperature 0 (the default) is "
+               "deterministic greedy decoding; otherwise sampling is seeded by --seed.")
+
+
+def add_sampling_arguments(parser):
+    parser.add_argument("--model", required=True, help="path to a Qwen3 GGUF file")
+    parser.add_argument("--max-tokens", type=int, default=128, help="maximum number of new tokens (default 128)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this probability mass (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    parser.add_argument("--think", action="store_true", help="with chat templates: leave Qwen3's reasoning channel on")
+    parser.add_argument("--system", default=None, help="optional system message for --chat")
+
+
+def add_arguments(parser):
+    parser.add_argument("--prompt", required=True, help="prompt text")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (ChatML)")
+    add_sampling_arguments(parser)
+    parser.add_argument("--stats", action="store_true", help="print token counts and speed to stderr at the end")
+
+
+def sampling_from(args):
+    from ..llm.generate import Sampling
+    return Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+
+
+def run(args):
+    from ..llm.generate import LoadedModel, generate
+    if args.max_tokens < 1:
+        raise UserError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    lm = LoadedModel(args.model)
+    ids = lm.encode_prompt(args.prompt, chat=args.chat, system=args.system, think_off=not args.think)
+    stream = lm.tokenizer.stream()
+    t0, n = time.perf_counter(), 0
+    for token in generate(lm.model, ids, args.max_tokens, sampling_from(args), stop_ids=lm.stop_ids()):
+        n += 1
+        sys.stdout.write(stream.push(token))
+        sys.stdout.flush()
+    sys.stdout.write(stream.flush() + "\n")
+    if args.stats:
+        dt = time.perf_counter() - t0
+        print(f"[{len(ids)} prompt tokens, {n} generated, {n / dt:.1f} tok/s overall]", file=sys.stderr)
+    return 0

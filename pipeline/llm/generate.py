@@ -1,0 +1,114 @@
+"""Token generation: prefill once, then decode one token at a time through the KV cache.
+
+Trade-off: sampling is plain numpy on the final logits (temperature, top-k,
+top-p), driven by the project's counter RNG so a (seed, step) pair always
+draws the same token — and temperature 0 is exact greedy argmax (ties go to
+the lowest id), so greedy runs are deterministic by construction. Generation
+is a Python generator yielding token ids; callers stream text with the
+tokenizer's StreamDecoder.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels import rng
+from ..errors import UserError
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0   # 0 = greedy
+    top_k: int = 0             # 0 = no limit
+    top_p: float = 1.0         # nucleus mass kept
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise UserError(f"sampling: temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise UserError(f"sampling: top-k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise UserError(f"sampling: top-p must be in (0, 1], got {self.top_p}")
+
+
+def sample(logits: np.ndarray, s: Sampling, step: int) -> int:
+    """One token id from logits [vocab]; the uniform draw is rng.at(seed, step)."""
+    if s.temperature == 0.0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / s.temperature
+    order = np.argsort(-z, kind="stable")
+    if s.top_k:
+        order = order[: s.top_k]
+    p = np.exp(z[order] - z[order[0]])
+    p /= p.sum()
+    if s.top_p < 1.0:
+        keep = int(np.searchsorted(np.cumsum(p), s.top_p) + 1)
+        p = p[:keep] / p[:keep].sum()
+        order = order[:keep]
+    u = rng.at(s.seed, step) / 2.0 ** 64
+    return int(order[min(int(np.searchsorted(np.cumsum(p), u, side="right")), len(order) - 1)])
+
+
+def generate(model, prompt_ids, max_tokens: int = 64, sampling: Sampling | None = None, stop_ids=(), cache=None):
+    """Yield up to max_tokens new token ids after prompt_ids; stops after a stop id or at the context end."""
+    sampling = sampling or Sampling()
+    prompt_ids = np.asarray(prompt_ids, dtype=np.int64)
+    if prompt_ids.size == 0:
+        raise UserError("generate: the prompt is empty (it encodes to zero tokens)")
+    n_ctx = model.config.context_length
+    if prompt_ids.size >= n_ctx:
+        raise UserError(f"generate: the prompt has {prompt_ids.size} tokens; the model's context is {n_ctx}")
+    cache = cache if cache is not None else model.new_cache(min(n_ctx, prompt_ids.size + max_tokens))
+    logits = model.infer(prompt_ids, cache)
+    for step in range(max_tokens):
+        token = sample(logits, sampling, step)
+        yield token
+        if token in stop_ids or cache.length >= n_ctx:
+            return
+        logits = model.infer(np.array([token]), cache)
+
+
+def greedy(model, prompt_ids, n: int) -> list[int]:
+    """n greedy tokens (no stop ids): the deterministic continuation used by parity tests."""
+    return list(generate(model, prompt_ids, n, Sampling()))
+
+
+class LoadedModel:
+    """A GGUF opened for inference: model, tokenizer (None when the file has none), chat template."""
+
+    def __init__(self, path, llama_numerics: bool = False):
+        from .chat import ChatTemplate
+        from .gguf import GGUFFile
+        from .tokenizer import Tokenizer
+        from ..models.qwen3 import Qwen3
+        self.gguf = GGUFFile(path)
+        self.model = Qwen3.from_gguf(self.gguf, llama_numerics=llama_numerics)
+        self._tok_error = None
+        try:
+            self.tokenizer = Tokenizer.from_gguf(self.gguf)
+        except UserError as e:
+            self.tokenizer, self._tok_error = None, e
+        self.template = ChatTemplate.from_gguf(self.gguf)
+
+    def require_tokenizer(self):
+        if self.tokenizer is None:
+            raise self._tok_error
+        return self.tokenizer
+
+    def encode_prompt(self, text: str, chat: bool = False, system: str | None = None, think_off: bool = True):
+        if not text:
+            raise UserError("the prompt is empty")
+        tok = self.require_tokenizer()
+        if chat:
+            msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+            text = self.template.render(msgs, think_off=think_off)
+        ids = tok.encode(text, special=chat)
+        if not ids:
+            raise UserError("the prompt encodes to zero tokens")
+        return ids
+
+    def stop_ids(self):
+        tok = self.tokenizer
+        return tuple(i for i in (tok.eos_id, tok.eot_id) if i is not None) if tok else ()

@@ -4,9 +4,10 @@ The optimizer contract (pipeline/optim) is
     opt.state_dict() -> {"type": str, "config": {...}, "tensors": {"<slot>.<buffer>": ndarray},
                          "scalars": {"<slot>.step": int}, ...}
     opt.load_state_dict(sd)  validates type, structural config and dtypes.
-Every ndarray anywhere in that structure (an OptimizerSet nests its members'
-dicts) becomes a named safetensors tensor, named by its key path joined with
-"/" ("tensors/w1.exp_avg", "members/0/tensors/b1.exp_avg_sq"); the rest of the
+Every ndarray anywhere in that structure becomes a named safetensors tensor:
+entries of the top-level "tensors" map keep their names ("w1.exp_avg",
+"0.b1.exp_avg_sq" in a set), arrays elsewhere are named by their key path
+joined with "/"; the rest of the
 structure, with each array replaced by {"__tensor__": name}, is JSON in the
 header metadata. So the file opens in any safetensors tool, moments keep their
 stored dtype bit for bit, and floats in the config round-trip exactly (JSON
@@ -22,7 +23,7 @@ import json
 
 import numpy as np
 
-from ..errors import CheckpointError, ConfigMismatchError
+from ..errors import CheckpointError, ConfigMismatchError, DTypeMismatchError
 from .state_dict import read_safetensors, save_state_dict
 
 FORMAT = "fucina.optimizer_state/1"
@@ -32,7 +33,10 @@ _TENSOR_REF = "__tensor__"
 def _split(value, path, tensors):
     """Replace arrays in a nested structure by references; collect them by name."""
     if isinstance(value, np.ndarray):
-        name = "/".join(path)
+        # the contract's flat "tensors" map keeps its own names; anything else is named by path
+        name = path[1] if len(path) == 2 and path[0] == "tensors" else "/".join(path)
+        if name in tensors:
+            raise CheckpointError(f"optimizer state: two tensors would both be stored as {name!r}")
         tensors[name] = value
         return {_TENSOR_REF: name}
     if isinstance(value, dict):
@@ -61,8 +65,17 @@ def _join(value, tensors, source):
     return value
 
 
-def optimizer_state_type(opt) -> str:
-    return opt.state_dict()["type"]
+def _dtype_fields(stored, mine, path=("config",)):
+    """Yield (field path, stored, configured) for every differing '*dtype' config field."""
+    if isinstance(stored, dict) and isinstance(mine, dict):
+        for key in stored.keys() & mine.keys():
+            if key.endswith("dtype") and stored[key] != mine[key]:
+                yield ".".join(path + (key,)), stored[key], mine[key]
+            else:
+                yield from _dtype_fields(stored[key], mine[key], path + (key,))
+    elif isinstance(stored, list) and isinstance(mine, list):
+        for i, (a, b) in enumerate(zip(stored, mine)):
+            yield from _dtype_fields(a, b, path + (str(i),))
 
 
 def save_optimizer(path, opt) -> None:
@@ -99,17 +112,24 @@ def read_optimizer(path) -> dict:
 def load_optimizer(path, opt) -> None:
     """Restore `opt` from a file written by save_optimizer.
 
-    The optimizer type is checked here; the optimizer's load_state_dict then
-    validates structural config, slot names, shapes and dtypes. Its errors are
+    The optimizer type and the '*dtype' config fields are checked here (a
+    dtype difference raises DTypeMismatchError); the optimizer's
+    load_state_dict then validates the other structural config, slot names,
+    shapes and tensor dtypes. Its errors are
     re-raised (same class) with the file named. As in the seeds' contract a
     failed load may leave `opt` partly restored: treat it as fatal for `opt`.
     """
     state = read_optimizer(path)
-    expected = optimizer_state_type(opt)
-    if state["type"] != expected:
+    mine = opt.state_dict()
+    if state["type"] != mine["type"]:
         raise ConfigMismatchError(
             f"{path}: field 'type': the checkpoint holds {state['type']!r} optimizer state, "
-            f"this optimizer is {expected!r}")
+            f"this optimizer is {mine['type']!r}")
+    # A state-dtype difference is reported as what it is, before any other structural check.
+    for field, stored, configured in _dtype_fields(state.get("config"), mine.get("config")):
+        raise DTypeMismatchError(
+            f"{path}: field {field!r} is {stored!r} in the checkpoint, configured {configured!r} "
+            "(no implicit f32<->bf16 conversion: it would break bit-exact resume)")
     try:
         opt.load_state_dict(state)
     except CheckpointError as e:

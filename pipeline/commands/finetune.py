@@ -77,6 +77,7 @@ def build(args, log):
     """Model, tokenizer, samples, trainer, optimizer, loader and session from the flags (+ --load)."""
     from ..llm import data as sft
     from ..llm.finetune import Session, Trainer, TrainerPool, check_resume_config, lora_config
+    from ..llm.chat import ChatTemplate
     from ..llm.gguf import open_gguf
     from ..llm.tokenizer import Tokenizer
     from ..models.qwen3 import Qwen3
@@ -92,7 +93,7 @@ def build(args, log):
     gg = open_gguf(args.model)
     model = Qwen3.from_gguf(gg)
     tokenizer = Tokenizer.from_gguf(gg)
-    encoder, template = sft.RawEncoder(tokenizer), sft.ChatML()
+    encoder, template = sft.RawEncoder(tokenizer), sft.PromptTemplate(ChatTemplate.from_gguf(gg))
     if args.data:
         pairs, source = sft.load_jsonl(args.data, args.instruction_key, args.response_key), args.data
     else:

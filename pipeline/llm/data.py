@@ -109,20 +109,18 @@ def load_jsonl(path, instruction_key="instruction", response_key="response"):
 
 
 # --- encoding ---------------------------------------------------------------
-class ChatML:
-    """Qwen3's ChatML turn rendering, the template `encode_pair` expects.
+class PromptTemplate:
+    """Adapts a chat template (pipeline.llm.chat.ChatTemplate: `render(messages, ...)`,
+    `stop_text`) to encode_pair's contract: render_prompt gives the (system and)
+    user turn plus the opened assistant turn; `stop` closes the assistant turn."""
 
-    render_prompt gives the user turn and the opened assistant turn; with
-    think_off the reasoning channel is suppressed by pre-filling an empty
-    think block, exactly as at inference. `stop` closes the assistant turn.
-    """
-
-    stop = "<|im_end|>"
+    def __init__(self, chat_template):
+        self.chat_template = chat_template
+        self.stop = chat_template.stop_text
 
     def render_prompt(self, instruction, system=None, think_off=True):
-        turns = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
-        turns += f"<|im_start|>user\n{instruction}<|im_end|>\n<|im_start|>assistant\n"
-        return turns + ("<think>\n\n</think>\n\n" if think_off else "")
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": instruction}]
+        return self.chat_template.render(messages, add_generation_prompt=True, think_off=think_off)
 
 
 class RawEncoder:

@@ -173,9 +173,10 @@ def test_loader_rejects_bad_config():
         Loader(3, index=4)
 
 
-def test_chatml_rendering_think_off_and_system():
-    from pipeline.llm.data import ChatML
-    t = ChatML()
+def test_prompt_template_renders_through_the_chat_template():
+    from pipeline.llm.chat import ChatTemplate
+    from pipeline.llm.data import PromptTemplate
+    t = PromptTemplate(ChatTemplate())  # built-in ChatML
     assert t.render_prompt("Hi?") == "<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
     assert t.render_prompt("Hi?", system="S", think_off=False) == (
         "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n")

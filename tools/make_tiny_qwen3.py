@@ -226,7 +226,7 @@ def main(argv=None):
     if args.shape:
         jobs = [(args.shape, args.dtype)]
     else:  # the committed fixtures (each well under 1 MB)
-        jobs = [("mini", "F32"), ("tied", "Q4_K_S"), ("untied", "Q8_0")]
+        jobs = [("mini", "F32"), ("mini", "Q8_0"), ("tied", "Q4_K_S")]
     for shape_name, dtype in jobs:
         shape = SHAPES[shape_name]
         dst = out / f"qwen3-{shape_name}-{dtype.lower()}.gguf"

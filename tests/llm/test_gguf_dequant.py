@@ -1,0 +1,82 @@
+"""Dequant kernels: element-exact against gguf-py's reference, matvec against numpy, thread-count invariant."""
+from pathlib import Path
+
+import numba
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT, quants
+
+from kernels import dequant
+from pipeline.llm.gguf import GGUFFile
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+SCALE_OFFSETS = {QT.Q8_0: (0,), QT.Q4_0: (0,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}
+
+
+def random_blocks(qt, rows, cols, seed=0):
+    """Random block bytes whose f16 scales are finite (any other byte pattern is legal)."""
+    r = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[qt]
+    raw = r.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    for off in SCALE_OFFSETS[qt]:
+        halfs = (r.standard_normal((rows, cols // block)) * 0.05).astype(np.float16)
+        raw[:, :, off:off + 2] = halfs.view(np.uint8).reshape(rows, cols // block, 2)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qt", list(SCALE_OFFSETS), ids=lambda q: q.name)
+def test_dequant_exact_vs_gguf_py_random_blocks(qt):
+    raw = random_blocks(qt, 19, 512)
+    ref = quants.dequantize(raw, qt)
+    ours = dequant.dequantize_rows(int(qt), raw, 512)
+    assert ours.dtype == np.float32
+    np.testing.assert_array_equal(ours.view(np.uint32), ref.astype(np.float32).view(np.uint32))
+
+
+def test_dequant_exact_on_llama_cpp_blocks():
+    """The committed Q4_K_S fixture (quantized by llama.cpp) mixes Q4_K, Q5_K and Q6_K tensors."""
+    gg = GGUFFile(FIXTURES / "qwen3-tied-q4_k_s.gguf")
+    seen = set()
+    for name in gg.tensor_names:
+        w = gg.weight(name)
+        if not w.format.quantized:
+            continue
+        seen.add(w.format.name)
+        ref = quants.dequantize(np.asarray(w.raw), w.format.qtype)
+        np.testing.assert_array_equal(w.dequantize(), ref, err_msg=name)
+    assert {"Q4_K", "Q5_K", "Q6_K"} <= seen
+
+
+@pytest.mark.parametrize("qt", list(SCALE_OFFSETS), ids=lambda q: q.name)
+def test_matvec_matches_dequant_then_dot(qt):
+    raw = random_blocks(qt, 33, 512, seed=1)
+    x = np.random.default_rng(2).standard_normal((3, 512)).astype(np.float32)
+    ref = x.astype(np.float64) @ quants.dequantize(raw, qt).astype(np.float64).T
+    ours = dequant.matvec_rows(int(qt), raw, x)
+    assert ours.shape == (3, 33)
+    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q8_0, QT.Q6_K], ids=lambda q: q.name)
+def test_kernels_bitwise_across_thread_counts(qt):
+    raw = random_blocks(qt, 70, 512, seed=3)
+    x = np.random.default_rng(4).standard_normal((2, 512)).astype(np.float32)
+    prev = numba.get_num_threads()
+    try:
+        outs = []
+        for n in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
+            numba.set_num_threads(n)
+            outs.append((dequant.dequantize_rows(int(qt), raw, 512), dequant.matvec_rows(int(qt), raw, x)))
+    finally:
+        numba.set_num_threads(prev)
+    for a, b in zip(outs[0], outs[1]):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_bad_shapes_are_named():
+    with pytest.raises(ValueError, match="needs 288 bytes"):
+        dequant.dequantize_rows(int(QT.Q4_K), np.zeros((2, 100), np.uint8), 512)
+    with pytest.raises(ValueError, match="no kernel"):
+        dequant.dequantize_rows(int(QT.Q2_K), np.zeros((2, 84), np.uint8), 256)
+    with pytest.raises(ValueError, match="uint8"):
+        dequant.dequantize_rows(int(QT.Q8_0), np.zeros((2, 34), np.int32), 32)

@@ -1,8 +1,17 @@
 """Shared test fixtures: optional oracles skip cleanly when absent."""
 import importlib.util
 import os
+import pathlib
+import sys
 
 import pytest
+
+# Test modules are imported in importlib mode (basenames repeat across folders);
+# helper modules beside the tests (e.g. tests/llm/test_export_fixtures.py) stay
+# importable by plain name because each test folder is on sys.path.
+for _d in sorted(p for p in pathlib.Path(__file__).parent.iterdir() if p.is_dir() and p.name not in ("goldens", "fixtures", "__pycache__")):
+    if str(_d) not in sys.path:
+        sys.path.append(str(_d))
 
 os.environ.setdefault("FUCINA_TEST", "1")
 

@@ -14,7 +14,7 @@ weights are consumed by a fused dequant-matvec (decode) or dequant + BLAS
 
 The projection seam (for LoRA and friends): every linear map is an object
 stored on the layer — `layer.attn.q/k/v/o`, `layer.mlp.gate/up/down`, and
-`model.output` — with
+`model.output` — with (usually a Module subclass, so its parameters are found by named_parameters)
     __call__(x: Tensor) -> Tensor      the differentiable path (training)
     infer(x: ndarray) -> ndarray       optional fast no-grad path (generation)
     in_features, out_features
@@ -80,7 +80,7 @@ class Qwen3Config:
 
 
 # --- projections (the seam) ---------------------------------------------------
-class FrozenLinear:
+class FrozenLinear(Module):
     """y = x @ W.T with W a frozen GGUF weight (any supported format). No gradient to W."""
 
     def __init__(self, weight: FrozenWeight):
@@ -90,7 +90,7 @@ class FrozenLinear:
     def infer(self, x: np.ndarray) -> np.ndarray:
         return self.weight.matmul_t(x)
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         x = ops.as_tensor(x)
         w = self.weight
 
@@ -100,7 +100,7 @@ class FrozenLinear:
         return Tensor.make(w.matmul_t(x.data), (x,), backward, "frozen_linear")
 
 
-class Linear:
+class Linear(Module):
     """y = x @ W.T with W a trainable f32 parameter [out, in]."""
 
     def __init__(self, weight: Tensor):
@@ -110,7 +110,7 @@ class Linear:
     def infer(self, x: np.ndarray) -> np.ndarray:
         return np.asarray(x, np.float32) @ self.weight.data.T
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         return ops.linear(x, self.weight)
 
 

@@ -6,12 +6,14 @@ and trainer_state.json (the sentinel, last), announce the commit, and unlink the
 snapshot segment. Killed mid-write, the directory has no sentinel, so the
 previous checkpoint stays the latest; the scheduler re-sends the write.
 """
+import os
 import sys
 import time
 
 from pipeline.runtime import ckpt
 from pipeline.runtime.shm import unlink_name
 from pipeline.runtime.worker import Worker, run_worker
+from pipeline.train.trainer_state import TrainerState
 
 
 class Checkpointer(Worker):
@@ -24,12 +26,13 @@ class Checkpointer(Worker):
         params = {n[len("model/"):]: a for n, a in seg.tensors.items() if n.startswith("model/")}
         optim = {n[len("optim/"):]: a for n, a in seg.tensors.items() if n.startswith("optim/")}
 
-        def after_file(name):
-            if name == "model.safetensors":
-                self.fault("mid_write", step)
+        def after_weights(_name):
+            self.fault("mid_write", step)
 
-        path = ckpt.write_checkpoint(msg["dir"], params, optim, msg["meta"]["optim"], msg["meta"]["state"],
-                                     on_file=after_file)
+        faulty = os.environ.get("FUCINA_FAULT", "").startswith("checkpointer:")
+        state = TrainerState.from_json(msg["meta"]["state"], source=f"snapshot {msg['segment']}")
+        path = ckpt.write_checkpoint(msg["dir"], params, msg["meta"]["optim"], optim, state,
+                                     on_file=after_weights if faulty else None)
         del params, optim
         self.registry.detach(msg["segment"])
         unlink_name(msg["segment"])

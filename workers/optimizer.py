@@ -52,17 +52,17 @@ class Optimizer(Worker):
         for name in [n for n in self.registry.created if "-snapshot-" in n]:  # written by the checkpointer
             if not os.path.exists(os.path.join(SHM_DIR, name)):
                 self.registry.created.pop(name).close()
-        optim, meta = self.logic.opt.state_dict()
-        layout = [(f"model/{n}", a.shape, a.dtype) for n, a in self.logic.params.items()]
+        params, skeleton, optim = self.logic.snapshot()
+        layout = [(f"model/{n}", a.shape, a.dtype) for n, a in params.items()]
         layout += [(f"optim/{n}", a.shape, a.dtype) for n, a in optim.items()]
         seg = self.registry.create(f"snapshot-{step}", layout)
-        for n, a in self.logic.params.items():
+        for n, a in params.items():
             seg.tensors[f"model/{n}"][...] = a
         for n, a in optim.items():
             seg.tensors[f"optim/{n}"][...] = a
         seg.version = step
         self.sock.send("snapshot_ready", step, worker=self.id, gen=msg["gen"], segment=seg.name,
-                       tensors=seg.layout_wire(), meta={"optim": meta, "state": trainer_state(self.job, step)})
+                       tensors=seg.layout_wire(), meta={"optim": skeleton, "state": trainer_state(self.job, step).to_json()})
 
 
 def main(argv=None):

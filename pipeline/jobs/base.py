@@ -11,8 +11,9 @@ The roles never know what model they train. A job supplies:
                             written into `grads`; the loss is pre-scaled by
                             1/rows_per_step, so the in-order SUM of micro-batch
                             gradients is the gradient of the step's mean loss
-  make_optimizer(named)    -> object with step(lr), state_dict(), load_state_dict()
-  lr_at(step)              -> float (pure in the step)
+  make_optimizer(named)    -> a pipeline.optim optimizer (or OptimizerSet) over them
+  lr_factor(step)          -> float multiplier of the base lr (pure in the step)
+  schedule_fields()        -> dict recorded in the checkpoint sentinel
   validate(model)          -> float or None (run by the optimizer every eval_every)
   finish(run_dir, params)  -> dict of extras for the summary (sample, exports)
 
@@ -52,13 +53,29 @@ class Job:
         return 1
 
     def param_layout(self):
-        return [(n, a.shape, a.dtype) for n, a in self.init_params()]
+        if getattr(self, "_layout", None) is None:
+            self._layout = [(n, a.shape, a.dtype) for n, a in self.init_params()]
+        return self._layout
 
     def validate(self, model):
         return None
 
     def finish(self, run_dir, params, log=print):
         return {}
+
+
+def bind_module(model, params):
+    """Point every trainable Tensor of `model` at the array of the same name (no copy)."""
+    params = dict(params)
+    named = model.named_parameters()
+    missing = [n for n, _ in named if n not in params]
+    if missing or len(named) != len(params):
+        raise ValueError(f"bind: model parameters {[n for n, _ in named]} do not match arrays {list(params)}")
+    for name, t in named:
+        if params[name].shape != t.data.shape:
+            raise ValueError(f"bind: {name!r} is {t.data.shape} in the model, {params[name].shape} in the arrays")
+        t.data = params[name]
+    return model
 
 
 def bind_tensors(named_arrays):
@@ -72,9 +89,10 @@ def bind_tensors(named_arrays):
     return out
 
 
-def zero_copy_grads(named_tensors, grads: dict):
-    """Copy each Tensor's .grad into `grads[name]` (zeros where no gradient reached)."""
-    for name, t in named_tensors:
+def zero_copy_grads(model, grads: dict):
+    """Move each parameter's .grad into `grads[name]` (zeros where no gradient reached)."""
+    named = model.named_parameters() if hasattr(model, "named_parameters") else model
+    for name, t in named:
         if t.grad is None:
             grads[name][...] = 0
         else:

@@ -1,27 +1,27 @@
-"""`spirals`: mini-batch two-spirals classification with a tanh MLP.
+"""`spirals`: mini-batch two-spirals classification (pipeline.models.spirals).
 
-The smallest real job: a few thousand parameters, so a 300-step run takes
-seconds in-process and the multiprocess overhead dominates - which is exactly
-what the determinism and fault tests want to exercise.
+The smallest real job: ~4k parameters, so a 300-step run takes about a second
+in-process and the multiprocess overhead dominates - which is exactly what the
+determinism and fault tests want to exercise.
 
 Data order: the points are re-shuffled every epoch by a permutation that is a
 pure function of (seed, epoch); global row i of the run is point
-perm(seed, i // n)[i % n]. Trade-off: the whole data set is regenerated in every
-process that needs it (cheap here) instead of being shipped.
+perm(seed, i // n)[i % n]. Trade-off: the whole data set is regenerated in
+every process that needs it (cheap here) instead of being shipped.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
 from kernels import rng
 
-from ..autograd import ops  # noqa: F401 - attaches Tensor operators
-from ..autograd.tensor import Tensor
-from .base import Job, bind_tensors, zero_copy_grads
-from .recipes import AdamWLite, warmup_hold_cooldown
+from ..autograd.losses import cross_entropy
+from ..models.spirals import SpiralsMLP, accuracy, make_spirals
+from ..optim import warmup_hold_linear_cooldown
+from .base import Job, bind_module, zero_copy_grads
+from .recipes import adamw
 from .spec import field
 
 
@@ -30,14 +30,13 @@ class SpiralsSpec:
     steps: int = field(300, "optimizer steps")
     batch: int = field(64, "rows per optimizer step (split into micro-batches)")
     micro_batches: int = field(4, "micro-batches per step (tasks handed to trainers)")
-    points: int = field(200, "points per spiral (two spirals)")
+    points: int = field(200, "points per spiral arm (two arms)")
     noise: float = field(0.05, "gaussian noise on the point coordinates")
-    hidden: int = field(32, "hidden width of the MLP")
-    layers: int = field(2, "hidden layers")
-    lr: float = field(0.01, "peak learning rate (AdamW)")
+    hidden: int = field(64, "hidden width of the 2-hidden-layer tanh MLP")
+    lr: float = field(0.03, "peak learning rate (AdamW)")
     warmup: int = field(20, "warm-up steps")
-    cooldown: int = field(60, "linear cool-down steps at the end")
-    weight_decay: float = field(0.0, "AdamW decoupled weight decay")
+    cooldown: float = field(0.2, "share of the run spent cooling the LR linearly to 0")
+    weight_decay: float = field(0.0, "AdamW decoupled weight decay on matrices")
     clip: float = field(1.0, "clip the global gradient norm to this (0: off)")
     checkpoint_every: int = field(100, "checkpoint cadence in steps (the final step is always saved)")
     eval_every: int = field(100, "accuracy on the full set every N steps (0: off)")
@@ -45,48 +44,16 @@ class SpiralsSpec:
 
     def validate(self):
         from ..errors import UserError
-        if self.steps < 1 or self.batch < 1 or self.micro_batches < 1:
-            raise UserError("spirals: steps, batch and micro_batches must be >= 1")
+        if min(self.steps, self.batch, self.micro_batches, self.points, self.hidden) < 1:
+            raise UserError("spirals: steps, batch, micro_batches, points and hidden must be >= 1")
         if self.batch % self.micro_batches:
             raise UserError(f"spirals: batch {self.batch} is not divisible by micro_batches {self.micro_batches}")
 
 
-def make_spirals(points: int, noise: float, seed: int):
-    """(x float32 [2n, 2], y int64 [2n]): two interleaved spirals, pure in seed."""
-    t = np.sqrt(rng.uniform(rng.derive_seed(seed, 1), (points,), dtype=np.float64)) * 3 * math.pi
-    jitter = rng.gaussian(rng.derive_seed(seed, 2), (2 * points, 2), std=noise, dtype=np.float64)
-    r = t / (3 * math.pi)
-    a = np.stack([r * np.cos(t), r * np.sin(t)], axis=1)
-    x = np.concatenate([a, -a]) + jitter
-    y = np.concatenate([np.zeros(points, np.int64), np.ones(points, np.int64)])
-    return x.astype(np.float32), y
-
-
 def epoch_permutation(seed: int, epoch: int, n: int):
+    """The data order of one epoch: a pure function of (seed, epoch)."""
     keys = rng.uniform(rng.derive_seed(rng.derive_seed(seed, 3), epoch), (n,), dtype=np.float64)
     return np.argsort(keys, kind="stable")
-
-
-def cross_entropy_rows(logits: Tensor, targets: np.ndarray, scale: float) -> Tensor:
-    """scale * sum_i CE(logits_i, t_i), the sum taken serially in row order.
-
-    A private op until the engine's cross_entropy lands in pipeline.autograd.ops.
-    """
-    z = logits.data.astype(np.float64)
-    z = z - z.max(axis=1, keepdims=True)
-    logsum = np.log(np.exp(z).sum(axis=1))
-    rows = logsum - z[np.arange(len(targets)), targets]
-    total = 0.0
-    for v in rows:  # one serial sum in row order (DESIGN.md 3.2)
-        total += v
-    out = np.asarray(np.float32(total * scale))
-
-    def backward(g):
-        p = np.exp(z - logsum[:, None])
-        p[np.arange(len(targets)), targets] -= 1.0
-        return ((p * scale * float(g)).astype(np.float32),)
-
-    return Tensor.make(out, (logits,), backward, "cross_entropy_rows")
 
 
 class Spirals(Job):
@@ -95,73 +62,53 @@ class Spirals(Job):
 
     def __init__(self, spec):
         super().__init__(spec)
-        self.x, self.y = make_spirals(spec.points, spec.noise, spec.seed)
-        self._perm_cache = {}
+        self.x, self.y = make_spirals(spec.points, noise=spec.noise, seed=spec.seed)
+        self._perm = (None, None)
 
     def init_params(self):
-        s, sizes = self.spec, [2] + [self.spec.hidden] * self.spec.layers + [2]
-        out = []
-        for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-            w = rng.kaiming_uniform(rng.derive_seed(s.seed, 100 + i), (fan_in, fan_out), fan_in=fan_in)
-            bound = 1.0 / math.sqrt(fan_in)
-            b = rng.uniform(rng.derive_seed(s.seed, 200 + i), (fan_out,), -bound, bound)
-            out += [(f"layers.{i}.weight", w), (f"layers.{i}.bias", b)]
-        return out
+        model = SpiralsMLP(seed=self.spec.seed, hidden=self.spec.hidden)
+        return [(n, t.data) for n, t in model.named_parameters()]
 
     def batch_layout(self):
         m = self.rows_per_micro()
         return [("x", (m, 2), np.float32), ("y", (m,), np.int64)]
 
-    def _perm(self, epoch):
-        if epoch not in self._perm_cache:
-            self._perm_cache = {epoch: epoch_permutation(self.spec.seed, epoch, len(self.y))}
-        return self._perm_cache[epoch]
+    def _permutation(self, epoch):
+        if self._perm[0] != epoch:
+            self._perm = (epoch, epoch_permutation(self.spec.seed, epoch, len(self.y)))
+        return self._perm[1]
 
     def fill_batch(self, step, k, out):
         m, n = self.rows_per_micro(), len(self.y)
         start = step * self.spec.batch + k * m
-        idx = np.empty(m, np.int64)
-        for j in range(m):
-            i = start + j
-            idx[j] = self._perm(i // n)[i % n]
+        idx = np.array([self._permutation(i // n)[i % n] for i in range(start, start + m)], dtype=np.int64)
         out["x"][...] = self.x[idx]
         out["y"][...] = self.y[idx]
 
     def bind(self, params):
-        return bind_tensors(params)
-
-    def forward(self, named, x):
-        h = Tensor(x)
-        n_layers = len(named) // 2
-        for i in range(n_layers):
-            h = h @ named[2 * i][1] + named[2 * i + 1][1]
-            if i < n_layers - 1:
-                h = h.tanh()
-        return h
+        return bind_module(SpiralsMLP(seed=self.spec.seed, hidden=self.spec.hidden), params)
 
     def micro_grad(self, model, batch, grads):
-        logits = self.forward(model, batch["x"])
-        loss = cross_entropy_rows(logits, batch["y"], 1.0 / self.spec.batch)
+        loss = cross_entropy(model(batch["x"]), batch["y"], reduction="sum") * np.float32(1.0 / self.spec.batch)
         loss.backward()
         zero_copy_grads(model, grads)
         return float(loss.data), len(batch["y"])
 
     def make_optimizer(self, named):
-        return AdamWLite(named, betas=(0.9, 0.99), eps=1e-8, weight_decay=self.spec.weight_decay)
+        return adamw(named, lr=self.spec.lr, weight_decay=self.spec.weight_decay, betas=(0.9, 0.99))
 
-    def lr_at(self, step):
+    def lr_factor(self, step):
         s = self.spec
-        return warmup_hold_cooldown(step, s.steps, s.warmup, s.cooldown, s.lr, floor=0.0)
+        return warmup_hold_linear_cooldown(step, s.steps, s.warmup, s.cooldown)
+
+    def schedule_fields(self):
+        return {"name": "warmup_hold_linear_cooldown", "warmup": self.spec.warmup, "cooldown": self.spec.cooldown}
 
     def validate(self, model):
-        from ..autograd.tensor import no_grad
-        with no_grad():
-            logits = self.forward(model, self.x).data
-        return float((logits.argmax(axis=1) == self.y).mean())
+        return accuracy(model, self.x, self.y)
 
     def finish(self, run_dir, params, log=print):
-        named = bind_tensors(list(params.items()))
-        acc = self.validate(named)
+        acc = accuracy(self.bind(list(params.items())), self.x, self.y)
         log(f"spirals: accuracy on all {len(self.y)} points: {acc:.3f}")
         return {"accuracy": acc}
 

@@ -1,125 +1,103 @@
-"""Checkpoint directories for pipeline runs (the DESIGN.md section 5 protocol).
+"""Checkpoints of pipeline runs, on the shared directory protocol (pipeline.train).
 
-    checkpoint-step-N/
-      model.safetensors       parameters (names from named_parameters)
-      optimizer.safetensors   optimizer state tensors; its config/step in metadata
-      trainer_state.json      written LAST: the commit sentinel
+    checkpoint-step-N/  model.safetensors, optimizer.safetensors, trainer_state.json (last)
 
-Every file goes to a temp name, is fsynced, then renamed; a directory without a
-parseable sentinel is not a checkpoint, so a writer killed mid-way leaves the
-previous checkpoint the latest committed one, and a retry simply rewrites.
+The checkpointer holds no model and no optimizer - only a snapshot of arrays -
+so this module adapts a snapshot to `save_checkpoint`'s model/optimizer
+arguments. The sentinel's `step` counts micro-batches and `accum_steps` is
+the job's micro-batches per step, so `macro_step` is the optimizer step (the
+pipeline.train convention). `params_sha256` is the run's identity: the digest
+of every final parameter in name order, what the determinism tests compare.
 
-Trade-off: this is the pipeline's own small writer so the runtime does not wait
-on pipeline/train/checkpoint.py; the layout is the shared protocol, so either
-side can read the other's directories.
+Trade-off: a thin adapter, not a second writer; a crash mid-save is handled by
+the protocol (sentinel last), a retry simply re-saves into the same directory.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import re
+from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
 
+from ..autograd.tensor import Tensor
 from ..errors import CheckpointError
+from ..train import checkpoint as protocol
+from ..train.state_dict import load_state_dict
+from ..train.trainer_state import TrainerState
 
-SENTINEL = "trainer_state.json"
-_STEP_DIR = re.compile(r"^checkpoint-step-(\d+)$")
-
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic(path, write):
-    tmp = f"{path}.tmp-{os.getpid()}"
-    write(tmp)
-    with open(tmp, "rb+") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def write_checkpoint(ckpt_dir, params: dict, optim: dict, optim_meta: dict, state: dict, on_file=None):
-    """Write one checkpoint directory; `on_file(name)` is called after each file (fault tests)."""
-    os.makedirs(ckpt_dir, exist_ok=True)
-    sentinel = os.path.join(ckpt_dir, SENTINEL)
-    if os.path.exists(sentinel):  # re-writing a committed step: un-commit first
-        os.unlink(sentinel)
-    contiguous = lambda d: {k: np.ascontiguousarray(v) for k, v in d.items()}  # noqa: E731
-    _atomic(os.path.join(ckpt_dir, "model.safetensors"),
-            lambda p: save_file(contiguous(params), p, metadata={"format": "fucina-pipeline"}))
-    on_file and on_file("model.safetensors")
-    _atomic(os.path.join(ckpt_dir, "optimizer.safetensors"),
-            lambda p: save_file(contiguous(optim), p, metadata={"optimizer": json.dumps(optim_meta)}))
-    on_file and on_file("optimizer.safetensors")
-
-    def write_json(p):
-        with open(p, "w") as fh:
-            json.dump(state, fh, indent=1, sort_keys=True)
-    _atomic(sentinel, write_json)
-    _fsync_dir(ckpt_dir)
-    on_file and on_file(SENTINEL)
-    return ckpt_dir
-
-
-def is_committed(ckpt_dir) -> bool:
-    try:
-        with open(os.path.join(ckpt_dir, SENTINEL)) as fh:
-            return isinstance(json.load(fh).get("step"), int)
-    except (OSError, ValueError, AttributeError):
-        return False
+is_committed = protocol.is_committed
 
 
 def latest_checkpoint(run_dir) -> str | None:
-    """The committed checkpoint-step-N with the largest N (uncommitted ones ignored)."""
-    best = None
-    try:
-        names = os.listdir(run_dir)
-    except FileNotFoundError:
-        return None
-    for name in names:
-        m = _STEP_DIR.match(name)
-        path = os.path.join(run_dir, name)
-        if m and is_committed(path) and (best is None or int(m.group(1)) > best[0]):
-            best = (int(m.group(1)), path)
-    return best[1] if best else None
+    path = protocol.latest_checkpoint(run_dir)
+    return str(path) if path else None
 
 
 def resolve(path) -> str:
     """A checkpoint dir, or a run dir (-> its latest committed checkpoint)."""
     if is_committed(path):
-        return path
+        return str(path)
     latest = latest_checkpoint(path)
     if latest is None:
-        raise CheckpointError(f"{path}: neither a committed checkpoint (no parseable {SENTINEL}) "
+        raise CheckpointError(f"{path}: neither a committed checkpoint (no valid {protocol.SENTINEL}) "
                               f"nor a run directory holding one")
     return latest
 
 
-def read_checkpoint(ckpt_dir):
-    """-> (params, optim tensors, optim meta, trainer state); errors name the file."""
-    try:
-        with open(os.path.join(ckpt_dir, SENTINEL)) as fh:
-            state = json.load(fh)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{ckpt_dir}/{SENTINEL}: not a committed checkpoint ({e})") from None
-    out = []
-    for name in ("model.safetensors", "optimizer.safetensors"):
-        path = os.path.join(ckpt_dir, name)
-        try:
-            out.append(load_file(path))
-        except Exception as e:  # noqa: BLE001 - safetensors raises several types
-            raise CheckpointError(f"{path}: cannot read ({e})") from None
-    from safetensors import safe_open
-    with safe_open(os.path.join(ckpt_dir, "optimizer.safetensors"), "np") as f:
-        meta = json.loads((f.metadata() or {}).get("optimizer", "{}"))
-    return out[0], out[1], meta, state
+class _FrozenState:
+    """An optimizer stand-in whose state_dict() is a stored snapshot."""
+
+    def __init__(self, skeleton: dict, tensors: dict):
+        self.sd = {**skeleton, "tensors": tensors}
+
+    def state_dict(self):
+        return self.sd
+
+
+def trainer_state(job, step: int) -> TrainerState:
+    """The sentinel: micro-batch counter, seeds, loader position, schedule, job config."""
+    from ..jobs.spec import to_dict
+    m = job.micro_batches
+    return TrainerState(step=step * m, accum_steps=m, seeds={"init": job.spec.seed, "data": job.spec.seed},
+                        loader={"seed": job.spec.seed, "rows_consumed": step * job.rows_per_step()},
+                        schedule={"total": job.steps, **job.schedule_fields()},
+                        config={"job": job.name, "spec": to_dict(job.spec)})
+
+
+def write_checkpoint(ckpt_dir, params: dict, optim_skeleton: dict, optim_tensors: dict, state: TrainerState,
+                     on_file=None):
+    """Write one checkpoint from arrays; `on_file(name)` after the weights (fault-injection hook)."""
+    model = {n: Tensor(a, requires_grad=True) for n, a in params.items()}
+    ckpt_dir = Path(ckpt_dir)
+    if on_file is None:
+        protocol.save_checkpoint(ckpt_dir, state, model=model, optimizer=_FrozenState(optim_skeleton, optim_tensors))
+        return str(ckpt_dir)
+    # the same protocol in two calls, so a fault can strike between the files (sentinel still last)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    sentinel = ckpt_dir / protocol.SENTINEL
+    if sentinel.exists():
+        sentinel.unlink()
+    from ..train.state_dict import save_state_dict
+    save_state_dict(ckpt_dir / "model.safetensors", list(model.items()), metadata={"format": "fucina.weights/1"})
+    on_file("model.safetensors")
+    protocol.save_checkpoint(ckpt_dir, state, model=model, optimizer=_FrozenState(optim_skeleton, optim_tensors))
+    return str(ckpt_dir)
+
+
+def restore(ckpt_dir, named_tensors, optimizer) -> int:
+    """Load weights (in place) and optimizer state; -> the optimizer step."""
+    state = protocol.load_checkpoint(ckpt_dir, model=dict(named_tensors), optimizer=optimizer)
+    return state.macro_step
+
+
+def read_params(ckpt_dir, order=None) -> dict:
+    stored = load_state_dict(protocol.weights_file(ckpt_dir))
+    return {n: stored[n] for n in (order or sorted(stored))}
+
+
+def read_state(ckpt_dir) -> TrainerState:
+    return protocol.read_sentinel(ckpt_dir)
 
 
 def params_sha256(params: dict) -> str:
@@ -130,3 +108,7 @@ def params_sha256(params: dict) -> str:
         h.update(f"{name}|{a.dtype.str}|{list(a.shape)}|".encode())
         h.update(a.tobytes())
     return h.hexdigest()
+
+
+def checkpoint_dir(run_dir, step) -> str:
+    return os.path.join(run_dir, f"checkpoint-step-{step}")

@@ -39,12 +39,10 @@ class Supervisor:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, self.env.get("PYTHONPATH")]))
         self.env["PYTHONUNBUFFERED"] = "1"
-        conn = []
-        if port:
-            endpoint = f"tcp://{host}:{port}"
-            conn = ["--connect", endpoint]
-        else:
-            conn = ["--run-dir", self.run_dir]
+        from .transport import ipc_endpoints, tcp_endpoints
+        endpoints = tcp_endpoints(port, host) if port else ipc_endpoints(self.run_dir)
+        self.events_endpoint = endpoints.events
+        conn = ["--connect", endpoints.control]
         sched = [sys.executable, "-m", "workers.scheduler", "--job", job_name, "--spec-json", json.dumps(spec),
                  "--run-dir", self.run_dir, "--run-id", self.run_id, "--trainers", str(trainers),
                  "--threads", str(threads), "--liveness", str(liveness)]

@@ -11,15 +11,13 @@ starts only after all its micro-batch gradients are in).
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from ..errors import ConfigMismatchError
 from ..jobs.base import bind_tensors
-from ..jobs.recipes import clip_grad_norm
-from ..jobs.spec import to_dict
+from ..optim import LrSchedule, grad_norm
 from . import ckpt
+from .ckpt import checkpoint_dir, trainer_state  # noqa: F401 - re-exported for the roles
 
 
 class LoaderLogic:
@@ -53,38 +51,33 @@ class OptimizerLogic:
         self.job, self.params = job, params
         self.named = bind_tensors(list(params.items()))
         self.trainer_view = None  # for validation, a model over the same arrays
-        self.opt = job.make_optimizer(self.named)
+        self.opt = self.schedule = None
 
     def init(self, resume: str | None) -> int:
         """Fresh parameters (step 0) or the state of a committed checkpoint -> its step."""
         self.opt = self.job.make_optimizer(self.named)
+        self.schedule = LrSchedule(self.opt)
         if not resume:
             for name, arr in self.job.init_params():
                 self.params[name][...] = arr
             return 0
-        params, optim, meta, state = ckpt.read_checkpoint(resume)
-        if state.get("job") != self.job.name:
-            raise ConfigMismatchError(f"{resume}: checkpoint of job {state.get('job')!r}, resuming job {self.job.name!r}")
-        for name, dst in self.params.items():
-            if name not in params:
-                raise ConfigMismatchError(f"{resume}/model.safetensors: tensor {name!r} missing")
-            src = params[name]
-            if src.shape != dst.shape or src.dtype != dst.dtype:
-                raise ConfigMismatchError(f"{resume}/model.safetensors: {name!r} is {src.dtype}{list(src.shape)}, "
-                                          f"the job needs {dst.dtype}{list(dst.shape)}")
-            dst[...] = src
-        self.opt.load_state_dict(optim, meta)
-        return int(state["step"])
+        state = ckpt.read_state(resume)
+        if state.config.get("job") != self.job.name:
+            raise ConfigMismatchError(f"{resume}: checkpoint of job {state.config.get('job')!r}, resuming job {self.job.name!r}")
+        if state.accum_steps != self.job.micro_batches:
+            raise ConfigMismatchError(f"{resume}/trainer_state.json: accum_steps {state.accum_steps} "
+                                      f"(micro-batches per step) but the job has micro_batches={self.job.micro_batches}")
+        return ckpt.restore(resume, self.named, self.opt)
 
     def step(self, step: int, slots: list[dict]) -> dict:
         for name, t in self.named:
             t.grad = reduce_in_order(slots, name)
-        norm = clip_grad_norm(self.named, getattr(self.job.spec, "clip", 0.0))
-        lr = self.job.lr_at(step)
-        self.opt.step(lr)
-        for _, t in self.named:
-            t.grad = None
-        return {"lr": float(lr), "grad_norm": float(norm)}
+        clip = getattr(self.job.spec, "clip", 0.0)
+        norm = self.opt.clip_grad_norm(clip) if clip > 0 else grad_norm(self.opt)
+        self.schedule.apply(self.job.lr_factor(step))
+        self.opt.step()
+        self.opt.zero_grad()
+        return {"lr": float(self.opt.lr_holders()[0].lr), "grad_norm": float(norm)}
 
     def evaluate(self):
         if self.trainer_view is None:
@@ -92,21 +85,10 @@ class OptimizerLogic:
         return self.job.validate(self.trainer_view)
 
     def snapshot(self):
-        """(param copies, optimizer tensors, optimizer meta) - what a checkpoint holds."""
-        tensors, meta = self.opt.state_dict()
-        return ({n: np.array(a, copy=True) for n, a in self.params.items()},
-                {n: np.array(a, copy=True) for n, a in tensors.items()}, meta)
-
-
-def trainer_state(job, step: int) -> dict:
-    """The sentinel's content: enough to resume (loader position is pure in the step)."""
-    rows = step * job.rows_per_step()
-    return {"step": step, "job": job.name, "spec": to_dict(job.spec), "seed": job.spec.seed,
-            "loader": {"seed": job.spec.seed, "rows_consumed": rows}}
-
-
-def checkpoint_dir(run_dir, step) -> str:
-    return os.path.join(run_dir, f"checkpoint-step-{step}")
+        """(param copies, optimizer skeleton, optimizer tensors) - what a checkpoint holds."""
+        sd = self.opt.state_dict()
+        skeleton = {k: v for k, v in sd.items() if k != "tensors"}
+        return {n: np.array(a, copy=True) for n, a in self.params.items()}, skeleton, sd["tensors"]
 
 
 def checkpoint_due(job, step: int) -> bool:

@@ -29,7 +29,8 @@ from ..errors import FucinaError
 from ..jobs.spec import to_dict
 from . import ckpt
 from .metrics import MetricsLog, plot_run
-from .roles import checkpoint_dir, checkpoint_due
+from .ckpt import checkpoint_dir
+from .roles import checkpoint_due
 from .transport import LIVENESS_S, Liveness, Publisher, RouterSocket
 
 SINGLETONS = ("loader", "optimizer", "checkpointer")
@@ -323,8 +324,7 @@ class Scheduler:
         if self.writes_inflight or self.writes_pending:
             return
         path = checkpoint_dir(self.run_dir, final)
-        stored, _, _, _ = ckpt.read_checkpoint(path)
-        params = {n: stored[n] for n, _, _ in self.job.param_layout()}  # safetensors sorts names; jobs need model order
+        params = ckpt.read_params(path, order=[n for n, _, _ in self.job.param_layout()])
         extras = self.job.finish(self.run_dir, params, log=self.log)
         self.summary = {"job": self.job.name, "mode": "pipeline", "trainers": self.trainers_wanted,
                         "steps": final, "final_loss": self.losses.get(final),

@@ -41,6 +41,14 @@ def _untrack(shm):
         pass
 
 
+def np_dtype(name: str) -> np.dtype:
+    """A dtype from its name; 'bfloat16' comes from ml_dtypes (bf16 optimizer state)."""
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
@@ -50,7 +58,7 @@ class TensorSpec:
 
     @property
     def nbytes(self):
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return int(np.prod(self.shape, dtype=np.int64)) * np_dtype(self.dtype).itemsize
 
     def to_wire(self):
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "offset": self.offset}
@@ -64,7 +72,7 @@ def layout(named_shapes) -> tuple[list[TensorSpec], int]:
     """[(name, shape, dtype)] -> (specs with aligned offsets, total segment bytes)."""
     specs, off = [], HEADER_BYTES
     for name, shape, dtype in named_shapes:
-        spec = TensorSpec(name, np.dtype(dtype).str, tuple(int(s) for s in shape), off)
+        spec = TensorSpec(name, np.dtype(dtype).name, tuple(int(s) for s in shape), off)
         specs.append(spec)
         off += -(-max(spec.nbytes, 1) // ALIGN) * ALIGN
     return specs, off
@@ -85,7 +93,7 @@ class Segment:
         if s.offset + s.nbytes > self._shm.size:
             raise ValueError(f"shm {self.name}: tensor {s.name!r} {s.shape} {s.dtype} at offset {s.offset} "
                              f"runs past the segment end ({self._shm.size} bytes)")
-        return np.ndarray(s.shape, dtype=np.dtype(s.dtype), buffer=self._shm.buf, offset=s.offset)
+        return np.ndarray(s.shape, dtype=np_dtype(s.dtype), buffer=self._shm.buf, offset=s.offset)
 
     @property
     def version(self) -> int:

@@ -1,0 +1,134 @@
+"""`fucina launch <job>`: run a job as a supervised multiprocess pipeline (or inline)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from ..errors import UserError
+from ..jobs import JOBS, get_job
+from ..jobs.spec import add_flags, from_args, to_dict
+
+NAME = "launch"
+HELP = "run a built-in job (spirals, lm) as a multiprocess pipeline of workers"
+DESCRIPTION = ("Start the scheduler, loader, optimizer, checkpointer and N trainers as subprocesses "
+               "(or run the same tasks inline with --inprocess). Final parameters are bit-identical for "
+               "--inprocess, any --trainers N, and stopped+resumed runs. Every job field is a flag.")
+
+
+def add_arguments(parser):
+    sub = parser.add_subparsers(dest="job", metavar="JOB", required=True)
+    for name in JOBS:
+        job_cls = get_job(name)
+        p = sub.add_parser(name, help=(job_cls.__doc__ or name).strip().splitlines()[0],
+                           description=(job_cls.__module__ and sys.modules[job_cls.__module__].__doc__))
+        p.add_argument("--trainers", type=int, default=1, help="trainer processes (each one compute thread by default)")
+        p.add_argument("--inprocess", action="store_true", help="run every task inline in this process (same bits)")
+        p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint dir or a run dir's latest checkpoint")
+        p.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/<job>-<time>, or the resumed run's dir)")
+        p.add_argument("--threads", type=int, default=1, help="BLAS/numba threads per worker (and in-process)")
+        p.add_argument("--port", type=int, default=None, help="use tcp://HOST:PORT (+1 for events) instead of ipc:// sockets")
+        p.add_argument("--host", default="127.0.0.1", help="interface the tcp:// sockets bind (loopback unless told)")
+        p.add_argument("--json", action="store_true", help="print only a JSON summary (steps, final_loss, params_sha256, ...)")
+        p.add_argument("--quiet", action="store_true", help="no live progress")
+        add_flags(p, job_cls.Spec)
+
+
+def _run_dir(args):
+    if args.run_dir:
+        return args.run_dir
+    if args.resume:
+        from ..runtime import ckpt
+        return os.path.dirname(os.path.abspath(ckpt.resolve(args.resume)))
+    return os.path.join("runs", f"{args.job}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def run(args) -> int:
+    job_cls = get_job(args.job)
+    spec = from_args(job_cls.Spec, args)
+    if args.trainers < 1:
+        raise UserError(f"--trainers must be >= 1, got {args.trainers}")
+    run_dir = _run_dir(args)
+    os.makedirs(run_dir, exist_ok=True)
+    quiet = args.json or args.quiet
+    say = (lambda m: None) if quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    say(f"fucina launch {args.job}: run dir {run_dir}")
+    say(f"  spec {json.dumps(to_dict(spec))}")
+    if args.inprocess:
+        from ..runtime import ckpt
+        from ..runtime.inprocess import run_inprocess
+        from ..threads import pin_threads
+        pin_threads(args.threads)
+        if not args.resume and ckpt.latest_checkpoint(run_dir):
+            raise UserError(f"{run_dir} already holds checkpoints: pass --resume {run_dir} or choose another --run-dir")
+        with _progress(spec.steps, quiet) as on_step:
+            summary = run_inprocess(job_cls(spec), run_dir, resume=args.resume, log=say, on_step=on_step)
+        try:
+            from ..runtime.metrics import plot_run
+            summary["plot"] = plot_run(run_dir)
+        except UserError:
+            pass
+    else:
+        from ..runtime.launch import Supervisor
+        sup = Supervisor(args.job, to_dict(spec), run_dir, trainers=args.trainers, resume=args.resume,
+                         threads=args.threads, port=args.port, host=args.host, quiet=quiet)
+        with _progress(spec.steps, quiet, sup.events_endpoint) as _:
+            summary = sup.run()
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        for key in ("steps", "final_loss", "params_sha256", "checkpoint", "plot", "sample", "gguf"):
+            if summary.get(key) is not None:
+                print(f"{key:>14}: {summary[key]}")
+    return 0
+
+
+class _progress:
+    """A rich progress bar fed by in-process steps, or by the run's PUB socket."""
+
+    def __init__(self, total, quiet, endpoint=None):
+        self.total, self.quiet, self.endpoint = total, quiet, endpoint
+        self.stop = None
+
+    def __enter__(self):
+        if self.quiet:
+            return lambda record: None
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+        self.bar = Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
+                            TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=False)
+        self.task = self.bar.add_task("train", total=self.total, info="")
+        self.bar.start()
+        if self.endpoint:
+            self._follow()
+        return self.update
+
+    def update(self, record):
+        info = f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  |g| {record['grad_norm']:.3f}"
+        if record.get("eval") is not None:
+            info += f"  eval {record['eval']:.4f}"
+        self.bar.update(self.task, completed=record["step"], info=info)
+
+    def _follow(self):
+        import threading
+
+        from ..runtime.transport import Subscriber
+        self.stop = threading.Event()
+
+        def loop():
+            sub = Subscriber(self.endpoint)
+            try:
+                while not self.stop.is_set():
+                    msg = sub.recv(200)
+                    if msg and msg["kind"] == "metrics":
+                        self.update({**msg, "step": msg["step"]})
+            finally:
+                sub.close()
+        threading.Thread(target=loop, daemon=True).start()
+
+    def __exit__(self, *exc):
+        if self.stop:
+            self.stop.set()
+        if not self.quiet:
+            self.bar.stop()
+        return False

@@ -1,0 +1,49 @@
+"""The built-in corpus: CPython's own documentation, as bytes.
+
+pydoc topics (`pydoc_data.topics`, the text behind `help('FOR')`) plus the
+docstrings of a fixed list of stdlib modules and their public members: real
+English prose and code, present on every machine with Python, no download.
+
+Deterministic for a given Python build: topics in sorted order, modules in
+list order, members sorted by name, documents separated by a blank line.
+Trade-off: the text differs slightly between Python versions, so the corpus
+digest is recorded in checkpoints rather than assumed.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import inspect
+
+MODULES = ("builtins", "collections", "itertools", "functools", "json", "re", "os", "pathlib", "string",
+           "textwrap", "heapq", "bisect", "random", "statistics", "math", "datetime", "argparse", "logging",
+           "subprocess", "threading", "dataclasses", "typing", "contextlib", "shutil", "csv")
+
+
+def _docstrings(module_name):
+    try:
+        mod = importlib.import_module(module_name)
+    except ImportError:
+        return []
+    docs = [inspect.getdoc(mod) or ""]
+    for name in sorted(n for n in dir(mod) if not n.startswith("_")):
+        obj = getattr(mod, name, None)
+        if inspect.isclass(obj) or inspect.isfunction(obj) or inspect.isbuiltin(obj):
+            doc = inspect.getdoc(obj)
+            if doc and len(doc) > 40:
+                docs.append(f"{module_name}.{name}\n{doc}")
+    return docs
+
+
+@functools.lru_cache(maxsize=1)
+def corpus_bytes() -> bytes:
+    from pydoc_data.topics import topics
+    docs = [topics[k] for k in sorted(topics)]
+    for m in MODULES:
+        docs.extend(_docstrings(m))
+    return "\n\n".join(d.strip() for d in docs if d.strip()).encode("utf-8")
+
+
+def corpus_digest() -> str:
+    return hashlib.sha256(corpus_bytes()).hexdigest()[:16]

@@ -1,0 +1,182 @@
+"""`fucina bench finetune`: ms per optimizer step of the LoRA fine-tune on a GGUF.
+
+Rank-8 LoRA on q+v (the defaults) at sequence length 128, AdamW, clip 1.0, on
+one synthetic sample (random tokens, the first quarter masked as prompt):
+in-process with the base kept in its file format, in-process with the f32
+copies resident (--dense-cache), and an accumulation window of 2 run in-process
+vs on `--trainers 2` processes. The torch baseline runs the same LoRA on the
+dequantized f32 weights with the same thread count, in the same run.
+
+Trade-off: one synthetic sample keeps the bench independent of a tokenizer and
+a dataset; the per-step work (forward, backward, optimizer) is what a real run
+does per micro-batch.
+"""
+from __future__ import annotations
+
+import resource
+import time
+
+import numpy as np
+
+NAME = "finetune"
+HELP = "LoRA fine-tune step time (rank-8 q+v, seq 128) in-process, dense-cache and --trainers 2, vs torch"
+
+
+def add_arguments(p):
+    p.add_argument("--model", required=True, help="Qwen3 GGUF (e.g. a Qwen3-0.6B-shaped Q4_K_S from tools/make_finetune_fixture.py)")
+    p.add_argument("--seq", type=int, default=128, help="sequence length (input positions)")
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank")
+    p.add_argument("--targets", default="q,v", help="adapted projections")
+    p.add_argument("--steps", type=int, default=3, help="timed optimizer steps per case (median reported)")
+    p.add_argument("--threads", type=int, default=2, help="BLAS/numba threads (torch gets the same)")
+    p.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
+    p.add_argument("--no-trainers", action="store_true", help="skip the --trainers 2 cases")
+
+
+def _sample(vocab, seq, seed=0):
+    from pipeline.llm.data import IGNORE_INDEX, Sample
+    ids = np.random.default_rng(seed).integers(0, vocab, seq + 1).astype(np.int64)
+    labels = ids[1:].copy()
+    labels[: seq // 4] = IGNORE_INDEX
+    return Sample(ids[:-1].copy(), labels, seq // 4 + 1)
+
+
+def _rss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _session(args, model, samples, accum, dense_cache=False, pool=None):
+    from pipeline.llm.data import Loader
+    from pipeline.llm.finetune import Session, Trainer
+    from pipeline.optim import AdamW
+    targets = tuple(args.targets.split(","))
+    trainer = Trainer(model, targets=targets, rank=args.rank, alpha=2.0 * args.rank, dense_cache=dense_cache)
+    opt = AdamW(trainer.named_parameters(), lr=1e-3, weight_decay=0.0)
+    return Session(trainer, opt, samples, Loader(len(samples)), accum_steps=accum, pool=pool)
+
+
+def _time_windows(session, steps):
+    session.window()  # warm-up: numba compiles, BLAS spins up
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        session.window()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(times))
+
+
+def _torch_step_ms(model, sample, args):
+    """The same LoRA step in torch on the dequantized f32 weights (None when torch is absent)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    from pipeline.llm.finetune import Frozen
+    torch.set_num_threads(args.threads)
+    c = model.config
+    dense = lambda proj: torch.from_numpy(np.ascontiguousarray(Frozen(proj).dense()))
+    layers = []
+    targets = set(args.targets.split(","))
+    lora = []
+    for b in model.blocks:
+        projs = {"q": b.attn.q, "k": b.attn.k, "v": b.attn.v, "o": b.attn.o, "gate": b.mlp.gate, "up": b.mlp.up, "down": b.mlp.down}
+        layer = {t: dense(p) for t, p in projs.items()}
+        for nm, v in (("attn_norm", b.attn_norm), ("ffn_norm", b.ffn_norm), ("q_norm", b.attn.q_norm), ("k_norm", b.attn.k_norm)):
+            layer[nm] = torch.from_numpy(np.asarray(v.data, np.float32))
+        for t in targets:
+            out_dim, in_dim = layer[t].shape
+            a = torch.empty(args.rank, in_dim).uniform_(-in_dim ** -0.5, in_dim ** -0.5).requires_grad_()
+            bb = torch.zeros(out_dim, args.rank).requires_grad_()
+            layer["lora_" + t] = (a, bb)
+            lora += [a, bb]
+        layers.append(layer)
+    embed = dense(model.output) if not c.tied_output else torch.from_numpy(np.ascontiguousarray(Frozen(model.embed).dense()))
+    head = embed if c.tied_output else dense(model.output)
+    out_norm = torch.from_numpy(np.asarray(model.out_norm.data, np.float32))
+    opt = torch.optim.AdamW(lora, lr=1e-3, weight_decay=0.0)
+    scale = 2.0
+    T = len(sample.inputs)
+    ids = torch.from_numpy(sample.inputs)
+    labels = torch.from_numpy(sample.labels)
+    pos = torch.arange(T, dtype=torch.float32)
+    inv = c.rope_base ** (-torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
+    cos, sin = torch.cos(pos[:, None] * inv)[:, None], torch.sin(pos[:, None] * inv)[:, None]
+
+    def rms(x, w):
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + c.rms_eps) * w
+
+    def rope(x):
+        h = c.head_dim // 2
+        return torch.cat([x[..., :h] * cos - x[..., h:] * sin, x[..., h:] * cos + x[..., :h] * sin], -1)
+
+    def proj(x, layer, t):
+        y = x @ layer[t].T
+        if "lora_" + t in layer:
+            a, bb = layer["lora_" + t]
+            y = y + scale * (x @ a.T) @ bb.T
+        return y
+
+    def step():
+        x = embed[ids]
+        for L in layers:
+            a = rms(x, L["attn_norm"])
+            q = rope(rms(proj(a, L, "q").view(T, c.heads, c.head_dim), L["q_norm"]))
+            k = rope(rms(proj(a, L, "k").view(T, c.kv_heads, c.head_dim), L["k_norm"]))
+            v = proj(a, L, "v").view(T, c.kv_heads, c.head_dim)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
+                enable_gqa=True)[0].transpose(0, 1).reshape(T, -1)
+            x = x + proj(o, L, "o")
+            m = rms(x, L["ffn_norm"])
+            x = x + proj(torch.nn.functional.silu(proj(m, L, "gate")) * proj(m, L, "up"), L, "down")
+        loss = torch.nn.functional.cross_entropy(rms(x, out_norm) @ head.T, labels, ignore_index=-100)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(lora, 1.0)
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(times))
+
+
+def run(args):
+    from pipeline.llm.finetune import TrainerPool
+    from pipeline.models.qwen3 import Qwen3
+    from pipeline.threads import pin_threads
+    pin_threads(args.threads)
+    model = Qwen3.from_gguf(args.model)
+    sample = _sample(model.config.vocab_size, args.seq)
+    n_sup = sample.n_valid
+    rows = []
+    torch_ms = None if args.no_torch else _torch_step_ms(model, sample, args)
+    baselines = {"torch_f32": torch_ms} if torch_ms else {}
+    desc = f"rank {args.rank} {args.targets} seq {args.seq}"
+
+    ms = _time_windows(_session(args, model, [sample], 1), args.steps)
+    rows.append({"case": "step/in-process", "ms": ms, "baselines": baselines, "supervised_tok_s": n_sup / ms * 1e3,
+                 "peak_rss_mb": _rss_mb(), "notes": f"{desc}; base stays in its file format"})
+    ms = _time_windows(_session(args, model, [sample], 1, dense_cache=True), args.steps)
+    rows.append({"case": "step/in-process dense-cache", "ms": ms, "baselines": baselines, "supervised_tok_s": n_sup / ms * 1e3,
+                 "peak_rss_mb": _rss_mb(), "notes": f"{desc}; f32 copies resident"})
+    if not args.no_trainers:
+        samples = [sample, _sample(model.config.vocab_size, args.seq, seed=1)]
+        ms_in = _time_windows(_session(args, model, samples, 2), args.steps)
+        pool = TrainerPool(2, args.model, dict(targets=tuple(args.targets.split(",")), rank=args.rank, alpha=2.0 * args.rank),
+                           threads=max(1, args.threads // 2))
+        try:
+            ms_pool = _time_windows(_session(args, model, samples, 2, pool=pool), args.steps)
+        finally:
+            pool.close()
+        child_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0
+        base = {"in_process_accum2": ms_in}
+        if torch_ms:
+            base["torch_f32_x2"] = 2 * torch_ms
+        rows.append({"case": "window accum2/trainers 2", "ms": ms_pool, "baselines": base,
+                     "supervised_tok_s": 2 * n_sup / ms_pool * 1e3, "peak_rss_mb": _rss_mb(),
+                     "child_peak_rss_mb": child_rss, "notes": f"{desc}; 2 processes x {max(1, args.threads // 2)} threads"})
+    return rows

@@ -58,8 +58,8 @@ def run(args) -> int:
     if args.inprocess:
         from ..runtime import ckpt
         from ..runtime.inprocess import run_inprocess
-        from ..threads import pin_threads
-        pin_threads(args.threads)
+        from ..runtime.worker import limit_threads
+        limit_threads(args.threads)
         if not args.resume and ckpt.latest_checkpoint(run_dir):
             raise UserError(f"{run_dir} already holds checkpoints: pass --resume {run_dir} or choose another --run-dir")
         with _progress(spec.steps, quiet) as on_step:

@@ -97,7 +97,7 @@ def run(args):
                            sabotage=args.sabotage)
             runs.append(r)
             verdict = "bit-exact" if r["bit_exact"] else "NOT bit-exact"
-            say(f"[{name}] trained {args.steps} steps: loss {r['loss']:.4f}  accuracy {100 * r['accuracy']:.1f}%")
+            say(f"[{name}] trained {args.steps} steps: loss {r['loss']:.4g}  accuracy {100 * r['accuracy']:.1f}%")
             say(f"[{name}] resume from step {r['resume_from']}: max |delta param| = {r['resume_max_abs_diff']:g} ({verdict})")
             say(f"[{name}] inference from checkpoint: accuracy {100 * r['inference_accuracy']:.1f}%")
     seconds = time.perf_counter() - t0

@@ -135,9 +135,12 @@ def run_recipe(recipe: Recipe, run_dir, steps=2000, seed=0, hidden=64, sabotage=
     half = steps // 2
     positional = sabotage == "swap-biases"
     config = {"recipe": recipe.name, "steps": steps, "hidden": hidden, "seed": seed}
-    state = lambda step: TrainerState(step=step, seeds={"data": seed, "init": seed},  # noqa: E731
-                                      schedule={"name": "warmup_cosine" if recipe.factor else "constant", "total": steps},
-                                      config=config)
+
+    def state(step):
+        return TrainerState(step=step, seeds={"data": seed, "init": seed}, loader={"full_batch": True, "rows": len(y)},
+                            schedule={"name": "warmup_cosine" if recipe.factor else "constant", "total": steps},
+                            config=config)
+
     t0 = time.perf_counter()
 
     # phase 1: the run that never stops (it checkpoints halfway, and at the end)
@@ -156,13 +159,14 @@ def run_recipe(recipe: Recipe, run_dir, steps=2000, seed=0, hidden=64, sabotage=
     start = load_checkpoint(step_dir(run_dir, half), resumed, opt2).step
     train(resumed, opt2, schedule2, recipe, X, y, start, steps, steps, restart_schedule=sabotage == "restart-schedule")
     replayed = _params(resumed)
-    max_diff = max(float(np.max(np.abs(reference[n].astype(np.float64) - replayed[n]))) for n in reference)
+    same_bits = all(reference[n].tobytes() == replayed[n].tobytes() for n in reference)  # also tells -0.0 from 0.0
+    max_diff = 0.0 if same_bits else max(
+        float(np.max(np.abs(reference[n].astype(np.float64) - replayed[n]))) for n in reference)
 
     # phase 3: the final weights into a gradient-free model
     save_checkpoint(step_dir(run_dir, steps), state(steps), model, opt)
     frozen = _frozen_model(seed + 2, hidden)
     load_checkpoint(step_dir(run_dir, steps), frozen, trainable_only=False)
-    same_bits = all(reference[n].tobytes() == replayed[n].tobytes() for n in reference)  # also tells -0.0 from 0.0
     return {"name": recipe.name, "loss": loss, "accuracy": trained_accuracy, "resume_from": start,
-            "resume_max_abs_diff": max_diff, "bit_exact": same_bits and max_diff == 0.0,
+            "resume_max_abs_diff": max_diff, "bit_exact": same_bits,
             "inference_accuracy": accuracy(frozen, X, y), "seconds": time.perf_counter() - t0}

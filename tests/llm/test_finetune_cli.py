@@ -2,7 +2,6 @@
 processes == in-process, accumulation, checkpoints, verify-grads, clear errors."""
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -13,13 +12,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    try:
-        from make_tiny_qwen3 import SHAPES, write_gguf
-    finally:
-        sys.path.pop(0)
-    return str(write_gguf(tmp_path_factory.mktemp("model") / "mini.gguf", SHAPES["mini"], seed=0))
+def model_path():
+    """The committed tiny Qwen3 in Q8_0: a quantized frozen base."""
+    return os.path.join(ROOT, "tests", "fixtures", "qwen3-mini-q8_0.gguf")
 
 
 def _run(capsys, *argv):

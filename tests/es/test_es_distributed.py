@@ -1,0 +1,121 @@
+"""ES across processes: wire protocol, the member handler (driven by a mock coordinator), and real runs.
+
+The multiprocess runs all compare the final sha256 with the in-process run of
+the same configuration: workers 1 and 2, two workers over tcp loopback, a
+worker SIGKILLed mid-run, and a distributed stop-and-resume.
+"""
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.es import protocol
+from pipeline.es.run import RunOptions, run_spirals
+from pipeline.es.spirals import SpiralsTask, params_sha256, spirals_config
+from workers.es_member import Member
+
+REPO = Path(__file__).resolve().parents[2]
+ITERS = 8
+
+
+def _task(population=24):
+    return SpiralsTask(spirals_config(population=population), model_seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The in-process run every distributed run must reproduce bit for bit."""
+    return run_spirals(_task(), RunOptions(max_iterations=ITERS))
+
+
+def test_protocol_roundtrip_and_refusals():
+    msg = protocol.decode(protocol.encode("iter", it=3, catchup=[0.5, -1.0], members=[1, 2], center=True))
+    assert msg["kind"] == "iter" and msg["catchup"] == [0.5, -1.0] and msg["v"] == protocol.VERSION
+    with pytest.raises(protocol.ProtocolError, match="missing field"):
+        protocol.encode("rewards", it=1)
+    with pytest.raises(protocol.ProtocolError, match="undecodable|unknown"):
+        protocol.decode(b"\xc1garbage")
+    import msgpack
+    with pytest.raises(protocol.ProtocolError, match="schema version 99"):
+        protocol.decode(msgpack.packb({"kind": "heartbeat", "v": 99}))
+    with pytest.raises(protocol.ProtocolError, match="unknown message kind"):
+        protocol.decode(msgpack.packb({"kind": "pickle", "v": 1}))
+
+
+def test_member_handler_against_a_mock_coordinator():
+    coord = _task()
+    desc, raw = protocol.slot_frames(coord.trainer.named_arrays())
+    member = Member()
+    assert member.handle({"kind": "iter", "it": 0, "catchup": None, "members": [0], "center": False}, [])[0][0] == "failed"
+    assert member.handle({"kind": "welcome", "run": coord.run_config, "it": 0, "slots": desc}, raw) == []
+    [(kind, fields, _)] = member.handle({"kind": "iter", "it": 0, "catchup": None, "members": [3, 7], "center": True}, [])
+    assert kind == "rewards" and fields["members"] == [3, 7]
+    assert np.array_equal(fields["rewards"], coord.rewards([3, 7]))
+    assert fields["center"] == list(coord.center())
+    rewards = coord.rewards(range(24))
+    coord.trainer.update(rewards)  # what every replica does with the shared reward vector
+    [(kind, fields, frames)] = member.handle({"kind": "fetch", "it": 1, "catchup": rewards.tolist(), "frames": True}, [])
+    assert kind == "params" and fields["sha256"] == params_sha256(coord.trainer.named_arrays()) and len(frames) == 6
+    with pytest.raises(RuntimeError, match="replica is at iteration 1, asked for 3"):
+        member.handle({"kind": "iter", "it": 3, "catchup": None, "members": [0], "center": False}, [])
+    assert member.handle({"kind": "shutdown", "reason": "done"}, []) is None
+
+
+def test_welcome_with_mismatched_slots_is_refused():
+    coord = _task()
+    desc, raw = protocol.slot_frames(coord.trainer.named_arrays())
+    desc[2][1] = "float16"
+    with pytest.raises(protocol.ProtocolError, match="slot 'w2' float16"):
+        Member().handle({"kind": "welcome", "run": coord.run_config, "it": 0, "slots": desc}, raw)
+
+
+def test_two_local_workers_match_inprocess(reference):
+    result = run_spirals(_task(), RunOptions(workers=2, max_iterations=ITERS))
+    assert result["replicas_checked"] == 2
+    assert result["sha256"] == reference["sha256"]
+
+
+@pytest.mark.slow
+def test_one_worker_matches_inprocess(reference):
+    assert run_spirals(_task(), RunOptions(workers=1, max_iterations=ITERS))["sha256"] == reference["sha256"]
+
+
+@pytest.mark.slow
+def test_killed_worker_does_not_change_the_result(reference):
+    logs = []
+    result = run_spirals(_task(), RunOptions(workers=2, max_iterations=ITERS, kill_worker_at=3, log=logs.append))
+    assert any("declared dead" in line for line in logs), logs
+    assert result["replicas_checked"] == 1
+    assert result["sha256"] == reference["sha256"]
+
+
+@pytest.mark.slow
+def test_two_workers_over_tcp_loopback(reference):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "workers.es_member", "--connect", endpoint]
+    procs = [subprocess.Popen(cmd + ["--name", f"tcp{k}"], cwd=REPO) for k in range(2)]
+    try:
+        result = run_spirals(_task(), RunOptions(remote_workers=2, bind=endpoint, max_iterations=ITERS))
+    finally:
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    assert result["workers"] == 2 and result["replicas_checked"] == 2
+    assert result["sha256"] == reference["sha256"]
+    assert [p.returncode for p in procs] == [0, 0]
+
+
+@pytest.mark.slow
+def test_distributed_stop_and_resume(reference, tmp_path):
+    run_spirals(_task(), RunOptions(workers=2, max_iterations=5, save_every=5, out=str(tmp_path)))
+    resumed = run_spirals(_task(), RunOptions(workers=2, max_iterations=ITERS, resume=str(tmp_path)))
+    assert resumed["iterations_this_run"] == ITERS - 5
+    assert resumed["sha256"] == reference["sha256"]

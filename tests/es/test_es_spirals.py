@@ -1,0 +1,53 @@
+"""ES-spirals: the batched scorer against the model, batch-composition invariance, the in-process driver."""
+import numpy as np
+import pytest
+from threadpoolctl import threadpool_limits
+
+from pipeline.autograd import Tensor
+from pipeline.es.checkpoint import load_es_checkpoint
+from pipeline.es.run import RunOptions, run_spirals
+from pipeline.es.spirals import SpiralsTask, params_sha256, spirals_config
+from pipeline.models.spirals import accuracy
+
+
+def _task(**cfg):
+    return SpiralsTask(spirals_config(population=cfg.pop("population", 16), **cfg), model_seed=3)
+
+
+def test_batched_scorer_matches_the_model_forward():
+    task = _task()
+    ce, acc = task.score_rows(task.trainer.flat_params()[None])
+    logits = task.model(Tensor(task.X)).data.astype(np.float64)
+    want_ce = np.mean(np.logaddexp(logits[:, 0], logits[:, 1]) - logits[np.arange(400), task.y])
+    assert acc[0] == accuracy(task.model, task.X, task.y)
+    np.testing.assert_allclose(ce[0], want_ce, rtol=1e-5)
+
+
+def test_member_rewards_do_not_depend_on_batch_composition():
+    task = _task(population=40)
+    with threadpool_limits(1):
+        together = task.rewards(range(40))
+        alone = np.array([task.rewards([m])[0] for m in (0, 17, 39)])
+        shuffled = task.rewards([39, 5, 17, 0])
+    assert np.array_equal(alone, together[[0, 17, 39]])
+    assert np.array_equal(shuffled, together[[39, 5, 17, 0]])
+
+
+def test_reward_is_bounded_and_prefers_accuracy():
+    r = SpiralsTask.reward(np.array([0.0, 5.0, 0.1]), np.array([1.0, 1.0, 0.5]))
+    assert r[0] == pytest.approx(1.1) and r[1] > r[2] and np.all((r >= 0) & (r <= 1.1))
+
+
+def test_inprocess_run_is_deterministic_and_resumes_bit_exactly(tmp_path):
+    full = run_spirals(_task(), RunOptions(max_iterations=6))
+    again = run_spirals(_task(), RunOptions(max_iterations=6))
+    assert full["sha256"] == again["sha256"] and full["iterations"] == 6
+    first = run_spirals(_task(), RunOptions(max_iterations=4, save_every=2, out=str(tmp_path)))
+    assert first["sha256"] != full["sha256"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-step-2", "checkpoint-step-4"]
+    resumed = run_spirals(_task(), RunOptions(max_iterations=6, resume=str(tmp_path)))
+    assert resumed["resumed_from"].endswith("checkpoint-step-4") and resumed["iterations_this_run"] == 2
+    assert resumed["sha256"] == full["sha256"]
+    probe = _task()
+    load_es_checkpoint(tmp_path / "checkpoint-step-4", probe.trainer)
+    assert params_sha256(probe.trainer.named_arrays()) == first["sha256"]

@@ -148,3 +148,36 @@ def test_optimizer_set_round_trip(tmp_path):
     lone = optim.OptimizerSet(optim.AdamW(named(SpiralsMLP(seed=1), ORDER), lr=0.01))
     with pytest.raises(ConfigMismatchError, match="members"):
         load_optimizer(step_dir(tmp_path, 3) / "optimizer.safetensors", lone)
+
+
+def test_bf16_params_resume_bit_exact_through_their_f32_masters(tmp_path):
+    """16-bit leaves: the file keeps them bf16, the optimizer file keeps the f32 masters."""
+    BF16 = np.dtype(ml_dtypes.bfloat16)
+
+    def make_model(seed):
+        rng = np.random.default_rng(seed)
+        return {"w": Tensor(rng.standard_normal((8, 4)).astype(np.float32).astype(BF16), requires_grad=True),
+                "b": Tensor(rng.standard_normal(8).astype(np.float32).astype(BF16), requires_grad=True)}
+
+    def steps(model, opt, start, stop):
+        for k in range(start, stop):
+            for name, t in model.items():
+                t.grad = (np.sin(t.data.astype(np.float32) * (k + 1)) * 0.1).astype(np.float32)
+            opt.step()
+            opt.zero_grad()
+
+    model = make_model(0)
+    opt = optim.AdamW(list(model.items()), lr=0.01)
+    steps(model, opt, 0, 3)
+    d = save_checkpoint(step_dir(tmp_path, 3), TrainerState(step=3), model, opt)
+    assert read_optimizer(d / "optimizer.safetensors")["tensors"]["w.master"].dtype == np.float32
+    steps(model, opt, 3, 6)
+    resumed = make_model(1)
+    opt2 = optim.AdamW(list(resumed.items()), lr=0.01)
+    load_checkpoint(d, resumed, opt2)
+    assert resumed["w"].data.dtype == BF16
+    steps(resumed, opt2, 3, 6)
+    assert all(model[n].data.tobytes() == resumed[n].data.tobytes() for n in model)
+    f32_model = {n: Tensor(t.data.astype(np.float32), requires_grad=True) for n, t in make_model(2).items()}
+    with pytest.raises(DTypeMismatchError, match=r"model\.safetensors: tensor '(w|b)' is BF16 in the file, F32 in the model"):
+        load_checkpoint(d, f32_model)

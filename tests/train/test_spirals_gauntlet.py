@@ -1,5 +1,8 @@
 """The two-spirals gauntlet and `fucina spirals` (few steps; the full run is marked slow)."""
 import json
+import pathlib
+import subprocess
+import sys
 
 import pytest
 from threadpoolctl import threadpool_limits
@@ -7,7 +10,30 @@ from threadpoolctl import threadpool_limits
 from pipeline.cli import main
 from pipeline.train.checkpoint import is_committed, step_dir
 from pipeline.train.gauntlet import RECIPES, run_recipe
+from pipeline.train.state_dict import load_state_dict
 from pipeline.train.trainer_state import TrainerState
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+REPLAY = """
+import sys
+from threadpoolctl import threadpool_limits
+import numba
+threads = int(sys.argv[3])
+threadpool_limits(threads)
+numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+from pipeline.autograd import Tensor
+from pipeline.models.spirals import SpiralsMLP, make_spirals
+from pipeline.train.checkpoint import load_checkpoint, step_dir
+from pipeline.train.gauntlet import RECIPES, train
+from pipeline.train.state_dict import model_state_dict, save_state_dict
+recipe, run = RECIPES[sys.argv[1]], sys.argv[2]
+X, y = make_spirals()
+model = SpiralsMLP(seed=99)
+opt, schedule = recipe.make(model)
+start = load_checkpoint(step_dir(run, 10), model, opt).step
+train(model, opt, schedule, recipe, Tensor(X), y, start, 20, 20)
+save_state_dict(run + "/replayed.safetensors", model_state_dict(model))
+"""
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -31,6 +57,17 @@ def test_every_recipe_resumes_bit_exact(tmp_path, name):
 def test_the_gate_catches_a_broken_resume(tmp_path, name, sabotage):
     r = run_recipe(RECIPES[name], tmp_path, steps=16, sabotage=sabotage)
     assert not r["bit_exact"] and r["resume_max_abs_diff"] > 0.0
+
+
+@pytest.mark.parametrize("name", ["groups"])
+def test_resume_in_another_process_with_two_threads_is_bit_exact(tmp_path, name):
+    """The checkpoint carries everything: a new interpreter (2 BLAS/numba threads) replays the same bits."""
+    run_recipe(RECIPES[name], tmp_path, steps=20)
+    run = tmp_path / name
+    subprocess.run([sys.executable, "-c", REPLAY, name, str(run), "2"], cwd=ROOT, check=True, timeout=300)
+    final, replayed = load_state_dict(step_dir(run, 20) / "model.safetensors"), load_state_dict(run / "replayed.safetensors")
+    assert final.keys() == replayed.keys()
+    assert all(final[n].tobytes() == replayed[n].tobytes() for n in final)
 
 
 def test_sentinel_records_the_run(tmp_path):

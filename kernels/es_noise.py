@@ -100,8 +100,7 @@ def _fill_range_at(key, buf, start, stop):
         buf[stop - 1 - start] = g0
 
 
-@njit(cache=True, parallel=True)
-def _gaussian_fill(key, out):
+def _gaussian_fill_py(key, out):
     """out: (n,) float32/float64; out[j] = value j of stream key."""
     n = out.size
     for c in prange((n + CHUNK - 1) // CHUNK):
@@ -126,8 +125,7 @@ def _task_grid(offsets, sizes):
     return tasks
 
 
-@njit(cache=True, parallel=True)
-def _materialize(keys, scales, theta, offsets, sizes, out):
+def _materialize_py(keys, scales, theta, offsets, sizes, out):
     """keys (B, S) uint64, scales (B,) f32, theta (D,) f32, offsets/sizes (S,) int64,
     out (B, D) f32: out[b, off_s + j] = theta[off_s + j] + scales[b] * f32(eps(keys[b, s], j))."""
     tasks = _task_grid(offsets, sizes)
@@ -144,8 +142,7 @@ def _materialize(keys, scales, theta, offsets, sizes, out):
             out[b, base + j] = theta[base + j] + scale * buf[j - start]
 
 
-@njit(cache=True, parallel=True)
-def _weighted_sum(keys, coeffs, offsets, sizes, out):
+def _weighted_sum_py(keys, coeffs, offsets, sizes, out):
     """keys (N, S) uint64, coeffs (N,) f32, out (D,) f32:
     out[off_s + j] = sum over n in order of coeffs[n] * f32(eps(keys[n, s], j)), from 0."""
     tasks = _task_grid(offsets, sizes)
@@ -160,7 +157,22 @@ def _weighted_sum(keys, coeffs, offsets, sizes, out):
             for j in range(stop - start):
                 acc[j] = acc[j] + c * buf[j]
         for j in range(stop - start):
-            out[base + j] = acc[j]
+            out[base + start + j] = acc[j]
+
+
+# Each kernel is compiled twice from the same source: a parallel build for big
+# inputs and a serial one for small inputs, where waking a thread team costs more
+# than the work (and stalls under oversubscription). Same task grid, same
+# per-element arithmetic, so both builds give the same bits.
+_gaussian_fill = (njit(cache=True)(_gaussian_fill_py), njit(cache=True, parallel=True)(_gaussian_fill_py))
+_materialize = (njit(cache=True)(_materialize_py), njit(cache=True, parallel=True)(_materialize_py))
+_weighted_sum = (njit(cache=True)(_weighted_sum_py), njit(cache=True, parallel=True)(_weighted_sum_py))
+PARALLEL_MIN = 1 << 20  # values drawn per call below which the serial build runs
+
+
+def _build(kernels, work, parallel):
+    """parallel: None = by size, True/False = force (tests pin both builds)."""
+    return kernels[int(work >= PARALLEL_MIN if parallel is None else bool(parallel))]
 
 
 # ----------------------------------------------------------------- wrappers
@@ -169,13 +181,13 @@ def _u64(x):
     return np.uint64(int(x) & 0xFFFFFFFFFFFFFFFF)
 
 
-def gaussian_fill_fast(key, out):
+def gaussian_fill_fast(key, out, parallel=None):
     """out.flat[j] = value j of stream `key` (this module's mapping); in place, returns out."""
     if not isinstance(out, np.ndarray) or out.dtype not in (np.float32, np.float64):
         raise TypeError(f"gaussian_fill_fast: out must be a float32/float64 numpy array, got {getattr(out, 'dtype', type(out))}")
     if not out.flags.c_contiguous:
         raise ValueError("gaussian_fill_fast: out must be C-contiguous")
-    _gaussian_fill(_u64(key), out.reshape(-1))
+    _build(_gaussian_fill, out.size, parallel)(_u64(key), out.reshape(-1))
     return out
 
 
@@ -198,7 +210,7 @@ def _check_f32(op, name, a, ndim):
                         f"got {getattr(a, 'dtype', type(a))} {getattr(a, 'shape', '')}")
 
 
-def materialize(keys, scales, theta, offsets, sizes, out):
+def materialize(keys, scales, theta, offsets, sizes, out, parallel=None):
     """out[b] = theta + scales[b] * eps_b (float32), eps_b's slot s drawn from keys[b, s]."""
     _check_f32("materialize", "theta", theta, 1)
     _check_f32("materialize", "out", out, 2)
@@ -207,16 +219,16 @@ def materialize(keys, scales, theta, offsets, sizes, out):
     if out.shape != (keys.shape[0], theta.size) or scales.shape != (keys.shape[0],):
         raise ValueError(f"materialize: out {out.shape} / scales {scales.shape} must be "
                          f"({keys.shape[0]}, {theta.size}) / ({keys.shape[0]},)")
-    _materialize(keys, scales, theta, offsets, sizes, out)
+    _build(_materialize, keys.shape[0] * int(sizes.sum()), parallel)(keys, scales, theta, offsets, sizes, out)
     return out
 
 
-def weighted_sum(keys, coeffs, offsets, sizes, out):
+def weighted_sum(keys, coeffs, offsets, sizes, out, parallel=None):
     """out = sum_n coeffs[n] * eps_n in member order (float32); slots not covered are left alone."""
     _check_f32("weighted_sum", "out", out, 1)
     keys, offsets, sizes = _check_layout("weighted_sum", keys, offsets, sizes, out.size)
     coeffs = np.ascontiguousarray(coeffs, dtype=np.float32)
     if coeffs.shape != (keys.shape[0],):
         raise ValueError(f"weighted_sum: coeffs {coeffs.shape} must be ({keys.shape[0]},)")
-    _weighted_sum(keys, coeffs, offsets, sizes, out)
+    _build(_weighted_sum, keys.shape[0] * int(sizes.sum()), parallel)(keys, coeffs, offsets, sizes, out)
     return out

@@ -58,8 +58,12 @@ class SpiralsTask:
     def score_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(mean CE float64 (B,), accuracy float64 (B,)) for parameter rows (B, dim)."""
         P = self.trainer.split(rows)
-        h = np.tanh(np.matmul(self.X, P["w1"].transpose(0, 2, 1)) + P["b1"][:, None, :])
-        h = np.tanh(np.matmul(h, P["w2"].transpose(0, 2, 1)) + P["b2"][:, None, :])
+        h = np.matmul(self.X, P["w1"].transpose(0, 2, 1))  # weights are [out, in] like nn.Linear
+        h += P["b1"][:, None, :]
+        np.tanh(h, out=h)
+        h = np.matmul(h, P["w2"].transpose(0, 2, 1))
+        h += P["b2"][:, None, :]
+        np.tanh(h, out=h)
         z = np.matmul(h, P["w3"].transpose(0, 2, 1)) + P["b3"][:, None, :]
         margin = (z[..., 1] - z[..., 0]).astype(np.float64) * self.sign  # >0 means correct
         ce = np.logaddexp(0.0, -margin).mean(axis=-1)  # 2-class CE = softplus(-margin)

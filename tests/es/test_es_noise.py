@@ -56,20 +56,22 @@ def reference_gaussian(key, n):
     return out[:n]
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+@pytest.fixture(params=[(False, 1), (True, 1), (True, 2)], ids=["serial", "parallel-1thread", "parallel-2threads"])
 def threads(request):
+    """(parallel build?, numba threads): every combination must give the reference bits."""
+    parallel, n = request.param
     old = numba.get_num_threads()
-    numba.set_num_threads(min(request.param, numba.config.NUMBA_NUM_THREADS))
-    yield request.param
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    yield parallel
     numba.set_num_threads(old)
 
 
-@pytest.mark.parametrize("n", [1, 7, es_noise.CHUNK + 3, 3 * es_noise.CHUNK])
+@pytest.mark.parametrize("n", [1, 7, 3 * es_noise.CHUNK + 3])
 def test_fill_matches_reference_bitwise(threads, n):
     key = 0xDEADBEEF12345
     ref = reference_gaussian(key, n)
-    out64 = es_noise.gaussian_fill_fast(key, np.empty(n))
-    out32 = es_noise.gaussian_fill_fast(key, np.empty(n, np.float32))
+    out64 = es_noise.gaussian_fill_fast(key, np.empty(n), parallel=threads)
+    out32 = es_noise.gaussian_fill_fast(key, np.empty(n, np.float32), parallel=threads)
     assert np.array_equal(out64, ref)
     assert np.array_equal(out32, ref.astype(np.float32))
 
@@ -79,7 +81,7 @@ def test_fill_thread_count_invariant():
     outs = []
     for t in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
         numba.set_num_threads(t)
-        outs.append(es_noise.gaussian_fill_fast(key, np.empty(n, np.float32)))
+        outs.append(es_noise.gaussian_fill_fast(key, np.empty(n, np.float32), parallel=True))
     assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
 
 
@@ -113,7 +115,7 @@ def test_materialize_matches_numpy(threads):
     theta = g.standard_normal(dim).astype(np.float32)
     keys = g.integers(0, 2**63, size=(3, sizes.size), dtype=np.uint64)
     scales = np.array([0.01, -0.01, 0.5], np.float32)
-    out = es_noise.materialize(keys, scales, theta, offsets, sizes, np.empty((3, dim), np.float32))
+    out = es_noise.materialize(keys, scales, theta, offsets, sizes, np.empty((3, dim), np.float32), parallel=threads)
     for b in range(3):
         for s in range(sizes.size):
             eps = reference_gaussian(keys[b, s], sizes[s]).astype(np.float32)
@@ -126,7 +128,7 @@ def test_weighted_sum_matches_numpy(threads):
     g = np.random.default_rng(1)
     keys = g.integers(0, 2**63, size=(6, sizes.size), dtype=np.uint64)
     coeffs = g.standard_normal(6).astype(np.float32)
-    out = es_noise.weighted_sum(keys, coeffs, offsets, sizes, np.full(dim, np.nan, np.float32))
+    out = es_noise.weighted_sum(keys, coeffs, offsets, sizes, np.full(dim, np.nan, np.float32), parallel=threads)
     for s in range(sizes.size):
         acc = np.zeros(sizes[s], np.float32)
         for n in range(6):

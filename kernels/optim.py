@@ -68,7 +68,7 @@ def fma(typingctx, x, y, z):
     return types.float32(types.float32, types.float32, types.float32), codegen
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, inline="always", error_model="numpy")
 def _lerp(a, b, w):
     """torch.lerp(a, b, w) on CPU: fma(w, b-a, a) for |w| < 0.5, else fma(w-1, b-a, b)."""
     if abs(w) < 0.5:
@@ -76,7 +76,7 @@ def _lerp(a, b, w):
     return fma(w - np.float32(1), b - a, b)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, inline="always", error_model="numpy")
 def bf16_bits(x):
     """float32 -> bf16 bits, round-to-nearest-even; NaN stays NaN (quiet bit set)."""
     u = _bits_from_f32(x)
@@ -85,14 +85,14 @@ def bf16_bits(x):
     return np.uint16((u + _ROUND + ((u >> _U16) & _ONE)) >> _U16)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, inline="always", error_model="numpy")
 def _load(a, i):
     if isinstance(a[0], np.uint16):
         return _f32_from_bits(np.uint32(a[i]) << _U16)
     return a[i]
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, inline="always", error_model="numpy")
 def _store(a, i, x):
     if isinstance(a[0], np.uint16):
         a[i] = bf16_bits(x)
@@ -100,16 +100,19 @@ def _store(a, i, x):
         a[i] = x
 
 
-# Each update is a range body `_x(lo, hi, ...)` (inlined) behind two entry
-# points: `x_par` runs it over the fixed CHUNK grid with prange, `x_ser` runs
-# it over the whole range on the calling thread. Per element the arithmetic is
+# Each update is a body `_x(arrays...)` (inlined) behind two entry points:
+# `x_par` runs it on each CHUNK-sized slice of the fixed grid with prange,
+# `x_ser` runs it over the whole arrays on the calling thread. (Bodies loop
+# over `range(a.size)` of a slice, not `range(lo, hi)`: with a possibly
+# negative `lo` numba keeps index wraparound checks that stop LLVM from
+# vectorizing; error_model="numpy" likewise drops the division-by-zero check.) Per element the arithmetic is
 # the same, so both give the same bits; `launch` picks the serial one for small
 # tensors, where waking the thread pool costs more than the work.
 
 # --- SGD ------------------------------------------------------------------
 
-@njit(cache=True, inline="always")
-def _sgd(lo, hi, p, g, buf, lr, momentum, one_minus_dampening, weight_decay, use_momentum, first, nesterov):
+@njit(cache=True, inline="always", error_model="numpy")
+def _sgd(p, g, buf, lr, momentum, one_minus_dampening, weight_decay, use_momentum, first, nesterov):
     """torch.optim.SGD single-tensor step.
 
     d = g + wd*p;  buf = d (first step) or buf*momentum + (1-dampening)*d;
@@ -117,7 +120,7 @@ def _sgd(lo, hi, p, g, buf, lr, momentum, one_minus_dampening, weight_decay, use
     buf: [n] (or [1] unused when use_momentum is False).
     """
     neg_lr = -lr
-    for i in range(lo, hi):
+    for i in range(p.size):
         d = g[i]
         if weight_decay != 0:
             d = fma(p[i], weight_decay, d)
@@ -134,23 +137,24 @@ def _sgd(lo, hi, p, g, buf, lr, momentum, one_minus_dampening, weight_decay, use
         p[i] = fma(d, neg_lr, p[i])
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, error_model="numpy")
 def sgd_par(p, g, buf, lr, momentum, one_minus_dampening, weight_decay, use_momentum, first, nesterov):
     n = p.size
     for c in prange((n + CHUNK - 1) // CHUNK):
-        _sgd(c * CHUNK, min(n, c * CHUNK + CHUNK), p, g, buf, lr, momentum, one_minus_dampening, weight_decay,
-             use_momentum, first, nesterov)
+        lo, hi = c * CHUNK, min(n, c * CHUNK + CHUNK)
+        _sgd(p[lo:hi], g[lo:hi], buf[lo:hi] if use_momentum else buf, lr, momentum, one_minus_dampening,
+             weight_decay, use_momentum, first, nesterov)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def sgd_ser(p, g, buf, lr, momentum, one_minus_dampening, weight_decay, use_momentum, first, nesterov):
-    _sgd(0, p.size, p, g, buf, lr, momentum, one_minus_dampening, weight_decay, use_momentum, first, nesterov)
+    _sgd(p, g, buf, lr, momentum, one_minus_dampening, weight_decay, use_momentum, first, nesterov)
 
 
 # --- Adam / AdamW (torch single-tensor path) --------------------------------
 
-@njit(cache=True, inline="always")
-def _adam(lo, hi, p, g, m, v, keep, l2, w1, beta2, one_minus_b2, neg_step_size, bc2_sqrt, eps):
+@njit(cache=True, inline="always", error_model="numpy")
+def _adam(p, g, m, v, keep, l2, w1, beta2, one_minus_b2, neg_step_size, bc2_sqrt, eps):
     """One Adam/AdamW step (torch single-tensor formulas).
 
     AdamW: keep = 1 - lr*wd (decoupled decay before the step), l2 = 0.
@@ -158,7 +162,7 @@ def _adam(lo, hi, p, g, m, v, keep, l2, w1, beta2, one_minus_b2, neg_step_size, 
     m = lerp(m, g, w1 = 1-b1);  v = v*b2 + ((1-b2)*g)*g  (fma);
     p = p*keep + ((-lr/bc1)*m) / (sqrt(v)/sqrt(bc2) + eps).
     """
-    for i in range(lo, hi):
+    for i in range(p.size):
         pi = p[i]
         gi = g[i]
         if l2 != 0:
@@ -174,25 +178,25 @@ def _adam(lo, hi, p, g, m, v, keep, l2, w1, beta2, one_minus_b2, neg_step_size, 
         p[i] = pi + (neg_step_size * m1) / (np.sqrt(v1) / bc2_sqrt + eps)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, error_model="numpy")
 def adam_par(p, g, m, v, keep, l2, w1, beta2, one_minus_b2, neg_step_size, bc2_sqrt, eps):
     n = p.size
     for c in prange((n + CHUNK - 1) // CHUNK):
-        _adam(c * CHUNK, min(n, c * CHUNK + CHUNK), p, g, m, v, keep, l2, w1, beta2, one_minus_b2,
-              neg_step_size, bc2_sqrt, eps)
+        lo, hi = c * CHUNK, min(n, c * CHUNK + CHUNK)
+        _adam(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], keep, l2, w1, beta2, one_minus_b2, neg_step_size, bc2_sqrt, eps)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def adam_ser(p, g, m, v, keep, l2, w1, beta2, one_minus_b2, neg_step_size, bc2_sqrt, eps):
-    _adam(0, p.size, p, g, m, v, keep, l2, w1, beta2, one_minus_b2, neg_step_size, bc2_sqrt, eps)
+    _adam(p, g, m, v, keep, l2, w1, beta2, one_minus_b2, neg_step_size, bc2_sqrt, eps)
 
 
 # --- Lion -------------------------------------------------------------------
 
-@njit(cache=True, inline="always")
-def _lion(lo, hi, p, g, m, keep, neg_lr, beta1, one_minus_b1, beta2, one_minus_b2):
+@njit(cache=True, inline="always", error_model="numpy")
+def _lion(p, g, m, keep, neg_lr, beta1, one_minus_b1, beta2, one_minus_b2):
     """Lion (Chen et al. 2023): p = p*keep + (-lr)*sign(m*b1 + (1-b1)*g); m = m*b2 + (1-b2)*g."""
-    for i in range(lo, hi):
+    for i in range(p.size):
         gi = g[i]
         m0 = _load(m, i)
         u = fma(gi, one_minus_b1, m0 * beta1)
@@ -210,27 +214,28 @@ def _lion(lo, hi, p, g, m, keep, neg_lr, beta1, one_minus_b1, beta2, one_minus_b
         _store(m, i, fma(gi, one_minus_b2, m0 * beta2))
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, error_model="numpy")
 def lion_par(p, g, m, keep, neg_lr, beta1, one_minus_b1, beta2, one_minus_b2):
     n = p.size
     for c in prange((n + CHUNK - 1) // CHUNK):
-        _lion(c * CHUNK, min(n, c * CHUNK + CHUNK), p, g, m, keep, neg_lr, beta1, one_minus_b1, beta2, one_minus_b2)
+        lo, hi = c * CHUNK, min(n, c * CHUNK + CHUNK)
+        _lion(p[lo:hi], g[lo:hi], m[lo:hi], keep, neg_lr, beta1, one_minus_b1, beta2, one_minus_b2)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def lion_ser(p, g, m, keep, neg_lr, beta1, one_minus_b1, beta2, one_minus_b2):
-    _lion(0, p.size, p, g, m, keep, neg_lr, beta1, one_minus_b1, beta2, one_minus_b2)
+    _lion(p, g, m, keep, neg_lr, beta1, one_minus_b1, beta2, one_minus_b2)
 
 
 # --- Muon momentum ------------------------------------------------------------
 
-@njit(cache=True, inline="always")
-def _muon_momentum(lo, hi, g, buf, out, w_buf, momentum, nesterov):
+@njit(cache=True, inline="always", error_model="numpy")
+def _muon_momentum(g, buf, out, w_buf, momentum, nesterov):
     """buf = lerp(buf, g, 1-momentum); out = lerp(g, buf, momentum) (nesterov) or buf.
 
     w_buf = 1 - momentum (float64-computed then cast), out: [n] float32.
     """
-    for i in range(lo, hi):
+    for i in range(g.size):
         gi = g[i]
         b1 = _lerp(_load(buf, i), gi, w_buf)
         _store(buf, i, b1)
@@ -240,43 +245,45 @@ def _muon_momentum(lo, hi, g, buf, out, w_buf, momentum, nesterov):
             out[i] = b1
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, error_model="numpy")
 def muon_momentum_par(g, buf, out, w_buf, momentum, nesterov):
     n = g.size
     for c in prange((n + CHUNK - 1) // CHUNK):
-        _muon_momentum(c * CHUNK, min(n, c * CHUNK + CHUNK), g, buf, out, w_buf, momentum, nesterov)
+        lo, hi = c * CHUNK, min(n, c * CHUNK + CHUNK)
+        _muon_momentum(g[lo:hi], buf[lo:hi], out[lo:hi], w_buf, momentum, nesterov)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def muon_momentum_ser(g, buf, out, w_buf, momentum, nesterov):
-    _muon_momentum(0, g.size, g, buf, out, w_buf, momentum, nesterov)
+    _muon_momentum(g, buf, out, w_buf, momentum, nesterov)
 
 
 # --- small fused maps (APOLLO, Muon's apply, scaling) ---------------------------
 
-@njit(cache=True, inline="always")
-def _axpby(lo, hi, y, beta, x, alpha):
+@njit(cache=True, inline="always", error_model="numpy")
+def _axpby(y, beta, x, alpha):
     """y = fma(x, alpha, y*beta) (torch: y.mul_(beta).add_(x, alpha=alpha))."""
-    for i in range(lo, hi):
+    for i in range(y.size):
         yi = y[i]
         if beta != 1:
             yi = yi * beta
         y[i] = fma(x[i], alpha, yi)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, error_model="numpy")
 def axpby_par(y, beta, x, alpha):
     n = y.size
     for c in prange((n + CHUNK - 1) // CHUNK):
-        _axpby(c * CHUNK, min(n, c * CHUNK + CHUNK), y, beta, x, alpha)
+        lo, hi = c * CHUNK, min(n, c * CHUNK + CHUNK)
+        _axpby(y[lo:hi], beta, x[lo:hi], alpha)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def axpby_ser(y, beta, x, alpha):
-    _axpby(0, y.size, y, beta, x, alpha)
+    _axpby(y, beta, x, alpha)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def ema_sq_ser(v, beta, x, alpha):
     """v = fma(alpha*x, x, v*beta) (torch: v.mul_(beta).addcmul_(x, x, value=alpha)); compressed
     APOLLO moments only, so serial."""
@@ -285,36 +292,49 @@ def ema_sq_ser(v, beta, x, alpha):
         v[i] = fma(alpha * xi, xi, v[i] * beta)
 
 
-@njit(cache=True, inline="always")
-def _scale(lo, hi, x, f):
-    for i in range(lo, hi):
+@njit(cache=True, inline="always", error_model="numpy")
+def _scale(x, f):
+    for i in range(x.size):
         x[i] = x[i] * f
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, error_model="numpy")
 def scale_par(x, f):
     n = x.size
     for c in prange((n + CHUNK - 1) // CHUNK):
-        _scale(c * CHUNK, min(n, c * CHUNK + CHUNK), x, f)
+        lo, hi = c * CHUNK, min(n, c * CHUNK + CHUNK)
+        _scale(x[lo:hi], f)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def scale_ser(x, f):
-    _scale(0, x.size, x, f)
+    _scale(x, f)
 
 
 # --- the one reduction: fixed chunks, float64, serial combine --------------------
 
-@njit(cache=True, inline="always")
+@njit(cache=True, inline="always", error_model="numpy")
 def _chunk_sq(x, c):
-    acc = 0.0
-    for i in range(c * CHUNK, min(x.size, c * CHUNK + CHUNK)):
-        xi = np.float64(x[i])
-        acc += xi * xi
-    return acc
+    """Sum of squares of chunk c in float64: four interleaved accumulators (element i goes
+    to accumulator i % 4), combined as (a0 + a1) + (a2 + a3): a fixed order, and four
+    independent dependency chains instead of one."""
+    lo, hi = c * CHUNK, min(x.size, c * CHUNK + CHUNK)
+    y = x[lo:hi]
+    a0 = a1 = a2 = a3 = 0.0
+    n4 = y.size - y.size % 4
+    for i in range(0, n4, 4):
+        x0, x1, x2, x3 = np.float64(y[i]), np.float64(y[i + 1]), np.float64(y[i + 2]), np.float64(y[i + 3])
+        a0 += x0 * x0
+        a1 += x1 * x1
+        a2 += x2 * x2
+        a3 += x3 * x3
+    for i in range(n4, y.size):
+        xi = np.float64(y[i])
+        a0 += xi * xi
+    return (a0 + a1) + (a2 + a3)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, error_model="numpy")
 def sum_squares_par(x):
     partial = np.empty((x.size + CHUNK - 1) // CHUNK, dtype=np.float64)
     for c in prange(partial.size):
@@ -325,7 +345,7 @@ def sum_squares_par(x):
     return total
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def sum_squares_ser(x):
     total = 0.0
     for c in range((x.size + CHUNK - 1) // CHUNK):
@@ -333,11 +353,27 @@ def sum_squares_ser(x):
     return total
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def bf16_narrow_ser(x, out):
     """out[i] = bf16 bits of x[i] (RNE, NaN preserved); x float32 [n], out uint16 [n]."""
     for i in range(x.size):
         out[i] = bf16_bits(x[i])
+
+
+@njit(cache=True, inline="always", error_model="numpy")
+def _triad(a, b, c, s):
+    for i in range(a.size):
+        a[i] = b[i] + s * c[i]
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def triad_par(a, b, c, s):
+    """STREAM triad a = b + s*c over the fixed chunk grid: the bandwidth yardstick for
+    `fucina bench optim` (12 bytes moved per element)."""
+    n = a.size
+    for k in prange((n + CHUNK - 1) // CHUNK):
+        lo, hi = k * CHUNK, min(n, k * CHUNK + CHUNK)
+        _triad(a[lo:hi], b[lo:hi], c[lo:hi], s)
 
 
 PARALLEL_MIN = 1 << 17  # below this many elements the thread pool costs more than it saves

@@ -33,7 +33,7 @@ def build_parser():
     p.add_argument("--port", type=int, default=None, help="use tcp:// on this port (+1 for events) instead of ipc://")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind for tcp:// (loopback unless told otherwise)")
     p.add_argument("--threads", type=int, default=1, help="BLAS/numba threads (for the final evaluation)")
-    p.add_argument("--liveness", type=float, default=3.0, help="seconds of silence before a worker is declared lost")
+    p.add_argument("--liveness", type=float, default=5.0, help="seconds of silence before a worker is declared lost")
     return p
 
 

@@ -30,6 +30,8 @@ def add_arguments(parser):
         p.add_argument("--threads", type=int, default=1, help="BLAS/numba threads per worker (and in-process)")
         p.add_argument("--port", type=int, default=None, help="use tcp://HOST:PORT (+1 for events) instead of ipc:// sockets")
         p.add_argument("--host", default="127.0.0.1", help="interface the tcp:// sockets bind (loopback unless told)")
+        p.add_argument("--liveness", type=float, default=5.0,
+                       help="seconds without a heartbeat before a worker is declared lost and its work re-run")
         p.add_argument("--json", action="store_true", help="print only a JSON summary (steps, final_loss, params_sha256, ...)")
         p.add_argument("--quiet", action="store_true", help="no live progress")
         add_flags(p, job_cls.Spec)
@@ -72,7 +74,7 @@ def run(args) -> int:
     else:
         from ..runtime.launch import Supervisor
         sup = Supervisor(args.job, to_dict(spec), run_dir, trainers=args.trainers, resume=args.resume,
-                         threads=args.threads, port=args.port, host=args.host, quiet=quiet)
+                         threads=args.threads, port=args.port, host=args.host, liveness=args.liveness, quiet=quiet)
         with _progress(spec.steps, quiet, sup.events_endpoint) as _:
             summary = sup.run()
     if args.json:

@@ -8,6 +8,7 @@ the fastest option for tiny jobs where messaging would dominate.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -24,6 +25,7 @@ def _buffers(layout):
 
 def run_inprocess(job, run_dir, resume=None, log=print, on_step=None):
     """Train `job` to its last step; -> summary dict (steps, final_loss, params_sha256, ...)."""
+    os.makedirs(run_dir, exist_ok=True)
     params = _buffers(job.param_layout())
     optimizer = OptimizerLogic(job, params)
     start = optimizer.init(ckpt.resolve(resume) if resume else None)

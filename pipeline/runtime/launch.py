@@ -30,7 +30,7 @@ MAX_RESPAWNS = 10
 
 class Supervisor:
     def __init__(self, job_name, spec: dict, run_dir, trainers=1, resume=None, threads=1, port=None,
-                 host="127.0.0.1", liveness=3.0, env=None, quiet=False):
+                 host="127.0.0.1", liveness=5.0, env=None, quiet=False):
         self.run_dir = os.path.abspath(run_dir)
         self.run_id = uuid.uuid4().hex[:10]
         self.trainers, self.threads, self.quiet = trainers, threads, quiet

@@ -118,6 +118,27 @@ class Slot:
         self.published = data
 
 
+class ParamGroup:
+    """A torch-familiar handle on one optimizer's lr and params (`g["lr"]`, `g["params"]`)."""
+
+    __slots__ = ("optimizer",)
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def __getitem__(self, key):
+        if key == "lr":
+            return self.optimizer.lr
+        if key == "params":
+            return [s.tensor for s in self.optimizer.slots]
+        raise KeyError(f"param group: only 'lr' and 'params' are available, not {key!r} (hyperparameters are optimizer attributes)")
+
+    def __setitem__(self, key, value):
+        if key != "lr":
+            raise KeyError(f"param group: only 'lr' can be set, not {key!r}")
+        self.optimizer.lr = value
+
+
 class Optimizer:
     """Base class: subclasses set TYPE, STRUCTURAL and implement `_update`.
 
@@ -196,6 +217,11 @@ class Optimizer:
     def lr_holders(self):
         """Objects whose `.lr` a schedule rescales (self, plus embedded fallbacks)."""
         return [self]
+
+    @property
+    def param_groups(self):
+        """torch-style view: one group per lr holder; `group["lr"] = x` sets that optimizer's lr."""
+        return [ParamGroup(h) for h in self.lr_holders()]
 
     # --- the step -------------------------------------------------------------
     def _grad(self, slot):

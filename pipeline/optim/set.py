@@ -54,6 +54,10 @@ class OptimizerSet:
     def lr_holders(self):
         return [h for m in self.members for h in m.lr_holders()]
 
+    @property
+    def param_groups(self):
+        return [g for m in self.members for g in m.param_groups]
+
     def clip_grad_norm(self, max_norm):
         """Global clip across all members; returns the pre-clip norm."""
         from .clip import clip_grad_norm

@@ -252,3 +252,56 @@ def test_set_rejects_a_shared_parameter_and_namespaces_state():
     sd = s.state_dict()
     assert "0.w.exp_avg" in sd["tensors"] and "1.fallback.b.exp_avg" in sd["tensors"]
     assert [m["type"] for m in sd["config"]["members"]] == ["adamw", "muon"]
+
+
+def test_param_groups_view_sets_lr_like_torch():
+    tensors = model()
+    muon = Muon(tensors[:3], lr=0.02)
+    groups = muon.param_groups
+    assert [g["lr"] for g in groups] == [0.02, 3e-4]
+    assert [len(g["params"]) for g in groups] == [2, 1]  # w, v | b routed to the fallback
+    for g in groups:
+        g["lr"] = g["lr"] * 0.5
+    assert (muon.lr, muon.fallback.lr) == (0.01, 1.5e-4)
+    with pytest.raises(KeyError):
+        groups[0]["betas"] = (0.9, 0.9)
+
+
+def test_apollo_projection_is_a_pure_function_of_seed_name_and_refresh_epoch():
+    from pipeline.optim.apollo import projection
+    a = projection(3, "layers.0.w", 0, 40, 16, 4)
+    assert a.shape == (4, 16) and a.dtype == np.float32  # rows >= cols: right projection [rank, cols]
+    assert projection(3, "layers.0.w", 0, 16, 40, 4).shape == (16, 4)  # wide: left [rows, rank]
+    assert np.array_equal(a, projection(3, "layers.0.w", 0, 40, 16, 4))
+    assert not np.array_equal(a, projection(3, "layers.0.w", 1, 40, 16, 4))
+    assert not np.array_equal(a, projection(4, "layers.0.w", 0, 40, 16, 4))
+    assert not np.array_equal(a, projection(3, "layers.1.w", 0, 40, 16, 4))
+    assert abs(float(a.std()) * 2 - 1) < 0.3  # N(0, 1/rank) with rank 4
+
+    # inside the optimizer, P changes exactly at multiples of update_proj_gap
+    w = param((40, 16), 1)
+    opt = Apollo([("w", w)], rank=4, update_proj_gap=3, seed=3)
+    seen = []
+    for s in range(7):
+        grads_for([w], s)
+        opt.step()
+        seen.append(opt._proj_cache["w"][0])
+    assert seen == [0, 0, 0, 1, 1, 1, 2]
+    assert np.array_equal(opt._proj_cache["w"][1], projection(3, "w", 2, 40, 16, 4))
+
+
+def test_newton_schulz_orthogonalizes_and_muon_flattens_conv_weights():
+    from pipeline.optim.muon import newton_schulz5
+    G = rng.gaussian(1, (12, 30)) * np.linspace(0.01, 10, 30, dtype=np.float32)
+    s = np.linalg.svd(newton_schulz5(G), compute_uv=False)
+    assert s.min() > 0.5 and s.max() < 1.5  # every direction ~ the same step
+    tall = newton_schulz5(G.T.copy())
+    assert np.allclose(tall, newton_schulz5(G).T, atol=1e-6)
+    conv = param((6, 3, 2, 2), 2)
+    opt = Muon([("conv", conv)], lr=0.02)
+    grads_for([conv], 0)
+    before = conv.data.copy()
+    opt.step()
+    step = (before - conv.data).reshape(6, 12) / np.float32(0.02)
+    # first step: the Nesterov update is a multiple of g, and Newton-Schulz is scale-invariant
+    assert np.allclose(step, newton_schulz5(conv.grad.reshape(6, 12)), atol=1e-4)

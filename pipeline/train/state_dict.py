@@ -1,13 +1,16 @@
 """Named state dicts over safetensors: name -> array, matched by name, validated.
 
-A state dict file is a plain safetensors file, so it opens in any safetensors
-tool. Writing goes through the `safetensors` library (spec-exact headers);
-reading uses our own small header parser over the whole file in memory.
+A state dict file is a plain safetensors file (8-byte header length, JSON
+header, raw little-endian tensor bytes), so it opens in any safetensors tool;
+interop with the `safetensors` library is tested both ways. We write and read
+the format ourselves because it is simple and it lets us stream each array
+straight into the file (no serialised copy of the whole state in memory) and
+read the file with one readinto.
 
-Trade-off: reading the whole file (instead of mmap) costs one copy, but lets
-us validate every entry (header, offsets, dtypes, shapes, names) BEFORE any
-target is touched, name the file and tensor in every error, and read bf16 the
-same way whatever the installed safetensors version does with it.
+Trade-off: reading the whole file (instead of mmap) costs memory for the
+whole file, but lets us validate every entry (header, offsets, dtypes,
+shapes, CRCs) BEFORE any target is touched, name the file and tensor in every
+error, and treat bf16 the same whatever the installed safetensors does.
 
 Dtypes are kept as stored: f32/f16/bf16 in, the same bytes out, and a load
 into a target of another dtype is an error, never a silent conversion.
@@ -23,7 +26,6 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-import safetensors.numpy
 
 from ..autograd import Tensor, named_parameters
 from ..errors import CheckpointError, DTypeMismatchError
@@ -67,17 +69,18 @@ def fsync_dir(path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path, data: bytes) -> None:
-    """Write `data` to `path` so readers see the old file or the whole new one.
+def atomic_write(path, write) -> None:
+    """Create `path` so readers see the old file or the whole new one.
 
-    temp file in the same directory + fsync + rename + directory fsync: a crash
-    at any point leaves either no file / the previous file, or the complete new one.
+    `write(f)` fills a temp file in the same directory; then fsync + rename +
+    directory fsync. A crash at any point leaves no file / the previous file,
+    or the complete new one.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -85,6 +88,10 @@ def atomic_write_bytes(path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path, data: bytes) -> None:
+    atomic_write(path, lambda f: f.write(data))
 
 
 # --- safetensors files ----------------------------------------------------------
@@ -95,7 +102,14 @@ def _as_array(value, name):
         raise CheckpointError(f"state dict entry {name!r}: expected a numpy array or Tensor, got {type(value).__name__}")
     if arr.dtype not in _TAGS:
         raise CheckpointError(f"state dict entry {name!r}: dtype {arr.dtype} cannot be stored in safetensors")
-    return np.ascontiguousarray(arr)
+    if arr.dtype.byteorder == ">":  # the format is little-endian
+        arr = arr.byteswap().view(arr.dtype.newbyteorder("<"))
+    return arr if arr.flags.c_contiguous else arr.copy(order="C")  # (ascontiguousarray would make 0-d 1-d)
+
+
+def _raw(arr):
+    """The bytes of a contiguous array, as a flat uint8 view (works for bf16 too)."""
+    return arr.reshape(-1).view(np.uint8)
 
 
 def _pairs(tensors):
@@ -120,21 +134,41 @@ def save_state_dict(path, tensors, metadata: dict[str, str] | None = None) -> No
     metadata = dict(metadata or {})
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise CheckpointError(f"{path}: safetensors metadata must map str -> str")
-    metadata[CRC_KEY] = json.dumps({name: zlib.crc32(arr) for name, arr in arrays.items()}, sort_keys=True)
-    atomic_write_bytes(path, safetensors.numpy.save(arrays, metadata=metadata))
+    metadata[CRC_KEY] = json.dumps({name: zlib.crc32(_raw(arr)) for name, arr in arrays.items()}, sort_keys=True)
+    # Wider dtypes first (then by name), as the safetensors library lays files out,
+    # so every tensor starts aligned to its item size for mmap readers.
+    order = sorted(arrays, key=lambda n: (-arrays[n].dtype.itemsize, n))
+    header, offset = {"__metadata__": metadata}, 0
+    for name in order:
+        arr = arrays[name]
+        header[name] = {"dtype": _TAGS[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+    head = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    head += b" " * (-len(head) % 8)  # the spec's padding: the data starts 8-byte aligned
+
+    def write(f):
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for name in order:
+            f.write(_raw(arrays[name]))
+    atomic_write(path, write)
 
 
 def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Read and fully validate a safetensors file -> ({name: array}, metadata).
 
     Any defect (missing, truncated, bad header, unknown dtype, offsets that do
-    not match the shape) raises CheckpointError naming the file (and tensor).
+    not match the shape, CRC mismatch) raises CheckpointError naming the file
+    (and tensor). The arrays are writable views into one buffer holding the file.
     """
     path = Path(path)
     try:
-        blob = path.read_bytes()
+        with open(path, "rb") as f:
+            blob = bytearray(os.fstat(f.fileno()).st_size)  # writable, so the arrays below are too
+            got = f.readinto(blob)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
+    del blob[got:]  # a file that shrank while we read it
     if len(blob) < 8:
         raise CheckpointError(f"{path}: truncated safetensors file ({len(blob)} bytes, no header)")
     (header_len,) = struct.unpack("<Q", blob[:8])
@@ -174,7 +208,7 @@ def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
             raise CheckpointError(f"{where}: truncated file (tensor data ends at byte {end}, file data has {len(body)})")
         if name in crcs and zlib.crc32(body[begin:end]) != crcs[name]:
             raise CheckpointError(f"{where}: corrupt data (CRC32 mismatch)")
-        tensors[name] = np.frombuffer(body[begin:end], dtype=dtype).reshape(shape).copy()
+        tensors[name] = np.frombuffer(body[begin:end], dtype=dtype).reshape(shape)  # a view: no copy
         data_end = max(data_end, end)
     if data_end != len(body):
         raise CheckpointError(f"{path}: corrupt safetensors file ({len(body) - data_end} stray bytes after the tensor data)")

@@ -57,6 +57,22 @@ def test_file_is_plain_safetensors(tmp_path):
     assert all(np.array_equal(load_state_dict(other)[k], v) for k, v in src.items())
 
 
+def test_mixed_dtypes_and_odd_sizes_open_in_the_library(tmp_path):
+    path = tmp_path / "mixed.safetensors"
+    src = {"h3": np.arange(3, dtype=np.float16), "d": np.arange(5, dtype=np.float64), "scalar": np.array(2.5, np.float32),
+           "empty": np.zeros((0, 4), np.float32), "flag": np.array([True, False]), "i8": np.arange(7, dtype=np.int8),
+           "b": np.arange(3, dtype=np.float32).astype(BF16)}
+    save_state_dict(path, src)
+    assert (8 + struct.unpack("<Q", path.read_bytes()[:8])[0]) % 8 == 0  # data starts 8-byte aligned
+    from safetensors import safe_open
+    with safe_open(str(path), framework="np") as f:
+        for name in ("h3", "d", "scalar", "empty", "flag", "i8"):
+            assert np.array_equal(f.get_tensor(name), src[name]) and f.get_tensor(name).dtype == src[name].dtype
+    back = load_state_dict(path)
+    assert all(back[n].dtype == a.dtype and back[n].tobytes() == a.tobytes() for n, a in src.items())
+    back["d"][0] = 7.0  # loaded arrays are writable
+
+
 def test_bf16_is_stored_as_BF16_raw_bits(tmp_path):
     path = tmp_path / "b.safetensors"
     b = np.array([1.5, -2.25, 3.0e38], dtype=np.float32).astype(BF16)

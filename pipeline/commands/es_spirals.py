@@ -26,6 +26,8 @@ def add_arguments(p):
     p.add_argument("--seed", type=int, default=0, help="ES noise seed (default 0)")
     p.add_argument("--model-seed", type=int, default=0, help="SpiralsMLP init seed (default 0)")
     p.add_argument("--data-seed", type=int, default=0, help="spirals data noise seed (default 0)")
+    p.add_argument("--reward", choices=["acc", "nll"], default="acc",
+                   help="acc: accuracy + 0.1*exp(-CE), bounded (default); nll: -CE")
     p.add_argument("--population", type=int, default=128, help="ES population (default 128)")
     p.add_argument("--sigma", type=float, default=None, help="perturbation scale (default: tuned, see docs/es.md)")
     p.add_argument("--alpha", type=float, default=None, help="step size (default: tuned, see docs/es.md)")
@@ -55,7 +57,7 @@ def run(args) -> int:
         raise UserError("--workers/--remote-workers must be >= 0")
     es = spirals_config(population=args.population, sigma=args.sigma, alpha=args.alpha, seed=args.seed,
                         antithetic=not args.no_antithetic, shaping=args.shaping, noise=args.noise)
-    task = SpiralsTask(es, model_seed=args.model_seed, data_seed=args.data_seed)
+    task = SpiralsTask(es, model_seed=args.model_seed, data_seed=args.data_seed, reward=args.reward)
     workers = 0 if args.inprocess else args.workers
     if workers == 0 and args.remote_workers == 0 and not args.inprocess:
         raise UserError("--workers 0 needs --inprocess or --remote-workers N")

@@ -17,6 +17,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
+import numpy as np
 from threadpoolctl import threadpool_limits
 
 from ..train.checkpoint import latest_checkpoint, step_dir
@@ -88,7 +89,9 @@ def run_spirals(task: SpiralsTask, opts: RunOptions, on_iteration=None) -> dict:
         t0 = time.perf_counter()
         it = start
         center = None
+        durations = []
         while opts.max_iterations is None or it < opts.max_iterations:
+            t_it = time.perf_counter()
             if opts.kill_worker_at is not None and it == opts.kill_worker_at and isinstance(backend, Coordinator):
                 log(f"fault injection: killed worker {backend.kill_one()} at iteration {it}")
             rewards, center = backend.iteration(it)
@@ -96,6 +99,7 @@ def run_spirals(task: SpiralsTask, opts: RunOptions, on_iteration=None) -> dict:
                 break
             backend.commit(rewards)
             it += 1
+            durations.append(time.perf_counter() - t_it)
             if opts.progress_every and it % opts.progress_every == 0:
                 log(f"iteration {it}: center CE {center[0]:.4f} acc {center[1]:.4f} "
                     f"({(time.perf_counter() - t0) / max(1, it - start) * 1e3:.1f} ms/iteration)")
@@ -115,6 +119,7 @@ def run_spirals(task: SpiralsTask, opts: RunOptions, on_iteration=None) -> dict:
     pop = trainer.config.population
     return {"iterations": it, "iterations_this_run": done, "accuracy": acc, "ce": ce, "converged": acc == 1.0,
             "wall_s": wall, "ms_per_iteration": wall / done * 1e3 if done else 0.0,
+            "median_ms_per_iteration": float(np.median(durations)) * 1e3 if durations else 0.0,
             "member_evals_per_s": done * pop / wall if done and wall > 0 else 0.0,
             "sha256": sha, "workers": opts.workers + opts.remote_workers, "population": pop,
             "resumed_from": resumed_from, "replicas_checked": len(digests)}

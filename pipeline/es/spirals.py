@@ -7,10 +7,11 @@ tanh MLP for all of them with stacked matmuls. That beats B separate
 autograd forwards by a wide margin but means this module re-states the model's
 forward in numpy (tests pin it against pipeline.models.spirals).
 
-Reward (bounded, dense): R = accuracy + 0.1 * exp(-mean CE), in [0, 1.1]. The
-accuracy term is what we want (100% on the training set), the likelihood term
-breaks ties between equal accuracies and keeps the landscape smooth; being
-bounded it cannot produce z-score outliers. Per-member statistics are
+Rewards (`reward=`): "acc" (default, bounded and dense): R = accuracy +
+0.1 * exp(-mean CE), in [0, 1.1]. The accuracy term is what we want (100% on
+the training set), the likelihood term breaks ties between equal accuracies
+and keeps the landscape smooth; being bounded it cannot produce z-score
+outliers. "nll": R = -mean CE, smooth but unbounded below. Per-member statistics are
 reduced in float64 along each member's own row, so a member's reward is the
 same bits whichever batch (or worker) evaluated it: BLAS is pinned to one
 thread (pipeline.threads / threadpoolctl) wherever this runs.
@@ -43,17 +44,24 @@ def spirals_config(population=128, sigma=None, alpha=None, seed=0, antithetic=Tr
 class SpiralsTask:
     """A parameter replica (ESTrainer over SpiralsMLP(model_seed)) plus the batched member scorer."""
 
-    def __init__(self, es: ESConfig, model_seed: int = 0, data_seed: int = 0):
+    REWARDS = ("acc", "nll")
+
+    def __init__(self, es: ESConfig, model_seed: int = 0, data_seed: int = 0, reward: str = "acc"):
+        if reward not in self.REWARDS:
+            raise ValueError(f"spirals reward must be one of {self.REWARDS}, got {reward!r}")
+        self.reward_kind = reward
         self.X, self.y = make_spirals(seed=data_seed)
         self.sign = np.where(self.y == 1, 1.0, -1.0)
         self.model = SpiralsMLP(model_seed)
         self.trainer = ESTrainer(es)
         self.trainer.add_registry(self.model)
-        self.run_config = {"task": "spirals", "model_seed": model_seed, "data_seed": data_seed, "es": es.to_dict()}
+        self.run_config = {"task": "spirals", "model_seed": model_seed, "data_seed": data_seed, "reward": reward,
+                           "es": es.to_dict()}
 
     @classmethod
     def from_run_config(cls, run: dict) -> "SpiralsTask":
-        return cls(ESConfig(**run["es"]), model_seed=run["model_seed"], data_seed=run["data_seed"])
+        return cls(ESConfig(**run["es"]), model_seed=run["model_seed"], data_seed=run["data_seed"],
+                   reward=run["reward"])
 
     def score_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(mean CE float64 (B,), accuracy float64 (B,)) for parameter rows (B, dim)."""
@@ -70,9 +78,8 @@ class SpiralsTask:
         acc = (margin > 0).mean(axis=-1)
         return ce, acc
 
-    @staticmethod
-    def reward(ce, acc):
-        return acc + 0.1 * np.exp(-ce)
+    def reward(self, ce, acc):
+        return acc + 0.1 * np.exp(-ce) if self.reward_kind == "acc" else -ce
 
     def rewards(self, members, theta=None) -> np.ndarray:
         """float64 rewards of the given members at the trainer's current iteration."""

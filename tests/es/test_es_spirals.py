@@ -34,7 +34,7 @@ def test_member_rewards_do_not_depend_on_batch_composition():
 
 
 def test_reward_is_bounded_and_prefers_accuracy():
-    r = SpiralsTask.reward(np.array([0.0, 5.0, 0.1]), np.array([1.0, 1.0, 0.5]))
+    r = _task().reward(np.array([0.0, 5.0, 0.1]), np.array([1.0, 1.0, 0.5]))
     assert r[0] == pytest.approx(1.1) and r[1] > r[2] and np.all((r >= 0) & (r <= 1.1))
 
 

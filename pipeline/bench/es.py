@@ -1,0 +1,55 @@
+"""`fucina bench es`: ES noise regeneration throughput and ES-spirals iteration time.
+
+Cases (ms; ratio = baseline_ms / ms, above 1 means the case is faster):
+  noise/gaussian        fill N float32 gaussians with kernels.es_noise (the ES
+                        mapping, all numba threads) vs numpy's default generator
+                        (Ziggurat, one thread) and the exact scalar Box-Muller of
+                        kernels.rng; notes give values/s
+  es-spirals/workers-1  median ms per ES iteration (population 128) with one
+                        es-member worker process; baseline: the in-process run
+  es-spirals/workers-2  the same with two workers; baseline: workers-1 (so the
+                        ratio is the 1 -> 2 worker speed-up)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..bench import median_ms
+
+NAME = "es"
+HELP = "ES noise regeneration (values/s vs numpy) and es-spirals ms/iteration for in-process, 1 and 2 workers"
+
+
+def add_arguments(p):
+    p.add_argument("--values", type=int, default=1 << 22, help="gaussians per noise fill (default 4M)")
+    p.add_argument("--iterations", type=int, default=40, help="ES iterations timed per es-spirals case (default 40)")
+    p.add_argument("--population", type=int, default=128, help="ES population for es-spirals (default 128)")
+    p.add_argument("--repeat", type=int, default=5, help="timed repetitions of the noise fill (median)")
+
+
+def _spirals_ms(workers, iterations, population):
+    from ..es.run import RunOptions, run_spirals
+    from ..es.spirals import SpiralsTask, spirals_config
+    task = SpiralsTask(spirals_config(population=population))
+    result = run_spirals(task, RunOptions(workers=workers, max_iterations=iterations))
+    return result["median_ms_per_iteration"], result
+
+
+def run(args):
+    from kernels import es_noise, rng
+    out = np.empty(args.values, dtype=np.float32)
+    ms = median_ms(lambda: es_noise.gaussian_fill_fast(7, out), repeat=args.repeat)
+    generator = np.random.default_rng(7)
+    numpy_ms = median_ms(lambda: generator.standard_normal(args.values, dtype=np.float32, out=out), repeat=args.repeat)
+    exact_ms = median_ms(lambda: rng.gaussian_fill(7, out), repeat=args.repeat)
+    rows = [{"case": "noise/gaussian", "ms": ms, "baselines": {"numpy_default_rng": numpy_ms, "rng_exact": exact_ms},
+             "notes": f"{args.values / ms / 1e3:.3g} M values/s (numpy {args.values / numpy_ms / 1e3:.3g} M/s)"}]
+    inproc_ms, _ = _spirals_ms(0, args.iterations, args.population)
+    one_ms, one = _spirals_ms(1, args.iterations, args.population)
+    two_ms, two = _spirals_ms(2, args.iterations, args.population)
+    per_s = lambda m: args.population / m * 1e3  # noqa: E731
+    rows.append({"case": "es-spirals/workers-1", "ms": one_ms, "baselines": {"inprocess": inproc_ms},
+                 "notes": f"{per_s(one_ms):.0f} member-evals/s, population {args.population}"})
+    rows.append({"case": "es-spirals/workers-2", "ms": two_ms, "baselines": {"workers_1": one_ms},
+                 "notes": f"{per_s(two_ms):.0f} member-evals/s; 1->2 worker speed-up x{one_ms / two_ms:.2f}"})
+    return rows

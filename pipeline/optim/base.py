@@ -296,7 +296,9 @@ class Optimizer:
 
         lr and the other hyperparameters are NOT taken from the file: the
         constructor's values stay (a schedule re-applies lr from the step).
-        A failed load may leave this optimizer partially restored.
+        Everything is validated before anything is applied, so a failed load
+        leaves this optimizer as it was (Muon/OptimizerSet load their parts in
+        turn: a failure there may leave earlier parts restored).
         """
         if not isinstance(sd, dict) or "type" not in sd:
             raise ConfigMismatchError(f"{source}: not an optimizer state dict (field 'type' missing)")
@@ -304,7 +306,7 @@ class Optimizer:
             raise ConfigMismatchError(f"{source}: field 'type' is {sd['type']!r}, this optimizer is {self.TYPE!r}")
         self._check_structural(sd.get("config") or {}, source)
         tensors, scalars = sd.get("tensors", {}), sd.get("scalars", {})
-        known = set()
+        known, staged = set(), []
         for slot in self.slots:
             prefix = f"{slot.name}."
             step_key = prefix + "step"
@@ -328,13 +330,15 @@ class Optimizer:
                     raise DTypeMismatchError(f"{source}: {prefix}master is stored but parameter {slot.name!r} is float32 (a 16-bit run's state?)")
                 master = _check_array(tensors[prefix + "master"], prefix + "master", slot.tensor.data.shape, np.float32, source).copy()
                 known.add(prefix + "master")
+            staged.append((slot, step, new_state, extra, master))
+        unknown = sorted((set(tensors) | set(scalars)) - known)
+        if unknown:
+            raise CheckpointMissing(f"{source}: entries not matching any registered slot: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+        for slot, step, new_state, extra, master in staged:  # everything validated: now apply
             slot.step, slot.state, slot.extra = step, new_state, extra
             if master is not None:
                 slot.master = master
                 slot.published = slot.tensor.data
-        unknown = sorted((set(tensors) | set(scalars)) - known)
-        if unknown:
-            raise CheckpointMissing(f"{source}: entries not matching any registered slot: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
 
     def _extra_keys(self, slot):
         return ()

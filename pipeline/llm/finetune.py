@@ -16,7 +16,8 @@ bits per weight); `dense_cache=True` keeps the f32 copies resident instead
 is used in full on every step by the fused linear + cross-entropy.
 
 Determinism: each `loss` call advances a step counter; the dropout seed of
-(step, layer, projection) is at(seed, (step * n_layers + layer) * 7 + proj),
+(step, layer, projection) is at(at(seed, 1), (step * n_layers + layer) * 7 + proj)
+(adapter A of (layer, projection) is seeded by at(at(seed, 0), layer * 7 + proj)),
 so a resumed run that restores the counter replays the exact dropout stream,
 and `checkpoint_layers=True` (recompute each layer in backward) replays it
 bitwise. `eval_logits` / `eval_last_logits` run with dropout off and no counter
@@ -126,6 +127,8 @@ class Trainer(Module):
         self._head = Frozen(model.output, keep_dense=True)  # used in full every step by the fused CE
         self.targets = tuple(t for t in TARGETS if t in targets)  # canonical order
         self.rank, self.alpha, self.dropout, self.seed = int(rank), float(alpha), float(dropout), int(seed)
+        # two independent streams from one seed: adapter init and dropout masks never share a seed
+        self._init_seed, self._dropout_base = derive_seed(self.seed, 0), derive_seed(self.seed, 1)
         self.checkpoint_layers = checkpoint_layers
         self.ignore_index = ignore_index
         self.step = 0  # micro-batch counter: one per training loss call (dropout streams)
@@ -134,7 +137,7 @@ class Trainer(Module):
             layer = {}
             for t in self.targets:
                 out_dim, in_dim = _proj_shape(self.config, t)
-                a_seed = derive_seed(self.seed, i * len(TARGETS) + TARGETS.index(t))
+                a_seed = derive_seed(self._init_seed, i * len(TARGETS) + TARGETS.index(t))
                 layer[t] = LoraAdapter(in_dim, out_dim, rank, alpha, dropout, a_seed, prefix=f"layers.{i}.{t}")
             self.layers.append(layer)
 
@@ -156,7 +159,7 @@ class Trainer(Module):
     def _dropout_seed(self, step, layer, target):
         if step is None or self.dropout == 0.0:
             return None
-        return derive_seed(self.seed, (step * self.config.layers + layer) * len(TARGETS) + TARGETS.index(target))
+        return derive_seed(self._dropout_base, (step * self.config.layers + layer) * len(TARGETS) + TARGETS.index(target))
 
     def _proj(self, x, i, target, step):
         y = frozen_linear(x, self._layers[i][target])

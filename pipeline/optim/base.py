@@ -350,7 +350,8 @@ class Optimizer:
             if field not in stored:
                 raise ConfigMismatchError(f"{source}: structural field 'config.{field}' missing (configured {mine[field]!r})")
             if stored[field] != mine[field]:
-                raise ConfigMismatchError(f"{source}: structural field 'config.{field}' is {stored[field]!r} in the checkpoint, "
+                error = DTypeMismatchError if field.endswith("dtype") else ConfigMismatchError
+                raise error(f"{source}: structural field 'config.{field}' is {stored[field]!r} in the checkpoint, "
                                           f"configured {mine[field]!r}")
 
 

@@ -216,7 +216,7 @@ def test_load_errors_name_the_field():
     aw = AdamW(tensors, state_dtype="bf16")
     run(aw, [t for _, t in tensors], 1)
     sd = aw.state_dict()
-    with pytest.raises(ConfigMismatchError, match="state_dtype"):
+    with pytest.raises(DTypeMismatchError, match="'config.state_dtype' is 'bf16'"):
         AdamW(tensors).load_state_dict(sd)
     # even with the config field forged, the stored dtype itself is checked
     forged = dict(sd, config=dict(sd["config"], state_dtype="f32"))

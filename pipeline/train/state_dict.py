@@ -164,19 +164,19 @@ def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     path = Path(path)
     try:
         with open(path, "rb") as f:
-            blob = bytearray(os.fstat(f.fileno()).st_size)  # writable, so the arrays below are too
-            got = f.readinto(blob)
+            blob = np.empty(os.fstat(f.fileno()).st_size, np.uint8)  # uninitialised: no memset of the whole file
+            got = f.readinto(memoryview(blob))
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
-    del blob[got:]  # a file that shrank while we read it
+    blob = blob[:got]  # a file that shrank while we read it
     if len(blob) < 8:
         raise CheckpointError(f"{path}: truncated safetensors file ({len(blob)} bytes, no header)")
-    (header_len,) = struct.unpack("<Q", blob[:8])
+    (header_len,) = struct.unpack("<Q", blob[:8].tobytes())
     if header_len > _MAX_HEADER or 8 + header_len > len(blob):
         raise CheckpointError(
             f"{path}: truncated or corrupt safetensors file (header claims {header_len} bytes, file has {len(blob) - 8})")
     try:
-        header = json.loads(blob[8:8 + header_len].decode("utf-8"))
+        header = json.loads(blob[8:8 + header_len].tobytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
     if not isinstance(header, dict):
@@ -188,7 +188,7 @@ def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         crcs = json.loads(metadata.pop(CRC_KEY, "{}"))
     except json.JSONDecodeError:
         raise CheckpointError(f"{path}: corrupt safetensors metadata ({CRC_KEY})") from None
-    body = memoryview(blob)[8 + header_len:]
+    body = blob[8 + header_len:]
     tensors, data_end = {}, 0
     for name, entry in header.items():
         where = f"{path}: tensor {name!r}"
@@ -208,7 +208,7 @@ def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
             raise CheckpointError(f"{where}: truncated file (tensor data ends at byte {end}, file data has {len(body)})")
         if name in crcs and zlib.crc32(body[begin:end]) != crcs[name]:
             raise CheckpointError(f"{where}: corrupt data (CRC32 mismatch)")
-        tensors[name] = np.frombuffer(body[begin:end], dtype=dtype).reshape(shape)  # a view: no copy
+        tensors[name] = body[begin:end].view(dtype).reshape(shape)  # a writable view: no copy
         data_end = max(data_end, end)
     if data_end != len(body):
         raise CheckpointError(f"{path}: corrupt safetensors file ({len(body) - data_end} stray bytes after the tensor data)")

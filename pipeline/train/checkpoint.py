@@ -95,11 +95,14 @@ def save_checkpoint(ckpt_dir, state: TrainerState, model=None, optimizer=None, a
     if sentinel.exists():  # uncommit before overwriting anything
         sentinel.unlink()
         fsync_dir(ckpt_dir)
+    weights = WEIGHT_FILES[1] if adapters else WEIGHT_FILES[0]
+    written = {weights} if model is not None else set()
+    if optimizer is not None:
+        written.add(OPTIMIZER_FILE)
+    for name in {*WEIGHT_FILES, OPTIMIZER_FILE} - written:  # a re-save keeps nothing stale from an earlier one
+        (ckpt_dir / name).unlink(missing_ok=True)
     if model is not None:
-        weights = WEIGHT_FILES[1] if adapters else WEIGHT_FILES[0]
         save_state_dict(ckpt_dir / weights, named_parameters(model), metadata={"format": "fucina.weights/1"})
-        stale = ckpt_dir / WEIGHT_FILES[0 if adapters else 1]
-        stale.unlink(missing_ok=True)
     if optimizer is not None:
         save_optimizer(ckpt_dir / OPTIMIZER_FILE, optimizer)
     atomic_write_bytes(sentinel, state.to_json().encode("utf-8"))

@@ -1,0 +1,109 @@
+"""The whole loop, end to end: fine-tune -> merge -> quantize (q4_k) -> serve in Fucina and llama.cpp.
+
+Marked slow (a 150-step fine-tune and several llama.cpp children) and parity
+(llama.cpp is the second server). The base is a tiny random F16 Qwen3 with
+a trained byte-level BPE, made by tools/make_tiny_qwen3.py.
+"""
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.cli import main as fucina
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = "What is the capital of France?"  # a training prompt of the built-in pirate set
+
+_LLAMA = """
+import json, sys, numpy as np, llama_cpp, llama_cpp.llama_cpp as C
+_defaults = C.llama_model_default_params
+def _no_extra_bufts():  # the AMX extra buffer type SIGILLs on VMs that advertise AMX without enabling it
+    p = _defaults()
+    p.use_extra_bufts = False
+    return p
+C.llama_model_default_params = _no_extra_bufts
+model, lora, ids, out = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+llm = llama_cpp.Llama(model, n_ctx=256, logits_all=True, verbose=False, n_threads=2, type_k=0, type_v=0,
+                      **({"lora_path": lora} if lora else {}))
+llm.eval(ids)
+logits = np.array(llm.scores[:len(ids)], np.float32)
+llm.reset()
+answer = []
+for t in llm.generate(ids, temp=0.0, top_k=1):
+    if t == llm.token_eos() or len(answer) >= 16:
+        break
+    answer.append(int(t))
+np.save(out, logits)
+print(json.dumps(answer))
+"""
+
+
+def _llama(model, ids, tmp_path, lora=None):
+    """(llama.cpp logits of every prompt position, its greedy answer token ids)."""
+    import json
+    out = tmp_path / "logits.npy"
+    proc = subprocess.run([sys.executable, "-c", _LLAMA, str(model), str(lora or ""), json.dumps(ids), str(out)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return np.load(out), json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _fucina_greedy(model, ids, eos_id, n=16):
+    """Greedy answer from Fucina's own Qwen3 (KV-cached inference path)."""
+    cache = model.new_cache(len(ids) + n)
+    logits = model.infer(np.asarray(ids), cache)
+    answer = []
+    for _ in range(n):
+        t = int(np.argmax(logits))
+        if t == eos_id:
+            break
+        answer.append(t)
+        logits = model.infer(np.asarray([t]), cache)
+    return answer
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+@pytest.mark.needs("llama_cpp")
+def test_finetune_merge_quantize_serve(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("make_tiny_qwen3", ROOT / "tools" / "make_tiny_qwen3.py")
+    tiny = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = tiny  # its dataclasses look their module up
+    spec.loader.exec_module(tiny)
+    from pipeline.llm.chat import render_chatml
+    from pipeline.llm.gguf import open_gguf
+    from pipeline.llm.tokenizer import Tokenizer
+    from pipeline.models.qwen3 import Qwen3
+
+    base = tiny.write_gguf(tmp_path / "base-f16.gguf", tiny.SHAPES["tied"], seed=0, dtype="F16")
+    run, merged, final, adapter = (tmp_path / "run", tmp_path / "merged-f16.gguf", tmp_path / "tuned-q4_k.gguf",
+                                   tmp_path / "adapter.gguf")
+    # 1. fine-tune  2. merge  3. quantize  (+ the adapter GGUF route)
+    assert fucina(["finetune", "--model", str(base), "--steps", "200", "--lr", "3e-3",
+                   "--targets", "q,k,v,o,gate,up,down", "--save", str(run)]) == 0
+    assert fucina(["export-gguf", "--from-gguf", str(base), "--adapters", str(run), "--out", str(merged)]) == 0
+    assert fucina(["export-gguf", "--from-gguf", str(merged), "--dtype", "q4_k", "--out", str(final)]) == 0
+    assert fucina(["export-gguf", "--adapters", str(run), "--base", str(base), "--lora-out", str(adapter)]) == 0
+    capsys.readouterr()
+
+    tok = Tokenizer.from_gguf(open_gguf(final))
+    ids = tok.encode(render_chatml([{"role": "user", "content": PROMPT}]))
+
+    # 4a. llama.cpp serves the q4_k export and answers in the trained style
+    q_logits, q_answer = _llama(final, ids, tmp_path)
+    assert tok.decode(q_answer).startswith("Ahoy!"), tok.decode(q_answer)
+
+    # 4b. Fucina serves the same file: top-1 identical at every prompt position, and the same style
+    model = Qwen3.from_gguf(final)
+    ours = model.infer(np.asarray(ids), all_logits=True)
+    np.testing.assert_array_equal(ours.argmax(-1), q_logits.argmax(-1))
+    assert tok.decode(_fucina_greedy(model, ids, tok.eos_id)).startswith("Ahoy!")
+
+    # 4c. the adapter GGUF route (base + adapter, unmerged) gives the merged model's greedy answer
+    _, merged_answer = _llama(merged, ids, tmp_path)
+    _, adapter_answer = _llama(base, ids, tmp_path, lora=adapter)
+    assert adapter_answer == merged_answer
+    assert tok.decode(merged_answer).startswith("Ahoy!")

@@ -113,6 +113,29 @@ def exp_shifted_into(src, shift, dst, scale, offset):
         dst[j] = expf(src[j] - shift) * scale - offset
 
 
+@njit(cache=True, fastmath=_FASTMATH)
+def exp_shifted_sum_into(src, shift, dst):
+    """dst[j] = exp(src[j] - shift) (dst may alias src); returns their sum in
+    float64 (float32 within fixed tiles, like sum_exp_shifted)."""
+    n = src.shape[0]
+    full = n // TILE
+    total = 0.0
+    for t in range(full):
+        base = t * TILE
+        part = ZERO
+        for j in range(TILE):
+            e = expf(src[base + j] - shift)
+            dst[base + j] = e
+            part += e
+        total += np.float64(part)
+    part = ZERO
+    for j in range(full * TILE, n):
+        e = expf(src[j] - shift)
+        dst[j] = e
+        part += e
+    return total + np.float64(part)
+
+
 def exp(x):
     """Vectorized float32 exp of an array (for tests and references)."""
     x = np.ascontiguousarray(x, dtype=np.float32)

@@ -37,23 +37,49 @@ def threads_for(size):
 
 
 # --- RMSNorm -------------------------------------------------------------------
+_FASTMATH = {"reassoc", "nsz", "contract"}  # lets row reductions vectorize; fixed code, fixed order
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _rms_norm_fwd_rows(x, w, eps, out, rstd, i0, i1):
+    d = x.shape[1]
+    for i in range(i0, i1):
+        acc = 0.0
+        for j in range(d):
+            v = np.float64(x[i, j])
+            acc += v * v
+        r = 1.0 / np.sqrt(acc / d + eps)
+        rstd[i] = r
+        rr = x.dtype.type(r)
+        for j in range(d):
+            out[i, j] = x[i, j] * rr * w[j]
+
+
 @njit(cache=True, parallel=True)
 def _rms_norm_fwd(x, w, eps, out, rstd):
     """x [N, D], w [D], out [N, D] (x's dtype), rstd [N] float64.
-    out = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps), sum of squares in float64."""
-    n, d = x.shape
-    nchunks = (n + ROW_CHUNK - 1) // ROW_CHUNK
-    for c in prange(nchunks):
-        for i in range(c * ROW_CHUNK, min(n, (c + 1) * ROW_CHUNK)):
-            acc = 0.0
-            for j in range(d):
-                v = np.float64(x[i, j])
-                acc += v * v
-            r = 1.0 / np.sqrt(acc / d + eps)
-            rstd[i] = r
-            rr = x.dtype.type(r)
-            for j in range(d):
-                out[i, j] = x[i, j] * rr * w[j]
+    out = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps), sum of squares in float64.
+    The row loops live in a serial function: compiled outside the parfor pass they vectorize."""
+    n = x.shape[0]
+    for c in prange((n + ROW_CHUNK - 1) // ROW_CHUNK):
+        _rms_norm_fwd_rows(x, w, eps, out, rstd, c * ROW_CHUNK, min(n, (c + 1) * ROW_CHUNK))
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _rms_norm_bwd_rows(g, x, w, rstd, gx, gw_row, i0, i1):
+    d = x.shape[1]
+    for j in range(d):
+        gw_row[j] = 0.0
+    for i in range(i0, i1):
+        r = rstd[i]
+        rr = x.dtype.type(r)
+        dot = 0.0
+        for j in range(d):
+            dot += np.float64(g[i, j] * w[j] * x[i, j])
+        k = x.dtype.type(dot * r * r * r / d)
+        for j in range(d):
+            gx[i, j] = rr * (g[i, j] * w[j]) - x[i, j] * k
+            gw_row[j] += np.float64(g[i, j] * x[i, j] * rr)
 
 
 @njit(cache=True, parallel=True)
@@ -61,22 +87,9 @@ def _rms_norm_bwd(g, x, w, rstd, gx, gw_partial):
     """g, x [N, D]; w [D]; rstd [N]; gx [N, D] out; gw_partial [nchunks, D] out
     (per-chunk sums of g * xhat, combined serially by the caller).
     gx = rstd * (g w - xhat * mean(g w xhat)), xhat = x * rstd."""
-    n, d = x.shape
-    nchunks = (n + ROW_CHUNK - 1) // ROW_CHUNK
-    for c in prange(nchunks):
-        for j in range(d):
-            gw_partial[c, j] = 0.0
-        for i in range(c * ROW_CHUNK, min(n, (c + 1) * ROW_CHUNK)):
-            r = rstd[i]
-            dot = 0.0
-            for j in range(d):
-                dot += np.float64(g[i, j]) * w[j] * x[i, j]
-            dot *= r / d
-            for j in range(d):
-                xhat = x[i, j] * r
-                gx[i, j] = r * (g[i, j] * w[j] - xhat * dot)
-                gw_partial[c, j] += g[i, j] * xhat
-
+    n = x.shape[0]
+    for c in prange((n + ROW_CHUNK - 1) // ROW_CHUNK):
+        _rms_norm_bwd_rows(g, x, w, rstd, gx, gw_partial[c], c * ROW_CHUNK, min(n, (c + 1) * ROW_CHUNK))
 
 
 def _check_rows(op, x):

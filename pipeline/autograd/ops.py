@@ -570,27 +570,27 @@ def attention(q, k, v, causal=True, offset=None, scale=None):
         raise OpError(f"attention: causal offset must be >= 0 (seq_q {Sq}, seq_k {Sk}, offset {offset})")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
 
-    Q = _compute(q.data).transpose(0, 2, 1, 3).reshape(B, Hkv, G, Sq, D)
-    K = _compute(k.data).transpose(0, 2, 1, 3)[:, :, None]  # [B, Hkv, 1, Sk, D]
-    V = _compute(v.data).transpose(0, 2, 1, 3)[:, :, None]
-    s = (Q @ np.swapaxes(K, -1, -2)) * np.asarray(scale, dtype=Q.dtype)  # [B, Hkv, G, Sq, Sk]
+    from kernels.attention import softmax_backward_inplace, softmax_inplace
+
+    # fold the query heads that share a kv head into the rows: one GEMM per (batch, kv head)
+    Q = _compute(q.data).reshape(B, Sq, Hkv, G, D).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * Sq, D)
+    K = _compute(k.data).transpose(0, 2, 1, 3)  # [B, Hkv, Sk, D]
+    V = _compute(v.data).transpose(0, 2, 1, 3)
+    p = np.matmul(Q, np.swapaxes(K, -1, -2))  # [B, Hkv, G*Sq, Sk]
+    p *= np.asarray(scale, dtype=p.dtype)
     if causal:
-        masked = np.arange(Sk)[None, :] > (offset + np.arange(Sq))[:, None]
-        s[..., masked] = -np.inf
-    s -= s.max(axis=-1, keepdims=True)
-    p = np.exp(s, out=s)
-    p /= p.sum(axis=-1, keepdims=True)
-    o = p @ V  # [B, Hkv, G, Sq, D]
-    out = o.reshape(B, Hq, Sq, D).transpose(0, 2, 1, 3)
+        blocked = np.arange(Sk)[None, :] > (offset + np.arange(Sq))[:, None]
+        p += np.tile(np.where(blocked, -np.inf, 0.0).astype(p.dtype), (G, 1))
+    softmax_inplace(p)
+    o = p @ V  # [B, Hkv, G*Sq, D]
+    out = o.reshape(B, Hkv, G, Sq, D).transpose(0, 3, 1, 2, 4).reshape(B, Sq, Hq, D)
 
     def backward(g):
-        dO = g.transpose(0, 2, 1, 3).reshape(B, Hkv, G, Sq, D)
-        dv = (np.swapaxes(p, -1, -2) @ dO).sum(axis=2) if v.requires_grad else None
-        dp = dO @ np.swapaxes(V, -1, -2)
-        ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
-        ds *= np.asarray(scale, dtype=ds.dtype)
-        dq = (ds @ K).reshape(B, Hq, Sq, D).transpose(0, 2, 1, 3) if q.requires_grad else None
-        dk = (np.swapaxes(ds, -1, -2) @ Q).sum(axis=2) if k.requires_grad else None
+        dO = g.reshape(B, Sq, Hkv, G, D).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * Sq, D)
+        dv = np.swapaxes(p, -1, -2) @ dO if v.requires_grad else None  # sums over the group inside the GEMM
+        ds = softmax_backward_inplace(p, dO @ np.swapaxes(V, -1, -2), scale)
+        dq = (ds @ K).reshape(B, Hkv, G, Sq, D).transpose(0, 3, 1, 2, 4).reshape(B, Sq, Hq, D) if q.requires_grad else None
+        dk = np.swapaxes(ds, -1, -2) @ Q if k.requires_grad else None
         return (dq,
                 None if dk is None else dk.transpose(0, 2, 1, 3),
                 None if dv is None else dv.transpose(0, 2, 1, 3))

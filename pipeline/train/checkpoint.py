@@ -89,8 +89,11 @@ def save_checkpoint(ckpt_dir, state: TrainerState, model=None, optimizer=None, a
     ckpt_dir = Path(ckpt_dir)
     state.validate(f"{ckpt_dir / SENTINEL}")
     state.require_boundary(f"save to {ckpt_dir}")
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    fsync_dir(ckpt_dir.parent)
+    try:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        fsync_dir(ckpt_dir.parent)
+    except OSError as e:
+        raise CheckpointError(f"{ckpt_dir}: cannot create the checkpoint directory: {e.strerror or e}") from None
     sentinel = ckpt_dir / SENTINEL
     if sentinel.exists():  # uncommit before overwriting anything
         sentinel.unlink()

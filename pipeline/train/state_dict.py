@@ -84,10 +84,12 @@ def atomic_write(path, write) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+        fsync_dir(path.parent)
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):  # disk full, permissions, a directory in the way, ...
+            raise CheckpointError(f"{path}: cannot write: {e.strerror or e}") from None
         raise
-    fsync_dir(path.parent)
 
 
 def atomic_write_bytes(path, data: bytes) -> None:

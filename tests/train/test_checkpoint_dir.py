@@ -263,3 +263,15 @@ def test_not_an_optimizer_file(tmp_path):
     save_state_dict(tmp_path / "w.safetensors", {"w": np.zeros(2, np.float32)})
     with pytest.raises(CheckpointError, match="not a Fucina optimizer state file"):
         read_optimizer(tmp_path / "w.safetensors")
+
+
+def test_unwritable_places_are_clear_errors(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="cannot create the checkpoint directory"):
+        save_checkpoint(tmp_path / "file" / "checkpoint-step-2", TrainerState(step=2), Net(0))
+    d = tmp_path / "checkpoint-step-2"
+    (d / "model.safetensors").mkdir(parents=True)  # a directory where the weights file goes
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: cannot write"):
+        save_checkpoint(d, TrainerState(step=2), Net(0))
+    assert not (d / "trainer_state.json").exists()
+    assert [p.name for p in d.iterdir()] == ["model.safetensors"]  # no temp file left behind

@@ -29,7 +29,7 @@ class Checkpointer(Worker):
         def after_weights(_name):
             self.fault("mid_write", step)
 
-        faulty = os.environ.get("FUCINA_FAULT", "").startswith("checkpointer:")
+        faulty = "checkpointer:" in os.environ.get("FUCINA_FAULT", "")
         state = TrainerState.from_json(msg["meta"]["state"], source=f"snapshot {msg['segment']}")
         path = ckpt.write_checkpoint(msg["dir"], params, msg["meta"]["optim"], optim, state,
                                      on_file=after_weights if faulty else None)

@@ -16,20 +16,26 @@ class Trainer(Worker):
     role = "trainer"
 
     def setup(self):
-        self.bound = None        # (params segment, owner) the model views
+        self.owners = {}         # segment name -> the worker that created the mapping we hold
+        self.params_name = None
         self.logic = None
 
     def _attach(self, desc):
-        return self.registry.attach(desc["segment"], desc["tensors"])
+        """Attach a segment; re-attach when its owner changed (a restarted role re-creates
+        a segment under the same name, and our old mapping points at the unlinked one)."""
+        name = desc["segment"]
+        if self.owners.get(name) not in (None, desc["owner"]):
+            self.registry.detach(name)
+            if name == self.params_name:
+                self.logic = None
+        self.owners[name] = desc["owner"]
+        return self.registry.attach(name, desc["tensors"])
 
     def _rebind(self, params_desc):
-        key = (params_desc["segment"], params_desc["owner"])
-        if self.bound != key:
-            if self.bound is not None:  # the optimizer was restarted: its segment is a new mapping
-                self.registry.detach(self.bound[0])
-            self.params_seg = self._attach(params_desc)
+        self.params_name = params_desc["segment"]
+        self.params_seg = self._attach(params_desc)
+        if self.logic is None:
             self.logic = TrainerLogic(self.job, dict(self.params_seg.tensors))
-            self.bound = key
 
     def on_grad(self, msg):
         step, k, slot = msg["step"], msg["k"], msg["slot"]

@@ -133,13 +133,7 @@ class Registry:
     def create(self, what: str, named_shapes) -> Segment:
         specs, size = layout(named_shapes)
         name = f"{run_prefix(self.run_id)}{self.role}-{what}"
-        try:  # a stale segment from a crashed earlier incarnation of this role: replace it
-            old = shared_memory.SharedMemory(name=name)
-            _untrack(old)
-            old.close()
-            old.unlink()
-        except FileNotFoundError:
-            pass
+        unlink_name(name)  # a stale segment of a crashed earlier incarnation of this role
         shm = shared_memory.SharedMemory(name=name, create=True, size=size)
         _untrack(shm)
         seg = Segment(shm, specs, owner=True)

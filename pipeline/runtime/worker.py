@@ -9,8 +9,8 @@ A task handler that raises sends `failed` (with the error text) and the worker
 exits 1: a deterministic task that failed once would fail again, so retrying
 is the scheduler's call, not ours. Unknown or malformed messages are dropped.
 
-Fault injection for tests: FUCINA_FAULT="role:point:step" makes the worker
-SIGKILL itself once at that point (a marker file in the run dir records that it
+Fault injection for tests: FUCINA_FAULT="role:point:step[,role:point:step...]"
+makes the worker SIGKILL itself once at that point (a marker file in the run dir records that it
 fired, so the replacement process does not die again).
 """
 from __future__ import annotations
@@ -143,8 +143,7 @@ class Worker:
 
     def fault(self, point: str, step: int):
         """SIGKILL ourselves once if FUCINA_FAULT names this role, point and step."""
-        spec = os.environ.get("FUCINA_FAULT", "")
-        if spec != f"{self.role}:{point}:{step}":
+        if f"{self.role}:{point}:{step}" not in os.environ.get("FUCINA_FAULT", "").split(","):
             return
         marker = os.path.join(self.run_dir, f"fault-{self.role}-{point}-{step}.fired")
         if os.path.exists(marker):

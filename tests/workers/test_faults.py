@@ -1,0 +1,141 @@
+"""Faults: killed workers are replaced and the run ends on the same bits; nothing leaks in /dev/shm.
+
+Faults are injected with FUCINA_FAULT (the worker SIGKILLs itself at a precise
+point, once) or by signalling the pids listed in the run's pids.json.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT, env, events, first_metric, launch, launch_cmd, run_id, wait_for, alive
+from pipeline.jobs import get_job
+from pipeline.jobs.spec import build
+from pipeline.runtime import ckpt, shm
+from pipeline.runtime.inprocess import run_inprocess
+from pipeline.runtime.worker import limit_threads
+
+SPEC = {"steps": 60, "batch": 32, "micro_batches": 4, "checkpoint_every": 20, "eval_every": 20}
+FLAGS = ["--steps", "60", "--batch", "32", "--micro-batches", "4", "--checkpoint-every", "20",
+         "--eval-every", "20", "--liveness", "2"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    limit_threads(1)
+    job = get_job("spirals")
+    return run_inprocess(job(build(job.Spec, SPEC)), str(tmp_path_factory.mktemp("ref")), log=lambda m: None)
+
+
+def test_checkpointer_killed_mid_write_leaves_previous_checkpoint_latest(tmp_path):
+    """Unit level: the weights file of step 40 is written, then the writer dies before the sentinel."""
+    limit_threads(1)
+    job = get_job("spirals")(build(get_job("spirals").Spec, SPEC))
+    params = {n: a for n, a in job.init_params()}
+    skeleton = {"type": "adamw", "config": {}, "scalars": {}}
+    ckpt.write_checkpoint(ckpt.checkpoint_dir(tmp_path, 20), params, skeleton, {}, ckpt.trainer_state(job, 20))
+
+    class Died(Exception):
+        pass
+
+    def die(_name):
+        raise Died
+    with pytest.raises(Died):
+        ckpt.write_checkpoint(ckpt.checkpoint_dir(tmp_path, 40), params, skeleton, {}, ckpt.trainer_state(job, 40),
+                              on_file=die)
+    assert os.path.exists(os.path.join(tmp_path, "checkpoint-step-40", "model.safetensors"))
+    assert ckpt.latest_checkpoint(tmp_path).endswith("checkpoint-step-20")
+    ckpt.write_checkpoint(ckpt.checkpoint_dir(tmp_path, 40), params, skeleton, {}, ckpt.trainer_state(job, 40))
+    assert ckpt.latest_checkpoint(tmp_path).endswith("checkpoint-step-40")
+
+
+@pytest.mark.slow
+def test_killed_trainer_and_checkpointer_are_rerun_to_the_same_bits(tmp_path, reference):
+    out = launch("spirals", tmp_path, "--trainers", "2", *FLAGS,
+                 FUCINA_FAULT="trainer:grad:5,checkpointer:mid_write:40")
+    assert out["params_sha256"] == reference["params_sha256"]
+    lost = {e["detail"]["role"] for e in events(tmp_path, "worker_lost")}
+    assert {"trainer", "checkpointer"} <= lost
+    assert [e["step"] for e in events(tmp_path, "checkpoint_retry")] == [40]
+    assert out["restarts"] == 0 and out["respawns"] >= 2
+    assert shm.run_segments(run_id(tmp_path)) == []
+
+
+@pytest.mark.slow
+def test_killed_optimizer_and_loader_restart_from_checkpoint_and_replay(tmp_path, reference):
+    out = launch("spirals", tmp_path, "--trainers", "1", *FLAGS, FUCINA_FAULT="optimizer:step:30,loader:load:45")
+    assert out["params_sha256"] == reference["params_sha256"]
+    assert out["restarts"] == 2
+    resumes = [e["detail"]["resume"] for e in events(tmp_path, "run_restarting")]
+    assert all(r.endswith(("checkpoint-step-20", "checkpoint-step-40")) for r in resumes), resumes
+    assert shm.run_segments(run_id(tmp_path)) == []
+
+
+LONG_LM = ["--steps", "100000", "--batch", "2", "--micro-batches", "2", "--seq", "16", "--hidden", "16",
+           "--layers", "1", "--heads", "2", "--kv-heads", "1", "--head-dim", "8", "--ffn", "32",
+           "--eval-every", "0", "--checkpoint-every", "5", "--sample-tokens", "0"]
+
+
+def _start_long_run(tmp_path):
+    p = subprocess.Popen(launch_cmd("lm", tmp_path, "--trainers", "2", *LONG_LM), cwd=ROOT, env=env(),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(lambda: first_metric(tmp_path) or p.poll() is not None, timeout=180)
+    assert p.poll() is None, "the run ended early"
+    with open(os.path.join(tmp_path, "pids.json")) as fh:
+        return p, json.load(fh)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stopping_launch_after_a_sigkill_leaks_no_shared_memory(tmp_path, sig):
+    before = set(os.listdir(shm.SHM_DIR))
+    p, pids = _start_long_run(tmp_path)
+    rid = run_id(tmp_path)
+    wait_for(lambda: len(shm.run_segments(rid)) >= 3, timeout=60)
+    os.kill(pids["optimizer"], signal.SIGKILL)  # it cannot clean up after itself
+    wait_for(lambda: not alive(pids["optimizer"]), timeout=10)
+    p.send_signal(sig)
+    p.wait(60)
+    assert all(not alive(pid) for pid in pids.values())
+    assert shm.run_segments(rid) == []
+    assert not {n for n in set(os.listdir(shm.SHM_DIR)) - before if n.startswith("fucina-")}
+
+
+@pytest.mark.slow
+def test_workers_exit_within_seconds_when_the_scheduler_dies(tmp_path):
+    """Procfile-style (no supervisor): SIGKILL the scheduler, every worker leaves on its own."""
+    roles = ["loader", "optimizer", "checkpointer", "trainer", "trainer"]
+    sched = subprocess.Popen([sys.executable, "-m", "workers.scheduler", "--job", "lm", "--run-dir", str(tmp_path),
+                              "--trainers", "2", "--spec-json", json.dumps(_spec(LONG_LM))],
+                             cwd=ROOT, env=env(OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers = [subprocess.Popen([sys.executable, "-m", f"workers.{r}", "--run-dir", str(tmp_path)], cwd=ROOT,
+                                env=env(OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               for r in roles]
+    try:
+        wait_for(lambda: first_metric(tmp_path), timeout=180)
+        rid = run_id(tmp_path)
+        sched.kill()
+        sched.wait()
+        for w in workers:
+            w.wait(15)  # heartbeat liveness is 5 s
+        assert all(w.returncode == 0 for w in workers), [w.returncode for w in workers]
+        assert shm.run_segments(rid) == []
+    finally:
+        for w in workers + [sched]:
+            if w.poll() is None:
+                w.kill()
+
+
+def _spec(flags):
+    out, it = {}, iter(flags)
+    for flag in it:
+        value = next(it)
+        out[flag[2:].replace("-", "_")] = int(value) if value.lstrip("-").isdigit() else value
+    return out
+
+
+def test_spec_helper_round_trips():
+    assert _spec(["--steps", "3", "--optimizer", "muon"]) == {"steps": 3, "optimizer": "muon"}

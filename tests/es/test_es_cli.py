@@ -1,0 +1,43 @@
+"""`fucina es-spirals` and `fucina bench es` as commands (argument handling, output shape)."""
+import argparse
+import json
+
+import pytest
+
+from pipeline.commands import es_spirals
+from pipeline.errors import UserError
+
+
+def _run(argv, capsys):
+    parser = argparse.ArgumentParser()
+    es_spirals.add_arguments(parser)
+    code = es_spirals.run(parser.parse_args(argv))
+    return code, capsys.readouterr()
+
+
+def test_es_spirals_json_output(capsys):
+    code, out = _run(["--inprocess", "--population", "8", "--max-iterations", "3", "--json"], capsys)
+    result = json.loads(out.out)
+    assert code == 0 and result["iterations"] == 3 and len(result["sha256"]) == 64
+    assert result["member_evals_per_s"] > 0 and 0 <= result["accuracy"] <= 1
+    assert "es-spirals: in-process" in out.err  # the config is printed at start
+
+
+def test_es_spirals_text_output_and_bad_flags(capsys):
+    code, out = _run(["--inprocess", "--population", "8", "--max-iterations", "2"], capsys)
+    assert code == 0 and "member-evals/s" in out.out and "sha256 " in out.out
+    with pytest.raises(UserError, match="--save-every needs --out"):
+        _run(["--inprocess", "--save-every", "5"], capsys)
+    with pytest.raises(UserError, match="--workers 0 needs"):
+        _run(["--workers", "0"], capsys)
+    with pytest.raises(UserError, match="population must be even"):
+        _run(["--inprocess", "--population", "7"], capsys)
+
+
+def test_bench_es_module_shape():
+    from pipeline.bench import es as bench_es
+    assert bench_es.NAME == "es"
+    parser = argparse.ArgumentParser()
+    bench_es.add_arguments(parser)
+    args = parser.parse_args([])
+    assert args.iterations > 0 and args.population == 128

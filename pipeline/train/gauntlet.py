@@ -27,8 +27,6 @@ from .. import optim
 from .checkpoint import load_checkpoint, save_checkpoint, step_dir
 from .trainer_state import TrainerState
 
-BIASES = ("b1", "b2", "b3")
-
 
 def register(opt, model, positional=False, swap_biases=False):
     """Register w1, w2, w3, b1, b2, b3; the head w3 goes to a fallback where there is one.
@@ -68,7 +66,7 @@ def _groups(model, positional=False, swap_biases=False):
     """Matrices in a weight-decayed AdamW, biases in a no-decay AdamW, one set, one schedule."""
     decay = optim.AdamW(lr=0.01, weight_decay=0.1)
     no_decay = optim.AdamW(lr=0.01, weight_decay=0.0)
-    biases = list(BIASES)
+    biases = ["b1", "b2", "b3"]
     if swap_biases:
         biases[0], biases[1] = biases[1], biases[0]
     for name in ("w1", "w2", "w3"):

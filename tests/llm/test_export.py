@@ -343,11 +343,18 @@ def test_peft_export_loads_in_peft(tmp_path):
     from peft import PeftModel
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    write_adapters(tmp_path / "run", targets=("q", "v"), rank=4, alpha=16)
+    tensors = write_adapters(tmp_path / "run", targets=("q", "v", "down"), rank=4, alpha=16)
     write_peft(load_adapters(tmp_path / "run"), 16.0, tmp_path / "peft")
     cfg = Qwen3Config(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    model = PeftModel.from_pretrained(Qwen3ForCausalLM(cfg), tmp_path / "peft")
-    sd = model.state_dict()
-    b = sd["base_model.model.model.layers.1.self_attn.v_proj.lora_B.default.weight"]
-    assert tuple(b.shape) == (128, 4) and torch.count_nonzero(b) > 0
+    torch.manual_seed(0)
+    base = Qwen3ForCausalLM(cfg)
+    before = {k: v.detach().clone() for k, v in base.state_dict().items()}
+    merged = PeftModel.from_pretrained(base, tmp_path / "peft").merge_and_unload().state_dict()
+    for i, target, module in ((1, "v", "self_attn.v_proj"), (0, "q", "self_attn.q_proj"), (1, "down", "mlp.down_proj")):
+        key = f"model.layers.{i}.{module}.weight"
+        delta = (merged[key] - before[key]).numpy()
+        expected = tensors[f"layers.{i}.{target}.lora_b"] @ tensors[f"layers.{i}.{target}.lora_a"] * (16.0 / 4)
+        np.testing.assert_allclose(delta, expected, atol=1e-5, err_msg=key)
+    untouched = "model.layers.0.self_attn.k_proj.weight"
+    assert torch.equal(merged[untouched], before[untouched])

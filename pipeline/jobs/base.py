@@ -30,6 +30,7 @@ from ..autograd.tensor import Tensor
 class Job:
     name = "job"
     Spec = None
+    eval_name = "eval"  # what validate() measures, for plots and the live view
 
     def __init__(self, spec):
         self.spec = spec

@@ -77,6 +77,7 @@ class LMSpec:
 class LM(Job):
     name = "lm"
     Spec = LMSpec
+    eval_name = "val_loss"
 
     def __init__(self, spec):
         super().__init__(spec)

@@ -59,6 +59,7 @@ def epoch_permutation(seed: int, epoch: int, n: int):
 class Spirals(Job):
     name = "spirals"
     Spec = SpiralsSpec
+    eval_name = "accuracy"
 
     def __init__(self, spec):
         super().__init__(spec)

@@ -59,7 +59,7 @@ def plot_run(run_dir, out=None) -> str:
     ax.plot(xs, [steps[s]["loss"] for s in xs], lw=1, label="train loss")
     evals = [(s, steps[s]["eval"]) for s in xs if steps[s].get("eval") is not None]
     if evals:
-        ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", label=records and steps[evals[0][0]].get("eval_name", "eval"))
+        ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", label=steps[evals[0][0]].get("eval_name", "eval"))
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(os.path.basename(os.path.abspath(run_dir)))

@@ -209,7 +209,7 @@ class Scheduler:
                   "tokens_per_s": self.job.rows_per_step() * self.job.tokens_per_row() / max(step_s, 1e-9),
                   "step_ms": step_s * 1e3, "roles": {k: round(v, 3) for k, v in self.role_ms.items()}}
         if "eval" in msg:
-            record["eval"] = msg["eval"]
+            record["eval"], record["eval_name"] = msg["eval"], self.job.eval_name
         self.role_ms = dict.fromkeys(self.role_ms, 0.0)
         self.pub.publish("metrics", done, total=self.job.steps, **record)
         self.metrics.write({"kind": "metrics", "step": done, **record})

@@ -95,6 +95,11 @@ def test_stopping_launch_after_a_sigkill_leaks_no_shared_memory(tmp_path, sig):
     p, pids = _start_long_run(tmp_path)
     rid = run_id(tmp_path)
     wait_for(lambda: len(shm.run_segments(rid)) >= 3, timeout=60)
+    if sig == signal.SIGTERM:  # a monitor attaches, sees steps, detaches; the run goes on
+        mon = subprocess.run([sys.executable, "-m", "pipeline.cli", "monitor", "--run-dir", str(tmp_path), "--jsonl",
+                              "--timeout", "15"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+        assert any(json.loads(line)["kind"] == "metrics" for line in mon.stdout.splitlines())
+        assert p.poll() is None
     os.kill(pids["optimizer"], signal.SIGKILL)  # it cannot clean up after itself
     wait_for(lambda: not alive(pids["optimizer"]), timeout=10)
     p.send_signal(sig)

@@ -185,7 +185,7 @@ class Apollo(Optimizer):
         if self.scale_front:
             u *= sqrt_scale
         if self.norm_growth_limit:
-            norm = _norm(u)
+            norm = np.float32(math.sqrt(K.sum_squares(u)))  # full-size: the chunked float64 reduction
             prev = slot.extra.get("scaled_grad_norm")
             if prev is None:
                 slot.extra["scaled_grad_norm"] = norm

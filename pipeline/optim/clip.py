@@ -42,7 +42,7 @@ def clip_grad_norm(target, max_norm):
         raise OptimizerConfigError(f"clip_grad_norm: max_norm must be > 0, got {max_norm}")
     total = grad_norm(target)
     coef = max_norm / (total + 1e-6)
-    if coef < 1.0:  # NaN/inf norms give coef 0 or NaN: like torch, the grads become 0/NaN
+    if coef < 1.0:  # a NaN norm compares False: grads are left alone and the NaN is returned to the caller
         for g in _grad_arrays(target):
             K.scale_(_writable(g), coef)
     return total

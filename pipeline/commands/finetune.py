@@ -79,7 +79,6 @@ def build(args, log):
     from ..llm.finetune import Session, Trainer, TrainerPool, check_resume_config, lora_config
     from ..llm.chat import ChatTemplate
     from ..llm.gguf import open_gguf
-    from ..llm.tokenizer import Tokenizer
     from ..models.qwen3 import Qwen3
     from ..optim import AdamW
     from ..train.checkpoint import load_checkpoint, read_sentinel
@@ -92,7 +91,7 @@ def build(args, log):
         args.warmup = int(state.schedule.get("warmup", args.warmup))
     gg = open_gguf(args.model)
     model = Qwen3.from_gguf(gg)
-    tokenizer = Tokenizer.from_gguf(gg)
+    tokenizer = _load_tokenizer(gg)
     encoder, template = sft.RawEncoder(tokenizer), sft.PromptTemplate(ChatTemplate.from_gguf(gg))
     if args.data:
         pairs, source = sft.load_jsonl(args.data, args.instruction_key, args.response_key), args.data
@@ -121,6 +120,22 @@ def build(args, log):
                   "seq_max": args.seq_max, "state_dtype": args.state_dtype, "data": args.data or "builtin:pirate",
                   "order": order, "checkpoint_layers": args.checkpoint_layers}
     return session, tokenizer, encoder, template, pairs, options, run_config
+
+
+def _load_tokenizer(gg):
+    """Tokenizer.from_gguf, also accepting a pure byte vocab without merges (what `fucina launch lm`
+    writes: token b is byte b, one token per byte), which from_gguf currently refuses."""
+    from ..llm.tokenizer import Tokenizer, _bytes_to_unicode
+    md = gg.metadata
+    tokens = md.get("tokenizer.ggml.tokens") or []
+    byte_chars = [_bytes_to_unicode()[b] for b in range(256)]
+    if md.get("tokenizer.ggml.merges") or tokens[:256] != byte_chars:
+        return Tokenizer.from_gguf(gg)
+    eot = tokens.index("<|im_end|>") if "<|im_end|>" in tokens else md.get("tokenizer.ggml.eot_token_id")
+    return Tokenizer(tokens, md.get("tokenizer.ggml.token_type", [1] * len(tokens)), [],
+                     bos_id=md.get("tokenizer.ggml.bos_token_id"), eos_id=md.get("tokenizer.ggml.eos_token_id"),
+                     eot_id=eot, pad_id=md.get("tokenizer.ggml.padding_token_id"),
+                     add_bos=bool(md.get("tokenizer.ggml.add_bos_token", False)), source=str(gg.path))
 
 
 def _answer(trainer, tokenizer, encoder, template, prompt, options, max_new):

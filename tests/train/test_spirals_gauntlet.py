@@ -38,9 +38,14 @@ save_state_dict(run + "/replayed.safetensors", model_state_dict(model))
 
 @pytest.fixture(autouse=True, scope="module")
 def one_blas_thread():
-    """As the command does: 400-row matmuls only lose from a second BLAS thread."""
+    """As the command does: 400-row matmuls only lose from a second BLAS thread.
+
+    The command also caps numba's threads; both are restored for the tests after these."""
+    import numba
+    numba_threads = numba.get_num_threads()
     with threadpool_limits(1):
         yield
+    numba.set_num_threads(numba_threads)
 
 
 @pytest.mark.parametrize("name", list(RECIPES))

@@ -21,7 +21,8 @@ constant here. Values agree with kernels.rng.gaussian_at to ~1e-10.
     sincos:    y = 4 u2, q = floor(y + 1/2), x = (y - q) * pi/2 in [-pi/4, pi/4],
                Taylor sin to x^11 and cos to x^12, rotated by quadrant q mod 4
 
-The ES passes work on a flat float32 parameter vector split into slots
+The ES passes (materialize, materialize_pairs for antithetic members, weighted_sum)
+work on a flat float32 parameter vector split into slots
 (offsets/sizes); one noise stream key per (member, slot). The parallel loops
 run over a fixed task grid (each slot cut into CHUNK-element pieces), never
 over a thread-dependent split, so results are bitwise identical for any
@@ -142,6 +143,24 @@ def _materialize_py(keys, scales, theta, offsets, sizes, out):
             out[b, base + j] = theta[base + j] + scale * buf[j - start]
 
 
+def _materialize_pairs_py(keys, scales, theta, offsets, sizes, out):
+    """keys (P, S), scales (P,), out (2P, D): rows 2p and 2p+1 are theta +- scales[p] * eps(keys[p]),
+    bitwise what _materialize gives for the two rows (one draw serves both)."""
+    tasks = _task_grid(offsets, sizes)
+    n_tasks = tasks.shape[0]
+    for flat in prange(keys.shape[0] * n_tasks):
+        p = flat // n_tasks
+        s, start, stop = tasks[flat % n_tasks, 0], tasks[flat % n_tasks, 1], tasks[flat % n_tasks, 2]
+        base = offsets[s]
+        plus = scales[p]
+        minus = -plus
+        buf = np.empty(stop - start, dtype=np.float32)
+        _fill_range_at(keys[p, s], buf, start, stop)
+        for j in range(start, stop):
+            out[2 * p, base + j] = theta[base + j] + plus * buf[j - start]
+            out[2 * p + 1, base + j] = theta[base + j] + minus * buf[j - start]
+
+
 def _weighted_sum_py(keys, coeffs, offsets, sizes, out):
     """keys (N, S) uint64, coeffs (N,) f32, out (D,) f32:
     out[off_s + j] = sum over n in order of coeffs[n] * f32(eps(keys[n, s], j)), from 0."""
@@ -167,6 +186,7 @@ def _weighted_sum_py(keys, coeffs, offsets, sizes, out):
 _gaussian_fill = (njit(cache=True)(_gaussian_fill_py), njit(cache=True, parallel=True)(_gaussian_fill_py))
 _materialize = (njit(cache=True)(_materialize_py), njit(cache=True, parallel=True)(_materialize_py))
 _weighted_sum = (njit(cache=True)(_weighted_sum_py), njit(cache=True, parallel=True)(_weighted_sum_py))
+_materialize_pairs = (njit(cache=True)(_materialize_pairs_py), njit(cache=True, parallel=True)(_materialize_pairs_py))
 PARALLEL_MIN = 1 << 20  # values drawn per call below which the serial build runs
 
 
@@ -220,6 +240,19 @@ def materialize(keys, scales, theta, offsets, sizes, out, parallel=None):
         raise ValueError(f"materialize: out {out.shape} / scales {scales.shape} must be "
                          f"({keys.shape[0]}, {theta.size}) / ({keys.shape[0]},)")
     _build(_materialize, keys.shape[0] * int(sizes.sum()), parallel)(keys, scales, theta, offsets, sizes, out)
+    return out
+
+
+def materialize_pairs(keys, scales, theta, offsets, sizes, out, parallel=None):
+    """Antithetic rows: out[2p] = theta + scales[p] * eps_p, out[2p+1] = theta - scales[p] * eps_p."""
+    _check_f32("materialize_pairs", "theta", theta, 1)
+    _check_f32("materialize_pairs", "out", out, 2)
+    keys, offsets, sizes = _check_layout("materialize_pairs", keys, offsets, sizes, theta.size)
+    scales = np.ascontiguousarray(scales, dtype=np.float32)
+    if out.shape != (2 * keys.shape[0], theta.size) or scales.shape != (keys.shape[0],):
+        raise ValueError(f"materialize_pairs: out {out.shape} / scales {scales.shape} must be "
+                         f"({2 * keys.shape[0]}, {theta.size}) / ({keys.shape[0]},)")
+    _build(_materialize_pairs, keys.shape[0] * int(sizes.sum()), parallel)(keys, scales, theta, offsets, sizes, out)
     return out
 
 

@@ -239,9 +239,15 @@ class ESTrainer:
         members = [int(m) for m in members]
         theta = self.flat_params() if theta is None else theta
         out = np.empty((len(members), self.dim), dtype=np.float32) if out is None else out
-        keys, scales = self._keys(members)
         offsets, sizes = self.layout()
-        es_noise.materialize(keys, scales, theta, offsets, sizes, out)
+        pairs = list(zip(members[0::2], members[1::2]))
+        if self.config.antithetic and len(members) % 2 == 0 and all(a % 2 == 0 and b == a + 1 for a, b in pairs):
+            # whole (+, -) pairs: one noise draw serves both rows (same bits as one row at a time)
+            keys, scales = self._keys(members[0::2])
+            es_noise.materialize_pairs(keys, scales, theta, offsets, sizes, out)
+        else:
+            keys, scales = self._keys(members)
+            es_noise.materialize(keys, scales, theta, offsets, sizes, out)
         for slot in self._slots:  # round low-precision slots exactly as the in-place path does
             if slot.dtype != np.float32:
                 seg = out[:, slot.offset:slot.offset + slot.size]

@@ -123,6 +123,19 @@ def test_materialize_matches_numpy(threads):
             assert np.array_equal(out[b, seg], theta[seg] + scales[b] * eps)
 
 
+def test_materialize_pairs_equals_two_materialized_rows(threads):
+    offsets, sizes, dim = _layout()
+    g = np.random.default_rng(2)
+    theta = g.standard_normal(dim).astype(np.float32)
+    keys = g.integers(0, 2**63, size=(2, sizes.size), dtype=np.uint64)
+    scales = np.array([0.02, 0.7], np.float32)
+    pairs = es_noise.materialize_pairs(keys, scales, theta, offsets, sizes, np.empty((4, dim), np.float32),
+                                       parallel=threads)
+    rows = es_noise.materialize(np.repeat(keys, 2, axis=0), np.array([0.02, -0.02, 0.7, -0.7], np.float32), theta,
+                                offsets, sizes, np.empty((4, dim), np.float32), parallel=False)
+    assert np.array_equal(pairs, rows)
+
+
 def test_weighted_sum_matches_numpy(threads):
     offsets, sizes, dim = _layout()
     g = np.random.default_rng(1)

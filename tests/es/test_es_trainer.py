@@ -153,6 +153,8 @@ def test_antithetic_pairs_share_one_draw_with_opposite_signs():
     eps = es_noise.gaussian_fill_fast(int(key), np.empty(a.size, np.float32))
     assert np.array_equal(rows[0], theta + np.float32(0.05) * eps)
     assert np.array_equal(rows[1], theta + np.float32(-0.05) * eps)
+    singles = np.concatenate([tr.materialize_members([m]) for m in range(6)])
+    assert np.array_equal(tr.materialize_members(range(6)), singles)  # the paired kernel gives the same bits
     with pytest.raises(ESConfigError, match="even"):
         ESTrainer(population=5, antithetic=True)
 

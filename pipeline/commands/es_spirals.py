@@ -26,8 +26,8 @@ def add_arguments(p):
     p.add_argument("--seed", type=int, default=0, help="ES noise seed (default 0)")
     p.add_argument("--model-seed", type=int, default=0, help="SpiralsMLP init seed (default 0)")
     p.add_argument("--data-seed", type=int, default=0, help="spirals data noise seed (default 0)")
-    p.add_argument("--reward", choices=["acc", "nll"], default="acc",
-                   help="acc: accuracy + 0.1*exp(-CE), bounded (default); nll: -CE")
+    p.add_argument("--reward", choices=["nll", "acc"], default="nll",
+                   help="nll: -mean CE (default); acc: accuracy + 0.1*exp(-CE), bounded")
     p.add_argument("--population", type=int, default=128, help="ES population (default 128)")
     p.add_argument("--sigma", type=float, default=None, help="perturbation scale (default: tuned, see docs/es.md)")
     p.add_argument("--alpha", type=float, default=None, help="step size (default: tuned, see docs/es.md)")

@@ -7,11 +7,13 @@ tanh MLP for all of them with stacked matmuls. That beats B separate
 autograd forwards by a wide margin but means this module re-states the model's
 forward in numpy (tests pin it against pipeline.models.spirals).
 
-Rewards (`reward=`): "acc" (default, bounded and dense): R = accuracy +
-0.1 * exp(-mean CE), in [0, 1.1]. The accuracy term is what we want (100% on
-the training set), the likelihood term breaks ties between equal accuracies
-and keeps the landscape smooth; being bounded it cannot produce z-score
-outliers. "nll": R = -mean CE, smooth but unbounded below. Per-member statistics are
+Rewards (`reward=`): "nll" (default): R = -mean CE. On this smooth landscape
+from a random init it is the best learning signal we measured (z-score ES
+then tracks normalized gradient descent closely), and a tanh MLP's logits
+stay moderate, so no catastrophic outliers appear. "acc": R = accuracy +
+0.1 * exp(-mean CE), bounded in [0, 1.1] (the seed's recommendation for
+fine-tuning with unbounded losses); here its quantized accuracy term makes
+z-scores noisy and it converges several times slower. Per-member statistics are
 reduced in float64 along each member's own row, so a member's reward is the
 same bits whichever batch (or worker) evaluated it: BLAS is pinned to one
 thread (pipeline.threads / threadpoolctl) wherever this runs.
@@ -31,7 +33,7 @@ from .trainer import ESConfig, ESTrainer
 BATCH = 32  # members per stacked forward: bounds activation memory at 32*400*64 floats
 
 
-SIGMA, ALPHA = 0.02, 0.05  # tuned for this task (docs/es.md); the library defaults are 1e-3 and sigma/2
+SIGMA, ALPHA = 0.02, 0.25  # tuned for this task (docs/es.md); the library defaults are 1e-3 and sigma/2
 
 
 def spirals_config(population=128, sigma=None, alpha=None, seed=0, antithetic=True, shaping="z_score",
@@ -46,7 +48,7 @@ class SpiralsTask:
 
     REWARDS = ("acc", "nll")
 
-    def __init__(self, es: ESConfig, model_seed: int = 0, data_seed: int = 0, reward: str = "acc"):
+    def __init__(self, es: ESConfig, model_seed: int = 0, data_seed: int = 0, reward: str = "nll"):
         if reward not in self.REWARDS:
             raise ValueError(f"spirals reward must be one of {self.REWARDS}, got {reward!r}")
         self.reward_kind = reward

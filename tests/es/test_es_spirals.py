@@ -33,9 +33,13 @@ def test_member_rewards_do_not_depend_on_batch_composition():
     assert np.array_equal(shuffled, together[[39, 5, 17, 0]])
 
 
-def test_reward_is_bounded_and_prefers_accuracy():
-    r = _task().reward(np.array([0.0, 5.0, 0.1]), np.array([1.0, 1.0, 0.5]))
+def test_rewards():
+    ce, acc = np.array([0.0, 5.0, 0.1]), np.array([1.0, 1.0, 0.5])
+    r = SpiralsTask(spirals_config(population=4), reward="acc").reward(ce, acc)
     assert r[0] == pytest.approx(1.1) and r[1] > r[2] and np.all((r >= 0) & (r <= 1.1))
+    assert np.array_equal(_task().reward(ce, acc), -ce)  # the default, "nll"
+    with pytest.raises(ValueError, match="reward must be one of"):
+        SpiralsTask(spirals_config(population=4), reward="bleu")
 
 
 def test_inprocess_run_is_deterministic_and_resumes_bit_exactly(tmp_path):

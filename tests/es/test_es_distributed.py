@@ -119,3 +119,12 @@ def test_distributed_stop_and_resume(reference, tmp_path):
     resumed = run_spirals(_task(), RunOptions(workers=2, max_iterations=ITERS, resume=str(tmp_path)))
     assert resumed["iterations_this_run"] == ITERS - 5
     assert resumed["sha256"] == reference["sha256"]
+
+
+@pytest.mark.slow
+def test_es_spirals_reaches_full_accuracy_from_random_init():
+    """The acceptance run: population 128, default tuning, two workers, pure ES to 100% training accuracy."""
+    task = SpiralsTask(spirals_config(), model_seed=0)
+    result = run_spirals(task, RunOptions(workers=2, max_iterations=3000))
+    assert result["converged"] and result["accuracy"] == 1.0, result
+    assert result["replicas_checked"] == 2

@@ -29,7 +29,8 @@ def build_parser():
     p.add_argument("--run-dir", required=True, help="run directory (checkpoints, metrics.jsonl, sockets)")
     p.add_argument("--run-id", default=None, help="shared-memory name prefix for this run (default: random)")
     p.add_argument("--trainers", type=int, default=1, help="trainers to wait for before starting")
-    p.add_argument("--resume", default=None, help="checkpoint dir or run dir to resume from")
+    p.add_argument("--resume", default=None,
+                   help="checkpoint dir or run dir to resume from; 'auto': the run dir's latest checkpoint if any")
     p.add_argument("--port", type=int, default=None, help="use tcp:// on this port (+1 for events) instead of ipc://")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind for tcp:// (loopback unless told otherwise)")
     p.add_argument("--threads", type=int, default=1, help="BLAS/numba threads (for the final evaluation)")
@@ -49,6 +50,8 @@ def main(argv=None) -> int:
             values.update(check_fields(json.loads(args.spec_json), job_cls.Spec, "--spec-json"))
         job = job_cls(build(job_cls.Spec, values))
         os.makedirs(args.run_dir, exist_ok=True)
+        if args.resume == "auto":  # Procfile runs: continue the run dir's run if it has one
+            args.resume = ckpt.latest_checkpoint(args.run_dir)
         if not args.resume and ckpt.latest_checkpoint(args.run_dir):
             raise FucinaError(f"{args.run_dir} already holds checkpoints: pass --resume {args.run_dir} "
                               f"to continue that run, or choose another --run-dir")

@@ -1,9 +1,12 @@
 """Write a trained byte-level Qwen3 as a GGUF that llama.cpp and `fucina generate` load.
 
 Tokenizer: the gpt2-style byte-level BPE convention (tokenizer.ggml.model
-"gpt2", pre "qwen2") with exactly 256 byte tokens - token id b is byte b,
-spelled with GPT-2's byte-to-unicode map - and no merges, followed by the
-ChatML special tokens. So a token id is a byte, and any text round-trips.
+"gpt2", pre "qwen2") with 256 byte tokens - token id b is byte b, spelled with
+GPT-2's byte-to-unicode map - then the ChatML special tokens, then ONE inert
+merge. GGUF BPE loaders (llama.cpp, pipeline.llm.tokenizer) refuse an empty
+merge list, so we add "a" + "1" -> "a1": the qwen2 pre-tokenizer always cuts a
+letter run before a digit, so that pair never meets inside a chunk and the
+merge never fires. A token id is a byte, and any text round-trips.
 
 Trade-off: no merges means one token per byte (long sequences, tiny vocab);
 it is what a from-scratch model on a 2-core machine can learn in minutes.
@@ -22,7 +25,8 @@ from ..llm.tokenizer import _bytes_to_unicode
 SPECIAL_TOKENS = [("<|endoftext|>", gguf.TokenType.CONTROL), ("<|im_start|>", gguf.TokenType.CONTROL),
                   ("<|im_end|>", gguf.TokenType.CONTROL), ("<think>", gguf.TokenType.USER_DEFINED),
                   ("</think>", gguf.TokenType.USER_DEFINED)]
-VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+INERT_MERGE = ("a", "1")  # never adjacent within one qwen2 pre-token (letters and digits are split)
+VOCAB_SIZE = 256 + len(SPECIAL_TOKENS) + 1
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -38,18 +42,18 @@ CHAT_TEMPLATE = (
 
 
 def byte_vocab():
-    """(tokens, types): 256 byte tokens (id = byte value) then the special tokens."""
+    """(tokens, types, merges): 256 byte tokens (id = byte value), the specials, the inert merge."""
     to_char = _bytes_to_unicode()
-    tokens = [to_char[b] for b in range(256)] + [t for t, _ in SPECIAL_TOKENS]
-    types = [int(gguf.TokenType.NORMAL)] * 256 + [int(t) for _, t in SPECIAL_TOKENS]
-    return tokens, types
+    tokens = [to_char[b] for b in range(256)] + [t for t, _ in SPECIAL_TOKENS] + ["".join(INERT_MERGE)]
+    types = [int(gguf.TokenType.NORMAL)] * 256 + [int(t) for _, t in SPECIAL_TOKENS] + [int(gguf.TokenType.NORMAL)]
+    return tokens, types, [" ".join(INERT_MERGE)]
 
 
 def write_model_gguf(path, config, weights: dict, dtype="F32", name="fucina-lm", description=""):
     """weights: GGUF tensor name -> float32 array [out, in] (Qwen3.named_weights order)."""
     if dtype not in ("F32", "F16"):
         raise ValueError(f"write_model_gguf: dtype must be F32 or F16, got {dtype!r}")
-    tokens, types = byte_vocab()
+    tokens, types, merges = byte_vocab()
     tmp = f"{path}.tmp-{os.getpid()}"
     wr = gguf.GGUFWriter(tmp, arch="qwen3")
     wr.add_name(name)
@@ -70,7 +74,7 @@ def write_model_gguf(path, config, weights: dict, dtype="F32", name="fucina-lm",
     wr.add_tokenizer_pre("qwen2")
     wr.add_token_list(tokens)
     wr.add_token_types(types)
-    wr.add_token_merges([])
+    wr.add_token_merges(merges)
     wr.add_bos_token_id(tokens.index("<|endoftext|>"))
     wr.add_eos_token_id(tokens.index("<|im_end|>"))
     wr.add_pad_token_id(tokens.index("<|endoftext|>"))

@@ -118,12 +118,10 @@ class Scheduler:
                 self.pump()
             return self.summary
         finally:
-            for p in self.peers.values():
-                try:
-                    self.send(p, "shutdown", reason="run over")
-                except Exception:  # noqa: BLE001 - sockets may already be gone
-                    pass
-            time.sleep(0.1)  # let the shutdowns and the last events leave
+            # No shutdown broadcast: the scheduler must be the FIRST process to exit (honcho then
+            # SIGTERMs the rest; `fucina launch` does the same; unsupervised workers notice the
+            # missing heartbeats). A worker leaving first would make honcho kill us mid-cleanup.
+            time.sleep(0.1)  # let the last events leave
             self.metrics.close()
             self.router.close()
             self.pub.close()

@@ -146,7 +146,7 @@ class Coordinator:
                 self._declare_dead(w, f"silent for {now - w.last_seen:.1f}s")
         if now - self._last_beat > self.heartbeat:
             self._last_beat = now
-            for w in self.live():
+            for w in self.live() + list(self.pending.values()):  # pending ones too: they may wait long
                 self._send(w, "heartbeat")
 
     def _poll(self, timeout: float):
@@ -167,6 +167,8 @@ class Coordinator:
             return
         kind = msg["kind"]
         if kind == "hello":
+            if ident in self.workers and self.workers[ident].alive:  # restarted under the same name
+                self._declare_dead(self.workers[ident], "it re-joined (restarted)")
             proc = next((p for p in self.procs if p.pid == msg["pid"] and msg["host"] == socket.gethostname()), None)
             self.pending[ident] = _Worker(ident, msg["pid"], msg["host"], proc)
             return

@@ -15,7 +15,6 @@ block) to stay under ~2 minutes on 2 cores; numbers wobble with machine load.
 """
 from __future__ import annotations
 
-import gc
 import os
 
 import numpy as np
@@ -48,16 +47,17 @@ def add_arguments(parser):
     parser.add_argument("--no-torch", action="store_true", help="skip the torch.optim.AdamW baselines")
 
 
-def _set_threads(n):
+def _set_threads(n, with_torch):
     import numba
     from threadpoolctl import threadpool_limits
     numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
     threadpool_limits(n)
-    try:
-        import torch
-        torch.set_num_threads(n)
-    except ImportError:
-        pass
+    if with_torch:
+        try:
+            import torch
+            torch.set_num_threads(n)
+        except ImportError:
+            pass
 
 
 def _make(case, named, apollo_rank):
@@ -117,13 +117,12 @@ def _torch_adamw(named, repeat):
     for mode in ("foreach", "fused"):
         opt = torch.optim.AdamW(params, **{mode: True})
         out[f"torch_{mode}"] = median_ms(opt.step, repeat, warmup=1)
-        del opt
-        gc.collect()
+        del opt  # numpy/torch buffers are freed by refcount: no gc pass needed
     return out
 
 
 def run(args):
-    _set_threads(args.threads)
+    _set_threads(args.threads, not args.no_torch)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in cases if c not in BYTES_PER_ELEMENT]
     if unknown:
@@ -160,7 +159,5 @@ def run(args):
                 row["baselines"].update(torch_ms)
             rows.append(row)
             del opt
-            gc.collect()
         del named
-        gc.collect()
     return rows

@@ -102,6 +102,9 @@ class Slot:
         """The float32 array the kernels step: the param itself, or its master."""
         data = self.tensor.data
         if data.dtype == np.float32:
+            if not (data.flags.c_contiguous and data.flags.writeable):
+                raise UserError(f"optimizer step: parameter {self.name!r} now holds a non-contiguous or read-only array "
+                                f"(shape {data.shape}); updates are in place, so assign a contiguous writeable array")
             return data
         if self.master is None or self.published is not data:
             # first step, or the user swapped the param's array: (re)take the master

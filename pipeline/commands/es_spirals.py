@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 
 from ..errors import UserError
@@ -47,6 +48,10 @@ def add_arguments(p):
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 
+def _terminate(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def run(args) -> int:
     from ..es.run import RunOptions, run_spirals
     from ..es.spirals import SpiralsTask, spirals_config
@@ -68,6 +73,7 @@ def run(args) -> int:
                       max_iterations=args.max_iterations, save_every=args.save_every, out=args.out,
                       resume=args.resume, progress_every=args.progress_every, liveness=args.liveness,
                       kill_worker_at=args.kill_worker_at, log=log)
+    signal.signal(signal.SIGTERM, _terminate)  # SIGTERM unwinds like Ctrl-C: workers are shut down, sockets removed
     result = run_spirals(task, opts)
     if args.json:
         print(json.dumps(result))

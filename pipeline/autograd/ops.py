@@ -242,7 +242,7 @@ def linear(x, w, b=None):
 
     def backward(g):
         g2 = g.reshape(-1, g.shape[-1])
-        gx = (g2 @ _compute(w.data)).reshape(x.shape) if x.requires_grad else None
+        gx = g @ _compute(w.data) if x.requires_grad else None
         gw = g2.T @ _compute(x.data).reshape(-1, x.shape[-1]) if w.requires_grad else None
         gb = g2.sum(axis=0) if b is not None and b.requires_grad else None
         return gx, gw, gb

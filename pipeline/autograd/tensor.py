@@ -93,7 +93,8 @@ class Tensor:
     # --- construction of graph nodes -------------------------------------
     @staticmethod
     def make(data, parents, backward, op):
-        """Result of an op. `backward(g)` returns one gradient (or None) per parent."""
+        """Result of an op. `backward(g)` returns one gradient (or None) per parent:
+        fresh arrays or views of g (see `_adoptable` for why)."""
         out = Tensor.__new__(Tensor)
         out.data = data if isinstance(data, np.ndarray) else np.asarray(data)
         out.grad = None
@@ -179,7 +180,7 @@ class Tensor:
             if node._consumed:
                 raise GraphError("backward: part of this graph was already differentiated; run the forward again")
         grads = {id(self): grad}
-        shared = {id(grad)}  # arrays a leaf may not adopt: the caller's grad, arrays already adopted
+        shared = {id(_owner(grad))}  # memory a leaf may not adopt: the caller's grad, memory already adopted
         for node in reversed(order):
             g = grads.pop(id(node), None)
             if node._backward is None:
@@ -188,9 +189,9 @@ class Tensor:
                     g = _reduce_to_shape(g, node.data.shape)
                     if node.grad is not None:
                         node.grad += g
-                    elif _adoptable(g) and id(g) not in shared:
+                    elif _adoptable(g) and id(_owner(g)) not in shared:
                         node.grad = g  # a fresh array from a backward: skip the copy
-                        shared.add(id(g))
+                        shared.add(id(_owner(g)))
                     else:
                         node.grad = np.array(g, dtype=np.float32, copy=True)
                 continue
@@ -229,12 +230,21 @@ def _topo_order(root):
     return order
 
 
+def _owner(g):
+    """The array that owns g's memory (g itself, or the base of a view)."""
+    return g if g.base is None else g.base
+
+
 def _adoptable(g):
-    """A float32 array that owns its memory (not a view, not broadcast) can
-    become a leaf's .grad without a copy. Backward closures never write into
-    the gradients they receive or return, so no one else mutates it."""
-    return (isinstance(g, np.ndarray) and g.dtype == np.float32 and g.flags.owndata
-            and g.flags.writeable and g.flags.c_contiguous)
+    """A float32 array whose memory is exactly one fresh buffer (an array that
+    owns its data, or a full-size reshape of one) can become a leaf's .grad
+    without a copy. Contract for backward closures: return fresh arrays or
+    views of the gradient they received, never a buffer they reuse later, and
+    never write into received or returned gradients."""
+    if not (isinstance(g, np.ndarray) and g.dtype == np.float32 and g.flags.c_contiguous and g.flags.writeable):
+        return False
+    owner = _owner(g)
+    return isinstance(owner, np.ndarray) and owner.flags.owndata and owner.nbytes == g.nbytes
 
 
 def _reduce_to_shape(g, shape):

@@ -15,7 +15,7 @@ import numpy as np
 from . import median_ms
 
 NAME = "ops"
-HELP = "cross-entropy, RMSNorm and attention forward+backward vs composed numpy and torch"
+HELP = "cross-entropy (plain and fused with the projection), RMSNorm and attention forward+backward vs composed numpy and torch"
 
 
 def add_arguments(parser):
@@ -80,6 +80,34 @@ def _case_ce(args, repeat):
     return {"case": f"cross_entropy/{args.rows}x{args.classes}", "ms": ms,
             "gbps": 2 * x.nbytes / ms / 1e6, "baselines": base,
             "notes": "fwd+bwd, mean reduction; gbps = logits read + grad written"}
+
+
+def _case_linear_ce(args, repeat, hidden=384):
+    from pipeline.autograd import Tensor, linear_cross_entropy
+    r = np.random.default_rng(3)
+    x = r.standard_normal((args.rows, hidden)).astype(np.float32)
+    w = (r.standard_normal((args.classes, hidden)) * 0.05).astype(np.float32)
+    y = r.integers(0, args.classes, args.rows)
+
+    def ours():
+        tx, tw = Tensor(x, requires_grad=True), Tensor(w, requires_grad=True)
+        linear_cross_entropy(tx, tw, y).backward()
+
+    def composed():
+        _, g = _ce_numpy(x @ w.T, y)
+        return g @ w, g.T @ x
+
+    base = {"numpy_composed": median_ms(composed, repeat)}
+    torch = _torch()
+    if torch:
+        tx0, tw0, ty = torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(y)
+
+        def th():
+            tx, tw = tx0.clone().requires_grad_(True), tw0.clone().requires_grad_(True)
+            torch.nn.functional.cross_entropy(tx @ tw.T, ty).backward()
+        base["torch"] = median_ms(th, repeat)
+    return {"case": f"linear_cross_entropy/{args.rows}x{hidden}x{args.classes}", "ms": median_ms(ours, repeat),
+            "baselines": base, "notes": "fused x @ w.T + CE, fwd+bwd (3 GEMMs); logits grad written in place"}
 
 
 # --- RMSNorm --------------------------------------------------------------------
@@ -158,4 +186,4 @@ def _case_attention(repeat, shape=(8, 256, 6, 64)):
 def run(args):
     _set_threads(args.threads)
     repeat = max(1, args.repeat)
-    return [_case_ce(args, repeat), _case_rms(repeat), _case_attention(repeat)]
+    return [_case_ce(args, repeat), _case_linear_ce(args, repeat), _case_rms(repeat), _case_attention(repeat)]

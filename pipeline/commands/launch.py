@@ -89,6 +89,8 @@ def run(args) -> int:
 class _progress:
     """A rich progress bar fed by in-process steps, or by the run's PUB socket."""
 
+    SHOWN = ("run_started", "checkpoint_committed", "checkpoint_retry", "worker_lost", "run_restarting")
+
     def __init__(self, total, quiet, endpoint=None):
         self.total, self.quiet, self.endpoint = total, quiet, endpoint
         self.stop = None
@@ -114,6 +116,8 @@ class _progress:
     def _follow(self):
         import threading
 
+        from rich.markup import escape
+
         from ..runtime.transport import Subscriber
         self.stop = threading.Event()
 
@@ -123,7 +127,10 @@ class _progress:
                 while not self.stop.is_set():
                     msg = sub.recv(200)
                     if msg and msg["kind"] == "metrics":
-                        self.update({**msg, "step": msg["step"]})
+                        self.update(msg)
+                    elif msg and msg["event"] in self.SHOWN:
+                        detail = ", ".join(f"{k}={v}" for k, v in msg["detail"].items() if k != "sample")
+                        self.bar.console.print(f"[dim]step {msg['step']}: {msg['event']} {escape(detail)}[/dim]")
             finally:
                 sub.close()
         threading.Thread(target=loop, daemon=True).start()

@@ -61,8 +61,7 @@ class Supervisor:
 
     def spawn(self, name):
         log = open(self.log_path, "ab")
-        self.procs[name] = subprocess.Popen(self.commands[name], env=self.env, stdout=log,
-                                            stderr=log if name != "scheduler" or self.quiet else None)
+        self.procs[name] = subprocess.Popen(self.commands[name], env=self.env, stdout=log, stderr=log)
         log.close()
         self.write_pids()
 

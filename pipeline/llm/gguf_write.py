@@ -73,11 +73,10 @@ class GGUFContents:
         v = self.metadata.get("general.architecture")
         return _as_str(v.value) if v is not None else "<missing>"
 
-    def tensor(self, name):
-        for t in self.tensors:
-            if t.name == name:
-                return t
-        return None
+    def tensor(self, name) -> GGUFTensor | None:
+        if len(getattr(self, "_by_name", ())) != len(self.tensors):
+            self._by_name = {t.name: t for t in self.tensors}
+        return self._by_name.get(name)
 
 
 def _as_str(v):
@@ -149,12 +148,15 @@ def _check_layout(path, reader, alignment):
 
     A file laid out otherwise would not re-emit byte-identically: say so up front."""
     expected = 0
-    base = reader.tensors[0].data_offset if reader.tensors else 0
     for t in reader.tensors:
-        if t.data_offset - base != expected:
+        if t.data_offset - reader.data_offset != expected:
             raise UserError(f"{path}: tensor '{t.name}' is stored at an unusual offset "
-                            f"({t.data_offset - base}, expected {expected}); cannot guarantee an exact re-emit")
+                            f"({t.data_offset - reader.data_offset}, expected {expected}); "
+                            "cannot guarantee an exact re-emit")
         expected += -(-int(t.n_bytes) // alignment) * alignment
+    if reader.data_offset + expected != len(reader.data):
+        raise UserError(f"{path}: {len(reader.data) - reader.data_offset - expected} unexpected bytes after "
+                        "the tensor data (truncated or appended to?); cannot guarantee an exact re-emit")
 
 
 # ---------------------------------------------------------------- writing

@@ -9,6 +9,11 @@ Cases (ms; ratio = baseline_ms / ms, above 1 means the case is faster):
                         es-member worker process; baseline: the in-process run
   es-spirals/workers-2  the same with two workers; baseline: workers-1 (so the
                         ratio is the 1 -> 2 worker speed-up)
+  es-spirals/update     one replica's update (regenerating 64 antithetic draws),
+                        the part every replica repeats; baseline: scoring all
+                        128 members in one process (the part workers split).
+                        Their ratio is what decided replicated updates over
+                        publishing parameters (docs/es.md)
 """
 from __future__ import annotations
 
@@ -44,6 +49,13 @@ def run(args):
     exact_ms = median_ms(lambda: rng.gaussian_fill(7, out), repeat=args.repeat)
     rows = [{"case": "noise/gaussian", "ms": ms, "baselines": {"numpy_default_rng": numpy_ms, "rng_exact": exact_ms},
              "notes": f"{args.values / ms / 1e3:.3g} M values/s (numpy {args.values / numpy_ms / 1e3:.3g} M/s)"}]
+    from threadpoolctl import threadpool_limits
+    from ..es.spirals import SpiralsTask, spirals_config
+    task = SpiralsTask(spirals_config(population=args.population))
+    rewards = np.random.default_rng(0).standard_normal(args.population)
+    with threadpool_limits(1):
+        score_ms = median_ms(lambda: task.rewards(range(args.population)), repeat=args.repeat)
+        update_ms = median_ms(lambda: task.trainer.update(rewards), repeat=args.repeat)
     inproc_ms, _ = _spirals_ms(0, args.iterations, args.population)
     one_ms, one = _spirals_ms(1, args.iterations, args.population)
     two_ms, two = _spirals_ms(2, args.iterations, args.population)
@@ -52,4 +64,6 @@ def run(args):
                  "notes": f"{per_s(one_ms):.0f} member-evals/s, population {args.population}"})
     rows.append({"case": "es-spirals/workers-2", "ms": two_ms, "baselines": {"workers_1": one_ms},
                  "notes": f"{per_s(two_ms):.0f} member-evals/s; 1->2 worker speed-up x{one_ms / two_ms:.2f}"})
+    rows.append({"case": "es-spirals/update", "ms": update_ms, "baselines": {"score_all_members": score_ms},
+                 "notes": f"update = {100 * update_ms / (update_ms + score_ms):.0f}% of a one-process iteration"})
     return rows

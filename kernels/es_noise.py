@@ -126,9 +126,10 @@ def _task_grid(offsets, sizes):
     return tasks
 
 
-def _materialize_py(keys, scales, theta, offsets, sizes, out):
+def _materialize_py(keys, scales, theta, offsets, sizes, out, eps_out):
     """keys (B, S) uint64, scales (B,) f32, theta (D,) f32, offsets/sizes (S,) int64,
-    out (B, D) f32: out[b, off_s + j] = theta[off_s + j] + scales[b] * f32(eps(keys[b, s], j))."""
+    out (B, D) f32: out[b, off_s + j] = theta[off_s + j] + scales[b] * f32(eps(keys[b, s], j));
+    eps_out (B, D) f32 receives the eps rows, or is (0, 0) to skip."""
     tasks = _task_grid(offsets, sizes)
     n_tasks = tasks.shape[0]
     for flat in prange(keys.shape[0] * n_tasks):
@@ -141,11 +142,13 @@ def _materialize_py(keys, scales, theta, offsets, sizes, out):
         _fill_range_at(key, buf, start, stop)
         for j in range(start, stop):
             out[b, base + j] = theta[base + j] + scale * buf[j - start]
+        if eps_out.shape[0]:
+            eps_out[b, base + start:base + stop] = buf
 
 
-def _materialize_pairs_py(keys, scales, theta, offsets, sizes, out):
+def _materialize_pairs_py(keys, scales, theta, offsets, sizes, out, eps_out):
     """keys (P, S), scales (P,), out (2P, D): rows 2p and 2p+1 are theta +- scales[p] * eps(keys[p]),
-    bitwise what _materialize gives for the two rows (one draw serves both)."""
+    bitwise what _materialize gives for the two rows (one draw serves both); eps_out (P, D) or (0, 0)."""
     tasks = _task_grid(offsets, sizes)
     n_tasks = tasks.shape[0]
     for flat in prange(keys.shape[0] * n_tasks):
@@ -159,11 +162,15 @@ def _materialize_pairs_py(keys, scales, theta, offsets, sizes, out):
         for j in range(start, stop):
             out[2 * p, base + j] = theta[base + j] + plus * buf[j - start]
             out[2 * p + 1, base + j] = theta[base + j] + minus * buf[j - start]
+        if eps_out.shape[0]:
+            eps_out[p, base + start:base + stop] = buf
 
 
-def _weighted_sum_py(keys, coeffs, offsets, sizes, out):
+def _weighted_sum_py(keys, coeffs, offsets, sizes, out, cache, cache_row):
     """keys (N, S) uint64, coeffs (N,) f32, out (D,) f32:
-    out[off_s + j] = sum over n in order of coeffs[n] * f32(eps(keys[n, s], j)), from 0."""
+    out[off_s + j] = sum over n in order of coeffs[n] * f32(eps(keys[n, s], j)), from 0.
+    cache (R, D) f32 holds already-drawn eps rows: cache_row[n] >= 0 reads row cache_row[n]
+    instead of regenerating draw n (the same f32 values, so the same bits)."""
     tasks = _task_grid(offsets, sizes)
     for t in prange(tasks.shape[0]):
         s, start, stop = tasks[t, 0], tasks[t, 1], tasks[t, 2]
@@ -171,10 +178,15 @@ def _weighted_sum_py(keys, coeffs, offsets, sizes, out):
         buf = np.empty(stop - start, dtype=np.float32)
         acc = np.zeros(stop - start, dtype=np.float32)
         for n in range(keys.shape[0]):
-            _fill_range_at(keys[n, s], buf, start, stop)
             c = coeffs[n]
-            for j in range(stop - start):
-                acc[j] = acc[j] + c * buf[j]
+            if cache_row[n] >= 0:
+                row = cache_row[n]
+                for j in range(stop - start):
+                    acc[j] = acc[j] + c * cache[row, base + start + j]
+            else:
+                _fill_range_at(keys[n, s], buf, start, stop)
+                for j in range(stop - start):
+                    acc[j] = acc[j] + c * buf[j]
         for j in range(stop - start):
             out[base + start + j] = acc[j]
 
@@ -230,8 +242,21 @@ def _check_f32(op, name, a, ndim):
                         f"got {getattr(a, 'dtype', type(a))} {getattr(a, 'shape', '')}")
 
 
-def materialize(keys, scales, theta, offsets, sizes, out, parallel=None):
-    """out[b] = theta + scales[b] * eps_b (float32), eps_b's slot s drawn from keys[b, s]."""
+_NO_ROWS = np.zeros((0, 0), dtype=np.float32)
+
+
+def _check_eps_out(op, eps_out, rows, dim):
+    if eps_out is None:
+        return _NO_ROWS
+    _check_f32(op, "eps_out", eps_out, 2)
+    if eps_out.shape != (rows, dim):
+        raise ValueError(f"{op}: eps_out {eps_out.shape} must be ({rows}, {dim})")
+    return eps_out
+
+
+def materialize(keys, scales, theta, offsets, sizes, out, parallel=None, eps_out=None):
+    """out[b] = theta + scales[b] * eps_b (float32), eps_b's slot s drawn from keys[b, s];
+    eps_out (B, D), if given, receives the eps rows (for weighted_sum's cache)."""
     _check_f32("materialize", "theta", theta, 1)
     _check_f32("materialize", "out", out, 2)
     keys, offsets, sizes = _check_layout("materialize", keys, offsets, sizes, theta.size)
@@ -239,12 +264,14 @@ def materialize(keys, scales, theta, offsets, sizes, out, parallel=None):
     if out.shape != (keys.shape[0], theta.size) or scales.shape != (keys.shape[0],):
         raise ValueError(f"materialize: out {out.shape} / scales {scales.shape} must be "
                          f"({keys.shape[0]}, {theta.size}) / ({keys.shape[0]},)")
-    _build(_materialize, keys.shape[0] * int(sizes.sum()), parallel)(keys, scales, theta, offsets, sizes, out)
+    eps_out = _check_eps_out("materialize", eps_out, keys.shape[0], theta.size)
+    _build(_materialize, keys.shape[0] * int(sizes.sum()), parallel)(keys, scales, theta, offsets, sizes, out, eps_out)
     return out
 
 
-def materialize_pairs(keys, scales, theta, offsets, sizes, out, parallel=None):
-    """Antithetic rows: out[2p] = theta + scales[p] * eps_p, out[2p+1] = theta - scales[p] * eps_p."""
+def materialize_pairs(keys, scales, theta, offsets, sizes, out, parallel=None, eps_out=None):
+    """Antithetic rows: out[2p] = theta + scales[p] * eps_p, out[2p+1] = theta - scales[p] * eps_p;
+    eps_out (P, D), if given, receives eps_p."""
     _check_f32("materialize_pairs", "theta", theta, 1)
     _check_f32("materialize_pairs", "out", out, 2)
     keys, offsets, sizes = _check_layout("materialize_pairs", keys, offsets, sizes, theta.size)
@@ -252,16 +279,30 @@ def materialize_pairs(keys, scales, theta, offsets, sizes, out, parallel=None):
     if out.shape != (2 * keys.shape[0], theta.size) or scales.shape != (keys.shape[0],):
         raise ValueError(f"materialize_pairs: out {out.shape} / scales {scales.shape} must be "
                          f"({2 * keys.shape[0]}, {theta.size}) / ({keys.shape[0]},)")
-    _build(_materialize_pairs, keys.shape[0] * int(sizes.sum()), parallel)(keys, scales, theta, offsets, sizes, out)
+    eps_out = _check_eps_out("materialize_pairs", eps_out, keys.shape[0], theta.size)
+    _build(_materialize_pairs, keys.shape[0] * int(sizes.sum()), parallel)(keys, scales, theta, offsets, sizes, out,
+                                                                            eps_out)
     return out
 
 
-def weighted_sum(keys, coeffs, offsets, sizes, out, parallel=None):
-    """out = sum_n coeffs[n] * eps_n in member order (float32); slots not covered are left alone."""
+def weighted_sum(keys, coeffs, offsets, sizes, out, parallel=None, cache=None, cache_row=None):
+    """out = sum_n coeffs[n] * eps_n in member order (float32); slots not covered are left alone.
+
+    cache (R, D) float32 + cache_row (N,) int64: draw n is read from cache[cache_row[n]] when
+    cache_row[n] >= 0 (rows saved by materialize's eps_out) instead of being regenerated."""
     _check_f32("weighted_sum", "out", out, 1)
     keys, offsets, sizes = _check_layout("weighted_sum", keys, offsets, sizes, out.size)
     coeffs = np.ascontiguousarray(coeffs, dtype=np.float32)
     if coeffs.shape != (keys.shape[0],):
         raise ValueError(f"weighted_sum: coeffs {coeffs.shape} must be ({keys.shape[0]},)")
-    _build(_weighted_sum, keys.shape[0] * int(sizes.sum()), parallel)(keys, coeffs, offsets, sizes, out)
+    if cache is None:
+        cache, cache_row = _NO_ROWS, np.full(keys.shape[0], -1, dtype=np.int64)
+    else:
+        _check_f32("weighted_sum", "cache", cache, 2)
+        cache_row = np.ascontiguousarray(cache_row, dtype=np.int64)
+        if cache.shape[1] != out.size or cache_row.shape != (keys.shape[0],) or cache_row.max(initial=-1) >= cache.shape[0]:
+            raise ValueError(f"weighted_sum: cache {cache.shape} / cache_row {cache_row.shape} do not fit "
+                             f"{keys.shape[0]} draws of {out.size} elements")
+    work = int((cache_row < 0).sum()) * int(sizes.sum())
+    _build(_weighted_sum, work, parallel)(keys, coeffs, offsets, sizes, out, cache, cache_row)
     return out

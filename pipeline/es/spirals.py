@@ -57,6 +57,7 @@ class SpiralsTask:
         self.model = SpiralsMLP(model_seed)
         self.trainer = ESTrainer(es)
         self.trainer.add_registry(self.model)
+        self.trainer.cache_noise = True  # 4482 floats per draw: keep this iteration's eps for the update
         self.run_config = {"task": "spirals", "model_seed": model_seed, "data_seed": data_seed, "reward": reward,
                            "es": es.to_dict()}
 

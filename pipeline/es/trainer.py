@@ -23,7 +23,10 @@ Two evaluation shapes share one noise contract (pipeline/es/noise.py):
     (x + t) - t), "snapshot" copies the saved values back bitwise.
   * replicas: materialize_members(ms) writes theta + sigma*eps_m rows into a
     (B, dim) float32 buffer without touching theta, for batched or
-    multi-process evaluation; update(rewards) then applies the step.
+    multi-process evaluation; update(rewards) then applies the step. With
+    cache_noise=True (small parameter sets) the eps rows drawn for this
+    iteration are kept and the update reads them back instead of
+    regenerating them: same bits, dim * 4 bytes per draw.
 """
 from __future__ import annotations
 
@@ -113,6 +116,8 @@ class ESTrainer:
         if config is not None and overrides:
             raise ESConfigError("ESTrainer: pass either an ESConfig or keyword overrides, not both")
         self.iteration = 0
+        self.cache_noise = False  # keep materialized eps rows for this iteration's update (small parameter sets)
+        self._eps_cache = (None, {})  # (iteration, {draw: float32 eps row})
         self._slots: list[_Slot] = []
         self._active = None  # (member, snapshot list or None) while a member is applied
         self._anchor = None
@@ -243,11 +248,20 @@ class ESTrainer:
         pairs = list(zip(members[0::2], members[1::2]))
         if self.config.antithetic and len(members) % 2 == 0 and all(a % 2 == 0 and b == a + 1 for a, b in pairs):
             # whole (+, -) pairs: one noise draw serves both rows (same bits as one row at a time)
-            keys, scales = self._keys(members[0::2])
-            es_noise.materialize_pairs(keys, scales, theta, offsets, sizes, out)
+            drawn = members[0::2]
+            keys, scales = self._keys(drawn)
+            eps = np.empty((len(drawn), self.dim), np.float32) if self.cache_noise else None
+            es_noise.materialize_pairs(keys, scales, theta, offsets, sizes, out, eps_out=eps)
         else:
+            drawn = members
             keys, scales = self._keys(members)
-            es_noise.materialize(keys, scales, theta, offsets, sizes, out)
+            eps = np.empty((len(members), self.dim), np.float32) if self.cache_noise else None
+            es_noise.materialize(keys, scales, theta, offsets, sizes, out, eps_out=eps)
+        if eps is not None:
+            if self._eps_cache[0] != self.iteration:
+                self._eps_cache = (self.iteration, {})
+            for m, row in zip(drawn, eps):
+                self._eps_cache[1][es_streams.draw_of(m, self.config.antithetic)[0]] = row
         for slot in self._slots:  # round low-precision slots exactly as the in-place path does
             if slot.dtype != np.float32:
                 seg = out[:, slot.offset:slot.offset + slot.size]
@@ -271,7 +285,16 @@ class ESTrainer:
         keys = es_streams.draw_keys(cfg.seed, self.iteration, range(len(coeffs)), len(self._slots), cfg.noise)
         offsets, sizes = self.layout()
         total = np.zeros(self.dim, dtype=np.float32)
-        es_noise.weighted_sum(keys, coeffs.astype(np.float32), offsets, sizes, total)
+        cached = self._eps_cache[1] if self._eps_cache[0] == self.iteration else {}
+        self._eps_cache = (None, {})
+        if cached:  # draws this replica already materialized are read back, not regenerated (same bits)
+            draws = sorted(cached)
+            rows = {d: i for i, d in enumerate(draws)}
+            cache_row = [rows.get(d, -1) for d in range(len(coeffs))]
+            es_noise.weighted_sum(keys, coeffs.astype(np.float32), offsets, sizes, total,
+                                  cache=np.stack([cached[d] for d in draws]), cache_row=cache_row)
+        else:
+            es_noise.weighted_sum(keys, coeffs.astype(np.float32), offsets, sizes, total)
         total /= np.float32(cfg.population)
         delta = np.float32(cfg.alpha) * total
         for slot in self._slots:

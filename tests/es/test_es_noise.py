@@ -149,6 +149,21 @@ def test_weighted_sum_matches_numpy(threads):
         assert np.array_equal(out[offsets[s]:offsets[s] + sizes[s]], acc)
 
 
+def test_weighted_sum_reads_cached_rows_bitwise(threads):
+    offsets, sizes, dim = _layout()
+    g = np.random.default_rng(4)
+    theta = np.zeros(dim, np.float32)
+    keys = g.integers(0, 2**63, size=(4, sizes.size), dtype=np.uint64)
+    coeffs = g.standard_normal(4).astype(np.float32)
+    eps = np.empty((2, dim), np.float32)
+    es_noise.materialize_pairs(keys[[1, 3]], np.ones(2, np.float32), theta, offsets, sizes,
+                               np.empty((4, dim), np.float32), eps_out=eps)
+    plain = es_noise.weighted_sum(keys, coeffs, offsets, sizes, np.zeros(dim, np.float32), parallel=threads)
+    cached = es_noise.weighted_sum(keys, coeffs, offsets, sizes, np.zeros(dim, np.float32), parallel=threads,
+                                   cache=eps, cache_row=[-1, 0, -1, 1])
+    assert np.array_equal(plain, cached)
+
+
 def test_wrappers_reject_bad_input():
     with pytest.raises(TypeError, match="float32/float64"):
         es_noise.gaussian_fill_fast(1, np.empty(3, np.int32))

@@ -133,6 +133,20 @@ def test_step_in_place_equals_replica_update():
         assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
+@pytest.mark.parametrize("antithetic", [False, True])
+def test_noise_cache_gives_the_same_update_bits(antithetic):
+    plain, pa = _trainer(antithetic=antithetic)
+    cached, ca = _trainer(antithetic=antithetic)
+    cached.cache_noise = True
+    for it in range(3):
+        members = [[0, 1, 2, 3, 4, 5], [3, 0], []][it]  # whole, partial and no cached draws
+        cached.materialize_members(members)
+        r = [float(np.sin(k + it)) for k in range(6)]
+        plain.update(r)
+        cached.update(r)
+        assert np.array_equal(pa[0], ca[0])
+
+
 # ---------------------------------------------------------------- noise contract
 def test_noise_is_a_pure_function_of_seed_iteration_member_slot():
     a, _ = _trainer()

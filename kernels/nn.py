@@ -1,4 +1,4 @@
-"""Row kernels for the autograd engine: RMSNorm, dropout, embedding scatter-add.
+"""Row kernels for the autograd engine: RMSNorm, dropout, embedding scatter-add, erf.
 
 Trade-off: numba loops instead of composed numpy so each op is one pass over
 memory with no temporaries; in exchange every kernel has a numpy reference in
@@ -8,6 +8,7 @@ cross-chunk reduction combines per-chunk partials serially in chunk order, so
 the output bits do not depend on how many threads run.
 """
 import contextlib
+import math
 
 import numba
 import numpy as np
@@ -184,3 +185,22 @@ def embedding_backward(ids, g, vocab):
     with threads_for(g.size):
         _embedding_bwd(ids, g, out)
     return out
+
+
+# --- erf (exact GELU) ---------------------------------------------------------------
+@njit(cache=True, parallel=True)
+def _erf(x, out):
+    """x, out flat float64 [n]: out = erf(x) (libm), elementwise over a fixed chunk grid."""
+    n = x.size
+    for c in prange((n + ELEM_CHUNK - 1) // ELEM_CHUNK):
+        for i in range(c * ELEM_CHUNK, min(n, (c + 1) * ELEM_CHUNK)):
+            out[i] = math.erf(x[i])
+
+
+def erf(x):
+    """float64 erf of any-shape array (numpy has no erf ufunc)."""
+    flat = np.ascontiguousarray(x, dtype=np.float64).reshape(-1)
+    out = np.empty_like(flat)
+    with threads_for(flat.size):
+        _erf(flat, out)
+    return out.reshape(np.shape(x))

@@ -157,17 +157,6 @@ def relu(a):
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-_erf = np.frompyfunc(math.erf, 1, 1)
-
-
-def _erf_array(x):
-    try:
-        from scipy.special import erf  # fast path when scipy happens to be installed
-        return erf(x)
-    except ImportError:
-        return _erf(x.astype(np.float64)).astype(np.float64)
-
-
 def gelu(a, approximate="none"):
     """GELU. approximate='none' (torch default): x * Phi(x) with the exact erf;
     approximate='tanh': 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
@@ -180,7 +169,8 @@ def gelu(a, approximate="none"):
         out64 = 0.5 * x64 * (1.0 + t)
         dydx = 0.5 * (1.0 + t) + 0.5 * x64 * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x64 ** 2)
     elif approximate == "none":
-        cdf = 0.5 * (1.0 + _erf_array(x64 * _INV_SQRT_2))
+        from kernels.nn import erf
+        cdf = 0.5 * (1.0 + erf(x64 * _INV_SQRT_2))
         out64 = x64 * cdf
         dydx = cdf + x64 * _INV_SQRT_2PI * np.exp(-0.5 * x64 * x64)
     else:

@@ -103,3 +103,15 @@ def test_wrappers_validate():
         nn.dropout_apply(0, np.zeros(3, np.int64), 0.5)
     with pytest.raises(ValueError, match="embedding"):
         nn.embedding_backward(np.zeros(3, np.int64), np.zeros((4, 2), np.float32), 5)
+
+
+def test_erf_matches_math_erf():
+    import math
+    x = np.random.default_rng(5).standard_normal(100_000) * 3
+    np.testing.assert_array_equal(nn.erf(x), [math.erf(v) for v in x])
+
+
+@two_threads
+def test_erf_thread_count_bitwise():
+    x = np.random.default_rng(5).standard_normal(100_000)
+    np.testing.assert_array_equal(with_threads(1, lambda: nn.erf(x)), with_threads(2, lambda: nn.erf(x)))

@@ -191,6 +191,40 @@ def adam_ser(p, g, m, v, keep, l2, w1, beta2, one_minus_b2, neg_step_size, bc2_s
     _adam(p, g, m, v, keep, l2, w1, beta2, one_minus_b2, neg_step_size, bc2_sqrt, eps)
 
 
+# --- legacy HuggingFace AdamW (APOLLO's fallback) ----------------------------------
+
+@njit(cache=True, inline="always", error_model="numpy")
+def _hf_adamw(p, g, m, v, beta1, one_minus_b1, beta2, one_minus_b2, eps, neg_step_size, neg_lr_wd):
+    """apollo_torch's AdamW step for unprojected params (eps on the uncorrected sqrt(v),
+    decay AFTER the step):  m = m*b1 + (1-b1)*g;  v = v*b2 + ((1-b2)*g)*g;
+    p = p + (-step_size) * (m / (sqrt(v) + eps));  p = p + (-lr*wd)*p   (each "+ x*a" an fma).
+    """
+    for i in range(p.size):
+        gi = g[i]
+        m1 = fma(gi, one_minus_b1, m[i] * beta1)
+        v1 = fma(one_minus_b2 * gi, gi, v[i] * beta2)
+        m[i] = m1
+        v[i] = v1
+        pi = fma(m1 / (np.sqrt(v1) + eps), neg_step_size, p[i])
+        if neg_lr_wd != 0:
+            pi = fma(pi, neg_lr_wd, pi)
+        p[i] = pi
+
+
+@njit(cache=True, parallel=True, error_model="numpy")
+def hf_adamw_par(p, g, m, v, beta1, one_minus_b1, beta2, one_minus_b2, eps, neg_step_size, neg_lr_wd):
+    n = p.size
+    for c in prange((n + CHUNK - 1) // CHUNK):
+        lo, hi = c * CHUNK, min(n, c * CHUNK + CHUNK)
+        _hf_adamw(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], beta1, one_minus_b1, beta2, one_minus_b2, eps,
+                  neg_step_size, neg_lr_wd)
+
+
+@njit(cache=True, error_model="numpy")
+def hf_adamw_ser(p, g, m, v, beta1, one_minus_b1, beta2, one_minus_b2, eps, neg_step_size, neg_lr_wd):
+    _hf_adamw(p, g, m, v, beta1, one_minus_b1, beta2, one_minus_b2, eps, neg_step_size, neg_lr_wd)
+
+
 # --- Lion -------------------------------------------------------------------
 
 @njit(cache=True, inline="always", error_model="numpy")
@@ -428,6 +462,17 @@ def adam_step(p, g, m, v, keep, l2, w1, beta2, one_minus_b2, neg_step_size, bc2_
     f = np.float32
     launch(adam_par, adam_ser, p.size, p, g, m, v, f(keep), f(l2), f(w1), f(beta2), f(one_minus_b2),
            f(neg_step_size), f(bc2_sqrt), f(eps))
+
+
+def hf_adamw_step(p, g, m, v, beta1, one_minus_b1, beta2, one_minus_b2, eps, neg_step_size, neg_lr_wd):
+    """In-place legacy-HF AdamW step (APOLLO's unprojected params); m, v float32 [n]."""
+    p, g = _pg(p, g, "hf_adamw_step")
+    for buf, what in ((m, "exp_avg"), (v, "exp_avg_sq")):
+        if _state(buf, p.size, f"hf_adamw_step {what}").dtype != np.float32:
+            raise TypeError(f"hf_adamw_step: {what} must be float32 (APOLLO state is float32 only)")
+    f = np.float32
+    launch(hf_adamw_par, hf_adamw_ser, p.size, p, g, m, v, f(beta1), f(one_minus_b1), f(beta2), f(one_minus_b2),
+           f(eps), f(neg_step_size), f(neg_lr_wd))
 
 
 def lion_step(p, g, m, keep, neg_lr, beta1, one_minus_b1, beta2, one_minus_b2):

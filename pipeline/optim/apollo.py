@@ -145,31 +145,32 @@ class Apollo(Optimizer):
 
     def _update(self, slot, w, g):
         shape = slot.tensor.data.shape
-        G = g.reshape(shape)
         projected = self.projected(slot)
         if projected:
+            G = g.reshape(shape)
             P = self.projection(slot, (slot.step - 1) // self.update_proj_gap)
-            rows, cols = shape
-            R = G @ P.T if rows >= cols else P.T @ G
+            R = G @ P.T if shape[0] >= shape[1] else P.T @ G
         else:
-            R = G
+            R = g
         if "exp_avg" not in slot.state:
-            slot.state["exp_avg"] = new_state(R.shape, "f32")
-            slot.state["exp_avg_sq"] = new_state(R.shape, "f32")
+            slot.state["exp_avg"] = new_state(self._moment_shape(slot), "f32")
+            slot.state["exp_avg_sq"] = new_state(self._moment_shape(slot), "f32")
         m, v = slot.state["exp_avg"], slot.state["exp_avg_sq"]
         b1, b2 = self.betas
-        K.axpby_(m, b1, R, 1.0 - b1)
-        K.ema_sq_(v, b2, R, 1.0 - b2)
-        denom = np.sqrt(v) + f32(self.eps)
         step_size = self.lr
         if self.correct_bias:
             step_size = step_size * math.sqrt(1.0 - b2 ** slot.step) / (1.0 - b1 ** slot.step)
-        direction = m / denom
-        if projected:
-            direction = self._scaled_gradient(slot, G, R, direction)
+        neg_lr_wd = -self.lr * self.weight_decay if self.weight_decay > 0 else 0.0
+        if not projected:  # the whole HF AdamW step in one fused pass
+            K.hf_adamw_step(w, g, m.reshape(-1), v.reshape(-1), b1, 1.0 - b1, b2, 1.0 - b2, self.eps,
+                            -step_size, neg_lr_wd)
+            return
+        K.axpby_(m, b1, R, 1.0 - b1)
+        K.ema_sq_(v, b2, R, 1.0 - b2)
+        direction = self._scaled_gradient(slot, G, R, m / (np.sqrt(v) + f32(self.eps)))
         K.axpby_(w, 1.0, direction, -step_size)
-        if self.weight_decay > 0:
-            K.axpby_(w, 1.0, w, -self.lr * self.weight_decay)
+        if neg_lr_wd:
+            K.axpby_(w, 1.0, w, neg_lr_wd)
 
     def _scaled_gradient(self, slot, G, R, normalized):
         rows, cols = G.shape

@@ -92,6 +92,19 @@ def test_lion_kernel_matches_numpy():
     assert np.array_equal(p, ref_p) and np.array_equal(m, ref_m)
 
 
+@pytest.mark.parametrize("n", [777, BIG])
+def test_hf_adamw_kernel_matches_numpy(n):
+    p, g, m, v = data(n, seed=2)
+    v = np.abs(v)
+    f = np.float32
+    m1 = fma(g, f(0.1), m * f(0.9))
+    v1 = fma(f(0.001) * g, g, v * f(0.999))
+    p1 = fma(m1 / (np.sqrt(v1) + f(1e-6)), f(-0.01), p)
+    p1 = fma(p1, f(-1e-4), p1)
+    K.hf_adamw_step(p, g, m, v, 0.9, 0.1, 0.999, 0.001, 1e-6, -0.01, -1e-4)
+    assert np.array_equal(p, p1) and np.array_equal(m, m1) and np.array_equal(v, v1)
+
+
 def test_muon_momentum_kernel_matches_torch_lerp_formulas():
     g, buf, _, _ = data(3000)
     b1 = lerp(buf, g, np.float32(0.05))

@@ -102,10 +102,10 @@ def _as_array(value, name):
     arr = value.data if isinstance(value, Tensor) else value
     if not isinstance(arr, np.ndarray):
         raise CheckpointError(f"state dict entry {name!r}: expected a numpy array or Tensor, got {type(value).__name__}")
-    if arr.dtype not in _TAGS:
-        raise CheckpointError(f"state dict entry {name!r}: dtype {arr.dtype} cannot be stored in safetensors")
     if arr.dtype.byteorder == ">":  # the format is little-endian
         arr = arr.byteswap().view(arr.dtype.newbyteorder("<"))
+    if arr.dtype not in _TAGS:
+        raise CheckpointError(f"state dict entry {name!r}: dtype {arr.dtype} cannot be stored in safetensors")
     return arr if arr.flags.c_contiguous else arr.copy(order="C")  # (ascontiguousarray would make 0-d 1-d)
 
 
@@ -189,9 +189,11 @@ def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     try:
         crcs = json.loads(metadata.pop(CRC_KEY, "{}"))
     except json.JSONDecodeError:
-        raise CheckpointError(f"{path}: corrupt safetensors metadata ({CRC_KEY})") from None
+        crcs = None
+    if not isinstance(crcs, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors metadata ({CRC_KEY})")
     body = blob[8 + header_len:]
-    tensors, data_end = {}, 0
+    tensors, spans = {}, []
     for name, entry in header.items():
         where = f"{path}: tensor {name!r}"
         try:
@@ -211,9 +213,16 @@ def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         if name in crcs and zlib.crc32(body[begin:end]) != crcs[name]:
             raise CheckpointError(f"{where}: corrupt data (CRC32 mismatch)")
         tensors[name] = body[begin:end].view(dtype).reshape(shape)  # a writable view: no copy
-        data_end = max(data_end, end)
-    if data_end != len(body):
-        raise CheckpointError(f"{path}: corrupt safetensors file ({len(body) - data_end} stray bytes after the tensor data)")
+        spans.append((begin, end, name))
+    # The spec's layout: tensors tile the data exactly, no gaps, no overlaps (so no two views alias).
+    covered = 0
+    for begin, end, name in sorted(spans):
+        if begin != covered:
+            raise CheckpointError(f"{path}: tensor {name!r}: data offsets [{begin}, {end}] "
+                                  f"{'overlap the previous tensor' if begin < covered else 'leave a gap'}")
+        covered = end
+    if covered != len(body):
+        raise CheckpointError(f"{path}: corrupt safetensors file ({len(body) - covered} stray bytes after the tensor data)")
     return tensors, metadata
 
 

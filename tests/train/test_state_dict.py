@@ -211,3 +211,24 @@ def test_flipped_data_byte_is_caught_by_the_crc(tmp_path):
     with pytest.raises(CheckpointError, match="CRC32 mismatch") as err:
         load_state_dict(path)
     assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("offsets,message", [
+    ([[0, 8], [4, 12]], "overlap the previous tensor"),
+    ([[0, 8], [12, 20]], "leave a gap"),
+])
+def test_overlapping_or_gapped_offsets_are_caught(tmp_path, offsets, message):
+    path = tmp_path / "m.safetensors"
+    header = {f"t{i}": {"dtype": "F32", "shape": [2], "data_offsets": o} for i, o in enumerate(offsets)}
+    blob = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(max(o[1] for o in offsets)))
+    with pytest.raises(CheckpointError, match=message):
+        load_state_dict(path)
+
+
+def test_big_endian_arrays_are_stored_little_endian(tmp_path):
+    path = tmp_path / "be.safetensors"
+    src = np.arange(4, dtype=">f4")
+    save_state_dict(path, {"x": src})
+    back = load_state_dict(path)["x"]
+    assert back.dtype == np.float32 and np.array_equal(back, src)

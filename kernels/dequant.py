@@ -4,12 +4,12 @@ Trade-off: the kernels work on whole rows of raw block bytes (a weight of
 shape [n_rows, n_cols] is stored as uint8 [n_rows, row_bytes]) and produce
 float32. Two consumers, chosen by measurement (docs/models.md):
   * prefill / training: `dequantize_rows` into a scratch buffer, then BLAS;
-  * decode (a handful of tokens): `matvec_rows`, which never materialises the
-    f32 weight and reads only the quantized bytes (memory-bound work).
+  * decode (a handful of tokens): `matvec_rows` / `matvec_half`, which never
+    materialise the f32 weight and read only the stored bytes (memory-bound work).
 Dequantization is element-exact against gguf-py's `gguf.quants.dequantize`
-(same f32 operation order: (d*scale)*q - dmin*min). The matvec regroups the
-sums per 32-element sub-block, so it matches the dequant+dot path to float
-rounding, not bitwise. Every parallel loop runs over rows on a fixed chunk
+(same f32 operation order: (d*scale)*q - dmin*min). The matvec accumulates
+in 32 fixed lanes, so it matches the dequant+dot path to float rounding, not
+bitwise. Every parallel loop runs over rows on a fixed chunk
 grid; each row is reduced serially, so results are bitwise independent of the
 thread count. F16 scales are read through a 65536-entry exact lookup table.
 """
@@ -108,29 +108,31 @@ def _dequant_rows(qtype, raw, out, lut):
 
 
 @njit(cache=True, inline="always")
-def _dot_row(qtype, b, x, lut):
-    """sum_k dequant(b)[k] * x[k] for one row, in f32, serial order."""
+def _dot_row(qtype, b, x, lut, acc):
+    """sum_k dequant(b)[k] * x[k] for one row, in f32.
+
+    Each weight is dequantized exactly as `_dequant_row` does, then accumulated into
+    32 lane sums (acc, f32[32], lane = k % 32) combined in lane order at the end: no
+    loop-carried dependency inside a 32-element group, so LLVM vectorizes it, and
+    the summation order is fixed by the code alone.
+    """
     n = x.shape[0]
-    acc = np.float32(0.0)
+    acc[:] = 0.0
     if qtype == Q8_0:
         for blk in range(n // 32):
             o = blk * 34
-            s = np.float32(0.0)
+            d = _half(lut, b, o)
             for l in range(32):
-                q = np.int32(b[o + 2 + l])
-                if q > 127:
-                    q -= 256
-                s += np.float32(q) * x[blk * 32 + l]
-            acc += _half(lut, b, o) * s
+                q = np.int32(np.int8(b[o + 2 + l]))
+                acc[l] += np.float32(q) * d * x[blk * 32 + l]
     elif qtype == Q4_0:
         for blk in range(n // 32):
             o = blk * 18
-            s = np.float32(0.0)
+            d = _half(lut, b, o)
             for l in range(16):
                 v = b[o + 2 + l]
-                s += np.float32(np.int32(v & 0xF) - 8) * x[blk * 32 + l]
-                s += np.float32(np.int32(v >> 4) - 8) * x[blk * 32 + 16 + l]
-            acc += _half(lut, b, o) * s
+                acc[l] += d * np.float32(np.int32(v & 0xF) - 8) * x[blk * 32 + l]
+                acc[16 + l] += d * np.float32(np.int32(v >> 4) - 8) * x[blk * 32 + 16 + l]
     elif qtype == Q4_K or qtype == Q5_K:
         bs = 144 if qtype == Q4_K else 176
         for blk in range(n // 256):
@@ -140,35 +142,40 @@ def _dot_row(qtype, b, x, lut):
             qs = o + 16 if qtype == Q4_K else o + 48
             for j in range(8):
                 s, m = _scale_min_k4(b, j, o + 4)
+                d1 = d * np.float32(s)
+                m1 = dmin * np.float32(m)
                 shift = 4 * (j & 1)
                 base = qs + (j >> 1) * 32
                 xo = blk * 256 + j * 32
-                sq = np.float32(0.0)
-                sx = np.float32(0.0)
-                for l in range(32):
-                    q = (b[base + l] >> shift) & 0xF
-                    if qtype == Q5_K:
-                        q |= ((b[o + 16 + l] >> j) & 1) << 4
-                    sq += np.float32(q) * x[xo + l]
-                    sx += x[xo + l]
-                acc += d * np.float32(s) * sq - dmin * np.float32(m) * sx
+                if qtype == Q4_K:
+                    for l in range(32):
+                        q = (b[base + l] >> shift) & 0xF
+                        acc[l] += (d1 * np.float32(q) - m1) * x[xo + l]
+                else:
+                    for l in range(32):
+                        q = ((b[base + l] >> shift) & 0xF) | (((b[o + 16 + l] >> j) & 1) << 4)
+                        acc[l] += (d1 * np.float32(q) - m1) * x[xo + l]
     elif qtype == Q6_K:
         for blk in range(n // 256):
             o = blk * 210
             d = _half(lut, b, o + 208)
             for h in range(2):
                 for t in range(4):
-                    for half in range(2):
-                        s = np.float32(0.0)
-                        for l in range(half * 16, half * 16 + 16):
-                            ql = (b[o + h * 64 + (t & 1) * 32 + l] >> (4 * (t >> 1))) & 0xF
-                            qh = (b[o + 128 + h * 32 + l] >> (2 * t)) & 3
-                            s += np.float32(np.int32(ql | (qh << 4)) - 32) * x[blk * 256 + h * 128 + t * 32 + l]
-                        sc = np.int32(b[o + 192 + (h * 128 + t * 32) // 16 + half])
-                        if sc > 127:
-                            sc -= 256
-                        acc += d * np.float32(sc) * s
-    return acc
+                    xo = blk * 256 + h * 128 + t * 32
+                    sc_lo = d * np.float32(np.int8(b[o + 192 + (h * 128 + t * 32) // 16]))
+                    sc_hi = d * np.float32(np.int8(b[o + 193 + (h * 128 + t * 32) // 16]))
+                    qlo = o + h * 64 + (t & 1) * 32
+                    qho = o + 128 + h * 32
+                    sl = 4 * (t >> 1)
+                    for l in range(32):
+                        ql = (b[qlo + l] >> sl) & 0xF
+                        qh = (b[qho + l] >> (2 * t)) & 3
+                        sc = sc_lo if l < 16 else sc_hi
+                        acc[l] += sc * np.float32(np.int32(ql | (qh << 4)) - 32) * x[xo + l]
+    total = np.float32(0.0)
+    for l in range(32):
+        total += acc[l]
+    return total
 
 
 @njit(cache=True, parallel=True)
@@ -177,9 +184,66 @@ def _matvec_rows(qtype, raw, x, out, lut):
     n_rows = raw.shape[0]
     n_chunks = (n_rows + ROW_CHUNK - 1) // ROW_CHUNK
     for c in prange(n_chunks):
+        acc = np.empty(32, np.float32)
         for r in range(c * ROW_CHUNK, min(n_rows, (c + 1) * ROW_CHUNK)):
             for i in range(x.shape[0]):
-                out[i, r] = _dot_row(qtype, raw[r], x[i], lut)
+                out[i, r] = _dot_row(qtype, raw[r], x[i], lut, acc)
+
+
+LANES = 32  # explicit partial sums: vectorizable, and a fixed summation order
+
+
+@njit(cache=True, parallel=True)
+def _matvec_half_rows(bf16, raw, x, out):
+    """raw uint16[n_rows, n_cols] (f16 or bf16 bits), x f32[m, n_cols] -> out f32[m, n_rows].
+
+    Widening is exact bit arithmetic (vectorizes, unlike a table lookup): bf16 is the high
+    half of an f32; an f16 normal or subnormal becomes f32 by shifting sign/exponent/mantissa
+    into place and rescaling the exponent by 2**112 (inf/nan never occur in weights).
+    Products accumulate in LANES fixed lanes, combined in lane order.
+    """
+    n_rows, n_cols = raw.shape
+    n_chunks = (n_rows + ROW_CHUNK - 1) // ROW_CHUNK
+    two112 = np.float32(5.192296858534828e33)
+    for c in prange(n_chunks):
+        bits = np.empty(LANES, np.uint32)
+        wide = bits.view(np.float32)
+        acc = np.empty(LANES, np.float32)
+        for r in range(c * ROW_CHUNK, min(n_rows, (c + 1) * ROW_CHUNK)):
+            src = raw[r]
+            for i in range(x.shape[0]):
+                acc[:] = 0.0
+                for k0 in range(0, n_cols - n_cols % LANES, LANES):
+                    if bf16:
+                        for l in range(LANES):
+                            bits[l] = np.uint32(src[k0 + l]) << 16
+                        for l in range(LANES):
+                            acc[l] += wide[l] * x[i, k0 + l]
+                    else:
+                        for l in range(LANES):
+                            h = np.uint32(src[k0 + l])
+                            bits[l] = ((h & 0x8000) << 16) | ((h & 0x7FFF) << 13)
+                        for l in range(LANES):
+                            acc[l] += (wide[l] * two112) * x[i, k0 + l]
+                total = np.float32(0.0)
+                for l in range(LANES):
+                    total += acc[l]
+                for k in range(n_cols - n_cols % LANES, n_cols):
+                    h = np.uint32(src[k])
+                    bits[0] = (h << 16) if bf16 else (((h & 0x8000) << 16) | ((h & 0x7FFF) << 13))
+                    total += (wide[0] if bf16 else wide[0] * two112) * x[i, k]
+                out[i, r] = total
+
+
+def matvec_half(raw: np.ndarray, x: np.ndarray, bf16: bool = False) -> np.ndarray:
+    """y = x @ W.T for a 16-bit W (f16 or bf16 bits as uint16 [n_rows, n_cols]), x f32 [m, n_cols]."""
+    raw = np.ascontiguousarray(raw).view(np.uint16)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if raw.ndim != 2 or x.ndim != 2 or x.shape[1] != raw.shape[1]:
+        raise ValueError(f"matvec_half: W {raw.shape} and x {x.shape} do not align (x must be [m, {raw.shape[-1]}])")
+    out = np.empty((x.shape[0], raw.shape[0]), np.float32)
+    _matvec_half_rows(bool(bf16), raw, x, out)
+    return out
 
 
 def _check(qtype, raw, n_cols):

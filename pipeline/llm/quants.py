@@ -97,6 +97,8 @@ class FrozenWeight:
             x2 = llama_activation_roundtrip(self.format.qtype, x2)
         if self.format.quantized and x2.shape[0] <= self.FUSED_MAX_ROWS:
             y = dequant.matvec_rows(int(self.format.qtype), self.raw, x2)
+        elif self.format.qtype in (QT.F16, QT.BF16) and x2.shape[0] <= self.FUSED_MAX_ROWS:
+            y = dequant.matvec_half(self.raw, x2, bf16=self.format.qtype == QT.BF16)
         elif self.format.qtype == QT.F32:
             y = x2 @ self.raw.T
         else:

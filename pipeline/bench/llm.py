@@ -1,0 +1,165 @@
+"""`fucina bench llm --model M.gguf`: prefill and decode speed and peak memory, vs llama.cpp.
+
+Trade-off: the cases are whole-model work a user feels (prefill of 64 and 256
+tokens, per-token decode after a 64-token prompt), not kernel micro-timings.
+llama.cpp (llama-cpp-python, when installed) runs the same file with the same
+thread count in a subprocess, so its memory does not pollute our peak RSS and a
+crash in it cannot take the benchmark down. Its KV cache is f32 like ours.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from . import median_ms
+
+NAME = "llm"
+HELP = "Qwen3 GGUF prefill/decode tok/s and peak RSS, with llama.cpp ratios when installed"
+
+
+def add_arguments(parser):
+    parser.add_argument("--model", required=True, help="path to a Qwen3 GGUF (e.g. from tools/make_qwen3_06b_shaped.py)")
+    parser.add_argument("--threads", type=int, default=2, help="threads for Fucina (numba+BLAS) and llama.cpp (default 2)")
+    parser.add_argument("--decode-tokens", type=int, default=16, help="tokens timed in the decode case (default 16)")
+    parser.add_argument("--repeat", type=int, default=3, help="timed repetitions per case; the median is reported")
+    parser.add_argument("--no-llama", action="store_true", help="skip the llama.cpp baseline")
+
+
+def _prompt(n, vocab):
+    return (np.arange(n, dtype=np.int64) * 7919 + 13) % min(vocab, 500)
+
+
+def _peak_rss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _ours(path, threads, decode_tokens, repeat):
+    import numba
+    from threadpoolctl import threadpool_limits
+    from ..models.qwen3 import Qwen3
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    with threadpool_limits(threads):
+        rss0 = _peak_rss_mb()
+        t0 = time.perf_counter()
+        model = Qwen3.from_gguf(path)
+        load_ms = (time.perf_counter() - t0) * 1e3
+        vocab = model.config.vocab_size
+        res = {"load_ms": load_ms, "weight_mb": model.weight_bytes / 2 ** 20}
+        for n in (64, 256):
+            ids = _prompt(n, vocab)
+            res[f"prefill{n}"] = median_ms(lambda: model.infer(ids, model.new_cache(n)), repeat=repeat, warmup=1)
+        ids = _prompt(64, vocab)
+
+        def decode():
+            cache = model.new_cache(64 + decode_tokens)
+            model.infer(ids, cache)
+            t = time.perf_counter()
+            token = 1
+            for _ in range(decode_tokens):
+                token = int(np.argmax(model.infer(np.array([token]), cache)))
+            return (time.perf_counter() - t) * 1e3 / decode_tokens
+
+        decode()  # warm-up (numba compilation)
+        res["decode"] = float(np.median([decode() for _ in range(repeat)]))
+        res["peak_rss_mb"] = _peak_rss_mb()
+        res["rss_before_mb"] = rss0
+    return res
+
+
+def _llama_worker(path, threads, decode_tokens, repeat, quantized):
+    """Runs in a subprocess: prints llama.cpp's timings as JSON."""
+    import llama_cpp
+    import llama_cpp.llama as ll
+    orig = ll.llama_cpp.llama_model_default_params
+
+    def params():  # llama.cpp's AMX int8 path dies with SIGILL on some VMs: block formats run without it
+        p = orig()
+        p.use_extra_bufts = not quantized
+        return p
+
+    ll.llama_cpp.llama_model_default_params = params
+    llm = llama_cpp.Llama(model_path=path, n_ctx=512, n_batch=512, n_ubatch=512, n_threads=threads,
+                          n_threads_batch=threads, type_k=0, type_v=0, verbose=False)
+    vocab = llm.n_vocab()
+    res = {}
+    for n in (64, 256):
+        ids = [int(i) for i in _prompt(n, vocab)]
+
+        def prefill():
+            llm.reset()
+            llm._ctx.kv_cache_clear() if hasattr(llm._ctx, "kv_cache_clear") else None
+            llm.eval(ids)
+
+        res[f"prefill{n}"] = median_ms(prefill, repeat=repeat, warmup=1)
+    ids = [int(i) for i in _prompt(64, vocab)]
+
+    def decode():
+        llm.reset()
+        llm.eval(ids)
+        t = time.perf_counter()
+        for _ in range(decode_tokens):
+            llm.eval([1])
+        return (time.perf_counter() - t) * 1e3 / decode_tokens
+
+    decode()
+    res["decode"] = float(np.median([decode() for _ in range(repeat)]))
+    res["peak_rss_mb"] = _peak_rss_mb()
+    print(json.dumps(res))
+
+
+def _llama(path, threads, decode_tokens, repeat, quantized):
+    code = (f"from pipeline.bench.llm import _llama_worker; "
+            f"_llama_worker({str(path)!r}, {threads}, {decode_tokens}, {repeat}, {quantized})")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    if proc.returncode != 0:
+        return None, f"llama.cpp baseline failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1]), None
+
+
+def run(args):
+    import importlib.util
+    from ..errors import UserError
+    from ..llm.gguf import GGUFFile
+    if not os.path.isfile(args.model):
+        raise UserError(f"{args.model}: no such GGUF file")
+    gg = GGUFFile(args.model)
+    quantized = any(gg.tensor_type(n) not in ("F32", "F16", "BF16") for n in gg.tensor_names)
+    ours = _ours(args.model, args.threads, args.decode_tokens, args.repeat)
+    theirs, why = None, "llama-cpp-python not installed"
+    if not args.no_llama and importlib.util.find_spec("llama_cpp") is not None:
+        theirs, why = _llama(args.model, args.threads, args.decode_tokens, args.repeat, quantized)
+    elif args.no_llama:
+        why = "--no-llama"
+    rows = []
+    for case, tokens in (("prefill64", 64), ("prefill256", 256), ("decode", 1)):
+        ms = ours[case]
+        row = {"case": f"{os.path.basename(args.model)}/{case}", "ms": ms, "baselines": {},
+               "tok_s": tokens * 1e3 / ms}
+        note = f"{row['tok_s']:.1f} tok/s"
+        if theirs:
+            row["baselines"]["llama.cpp"] = theirs[case]
+            row["llama_tok_s"] = tokens * 1e3 / theirs[case]
+            note += f" vs llama.cpp {row['llama_tok_s']:.1f} tok/s"
+        elif why:
+            note += f"; no baseline: {why}"
+        if case == "decode":
+            note = f"per token after a 64-token prompt; {note}"
+        row["notes"] = note
+        rows.append(row)
+    mem = {"case": f"{os.path.basename(args.model)}/peak_rss", "ms": ours["load_ms"], "baselines": {},
+           "peak_rss_mb": ours["peak_rss_mb"], "weight_mb": ours["weight_mb"],
+           "notes": f"load ms; peak RSS {ours['peak_rss_mb']:.0f} MB (weights {ours['weight_mb']:.0f} MB, "
+                    f"mmapped pages count once touched)"}
+    if theirs:
+        mem["llama_peak_rss_mb"] = theirs["peak_rss_mb"]
+        mem["notes"] += f"; llama.cpp peak RSS {theirs['peak_rss_mb']:.0f} MB"
+    rows.append(mem)
+    return rows

@@ -1,0 +1,156 @@
+"""The step scheduler against mock peers: plan order, in-order loss, lost trainers, stale generations."""
+import time
+
+import pytest
+
+from pipeline.jobs import get_job
+from pipeline.jobs.spec import build
+from pipeline.runtime.scheduler import RunFailed, Scheduler
+from pipeline.runtime.transport import DealerSocket, ipc_endpoints
+
+M = 4
+
+
+class Fake:
+    """A mock worker: a DEALER that records the tasks it is sent."""
+
+    def __init__(self, ep, role, name):
+        self.id, self.role = name, role
+        self.sock = DealerSocket(ep.control, name)
+        self.sock.send("hello", role=role, worker=name, pid=0)
+        self.inbox = []
+        self.silent = False
+
+    def drain(self):
+        while (msg := self.sock.recv(0)) is not None:
+            if msg and msg["kind"] != "heartbeat":
+                self.inbox.append(msg)
+
+    def take(self, kind, wait_s=0.5):
+        """Tasks of this kind received so far (waits a little: delivery is asynchronous)."""
+        t_end = time.monotonic() + wait_s
+        self.drain()
+        while not any(m["kind"] == kind for m in self.inbox) and time.monotonic() < t_end:
+            time.sleep(0.01)
+            self.drain()
+        got = [m for m in self.inbox if m["kind"] == kind]
+        self.inbox = [m for m in self.inbox if m["kind"] != kind]
+        return got
+
+    def send(self, kind, step=0, **fields):
+        self.sock.send(kind, step, worker=self.id, **fields)
+
+
+@pytest.fixture
+def rig(tmp_path):
+    job_cls = get_job("spirals")
+    job = job_cls(build(job_cls.Spec, {"steps": 3, "batch": 8, "micro_batches": M, "checkpoint_every": 0,
+                                       "eval_every": 0}))
+    ep = ipc_endpoints(str(tmp_path))
+    sched = Scheduler(job, str(tmp_path), "testrun", ep, trainers=2, log=lambda m: None, liveness_s=1.0)
+    fakes = {n: Fake(ep, r, n) for n, r in [("loader", "loader"), ("optimizer", "optimizer"),
+                                              ("checkpointer", "checkpointer"), ("t1", "trainer"), ("t2", "trainer")]}
+    yield sched, fakes
+    for f in fakes.values():
+        f.sock.close()
+    sched.metrics.close()
+    sched.router.close()
+    sched.pub.close()
+
+
+def spin(sched, fakes, seconds=0.3):
+    t_end = time.monotonic() + seconds
+    next_beat = 0.0
+    while time.monotonic() < t_end:
+        if time.monotonic() > next_beat:  # beat like a worker; drain so echoes never fill a queue
+            next_beat = time.monotonic() + 0.1
+            for f in fakes.values():
+                if not f.silent:
+                    f.send("heartbeat")
+                f.drain()
+        got = sched.router.recv(10)
+        while got is not None:
+            if got[1] is not None:
+                sched.handle(*got)
+            got = sched.router.recv(0)
+        for dead in sched.liveness.dead():
+            if dead in sched.peers:
+                sched.lost(dead, "test")
+        sched.pump()
+
+
+def start(sched, fakes):
+    spin(sched, fakes)
+    (init,) = fakes["optimizer"].take("init")
+    assert init["resume"] == "" and init["gen"] == 0
+    fakes["optimizer"].send("ready", 0, gen=0, params={"segment": "p"}, grads={"segment": "g"})
+    spin(sched, fakes)
+    loads = fakes["loader"].take("load")
+    assert sorted((m["step"], m["k"]) for m in loads) == [(s, k) for s in (0, 1) for k in range(M)]
+    for m in loads:
+        fakes["loader"].send("loaded", m["step"], gen=0, k=m["k"], slot=m["slot"], batch={"segment": "b"}, ms=0.1)
+    spin(sched, fakes)
+
+
+def test_step_loss_is_summed_in_micro_batch_order_not_arrival_order(rig):
+    sched, fakes = rig
+    start(sched, fakes)
+    losses = [1e16, 1.0, -1e16, 1.0]  # in order: 1.0; in reverse arrival order: 0.0
+    done = 0
+    while done < M:
+        tasks = fakes["t1"].take("grad") + fakes["t2"].take("grad")
+        assert all(t["step"] == 0 and t["params"] == {"segment": "p"} for t in tasks)
+        for t in sorted(tasks, key=lambda t: -t["k"]):  # results arrive highest k first
+            fakes[_who(sched, t)].send("grad_done", 0, gen=0, k=t["k"], loss=losses[t["k"]], rows=2, ms=1)
+            done += 1
+        spin(sched, fakes)
+    (step,) = fakes["optimizer"].take("step")
+    assert step["step"] == 0 and step["micro_batches"] == M
+    assert sched.losses[1] == 1.0
+
+
+def _who(sched, task):
+    """The trainer the scheduler assigned this task to."""
+    return sched.grads[task["k"]][1]
+
+
+def test_a_silent_trainer_is_declared_lost_and_its_task_rerun(rig):
+    sched, fakes = rig
+    start(sched, fakes)
+    first = fakes["t1"].take("grad") + fakes["t2"].take("grad")
+    assert len(first) == 2  # two trainers, one task each
+    victim = _who(sched, first[0])
+    fakes[victim].silent = True
+    spin(sched, fakes, seconds=1.6)
+    assert victim not in sched.peers
+    lost_k = first[0]["k"]
+    survivor = "t2" if victim == "t1" else "t1"
+    fakes[survivor].send("grad_done", 0, gen=0, k=first[1]["k"], loss=0.5, rows=2, ms=1)
+    spin(sched, fakes)
+    rerun = [t["k"] for t in fakes[survivor].take("grad")]
+    assert lost_k in rerun
+
+
+def test_optimizer_loss_rewinds_under_a_new_generation_and_ignores_old_results(rig):
+    sched, fakes = rig
+    start(sched, fakes)
+    tasks = fakes["t1"].take("grad")
+    fakes["optimizer"].silent = True
+    spin(sched, fakes, seconds=1.6)
+    assert sched.gen == 1 and not sched.ready
+    fakes["t1"].send("grad_done", 0, gen=0, k=tasks[0]["k"], loss=9.0, rows=2, ms=1)  # an old-generation result
+    spin(sched, fakes)
+    assert sched.grads == {}
+    new_opt = Fake(ipc_endpoints(sched.run_dir), "optimizer", "optimizer2")
+    fakes["optimizer2"] = new_opt
+    spin(sched, fakes)
+    (init,) = new_opt.take("init")
+    assert init["gen"] == 1 and init["resume"] == ""
+
+
+def test_a_failed_task_fails_the_run(rig):
+    sched, fakes = rig
+    start(sched, fakes)
+    fakes["t1"].send("failed", 0, error="boom")
+    with pytest.raises(RunFailed, match="boom"):
+        spin(sched, fakes)

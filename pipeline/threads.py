@@ -22,11 +22,18 @@ def pin_env(n: int, env=None):
 
 
 def pin_threads(n: int):
-    """Limit BLAS and numba to n threads in this process (and its children)."""
+    """Limit BLAS and numba to n threads in this process (and its children).
+
+    NUMBA_NUM_THREADS is only written before numba is imported: numba reads it
+    once, and changing it afterwards makes its next compile fail. After import,
+    numba.set_num_threads does the limiting instead.
+    """
+    import sys
+
     n = max(1, int(n))
-    numba_max = os.environ.get("NUMBA_NUM_THREADS")
+    numba_loaded = "numba" in sys.modules
     for k in _ENV:
-        if k != "NUMBA_NUM_THREADS" or numba_max is None:
+        if k != "NUMBA_NUM_THREADS" or not numba_loaded:
             os.environ[k] = str(n)
     try:
         from threadpoolctl import threadpool_limits

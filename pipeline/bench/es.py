@@ -9,11 +9,13 @@ Cases (ms; ratio = baseline_ms / ms, above 1 means the case is faster):
                         es-member worker process; baseline: the in-process run
   es-spirals/workers-2  the same with two workers; baseline: workers-1 (so the
                         ratio is the 1 -> 2 worker speed-up)
-  es-spirals/update     one replica's update (regenerating 64 antithetic draws),
-                        the part every replica repeats; baseline: scoring all
-                        128 members in one process (the part workers split).
-                        Their ratio is what decided replicated updates over
-                        publishing parameters (docs/es.md)
+  es-spirals/update     one replica's update with nothing cached (regenerating all
+                        64 antithetic draws), the upper bound of what every
+                        replica repeats (with the noise cache a worker
+                        regenerates only the draws it did not score); baseline:
+                        scoring all 128 members in one process (the part
+                        workers split). Their ratio is what decided replicated
+                        updates over publishing parameters (docs/es.md)
 """
 from __future__ import annotations
 

@@ -536,6 +536,9 @@ def rope(x, positions, theta=10000.0):
     return Tensor.make(out, (x,), backward, "rope")
 
 
+_ATTN_QBLOCK = 64  # query positions per block in causal attention
+
+
 def attention(q, k, v, causal=True, offset=None, scale=None):
     """Scaled dot-product attention with grouped-query heads.
 
@@ -562,28 +565,48 @@ def attention(q, k, v, causal=True, offset=None, scale=None):
 
     from kernels.attention import softmax_backward_inplace, softmax_inplace
 
-    # fold the query heads that share a kv head into the rows: one GEMM per (batch, kv head)
-    Q = _compute(q.data).reshape(B, Sq, Hkv, G, D).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * Sq, D)
+    # Fold the query heads that share a kv head into the GEMM rows: one GEMM per
+    # (batch, kv head). Causal: split the queries into blocks of _ATTN_QBLOCK
+    # positions; a block only multiplies against the keys it can see.
+    Q5 = np.ascontiguousarray(_compute(q.data).reshape(B, Sq, Hkv, G, D).transpose(0, 2, 3, 1, 4))
     K = _compute(k.data).transpose(0, 2, 1, 3)  # [B, Hkv, Sk, D]
     V = _compute(v.data).transpose(0, 2, 1, 3)
-    p = np.matmul(Q, np.swapaxes(K, -1, -2))  # [B, Hkv, G*Sq, Sk]
-    p *= np.asarray(scale, dtype=p.dtype)
-    if causal:
-        blocked = np.arange(Sk)[None, :] > (offset + np.arange(Sq))[:, None]
-        p += np.tile(np.where(blocked, -np.inf, 0.0).astype(p.dtype), (G, 1))
-    softmax_inplace(p)
-    o = p @ V  # [B, Hkv, G*Sq, D]
-    out = o.reshape(B, Hkv, G, Sq, D).transpose(0, 3, 1, 2, 4).reshape(B, Sq, Hq, D)
+    step = _ATTN_QBLOCK if causal else Sq
+    blocks = []  # (q0, q1, visible keys, Q rows [B, Hkv, G*bq, D], probabilities [B, Hkv, G*bq, kmax])
+    O5 = np.empty(Q5.shape, Q5.dtype)
+    for q0 in range(0, Sq, step):
+        q1 = builtins.min(Sq, q0 + step)
+        kmax = builtins.min(Sk, offset + q1) if causal else Sk
+        Qb = Q5[:, :, :, q0:q1].reshape(B, Hkv, G * (q1 - q0), D)
+        pb = np.matmul(Qb, np.swapaxes(K[:, :, :kmax], -1, -2))
+        pb *= np.asarray(scale, dtype=pb.dtype)
+        if causal:
+            blocked = np.arange(kmax)[None, :] > (offset + np.arange(q0, q1))[:, None]
+            if blocked.any():
+                pb += np.tile(np.where(blocked, -np.inf, 0.0).astype(pb.dtype), (G, 1))
+        softmax_inplace(pb)
+        O5[:, :, :, q0:q1] = (pb @ V[:, :, :kmax]).reshape(B, Hkv, G, q1 - q0, D)
+        blocks.append((q0, q1, kmax, Qb, pb))
+    out = O5.transpose(0, 3, 1, 2, 4).reshape(B, Sq, Hq, D)
 
     def backward(g):
-        dO = g.reshape(B, Sq, Hkv, G, D).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * Sq, D)
-        dv = np.swapaxes(p, -1, -2) @ dO if v.requires_grad else None  # sums over the group inside the GEMM
-        ds = softmax_backward_inplace(p, dO @ np.swapaxes(V, -1, -2), scale)
-        dq = (ds @ K).reshape(B, Hkv, G, Sq, D).transpose(0, 3, 1, 2, 4).reshape(B, Sq, Hq, D) if q.requires_grad else None
-        dk = np.swapaxes(ds, -1, -2) @ Q if k.requires_grad else None
+        dO5 = g.reshape(B, Sq, Hkv, G, D).transpose(0, 2, 3, 1, 4)
+        dQ5 = np.empty(Q5.shape, np.float32)
+        dK = np.zeros(K.shape, np.float32)
+        dV = np.zeros(V.shape, np.float32)
+        for q0, q1, kmax, Qb, pb in blocks:  # fixed block order: deterministic sums into dK, dV
+            dOb = dO5[:, :, :, q0:q1].reshape(B, Hkv, G * (q1 - q0), D)
+            if v.requires_grad:
+                dV[:, :, :kmax] += np.swapaxes(pb, -1, -2) @ dOb  # sums over the group inside the GEMM
+            ds = softmax_backward_inplace(pb, dOb @ np.swapaxes(V[:, :, :kmax], -1, -2), scale)
+            if q.requires_grad:
+                dQ5[:, :, :, q0:q1] = (ds @ K[:, :, :kmax]).reshape(B, Hkv, G, q1 - q0, D)
+            if k.requires_grad:
+                dK[:, :, :kmax] += np.swapaxes(ds, -1, -2) @ Qb
+        dq = dQ5.transpose(0, 3, 1, 2, 4).reshape(B, Sq, Hq, D) if q.requires_grad else None
         return (dq,
-                None if dk is None else dk.transpose(0, 2, 1, 3),
-                None if dv is None else dv.transpose(0, 2, 1, 3))
+                dK.transpose(0, 2, 1, 3) if k.requires_grad else None,
+                dV.transpose(0, 2, 1, 3) if v.requires_grad else None)
 
     return Tensor.make(np.ascontiguousarray(out), (q, k, v), backward, "attention")
 

@@ -306,3 +306,20 @@ def test_bad_inputs_name_op_and_shapes(call, words):
 def test_index_out_of_range_is_an_index_error():
     with pytest.raises(IndexError, match="index"):
         Tensor(np.zeros((2, 3)))[5]
+
+
+def test_attention_query_blocks_match_one_block(monkeypatch):
+    from pipeline.autograd import ops
+    r = np.random.default_rng(9)
+    arrays = [r.standard_normal((2, sq, h, 8)) for sq, h in ((150, 6), (170, 2), (170, 2))]  # 3 blocks, offset 20
+    g = r.standard_normal((2, 150, 6, 8)).astype(np.float32)
+    res = []
+    for block in (64, 10**6):
+        monkeypatch.setattr(ops, "_ATTN_QBLOCK", block)
+        ts = [Tensor(a, requires_grad=True, dtype=np.float64) for a in arrays]
+        out = ag.attention(*ts)
+        out.backward(g)
+        res.append([out.data] + [t.grad for t in ts])
+    for a, b in zip(*res):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(res[0][0], _ref_attention(*arrays, True, 20), rtol=1e-10)

@@ -58,7 +58,7 @@ def test_rope_matches_neox_reference(r):
     run_both(lambda t: ag.rope(t, pos), lambda t: torch_rope(t, pos), r.standard_normal((2, 6, 3, 8)))
 
 
-@pytest.mark.parametrize("hq,hkv,sq,sk", [(4, 4, 5, 5), (6, 2, 5, 5), (4, 1, 2, 7)])
+@pytest.mark.parametrize("hq,hkv,sq,sk", [(4, 4, 5, 5), (6, 2, 5, 5), (4, 1, 2, 7), (6, 3, 130, 150)])
 def test_attention_matches_sdpa(r, hq, hkv, sq, sk):
     import torch
     import torch.nn.functional as F

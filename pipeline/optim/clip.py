@@ -59,6 +59,7 @@ def scale_gradients(target, factor):
 
 
 def _writable(g):
-    if not isinstance(g, np.ndarray) or g.dtype != np.float32 or not g.flags.c_contiguous:
-        raise OptimizerConfigError(f"clip/scale: gradients must be C-contiguous float32 arrays, got {getattr(g, 'dtype', type(g))}")
+    if not isinstance(g, np.ndarray) or g.dtype != np.float32 or not g.flags.c_contiguous or not g.flags.writeable:
+        raise OptimizerConfigError(f"clip/scale: gradients are scaled in place and must be writeable C-contiguous float32 "
+                                   f"arrays, got {getattr(g, 'dtype', type(g).__name__)} {getattr(g, 'shape', '')}")
     return g

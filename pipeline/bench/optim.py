@@ -10,8 +10,9 @@ torch.optim.AdamW (foreach and fused) runs at the same thread count when torch
 is installed. Muon/APOLLO route the embedding to their AdamW fallback (as a
 real recipe would), and their block rows are GEMM-bound: no GB/s.
 
-Trade-off: few repeats (median of --repeat, 1 for the seconds-long Muon
-block) to stay under ~2 minutes on 2 cores; numbers wobble with machine load.
+Trade-off: few repeats (median of --repeat; at most 3 for torch; one step,
+its first, for the seconds-long Muon block) to stay near 2 minutes on 2
+cores; numbers wobble with machine load.
 """
 from __future__ import annotations
 
@@ -116,7 +117,7 @@ def _torch_adamw(named, repeat):
         params.append(p)
     for mode in ("foreach", "fused"):
         opt = torch.optim.AdamW(params, **{mode: True})
-        out[f"torch_{mode}"] = median_ms(opt.step, repeat, warmup=1)
+        out[f"torch_{mode}"] = median_ms(opt.step, min(repeat, 3), warmup=1)
         del opt  # numpy/torch buffers are freed by refcount: no gc pass needed
     return out
 
@@ -141,8 +142,10 @@ def run(args):
         for case in cases:
             opt = _make(case, named, args.apollo_rank)
             gemm_bound = BYTES_PER_ELEMENT[case] is None and set_name == "block"
-            repeat = 1 if (case == "muon" and set_name == "block") else args.repeat
-            ms = median_ms(opt.step, repeat, warmup=1)  # the warm-up step allocates the state
+            if case == "muon" and set_name == "block":  # seconds per step: one untimed-warm-up-free run
+                ms = median_ms(opt.step, 1, warmup=0)
+            else:
+                ms = median_ms(opt.step, args.repeat, warmup=1)  # the warm-up step allocates the state
             row = {"case": f"{case}/{set_name}", "ms": ms, "baselines": {}, "params": n}
             per_el = BYTES_PER_ELEMENT[case] or BYTES_PER_ELEMENT["adamw"]  # fallbacks run AdamW
             if not gemm_bound:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import math
 
-from .base import K, Optimizer, check_betas, check_range, f32, new_state, state_dtype_name
+from kernels import optim as K
+
+from .base import Optimizer, check_betas, check_range, f32, new_state, state_dtype_name
 
 
 class AdamW(Optimizer):

@@ -19,7 +19,6 @@ import math
 import ml_dtypes
 import numpy as np
 
-from kernels import optim as K
 from pipeline.autograd.tensor import Tensor
 from pipeline.errors import ConfigMismatchError, DTypeMismatchError, UserError
 
@@ -392,4 +391,4 @@ def dummy_state():
 
 
 __all__ = ["Optimizer", "Slot", "OptimizerConfigError", "state_dtype_name", "check_range", "check_betas",
-           "new_state", "f32", "dummy_state", "K", "BF16"]
+           "new_state", "f32", "dummy_state", "BF16"]

@@ -9,7 +9,9 @@ exactly lr per step, so lr must be ~3-10x smaller than AdamW's.
 """
 from __future__ import annotations
 
-from .base import K, Optimizer, check_betas, check_range, f32, new_state, state_dtype_name
+from kernels import optim as K
+
+from .base import Optimizer, check_betas, check_range, f32, new_state, state_dtype_name
 
 
 class Lion(Optimizer):

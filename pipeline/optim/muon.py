@@ -25,8 +25,10 @@ import math
 
 import numpy as np
 
+from kernels import optim as K
+
 from .adamw import AdamW
-from .base import K, Optimizer, OptimizerConfigError, check_range, f32, new_state, state_dtype_name
+from .base import Optimizer, OptimizerConfigError, check_range, f32, new_state, state_dtype_name
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 SCALES = ("spectral", "match_rms_adamw")

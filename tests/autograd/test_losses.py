@@ -31,12 +31,10 @@ def test_cross_entropy_matches_torch_goldens(goldens, name):
     np.testing.assert_allclose(logits.grad, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(k for k, c in CASES.items() if c["classes"] <= 100))
 def test_linear_cross_entropy_matches_torch_goldens(goldens, name):
     # logits = x @ I.T: the fused op on an identity weight is plain cross-entropy
     case = CASES[name]
-    if case["classes"] > 100:
-        pytest.skip("identity weight too large")
     x = Tensor(goldens[f"{name}/logits"], requires_grad=True)
     eye = Tensor(np.eye(case["classes"], dtype=np.float32))
     loss = ag.linear_cross_entropy(x, eye, goldens[f"{name}/labels"], ignore_index=case["ignore_index"],

@@ -57,12 +57,14 @@ class Member:
         if self.task is None:
             return [("failed", {"error": f"{kind!r} before welcome"}, [])]
         if kind == "iter":
+            cpu0 = time.process_time()  # CPU seconds: a load-independent cost measure
             self._reach(msg["it"], msg["catchup"])
             members = [int(m) for m in msg["members"]]
             rewards = self.task.rewards(members).tolist() if members else []
             fields = {"it": msg["it"], "members": members, "rewards": rewards}
             if msg["center"]:
                 fields["center"] = list(self.task.center())
+            fields["cpu_ms"] = (time.process_time() - cpu0) * 1e3
             return [("rewards", fields, [])]
         if kind == "fetch":
             self._reach(msg["it"], msg["catchup"])

@@ -56,6 +56,7 @@ class _Worker:
         self.alive = True
         self.outstanding: set[int] = set()
         self.center = False  # asked to score theta itself this iteration
+        self.cpu_ms_this_iteration = 0.0
 
     @property
     def name(self):
@@ -183,6 +184,7 @@ class Coordinator:
             if msg.get("center") is not None:
                 self._center = tuple(msg["center"])
                 w.center = False
+            w.cpu_ms_this_iteration += float(msg.get("cpu_ms", 0.0))
         elif kind == "params":
             self._digests[ident] = msg["sha256"]
             if len(frames) > 1:
@@ -230,11 +232,14 @@ class Coordinator:
             raise CoordinatorError("no live es-member workers")
         pop = self.trainer.config.population
         self._results, self._center = {}, None
+        for w in self.workers.values():
+            w.cpu_ms_this_iteration = 0.0
         for k, w in enumerate(live):  # contiguous blocks of members, the first worker also scores theta
             self._assign(w, range(k * pop // len(live), (k + 1) * pop // len(live)), center=(k == 0))
         while len(self._results) < pop or self._center is None:
             self._poll(0.05)
         rewards = np.array([self._results[m] for m in range(pop)])
+        self.busiest_cpu_ms = max(w.cpu_ms_this_iteration for w in self.workers.values())
         return rewards, self._center
 
     def commit(self, rewards):

@@ -15,7 +15,8 @@ update itself.
 
     worker -> coordinator
       hello      {worker, pid, host}                   join request
-      rewards    {it, members, rewards, center?}       center = [ce, acc] of theta_it when asked
+      rewards    {it, members, rewards, center?, cpu_ms?}  center = [ce, acc] of theta_it when asked;
+                                                         cpu_ms = worker CPU time spent on the task
       params     {it, sha256, slots} + frames          reply to fetch
       heartbeat  {}                                    while idle
       failed     {error}                               the worker cannot continue (desync, bad config)

@@ -35,11 +35,16 @@ class InProcess:
     def iteration(self, it):
         trainer = self.task.trainer
         assert trainer.iteration == it
+        cpu0 = time.process_time()
         center = self.task.center()
-        return self.task.rewards(range(trainer.config.population)), center
+        rewards = self.task.rewards(range(trainer.config.population))
+        self.busiest_cpu_ms = (time.process_time() - cpu0) * 1e3
+        return rewards, center
 
     def commit(self, rewards):
-        self.task.trainer.update(rewards)
+        cpu0 = time.process_time()
+        self.task.trainer.update(rewards)  # a worker does this at the start of its next task
+        self.busiest_cpu_ms += (time.process_time() - cpu0) * 1e3
 
     def sync_replica(self):
         pass
@@ -89,7 +94,7 @@ def run_spirals(task: SpiralsTask, opts: RunOptions, on_iteration=None) -> dict:
         t0 = time.perf_counter()
         it = start
         center = None
-        durations = []
+        durations, cpu = [], []
         while opts.max_iterations is None or it < opts.max_iterations:
             t_it = time.perf_counter()
             if opts.kill_worker_at is not None and it == opts.kill_worker_at and isinstance(backend, Coordinator):
@@ -97,7 +102,11 @@ def run_spirals(task: SpiralsTask, opts: RunOptions, on_iteration=None) -> dict:
             rewards, center = backend.iteration(it)
             if center[1] == 1.0:
                 break
+            if isinstance(backend, Coordinator):
+                cpu.append(backend.busiest_cpu_ms)  # includes applying the previous update
             backend.commit(rewards)
+            if isinstance(backend, InProcess):
+                cpu.append(backend.busiest_cpu_ms)
             it += 1
             durations.append(time.perf_counter() - t_it)
             if opts.progress_every and it % opts.progress_every == 0:
@@ -120,6 +129,9 @@ def run_spirals(task: SpiralsTask, opts: RunOptions, on_iteration=None) -> dict:
     return {"iterations": it, "iterations_this_run": done, "accuracy": acc, "ce": ce, "converged": acc == 1.0,
             "wall_s": wall, "ms_per_iteration": wall / done * 1e3 if done else 0.0,
             "median_ms_per_iteration": float(np.median(durations)) * 1e3 if durations else 0.0,
+            # CPU time of the busiest scorer per iteration (load-independent: what the wall time
+            # would be on otherwise idle cores, messaging aside)
+            "median_cpu_ms_per_iteration": float(np.median(cpu)) if cpu else 0.0,
             "member_evals_per_s": done * pop / wall if done and wall > 0 else 0.0,
             "sha256": sha, "workers": opts.workers + opts.remote_workers, "population": pop,
             "resumed_from": resumed_from, "replicas_checked": len(digests)}

@@ -25,7 +25,7 @@ from .tensor import OpError, OpIndexError, Tensor, _state, enable_grad, grad_ena
 
 __all__ = [
     "as_tensor", "add", "sub", "mul", "div", "neg", "pow", "exp", "log", "tanh", "sigmoid", "silu", "gelu",
-    "relu", "matmul", "linear", "sum", "mean", "max", "reshape", "transpose", "permute", "index", "gather",
+    "relu", "sqrt", "abs", "clamp", "where", "stack", "matmul", "linear", "sum", "mean", "max", "reshape", "transpose", "permute", "index", "gather",
     "embedding", "concat", "split", "softmax", "log_softmax", "rms_norm", "layer_norm", "rope", "rope_tables",
     "attention", "dropout", "to", "checkpoint",
 ]
@@ -152,6 +152,45 @@ def relu(a):
     a = as_tensor(a)
     out = np.maximum(a.data, 0)
     return Tensor.make(out, (a,), lambda g: (g * (a.data > 0),), "relu")
+
+
+def sqrt(a):
+    a = as_tensor(a)
+    out = np.sqrt(a.data)
+    return Tensor.make(out, (a,), lambda g: (g * 0.5 / out,), "sqrt")
+
+
+def abs(a):
+    """|a|; the gradient at 0 is 0 (torch's sign convention)."""
+    a = as_tensor(a)
+    return Tensor.make(np.abs(a.data), (a,), lambda g: (g * np.sign(a.data),), "abs")
+
+
+def clamp(a, low=None, high=None):
+    """min(max(a, low), high); the gradient passes only where a is inside [low, high]."""
+    a = as_tensor(a)
+    if low is None and high is None:
+        raise OpError("clamp: give low, high or both")
+    out = np.clip(a.data, low, high)
+    inside = np.ones(a.shape, bool)
+    if low is not None:
+        inside &= a.data >= low
+    if high is not None:
+        inside &= a.data <= high
+    return Tensor.make(out, (a,), lambda g: (g * inside,), "clamp")
+
+
+def where(cond, a, b):
+    """cond ? a : b elementwise (cond a boolean array, broadcast with a and b)."""
+    cond = np.asarray(cond.data if isinstance(cond, Tensor) else cond)
+    if cond.dtype != np.bool_:
+        raise OpError(f"where: cond must be a boolean array, got dtype {cond.dtype}")
+    a, b = as_tensor(a), as_tensor(b)
+    try:
+        out = np.where(cond, a.data, b.data)
+    except ValueError:
+        raise OpError(f"where: shapes {cond.shape}, {a.shape} and {b.shape} do not broadcast") from None
+    return Tensor.make(out, (a, b), lambda g: (np.where(cond, g, 0), np.where(cond, 0, g)), "where")
 
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -400,6 +439,16 @@ def concat(tensors, axis=0):
         raise OpError(f"concat: shapes {[t.shape for t in ts]} do not match outside axis {axis}") from None
     cuts = np.cumsum([t.shape[axis] for t in ts])[:-1]
     return Tensor.make(out, tuple(ts), lambda g: tuple(np.split(g, cuts, axis=axis)), "concat")
+
+
+def stack(tensors, axis=0):
+    """Join same-shape tensors along a new axis."""
+    ts = [as_tensor(t) for t in tensors]
+    if not ts or any(t.shape != ts[0].shape for t in ts):
+        raise OpError(f"stack: needs one or more tensors of one shape, got {[t.shape for t in ts]}")
+    out = np.stack([t.data for t in ts], axis=axis)
+    n = len(ts)
+    return Tensor.make(out, tuple(ts), lambda g: tuple(np.take(g, i, axis=axis) for i in range(n)), "stack")
 
 
 def split(a, sizes, axis=0):
@@ -703,6 +752,7 @@ Tensor.__rmul__ = lambda a, b: mul(b, a)
 Tensor.__truediv__ = div
 Tensor.__rtruediv__ = lambda a, b: div(b, a)
 Tensor.__neg__ = neg
+Tensor.__abs__ = abs
 Tensor.__pow__ = pow
 Tensor.__matmul__ = matmul
 Tensor.__rmatmul__ = lambda a, b: matmul(b, a)
@@ -720,6 +770,8 @@ Tensor.tanh = tanh
 Tensor.sigmoid = sigmoid
 Tensor.silu = silu
 Tensor.relu = relu
+Tensor.sqrt = sqrt
+Tensor.abs = abs
 Tensor.gelu = gelu
 Tensor.softmax = softmax
 Tensor.log_softmax = log_softmax

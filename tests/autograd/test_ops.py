@@ -323,3 +323,17 @@ def test_attention_query_blocks_match_one_block(monkeypatch):
     for a, b in zip(*res):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(res[0][0], _ref_attention(*arrays, True, 20), rtol=1e-10)
+
+
+def test_sqrt_abs_clamp_where_stack(gradcheck, rand):
+    x = rand(4, 5)
+    x = np.where(np.abs(x) < 0.05, 0.4, x)  # away from the kinks
+    gradcheck(lambda t: ag.sqrt(t), np.abs(x) + 0.1)
+    gradcheck(lambda t: ag.abs(t), x)
+    gradcheck(lambda t: ag.clamp(t, -0.5, 0.7), np.where(np.abs(np.abs(x) - 0.6) < 0.1, 0.2, x))
+    cond = x > 0
+    gradcheck(lambda a, b: ag.where(cond, a, b), rand(4, 5), rand(5))
+    gradcheck(lambda a, b, c: ag.stack([a, b, c], axis=1), rand(2, 3), rand(2, 3), rand(2, 3))
+    np.testing.assert_array_equal(ag.stack([Tensor(x), Tensor(x)], -1).data, np.stack([x, x], -1).astype(np.float32))
+    with pytest.raises(OpError, match="where: cond must be a boolean"):
+        ag.where(x, x, x)

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import importlib
 import inspect
+import warnings
 
 MODULES = ("builtins", "collections", "itertools", "functools", "json", "re", "os", "pathlib", "string",
            "textwrap", "heapq", "bisect", "random", "statistics", "math", "datetime", "argparse", "logging",
@@ -27,12 +28,14 @@ def _docstrings(module_name):
     except ImportError:
         return []
     docs = [inspect.getdoc(mod) or ""]
-    for name in sorted(n for n in dir(mod) if not n.startswith("_")):
-        obj = getattr(mod, name, None)
-        if inspect.isclass(obj) or inspect.isfunction(obj) or inspect.isbuiltin(obj):
-            doc = inspect.getdoc(obj)
-            if doc and len(doc) > 40:
-                docs.append(f"{module_name}.{name}\n{doc}")
+    with warnings.catch_warnings():  # e.g. typing.io/typing.re warn when touched
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for name in sorted(n for n in dir(mod) if not n.startswith("_")):
+            obj = getattr(mod, name, None)
+            if inspect.isclass(obj) or inspect.isfunction(obj) or inspect.isbuiltin(obj):
+                doc = inspect.getdoc(obj)
+                if doc and len(doc) > 40:
+                    docs.append(f"{module_name}.{name}\n{doc}")
     return docs
 
 

@@ -38,7 +38,7 @@ def test_micro_batch_split_changes_bits_but_not_the_math(tmp_path):
 
 
 def test_one_trainer_pipeline_equals_inprocess(tmp_path):
-    inproc = launch("spirals", tmp_path / "inproc", "--inprocess", *SPIRALS)
+    inproc = _inprocess(tmp_path / "inproc", "spirals", SPIRALS_SPEC)
     piped = launch("spirals", tmp_path / "piped", "--trainers", "1", *SPIRALS)
     assert piped["params_sha256"] == inproc["params_sha256"]
     assert piped["steps"] == 40 and piped["final_loss"] == inproc["final_loss"]

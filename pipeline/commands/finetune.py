@@ -33,11 +33,14 @@ def add_arguments(p):
     p.add_argument("--steps", type=int, default=30, help="train until this many optimizer steps in total (a resumed run continues from its checkpoint)")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank r")
     p.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (the delta is scaled by alpha/rank)")
-    p.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (a resumed run keeps the checkpoint's)")
+    p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (a resumed run keeps the checkpoint's); "
+                   "the default suits the small model of `fucina launch lm`, use ~1e-3 for Qwen3-0.6B")
     p.add_argument("--warmup", type=int, default=0, help="linear learning-rate warm-up over this many optimizer steps")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip, once per window (0 = off)")
-    p.add_argument("--targets", default="q,v", help="comma-separated projections to adapt: q,k,v,o,gate,up,down")
-    p.add_argument("--accum-steps", type=int, default=1, help="micro-batches (samples) per optimizer step, token-weighted (a resumed run keeps the checkpoint's)")
+    p.add_argument("--targets", default="q,k,v,o,gate,up,down",
+                   help="comma-separated projections to adapt, any of q,k,v,o,gate,up,down (q,v is the classic choice for large models)")
+    p.add_argument("--accum-steps", type=int, default=5,
+                   help="samples per optimizer step, token-weighted (default 5: the whole pirate set per step; a resumed run keeps the checkpoint's)")
     p.add_argument("--seq-max", type=int, default=256, help="truncate samples to this many input tokens")
     p.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout probability on the adapter input, in [0, 1)")
     p.add_argument("--state-dtype", choices=("f32", "bf16"), default="f32", help="dtype of the AdamW moments")

@@ -417,8 +417,13 @@ class TrainerPool:
         for j, conn in enumerate(self.conns):
             conn.send((weights, [t for t in tasks if t[0] % n == j]))
         results = {}
-        for conn in self.conns:
-            for k, loss, grads in conn.recv():
+        for j, conn in enumerate(self.conns):
+            try:
+                answer = conn.recv()
+            except (EOFError, OSError):
+                self.procs[j].join(timeout=5)
+                raise UserError(f"trainer process {j} died (exit code {self.procs[j].exitcode}); its error is printed above") from None
+            for k, loss, grads in answer:
                 results[k] = (loss, grads)
         params = trainer.named_parameters()
         for k in range(len(tasks)):  # index order, never arrival order

@@ -18,7 +18,7 @@ def model_path():
 
 
 def _run(capsys, *argv):
-    rc = main(["finetune", *argv, "--json", "--max-new-tokens", "3"])
+    rc = main(["finetune", "--targets", "q,v", "--accum-steps", "1", *argv, "--json", "--max-new-tokens", "3"])
     out = capsys.readouterr()
     return rc, (json.loads(out.out.strip().splitlines()[-1]) if rc == 0 else None), out.err
 
@@ -72,7 +72,7 @@ def test_loss_falls_and_json_summary(model_path, capsys):
 
 
 def test_verify_grads_passes(model_path, capsys):
-    rc = main(["finetune", "--model", model_path, "--verify-grads", "--targets", "q,v,down"])
+    rc = main(["finetune", "--model", model_path, "--verify-grads", "--targets", "q,v,down", "--accum-steps", "1"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert out.count("[PASS]") == 4

@@ -18,6 +18,9 @@ import socket
 import sys
 import time
 
+# numpy/numba/zmq and the pipeline are imported inside functions on purpose:
+# main() must pin the BLAS and numba thread pools before they are first loaded.
+
 
 def make_task(run: dict):
     """The task object a run config describes (a replica + its batched scorer)."""

@@ -305,3 +305,25 @@ def test_newton_schulz_orthogonalizes_and_muon_flattens_conv_weights():
     step = (before - conv.data).reshape(6, 12) / np.float32(0.02)
     # first step: the Nesterov update is a multiple of g, and Newton-Schulz is scale-invariant
     assert np.allclose(step, newton_schulz5(conv.grad.reshape(6, 12)), atol=1e-4)
+
+
+def test_muon_and_apollo_steps_are_thread_count_invariant():
+    import numba
+    from threadpoolctl import threadpool_limits
+    results = []
+    for threads in (1, 2):
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        try:
+            with threadpool_limits(threads):
+                ws = [("w", param((384, 512), 1)), ("v", param((512, 256), 2))]
+                muon = Muon(ws[:1])
+                apollo = Apollo(ws[1:], rank=8)
+                for s in range(2):
+                    grads_for([t for _, t in ws], s)
+                    muon.step()
+                    apollo.step()
+                results.append([t.data.copy() for _, t in ws])
+        finally:
+            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    for a, b in zip(*results):
+        assert np.array_equal(a, b)

@@ -9,7 +9,7 @@ runs over a fixed grid of row chunks, so the bits do not depend on threads.
 import numpy as np
 from numba import njit, prange
 
-from kernels.fastexp import _FASTMATH, exp_shifted_sum_into, row_max
+from kernels.fastexp import _FASTMATH, exp_shifted_sum_inplace, row_max
 from kernels.nn import threads_for
 
 ROW_CHUNK = 64
@@ -20,7 +20,7 @@ def _softmax_rows(s, i0, i1):
     for i in range(i0, i1):
         row = s[i]
         m = row_max(row)
-        inv = np.float32(1.0 / exp_shifted_sum_into(row, m, row))
+        inv = np.float32(1.0 / exp_shifted_sum_inplace(row, m))
         for j in range(row.shape[0]):
             row[j] *= inv
 

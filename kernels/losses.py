@@ -12,7 +12,7 @@ row order, so results are bitwise identical for any thread count.
 import numpy as np
 from numba import njit, prange
 
-from kernels.fastexp import exp_shifted_into, row_max, sum_exp_shifted
+from kernels.fastexp import exp_shifted_inplace, exp_shifted_into, row_max, sum_exp_shifted
 from kernels.nn import threads_for
 
 ROW_CHUNK = 8  # rows per parallel task
@@ -110,21 +110,34 @@ def _ce_forward_f32(logits, labels, ignore_index, smoothing, loss, stats):
                              ch * ROW_CHUNK, min(n, (ch + 1) * ROW_CHUNK))
 
 
+@njit(cache=True)
+def _ce_backward_f32_rows(logits, labels, ignore_index, smoothing, stats, row_scale, out, inplace, i0, i1):
+    """Rows i0..i1 of the float32 backward (serial, so its loops vectorize)."""
+    c = logits.shape[1]
+    for i in range(i0, i1):
+        y = labels[i]
+        if y == ignore_index:
+            out[i, :] = 0
+            continue
+        gs = row_scale[i]
+        shift = np.float32(stats[i, 0])
+        scale = np.float32(gs / stats[i, 1])
+        offset = np.float32(smoothing / c * gs)
+        if inplace:  # one pointer: the vectorizer needs no overlap check
+            exp_shifted_inplace(out[i], shift, scale, offset)
+        else:
+            exp_shifted_into(logits[i], shift, out[i], scale, offset)
+        out[i, y] -= np.float32((1.0 - smoothing) * gs)
+
+
 @njit(cache=True, parallel=True)
-def _ce_backward_f32(logits, labels, ignore_index, smoothing, stats, row_scale, out):
+def _ce_backward_f32(logits, labels, ignore_index, smoothing, stats, row_scale, out, inplace):
     """float32 twin of _ce_backward with the vectorized exp (kernels/fastexp.py)."""
-    n, c = logits.shape
+    n = logits.shape[0]
     nchunks = (n + ROW_CHUNK - 1) // ROW_CHUNK
     for ch in prange(nchunks):
-        for i in range(ch * ROW_CHUNK, min(n, (ch + 1) * ROW_CHUNK)):
-            y = labels[i]
-            if y == ignore_index:
-                out[i, :] = 0
-                continue
-            gs = row_scale[i]
-            exp_shifted_into(logits[i], np.float32(stats[i, 0]), out[i], np.float32(gs / stats[i, 1]),
-                             np.float32(smoothing / c * gs))
-            out[i, y] -= np.float32((1.0 - smoothing) * gs)
+        _ce_backward_f32_rows(logits, labels, ignore_index, smoothing, stats, row_scale, out, inplace,
+                              ch * ROW_CHUNK, min(n, (ch + 1) * ROW_CHUNK))
 
 
 def _check(logits, labels):
@@ -152,8 +165,13 @@ def ce_backward(logits, labels, stats, row_scale, ignore_index=-100, smoothing=0
     logits, labels = _check(logits, labels)
     if out is None:
         out = np.empty_like(logits)
-    kernel = _ce_backward_f32 if logits.dtype == np.float32 else _ce_backward
+    scale = np.ascontiguousarray(row_scale, dtype=np.float64)
     with threads_for(logits.size):
-        kernel(logits, labels, int(ignore_index), float(smoothing), stats,
-                     np.ascontiguousarray(row_scale, dtype=np.float64), out)
+        if logits.dtype == np.float32:
+            inplace = out is logits or np.shares_memory(out, logits)
+            if inplace and out.ctypes.data != logits.ctypes.data:
+                raise ValueError("cross_entropy kernel: out must be logits itself or not overlap it")
+            _ce_backward_f32(logits, labels, int(ignore_index), float(smoothing), stats, scale, out, inplace)
+        else:
+            _ce_backward(logits, labels, int(ignore_index), float(smoothing), stats, scale, out)
     return out

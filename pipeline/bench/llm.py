@@ -36,6 +36,14 @@ def _prompt(n, vocab):
 
 
 def _peak_rss_mb():
+    """This process's high-water RSS (VmHWM; ru_maxrss would include the parent's after fork+exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 

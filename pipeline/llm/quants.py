@@ -56,6 +56,9 @@ def format_of(qtype) -> Format | None:
         return None
 
 
+_SCRATCH: dict = {}  # (n_out, n_in) -> f32 buffer shared by all quantized weights of that shape
+
+
 class FrozenWeight:
     """A frozen [n_out, n_in] matrix kept in its file format (quantized stays quantized).
 
@@ -88,6 +91,19 @@ class FrozenWeight:
             return bits.view(np.float32).reshape(self.shape)
         return dequant.dequantize_rows(int(self.format.qtype), self.raw, self.shape[1])
 
+    def dequantize_scratch(self):
+        """The f32 copy in a reusable per-shape buffer: valid only until the next call for a
+        weight of the same shape (consume it at once; `dequantize()` gives an owned copy).
+        Reusing the buffer avoids page-faulting a fresh allocation per matmul."""
+        import numpy as np
+        from kernels import dequant
+        if not self.format.quantized:
+            return self.dequantize()
+        buf = _SCRATCH.get(self.shape)
+        if buf is None:
+            buf = _SCRATCH[self.shape] = np.empty(self.shape, np.float32)
+        return dequant.dequantize_rows(int(self.format.qtype), self.raw, self.shape[1], out=buf)
+
     def matmul_t(self, x):
         """x [..., n_in] f32 -> x @ W.T [..., n_out] f32."""
         import numpy as np
@@ -102,7 +118,7 @@ class FrozenWeight:
         elif self.format.qtype == QT.F32:
             y = x2 @ self.raw.T
         else:
-            y = x2 @ self.dequantize().T
+            y = x2 @ self.dequantize_scratch().T
         return y.reshape(*np.shape(x)[:-1], self.shape[0])
 
     def __repr__(self):

@@ -95,7 +95,7 @@ class FrozenLinear(Module):
         w = self.weight
 
         def backward(g):  # dx = g @ W; W is re-dequantized rather than kept resident in f32
-            return (np.asarray(g, np.float32).reshape(-1, w.shape[0]) @ w.dequantize()).reshape(x.shape),
+            return (np.asarray(g, np.float32).reshape(-1, w.shape[0]) @ w.dequantize_scratch()).reshape(x.shape),
 
         return Tensor.make(w.matmul_t(x.data), (x,), backward, "frozen_linear")
 

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
                        "trainers": args.trainers}, fh, indent=1)
         sched = Scheduler(job, args.run_dir, run_id, endpoints, trainers=args.trainers, resume=resume,
                           log=lambda m: print(m, file=sys.stderr, flush=True), liveness_s=args.liveness)
-        summary = sched.serve()
+        sched.serve()  # writes summary.json
     except RunFailed as e:
         print(f"scheduler: {e}", file=sys.stderr)
         return 1
@@ -72,8 +72,6 @@ def main(argv=None) -> int:
         return 2
     except (KeyboardInterrupt, SystemExit):
         return 130
-    with open(os.path.join(args.run_dir, "summary.json"), "w") as fh:
-        json.dump(summary, fh, indent=1)
     return 0
 
 

@@ -14,11 +14,11 @@ import os
 import time
 
 from ..errors import UserError
-from .transport import Subscriber
+from .transport import Subscriber, ipc_endpoints
 
 
 def find_events_endpoint(run_dir=None, connect=None) -> str:
-    """--connect wins; else the run dir's run.json; else the newest run under ./runs."""
+    """--connect wins; else the run dir's run.json (or its ipc socket); else the newest run under ./runs."""
     if connect:
         return connect
     if run_dir is None:
@@ -29,12 +29,14 @@ def find_events_endpoint(run_dir=None, connect=None) -> str:
     try:
         with open(os.path.join(run_dir, "run.json")) as fh:
             return json.load(fh)["endpoints"]["events"]
+    except FileNotFoundError:  # not started yet (Procfile): the default ipc socket will appear there
+        return ipc_endpoints(run_dir).events
     except (OSError, ValueError, KeyError):
-        raise UserError(f"monitor: {run_dir}/run.json missing or unreadable (is the run started?)") from None
+        raise UserError(f"monitor: {run_dir}/run.json is unreadable") from None
 
 
-def stream(endpoint, timeout_s=None, idle_s=None):
-    """Yield decoded metrics/event messages until run_finished, timeout or idleness."""
+def stream(endpoint, timeout_s=None, idle_s=None, follow=False):
+    """Yield decoded metrics/event messages until run_finished (unless follow), timeout or idleness."""
     sub = Subscriber(endpoint)
     t0 = last = time.monotonic()
     try:
@@ -44,7 +46,7 @@ def stream(endpoint, timeout_s=None, idle_s=None):
             if msg is not None:
                 last = now
                 yield msg
-                if msg["kind"] == "event" and msg["event"] == "run_finished":
+                if msg["kind"] == "event" and msg["event"] == "run_finished" and not follow:
                     return
             if timeout_s is not None and now - t0 > timeout_s:
                 return
@@ -58,7 +60,7 @@ def _fmt(v, spec=".4g"):
     return "-" if v is None else format(v, spec)
 
 
-def live_view(endpoint, timeout_s=None, idle_s=None):
+def live_view(endpoint, timeout_s=None, idle_s=None, follow=False):
     """A rich live view: progress bar, latest metrics, per-role time, recent events."""
     from rich.console import Group
     from rich.live import Live
@@ -83,7 +85,7 @@ def live_view(endpoint, timeout_s=None, idle_s=None):
 
     with Live(render(), refresh_per_second=4) as live:
         try:
-            for msg in stream(endpoint, timeout_s, idle_s):
+            for msg in stream(endpoint, timeout_s, idle_s, follow):
                 if msg["kind"] == "metrics":
                     latest = msg
                     progress.update(task, completed=msg["step"], total=msg.get("total"))

@@ -333,4 +333,8 @@ class Scheduler:
             self.summary["plot"] = plot_run(self.run_dir)
         except FucinaError:
             pass
+        tmp = os.path.join(self.run_dir, "summary.json.tmp")
+        with open(tmp, "w") as fh:  # before run_finished: whoever hears it can read the summary
+            json.dump(self.summary, fh, indent=1)
+        os.replace(tmp, os.path.join(self.run_dir, "summary.json"))
         self.event("run_finished", **{k: v for k, v in self.summary.items() if k != "sample"})

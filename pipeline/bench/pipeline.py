@@ -62,9 +62,10 @@ def run(args):
     cases = {"inprocess": ["--inprocess", "--threads", "1"], "trainers-1": ["--trainers", "1", "--threads", "1"],
              "trainers-2": ["--trainers", "2", "--threads", "1"],
              "trainers-1x2threads": ["--trainers", "1", "--threads", "2"]}
-    steps, ms, dirs = {}, {}, {}
+    steps, ms, dirs, load = {}, {}, {}, {}
     for name, flags in cases.items():
         records, dirs[name] = _run(root, name, args.steps, *flags)
+        load[name] = os.getloadavg()[0]  # other jobs on the machine skew the ratios: say so
         steps[name] = records[args.warmup:] or records
         ms[name] = statistics.median(r["step_ms"] for r in steps[name])
     baseline = {"inprocess": {}, "trainers-1": {"inprocess": ms["inprocess"]},
@@ -73,7 +74,8 @@ def run(args):
     rows = []
     for name in cases:
         rows.append({"case": f"lm/{name}", "ms": round(ms[name], 2), "baselines": baseline[name], "config": config,
-                     "notes": f"{tokens * 1e3 / ms[name]:.0f} tokens/s" + (f"; {dirs[name]}" if args.keep else "")})
+                     "notes": f"{tokens * 1e3 / ms[name]:.0f} tokens/s; load avg {load[name]:.1f}"
+                              + (f"; {dirs[name]}" if args.keep else "")})
     one = steps["trainers-1"]
     overhead = statistics.median(r["step_ms"] - r["roles"]["trainer"] - r["roles"]["optimizer"] for r in one)
     rows.append({"case": "lm/messaging", "ms": round(overhead, 2), "baselines": {}, "config": config,

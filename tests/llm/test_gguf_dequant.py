@@ -80,3 +80,24 @@ def test_bad_shapes_are_named():
         dequant.dequantize_rows(int(QT.Q2_K), np.zeros((2, 84), np.uint8), 256)
     with pytest.raises(ValueError, match="uint8"):
         dequant.dequantize_rows(int(QT.Q8_0), np.zeros((2, 34), np.int32), 32)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["f16", "bf16"])
+def test_matvec_half_vs_numpy_and_thread_counts(bf16):
+    r = np.random.default_rng(5)
+    w = (r.standard_normal((70, 1000)) * 0.05).astype(np.float16)
+    w[0, :4] = [6e-8, -6e-8, 0.0, -0.0]  # subnormals and signed zeros widen exactly too
+    bits = (w.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16) if bf16 else w.view(np.uint16)
+    wide = (bits.astype(np.uint32) << 16).view(np.float32) if bf16 else w.astype(np.float32)
+    x = r.standard_normal((3, 1000)).astype(np.float32)
+    ref = x.astype(np.float64) @ wide.astype(np.float64).T
+    prev = numba.get_num_threads()
+    try:
+        outs = []
+        for n in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
+            numba.set_num_threads(n)
+            outs.append(dequant.matvec_half(bits, x, bf16=bf16))
+    finally:
+        numba.set_num_threads(prev)
+    np.testing.assert_allclose(outs[0], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    np.testing.assert_array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))

@@ -395,19 +395,20 @@ def bf16_narrow_ser(x, out):
 
 
 @njit(cache=True, inline="always", error_model="numpy")
-def _triad(a, b, c, s):
+def _triad(a, b, s):
     for i in range(a.size):
-        a[i] = b[i] + s * c[i]
+        a[i] = a[i] + s * b[i]
 
 
 @njit(cache=True, parallel=True, error_model="numpy")
-def triad_par(a, b, c, s):
-    """STREAM triad a = b + s*c over the fixed chunk grid: the bandwidth yardstick for
-    `fucina bench optim` (12 bytes moved per element)."""
+def triad_par(a, b, s):
+    """In-place STREAM-style triad a = a + s*b over the fixed chunk grid: the bandwidth
+    yardstick of `fucina bench optim`. 12 bytes per element, all of them real traffic:
+    like the optimizer loops it reads every array it writes, so it pays no write-allocate."""
     n = a.size
     for k in prange((n + CHUNK - 1) // CHUNK):
         lo, hi = k * CHUNK, min(n, k * CHUNK + CHUNK)
-        _triad(a[lo:hi], b[lo:hi], c[lo:hi], s)
+        _triad(a[lo:hi], b[lo:hi], s)
 
 
 PARALLEL_MIN = 1 << 17  # below this many elements the thread pool costs more than it saves

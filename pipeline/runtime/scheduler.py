@@ -76,6 +76,7 @@ class Scheduler:
         self.role_ms = {"loader": 0.0, "trainer": 0.0, "optimizer": 0.0}
         self.last_step_t = None
         self.restarts = 0
+        self.snapshots_asked = set()  # (gen, step): never ask twice (a snapshot segment name is per step)
         self.committed_steps = set()
         self.summary = None
         self.t_start = time.monotonic()
@@ -214,7 +215,11 @@ class Scheduler:
         self.cur, self.optimizer_busy, self.grads = done, False, {}
         self.loads = {key: v for key, v in self.loads.items() if key[0] >= done}
         if checkpoint_due(self.job, done):
-            self.send(peer, "snapshot", done, gen=self.gen)
+            self.ask_snapshot(peer, done)
+
+    def ask_snapshot(self, optimizer, step):
+        self.snapshots_asked.add((self.gen, step))
+        self.send(optimizer, "snapshot", step, gen=self.gen)
 
     def on_snapshot_ready(self, peer, msg):
         if msg["gen"] == self.gen:
@@ -318,6 +323,10 @@ class Scheduler:
     def maybe_finish(self):
         final = self.job.steps
         if final not in self.committed_steps and not ckpt.is_committed(checkpoint_dir(self.run_dir, final)):
+            optimizer = self.one("optimizer")
+            if optimizer and (self.gen, final) not in self.snapshots_asked:
+                # resumed at the last step into a new run dir: save the final state here too
+                self.ask_snapshot(optimizer, final)
             return
         if self.writes_inflight or self.writes_pending:
             return

@@ -65,3 +65,17 @@ def test_short_lm_is_bit_identical_everywhere(tmp_path):
     digests = {r["params_sha256"] for r in (inproc, one, two, resumed)}
     assert len(digests) == 1, digests
     assert os.path.getsize(two["gguf"]) > 0 and two["sample"].startswith("The for statement")
+
+
+TINY_LM = {"steps": 4, "batch": 4, "micro_batches": 2, "seq": 16, "hidden": 16, "layers": 1, "heads": 2,
+           "kv_heads": 1, "head_dim": 8, "ffn": 32, "checkpoint_every": 2, "eval_every": 2, "val_batches": 1,
+           "sample_tokens": 4}
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_lm_resume_is_bit_exact_with_each_optimizer_recipe(tmp_path, optimizer):
+    spec = {**TINY_LM, "optimizer": optimizer, "weight_decay": 0.1}
+    full = _inprocess(tmp_path / "full", "lm", spec)
+    resumed = _inprocess(tmp_path / "resumed", "lm", spec, resume=str(tmp_path / "full" / "checkpoint-step-2"))
+    assert resumed["params_sha256"] == full["params_sha256"]
+    assert full["final_loss"] < 6.0 and os.path.exists(full["gguf"])

@@ -2,7 +2,7 @@
 writes the logit gradient in ONE pass from those stats (optionally in place).
 
 Trade-off: the forward stores 16 bytes per row instead of the softmax, so the
-backward recomputes exp(x - lse) once — cheaper than a [rows, classes] buffer.
+backward recomputes exp(x - max) / sum_exp once: cheaper than a [rows, classes] buffer.
 float32 logits use the vectorized exp of kernels/fastexp.py (float64 logits,
 used by the finite-difference tests, use np.exp).
 Rows are independent and run in parallel over a fixed grid of row chunks; the

@@ -3,11 +3,12 @@
 Classes are on the LAST axis: logits [..., C] with integer labels [...]
 (the LLM convention; torch's F.cross_entropy puts classes on axis 1).
 
-Trade-off: one row kernel pass for the forward saving only 16 bytes per row,
-one pass for the backward (from the saved per-row max and sum-exp); the fused linear variant keeps its logits buffer
-outside the graph and overwrites it in place with the logit gradient (or, with
-`chunk_rows`, never holds more than one chunk of logits and recomputes them in
-backward: one extra GEMM for O(chunk x classes) memory).
+Trade-off: one row-kernel pass for the forward, saving only 16 bytes per row
+(max and sum of exp), and one pass for the backward from those stats. The fused
+linear variant keeps its logits buffer outside the graph and overwrites it in
+place with the logit gradient (or, with `chunk_rows`, never holds more than one
+chunk of logits and recomputes them in backward: one extra GEMM for
+O(chunk x classes) memory).
 
 Determinism: per-row losses are float64; 'mean' and 'sum' are ONE serial sum in
 row order (np.sum is pairwise, so the sum is np.cumsum's left-to-right scan).

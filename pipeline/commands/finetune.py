@@ -52,7 +52,7 @@ def add_arguments(p):
     p.add_argument("--trainers", type=int, default=0, metavar="N", help="run each window's micro-batches on N trainer processes (0 = in this process); same bits")
     p.add_argument("--threads", type=int, default=0, help="BLAS/numba threads per process (0 = leave as is)")
     p.add_argument("--prompt", default=None, help="held prompt for the BEFORE/AFTER answers (default: the first training instruction)")
-    p.add_argument("--max-new-tokens", type=int, default=24, help="length of the BEFORE/AFTER greedy answers")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="length of the BEFORE/AFTER greedy answers (tokens; bytes on a byte-level model)")
     p.add_argument("--verify-grads", action="store_true", help="instead of training: zero-structure, grad-norm audit, Taylor and frozen-base checks; exit 1 on failure")
     p.add_argument("--json", action="store_true", help="print one JSON summary line on stdout (progress goes to stderr)")
 
@@ -145,7 +145,7 @@ def _answer(trainer, tokenizer, encoder, template, prompt, options, max_new):
     from ..llm.data import encode_prompt
     ids = encode_prompt(encoder, template, prompt, options)
     stops = {i for i in (tokenizer.eos_id, tokenizer.eot_id) if i is not None}
-    return tokenizer.decode(trainer.generate(ids, max_new, stop_ids=stops)).strip()
+    return tokenizer.decode(trainer.generate(ids, max_new, stop_ids=stops))
 
 
 def _bar(done, total, width=20):

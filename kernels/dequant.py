@@ -135,26 +135,30 @@ def _dot_row(qtype, b, x, lut, acc):
                 acc[16 + l] += d * np.float32(np.int32(v >> 4) - 8) * x[blk * 32 + 16 + l]
     elif qtype == Q4_K or qtype == Q5_K:
         bs = 144 if qtype == Q4_K else 176
+        qs_off = 16 if qtype == Q4_K else 48
         for blk in range(n // 256):
             o = blk * bs
             d = _half(lut, b, o)
             dmin = _half(lut, b, o + 2)
-            qs = o + 16 if qtype == Q4_K else o + 48
-            for j in range(8):
-                s, m = _scale_min_k4(b, j, o + 4)
-                d1 = d * np.float32(s)
-                m1 = dmin * np.float32(m)
-                shift = 4 * (j & 1)
-                base = qs + (j >> 1) * 32
-                xo = blk * 256 + j * 32
+            for p in range(4):  # 32 bytes hold sub-blocks 2p (low nibbles) and 2p+1 (high nibbles)
+                s_lo, m_lo = _scale_min_k4(b, 2 * p, o + 4)
+                s_hi, m_hi = _scale_min_k4(b, 2 * p + 1, o + 4)
+                d_lo, dm_lo = d * np.float32(s_lo), dmin * np.float32(m_lo)
+                d_hi, dm_hi = d * np.float32(s_hi), dmin * np.float32(m_hi)
+                base = o + qs_off + p * 32
+                xo = blk * 256 + p * 64
                 if qtype == Q4_K:
                     for l in range(32):
-                        q = (b[base + l] >> shift) & 0xF
-                        acc[l] += (d1 * np.float32(q) - m1) * x[xo + l]
+                        acc[l] += (d_lo * np.float32(b[base + l] & 0xF) - dm_lo) * x[xo + l]
+                    for l in range(32):
+                        acc[l] += (d_hi * np.float32(b[base + l] >> 4) - dm_hi) * x[xo + 32 + l]
                 else:
                     for l in range(32):
-                        q = ((b[base + l] >> shift) & 0xF) | (((b[o + 16 + l] >> j) & 1) << 4)
-                        acc[l] += (d1 * np.float32(q) - m1) * x[xo + l]
+                        q = (b[base + l] & 0xF) | (((b[o + 16 + l] >> (2 * p)) & 1) << 4)
+                        acc[l] += (d_lo * np.float32(q) - dm_lo) * x[xo + l]
+                    for l in range(32):
+                        q = (b[base + l] >> 4) | (((b[o + 16 + l] >> (2 * p + 1)) & 1) << 4)
+                        acc[l] += (d_hi * np.float32(q) - dm_hi) * x[xo + 32 + l]
     elif qtype == Q6_K:
         for blk in range(n // 256):
             o = blk * 210

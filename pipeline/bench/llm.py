@@ -17,7 +17,18 @@ import time
 
 import numpy as np
 
-from . import median_ms
+
+def _timed(fn, repeat, warmup=1):
+    """(median wall ms, median process-CPU ms) of fn(); CPU time is robust to other load on the machine."""
+    for _ in range(warmup):
+        fn()
+    walls, cpus = [], []
+    for _ in range(repeat):
+        w, c = time.perf_counter(), time.process_time()
+        fn()
+        walls.append((time.perf_counter() - w) * 1e3)
+        cpus.append((time.process_time() - c) * 1e3)
+    return float(np.median(walls)), float(np.median(cpus))
 
 NAME = "llm"
 HELP = "Qwen3 GGUF prefill/decode tok/s and peak RSS, with llama.cpp ratios when installed"
@@ -61,20 +72,21 @@ def _ours(path, threads, decode_tokens, repeat):
         res = {"load_ms": load_ms, "weight_mb": model.weight_bytes / 2 ** 20}
         for n in (64, 256):
             ids = _prompt(n, vocab)
-            res[f"prefill{n}"] = median_ms(lambda: model.infer(ids, model.new_cache(n)), repeat=repeat, warmup=1)
+            res[f"prefill{n}"], res[f"prefill{n}_cpu"] = _timed(lambda: model.infer(ids, model.new_cache(n)), repeat)
         ids = _prompt(64, vocab)
 
         def decode():
             cache = model.new_cache(64 + decode_tokens)
             model.infer(ids, cache)
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             token = 1
             for _ in range(decode_tokens):
                 token = int(np.argmax(model.infer(np.array([token]), cache)))
-            return (time.perf_counter() - t) * 1e3 / decode_tokens
+            return ((time.perf_counter() - t) * 1e3 / decode_tokens, (time.process_time() - c) * 1e3 / decode_tokens)
 
         decode()  # warm-up (numba compilation)
-        res["decode"] = float(np.median([decode() for _ in range(repeat)]))
+        runs = [decode() for _ in range(repeat)]
+        res["decode"], res["decode_cpu"] = (float(np.median([r[k] for r in runs])) for k in (0, 1))
         res["peak_rss_mb"] = _peak_rss_mb()
         res["rss_before_mb"] = rss0
     return res
@@ -100,23 +112,23 @@ def _llama_worker(path, threads, decode_tokens, repeat, quantized):
         ids = [int(i) for i in _prompt(n, vocab)]
 
         def prefill():
-            llm.reset()
-            llm._ctx.kv_cache_clear() if hasattr(llm._ctx, "kv_cache_clear") else None
+            llm.reset()  # rewinds the KV cache: the next eval starts at position 0
             llm.eval(ids)
 
-        res[f"prefill{n}"] = median_ms(prefill, repeat=repeat, warmup=1)
+        res[f"prefill{n}"], res[f"prefill{n}_cpu"] = _timed(prefill, repeat)
     ids = [int(i) for i in _prompt(64, vocab)]
 
     def decode():
         llm.reset()
         llm.eval(ids)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         for _ in range(decode_tokens):
             llm.eval([1])
-        return (time.perf_counter() - t) * 1e3 / decode_tokens
+        return ((time.perf_counter() - t) * 1e3 / decode_tokens, (time.process_time() - c) * 1e3 / decode_tokens)
 
     decode()
-    res["decode"] = float(np.median([decode() for _ in range(repeat)]))
+    runs = [decode() for _ in range(repeat)]
+    res["decode"], res["decode_cpu"] = (float(np.median([r[k] for r in runs])) for k in (0, 1))
     res["peak_rss_mb"] = _peak_rss_mb()
     print(json.dumps(res))
 
@@ -150,12 +162,14 @@ def run(args):
     for case, tokens in (("prefill64", 64), ("prefill256", 256), ("decode", 1)):
         ms = ours[case]
         row = {"case": f"{os.path.basename(args.model)}/{case}", "ms": ms, "baselines": {},
-               "tok_s": tokens * 1e3 / ms}
+               "tok_s": tokens * 1e3 / ms, "cpu_ms": ours[case + "_cpu"]}
         note = f"{row['tok_s']:.1f} tok/s"
         if theirs:
             row["baselines"]["llama.cpp"] = theirs[case]
             row["llama_tok_s"] = tokens * 1e3 / theirs[case]
-            note += f" vs llama.cpp {row['llama_tok_s']:.1f} tok/s"
+            row["llama_cpu_ms"] = theirs[case + "_cpu"]
+            note += (f" vs llama.cpp {row['llama_tok_s']:.1f} tok/s; CPU-time ratio "
+                     f"x{row['llama_cpu_ms'] / row['cpu_ms']:.2f}")
         elif why:
             note += f"; no baseline: {why}"
         if case == "decode":

@@ -51,19 +51,21 @@ def run(args) -> int:
     spec = from_args(job_cls.Spec, args)
     if args.trainers < 1:
         raise UserError(f"--trainers must be >= 1, got {args.trainers}")
+    from ..runtime import ckpt
+    if args.resume:
+        args.resume = ckpt.resolve(args.resume)  # a bad --resume fails here, before anything is written
     run_dir = _run_dir(args)
+    if not args.resume and ckpt.latest_checkpoint(run_dir):
+        raise UserError(f"{run_dir} already holds checkpoints: pass --resume {run_dir} or choose another --run-dir")
     os.makedirs(run_dir, exist_ok=True)
     quiet = args.json or args.quiet
     say = (lambda m: None) if quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     say(f"fucina launch {args.job}: run dir {run_dir}")
     say(f"  spec {json.dumps(to_dict(spec))}")
     if args.inprocess:
-        from ..runtime import ckpt
         from ..runtime.inprocess import run_inprocess
         from ..runtime.worker import limit_threads
         limit_threads(args.threads)
-        if not args.resume and ckpt.latest_checkpoint(run_dir):
-            raise UserError(f"{run_dir} already holds checkpoints: pass --resume {run_dir} or choose another --run-dir")
         with _progress(spec.steps, quiet) as on_step:
             summary = run_inprocess(job_cls(spec), run_dir, resume=args.resume, log=say, on_step=on_step)
         try:

@@ -95,7 +95,8 @@ class Supervisor:
                         self.spawn(name)
                 time.sleep(0.05)
             if code != 0:
-                raise FucinaError(f"launch: the scheduler exited with status {code}; see {self.log_path}")
+                raise FucinaError(f"launch: the scheduler exited with status {code}{self._scheduler_said()}; "
+                                  f"see {self.log_path}")
             with open(os.path.join(self.run_dir, "summary.json")) as fh:
                 summary = json.load(fh)
             summary["respawns"] = self.respawns
@@ -104,6 +105,15 @@ class Supervisor:
             self.shutdown()
             for s, h in previous.items():
                 signal.signal(s, h)
+
+    def _scheduler_said(self) -> str:
+        """The scheduler's own one-line error, if it left one in the log."""
+        try:
+            with open(self.log_path, errors="replace") as fh:
+                lines = [ln.strip() for ln in fh if ln.startswith("scheduler:")]
+        except OSError:
+            return ""
+        return f" ({lines[-1]})" if lines else ""
 
     def shutdown(self, grace_s=5.0):
         for p in self.procs.values():

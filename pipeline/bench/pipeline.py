@@ -31,6 +31,8 @@ def add_arguments(parser):
     parser.add_argument("--steps", type=int, default=14, help="optimizer steps per case")
     parser.add_argument("--warmup", type=int, default=4, help="leading steps left out of the median")
     parser.add_argument("--keep", action="store_true", help="keep the run directories (printed in notes)")
+    parser.add_argument("--cases", default="inprocess,trainers-1,trainers-2,trainers-1x2threads",
+                        help="comma-separated subset of the cases to run")
 
 
 def _config():
@@ -59,27 +61,34 @@ def _run(root, name, steps, *flags):
 def run(args):
     config = _config()
     root = tempfile.mkdtemp(prefix="fucina-bench-pipeline-")
-    cases = {"inprocess": ["--inprocess", "--threads", "1"], "trainers-1": ["--trainers", "1", "--threads", "1"],
+    every = {"inprocess": ["--inprocess", "--threads", "1"], "trainers-1": ["--trainers", "1", "--threads", "1"],
              "trainers-2": ["--trainers", "2", "--threads", "1"],
              "trainers-1x2threads": ["--trainers", "1", "--threads", "2"]}
+    wanted = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [c for c in wanted if c not in every]
+    if unknown:
+        from ..errors import UserError
+        raise UserError(f"bench pipeline: unknown case(s) {unknown}; cases: {', '.join(every)}")
+    cases = {name: every[name] for name in wanted}
     steps, ms, dirs, load = {}, {}, {}, {}
     for name, flags in cases.items():
         records, dirs[name] = _run(root, name, args.steps, *flags)
         load[name] = os.getloadavg()[0]  # other jobs on the machine skew the ratios: say so
         steps[name] = records[args.warmup:] or records
         ms[name] = statistics.median(r["step_ms"] for r in steps[name])
-    baseline = {"inprocess": {}, "trainers-1": {"inprocess": ms["inprocess"]},
-                "trainers-2": {"trainers-1": ms["trainers-1"]}, "trainers-1x2threads": {"trainers-1": ms["trainers-1"]}}
+    against = {"trainers-1": "inprocess", "trainers-2": "trainers-1", "trainers-1x2threads": "trainers-1"}
+    baseline = {name: ({against[name]: ms[against[name]]} if against.get(name) in ms else {}) for name in cases}
     tokens = config["batch"] * config["seq"]
     rows = []
     for name in cases:
         rows.append({"case": f"lm/{name}", "ms": round(ms[name], 2), "baselines": baseline[name], "config": config,
                      "notes": f"{tokens * 1e3 / ms[name]:.0f} tokens/s; load avg {load[name]:.1f}"
                               + (f"; {dirs[name]}" if args.keep else "")})
-    one = steps["trainers-1"]
-    overhead = statistics.median(r["step_ms"] - r["roles"]["trainer"] - r["roles"]["optimizer"] for r in one)
-    rows.append({"case": "lm/messaging", "ms": round(overhead, 2), "baselines": {}, "config": config,
-                 "notes": "median per-step wall time minus trainer and optimizer compute (1 trainer)"})
+    if "trainers-1" in steps:
+        one = steps["trainers-1"]
+        overhead = statistics.median(r["step_ms"] - r["roles"]["trainer"] - r["roles"]["optimizer"] for r in one)
+        rows.append({"case": "lm/messaging", "ms": round(overhead, 2), "baselines": {}, "config": config,
+                     "notes": "median per-step wall time minus trainer and optimizer compute (1 trainer)"})
     if not args.keep:
         import shutil
         shutil.rmtree(root, ignore_errors=True)

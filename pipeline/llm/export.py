@@ -28,7 +28,7 @@ from gguf import GGUFValueType
 from gguf.gguf_writer import GGUFValue
 
 from pipeline.errors import CheckpointError, UserError
-from pipeline.train.checkpoint import read_sentinel
+from pipeline.train.checkpoint import latest_checkpoint, read_sentinel
 from pipeline.train.state_dict import atomic_write_bytes, read_safetensors, save_state_dict
 
 from .gguf_write import DENSE, GGUFTensor, encode, read_gguf, write_gguf
@@ -89,7 +89,12 @@ def load_adapters(directory) -> Adapters:
     directory = Path(directory)
     if not directory.is_dir():
         raise UserError(f"--adapters {directory}: not a directory (pass the fine-tune's checkpoint directory)")
-    state = read_sentinel(directory)  # CheckpointError: "not a committed checkpoint (no trainer_state.json)"
+    try:
+        state = read_sentinel(directory)
+    except CheckpointError as e:
+        latest = latest_checkpoint(directory)
+        hint = f"; its latest committed periodic save is {latest}" if latest else ""
+        raise CheckpointError(f"{e}{hint}") from None
     path = directory / ADAPTER_FILE
     if not path.is_file():
         raise CheckpointError(f"{directory}: no {ADAPTER_FILE} (is this a LoRA fine-tune checkpoint?)")
@@ -100,7 +105,7 @@ def load_adapters(directory) -> Adapters:
         if not m or m.group(2) not in GGUF_TENSOR:
             raise UserError(f"{path}: tensor '{name}' is not an adapter name layers.<i>.<target>.lora_{{a,b}} "
                             f"with target in {'/'.join(GGUF_TENSOR)}")
-        if value.ndim != 2 or value.dtype.kind != "f":
+        if value.ndim != 2 or not (value.dtype.kind == "f" or value.dtype.name == "bfloat16"):
             raise UserError(f"{path}: tensor '{name}' must be a 2-D float matrix, got {value.dtype}{list(value.shape)}")
         halves.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = value.astype(np.float32)
     if not halves:

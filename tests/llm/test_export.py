@@ -195,12 +195,28 @@ def test_checkpoint_without_sentinel_is_refused(bases, tmp_path, capsys):
               "--out", str(tmp_path / "x.gguf")], capsys, tmp_path, "not a committed checkpoint", "trainer_state.json")
     _refused(["export-peft", "--adapters", str(tmp_path / "run"), "--out", str(tmp_path / "peft")],
              capsys, tmp_path, "not a committed checkpoint")
+    write_adapters(tmp_path / "run" / "checkpoint-step-20", alpha=16)  # a periodic save inside the run directory
+    _refused(["export-peft", "--adapters", str(tmp_path / "run"), "--out", str(tmp_path / "peft")],
+             capsys, tmp_path, "not a committed checkpoint", "checkpoint-step-20")
+    assert not (tmp_path / "peft" / "adapter_config.json").exists()
 
 
 def test_merge_and_dtype_in_one_pass_is_refused(bases, tmp_path, capsys):
     write_adapters(tmp_path / "run", alpha=16)
     _refused(["export-gguf", "--from-gguf", str(bases["f32"]), "--adapters", str(tmp_path / "run"),
               "--dtype", "q4_k", "--out", str(tmp_path / "x.gguf")], capsys, tmp_path, "separate passes")
+
+
+def test_bf16_adapters_are_widened_exactly(tmp_path):
+    import ml_dtypes
+
+    from pipeline.train.state_dict import save_state_dict
+    tensors = write_adapters(tmp_path / "run", alpha=16)
+    save_state_dict(tmp_path / "run" / "adapters.safetensors",
+                    {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()})
+    pair = load_adapters(tmp_path / "run").pairs[0]
+    assert pair.a.dtype == np.float32
+    np.testing.assert_array_equal(pair.a, tensors["layers.0.q.lora_a"].astype(ml_dtypes.bfloat16).astype(np.float32))
 
 
 def test_bad_adapter_files_are_refused(tmp_path):

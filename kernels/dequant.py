@@ -201,9 +201,9 @@ LANES = 32  # explicit partial sums: vectorizable, and a fixed summation order
 def _matvec_half_rows(bf16, raw, x, out):
     """raw uint16[n_rows, n_cols] (f16 or bf16 bits), x f32[m, n_cols] -> out f32[m, n_rows].
 
-    Widening is exact bit arithmetic (vectorizes, unlike a table lookup): bf16 is the high
-    half of an f32; an f16 normal or subnormal becomes f32 by shifting sign/exponent/mantissa
-    into place and rescaling the exponent by 2**112 (inf/nan never occur in weights).
+    Widening is exact and vectorizes (unlike a table lookup): bf16 is the high half of an
+    f32; an f16 normal or subnormal is its 11-bit significand shifted by its exponent in
+    int64, converted (exactly) and scaled by 2**-24 (inf/nan never occur in weights).
     Products accumulate in LANES fixed lanes, combined in lane order.
     """
     n_rows, n_cols = raw.shape
@@ -223,12 +223,13 @@ def _matvec_half_rows(bf16, raw, x, out):
                             bits[l] = np.uint32(src[k0 + l]) << 16
                         for l in range(LANES):
                             acc[l] += wide[l] * x[i, k0 + l]
-                    else:
+                    else:  # f16 = (implicit-1 | mantissa) << exponent, times 2**-25: integer ops, no aliasing
                         for l in range(LANES):
-                            h = np.uint32(src[k0 + l])
-                            bits[l] = ((h & 0x8000) << 16) | ((h & 0x7FFF) << 13)
-                        for l in range(LANES):
-                            acc[l] += (wide[l] * two112) * x[i, k0 + l]
+                            h = np.int64(src[k0 + l])
+                            e = (h >> 10) & 0x1F
+                            m = (h & 0x3FF) | (np.int64(e > 0) << 10)
+                            mag = np.float32(m << (max(e, np.int64(1)) - 1)) * np.float32(2.0 ** -24)
+                            acc[l] += (-mag if h & 0x8000 else mag) * x[i, k0 + l]
                 total = np.float32(0.0)
                 for l in range(LANES):
                     total += acc[l]

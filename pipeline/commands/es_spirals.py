@@ -42,7 +42,9 @@ def add_arguments(p):
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N iterations into --out (0: never)")
     p.add_argument("--resume", default=None, help="resume from this checkpoint (or the latest one in this run dir)")
     p.add_argument("--progress-every", type=int, default=500, help="print progress every N iterations (0: quiet)")
-    p.add_argument("--liveness", type=float, default=10.0, help="seconds of silence before a worker is declared dead")
+    p.add_argument("--liveness", type=float, default=10.0,
+                   help="seconds of silence before a worker is declared dead (must exceed the longest task, "
+                        "including a worker's first-call numba compilation)")
     p.add_argument("--kill-worker-at", type=int, default=None,
                    help="fault-injection demo: SIGKILL one local worker at this iteration")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")

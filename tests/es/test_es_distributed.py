@@ -128,3 +128,33 @@ def test_es_spirals_reaches_full_accuracy_from_random_init():
     result = run_spirals(task, RunOptions(workers=2, max_iterations=3000))
     assert result["converged"] and result["accuracy"] == 1.0, result
     assert result["replicas_checked"] == 2
+
+
+@pytest.mark.slow
+def test_silent_remote_worker_is_declared_dead_by_heartbeat(reference):
+    """A tcp worker the coordinator did not spawn (no process handle) dies: only the heartbeat
+    liveness timeout can notice, and its members are re-evaluated by the survivor."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "workers.es_member", "--connect", endpoint]
+    procs = [subprocess.Popen(cmd + ["--name", f"hb{k}"], cwd=REPO) for k in range(2)]
+    logs = []
+
+    def kill_at_3(it, backend):
+        if it == 3:
+            procs[1].kill()
+
+    try:
+        result = run_spirals(_task(), RunOptions(remote_workers=2, bind=endpoint, max_iterations=ITERS, liveness=3.0,
+                                                 log=logs.append), on_iteration=kill_at_3)
+    finally:
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    assert any("hb1" in line and "silent for" in line for line in logs), logs
+    assert result["replicas_checked"] == 1
+    assert result["sha256"] == reference["sha256"]

@@ -28,7 +28,7 @@ def add_arguments(p):
     p.add_argument("--rank", type=int, default=8, help="LoRA rank")
     p.add_argument("--targets", default="q,v", help="adapted projections")
     p.add_argument("--steps", type=int, default=3, help="timed optimizer steps per case (median reported)")
-    p.add_argument("--threads", type=int, default=2, help="BLAS/numba threads (torch gets the same)")
+    p.add_argument("--threads", type=int, default=2, help="BLAS/numba threads, torch gets the same (0 = leave as is)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
     p.add_argument("--no-trainers", action="store_true", help="skip the --trainers 2 cases")
 
@@ -72,7 +72,8 @@ def _torch_step_ms(model, sample, args):
     except ImportError:
         return None
     from pipeline.llm.finetune import Frozen
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     c = model.config
     dense = lambda proj: torch.from_numpy(np.ascontiguousarray(Frozen(proj).dense()))
     layers = []
@@ -148,7 +149,8 @@ def run(args):
     from pipeline.llm.finetune import TrainerPool
     from pipeline.models.qwen3 import Qwen3
     from pipeline.threads import pin_threads
-    pin_threads(args.threads)
+    if args.threads:
+        pin_threads(args.threads)
     model = Qwen3.from_gguf(args.model)
     sample = _sample(model.config.vocab_size, args.seq)
     n_sup = sample.n_valid
@@ -166,8 +168,9 @@ def run(args):
     if not args.no_trainers:
         samples = [sample, _sample(model.config.vocab_size, args.seq, seed=1)]
         ms_in = _time_windows(_session(args, model, samples, 2), args.steps)
+        per_process = max(1, (args.threads or 2) // 2)
         pool = TrainerPool(2, args.model, dict(targets=tuple(args.targets.split(",")), rank=args.rank, alpha=2.0 * args.rank),
-                           threads=max(1, args.threads // 2))
+                           threads=per_process)
         try:
             ms_pool = _time_windows(_session(args, model, samples, 2, pool=pool), args.steps)
         finally:
@@ -178,5 +181,5 @@ def run(args):
             base["torch_f32_x2"] = 2 * torch_ms
         rows.append({"case": "window accum2/trainers 2", "ms": ms_pool, "baselines": base,
                      "supervised_tok_s": 2 * n_sup / ms_pool * 1e3, "peak_rss_mb": _rss_mb(),
-                     "child_peak_rss_mb": child_rss, "notes": f"{desc}; 2 processes x {max(1, args.threads // 2)} threads"})
+                     "child_peak_rss_mb": child_rss, "notes": f"{desc}; 2 processes x {per_process} threads"})
     return rows

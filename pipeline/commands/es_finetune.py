@@ -1,0 +1,217 @@
+"""`fucina es-finetune`: gradient-free (ES) fine-tuning of LoRA adapters over a frozen Qwen3 GGUF.
+
+The twin of `fucina finetune`: same model loading, pirate dataset / --data JSONL,
+--shuffle loader, trainer forward and checkpoint layout; only the learning
+signal differs (ES over the adapters, reward = -mean CE on the iteration's
+batch, no backward anywhere). Prints the config, a BEFORE greedy answer, one
+line per iteration (mean reward, spread, ms, member-evals/s, a progress bar)
+and the AFTER answer; `--json` prints one summary line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from ..errors import UserError
+
+NAME = "es-finetune"
+HELP = "gradient-free ES fine-tune of LoRA adapters on a frozen (quantized) Qwen3 GGUF"
+DESCRIPTION = (HELP + ". With no --data it trains the built-in five-pair pirate dataset. Every population member "
+               "scores the same batch; the reward is the negative mean cross-entropy. ES needs many more "
+               "forward passes than backprop needs steps: expect a measurable loss drop, not a converged style.")
+
+# ES defaults when the flags are not given (a resume takes the checkpoint's values instead)
+ES_DEFAULTS = {"sigma": 0.02, "alpha": 0.02, "population": 16, "antithetic": True, "shaping": "z_score",
+               "noise": "iid", "anchor_decay": None, "anchor_lambda": 0.0, "batch": 5, "search": "ab"}
+
+
+def add_arguments(p):
+    p.add_argument("--model", help="Qwen3 GGUF to fine-tune (e.g. the model.gguf `fucina launch lm` saves); required")
+    p.add_argument("--data", help="JSONL file of {instruction, response} objects (default: the built-in pirate pairs)")
+    p.add_argument("--instruction-key", default="instruction", help="JSONL key holding the instruction")
+    p.add_argument("--response-key", default="response", help="JSONL key holding the response")
+    p.add_argument("--shuffle", action="store_true", help="shuffled sample order (Fisher-Yates per epoch, seeded by --data-seed)")
+    p.add_argument("--seed", type=int, default=42, help="seed of the adapter init (A) and, unless --es-seed, of the ES noise")
+    p.add_argument("--es-seed", type=int, default=None, help="seed of the ES noise stream (default: --seed)")
+    p.add_argument("--data-seed", type=int, default=None, help="seed of the shuffled order (default: --seed)")
+    p.add_argument("--iterations", type=int, default=40, help="train until this many ES iterations in total (a resumed run continues from its checkpoint)")
+    p.add_argument("--population", type=int, default=None, help=f"members per iteration (default {ES_DEFAULTS['population']}; even with --antithetic)")
+    p.add_argument("--sigma", type=float, default=None, help=f"perturbation scale (default {ES_DEFAULTS['sigma']})")
+    p.add_argument("--alpha", type=float, default=None, help=f"ES step size, no 1/sigma (default {ES_DEFAULTS['alpha']})")
+    p.add_argument("--antithetic", action=argparse.BooleanOptionalAction, default=None,
+                   help="mirrored (+eps, -eps) member pairs (default on; --no-antithetic: independent members)")
+    p.add_argument("--shaping", choices=("z_score", "centered_ranks"), default=None, help="fitness shaping (default z_score)")
+    p.add_argument("--noise", choices=("iid", "correlated"), default=None, help="noise scheme (default iid)")
+    p.add_argument("--batch", type=int, default=None, help="samples every member scores per iteration (default 5: the whole pirate set)")
+    p.add_argument("--search", choices=("ab", "b"), default=None,
+                   help="adapter factors ES perturbs: ab = A and B (default), b = only B (A stays at its random init)")
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank r")
+    p.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha (the delta is scaled by lora-alpha/rank)")
+    p.add_argument("--targets", default="q,v", help="comma-separated projections to adapt, any of q,k,v,o,gate,up,down")
+    p.add_argument("--anchor-decay", choices=("l1", "l2"), default=None,
+                   help="anchored weight decay toward the initial adapters after each update (default off)")
+    p.add_argument("--anchor-lambda", type=float, default=None, help="anchored decay strength lambda (shrink = alpha*lambda)")
+    p.add_argument("--seq-max", type=int, default=256, help="truncate samples to this many input tokens")
+    p.add_argument("--eval-samples", type=int, default=32,
+                   help="initial/final loss is measured on the first N training samples (unperturbed adapters)")
+    p.add_argument("--save", metavar="DIR", help="write the final checkpoint directory here")
+    p.add_argument("--save-every", type=int, default=0, metavar="N", help="also save DIR/checkpoint-step-N every N iterations (needs --save)")
+    p.add_argument("--load", metavar="DIR", help="resume from a checkpoint (adapters, iteration, loader position; its ES config wins over the flags)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="BLAS/numba threads (default 1: the forwards are small; 0 = leave the pools alone)")
+    p.add_argument("--prompt", default=None, help="held prompt for the BEFORE/AFTER answers (default: the first training instruction)")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="length of the BEFORE/AFTER greedy answers")
+    p.add_argument("--json", action="store_true", help="print one JSON summary line on stdout (progress goes to stderr)")
+
+
+def _check_args(args):
+    if not args.model:
+        raise UserError("--model is required: a Qwen3 GGUF (for a first run, the model.gguf that `fucina launch lm` saves)")
+    if not Path(args.model).is_file():
+        raise UserError(f"--model {args.model}: no such file")
+    for flag, value, low in (("--iterations", args.iterations, 0), ("--seq-max", args.seq_max, 1),
+                             ("--save-every", args.save_every, 0), ("--max-new-tokens", args.max_new_tokens, 0),
+                             ("--eval-samples", args.eval_samples, 1), ("--threads", args.threads, 0),
+                             ("--batch", args.batch if args.batch is not None else 1, 1)):
+        if value < low:
+            raise UserError(f"{flag} must be >= {low}, got {value}")
+    if args.save_every and not args.save:
+        raise UserError("--save-every needs --save DIR (the periodic checkpoints go to DIR/checkpoint-step-N)")
+    if args.anchor_lambda is not None and args.anchor_decay is None:
+        raise UserError("--anchor-lambda needs --anchor-decay l1|l2")
+
+
+def _es_settings(args, state, log):
+    """ES config + batch + search: the checkpoint's on resume (explicit flags that differ are reported), else flags/defaults."""
+    from ..es.finetune import es_config_from_state
+
+    flags = {k: getattr(args, k) for k in ES_DEFAULTS}
+    flags["seed"] = args.es_seed if args.es_seed is not None else (None if state is not None else args.seed)
+    if state is not None:
+        source = f"{args.load}/trainer_state.json"
+        stored = es_config_from_state(state.config, source)
+        stored["batch"], stored["search"] = state.config.get("es_batch"), state.config.get("es_search")
+        ignored = [f"--{k.replace('_', '-')} {v}" for k, v in flags.items()
+                   if v is not None and k in stored and stored[k] != v]
+        if ignored:
+            log(f"resume: the checkpoint's ES settings win; ignoring {', '.join(ignored)}")
+        return {k: stored[k] for k in list(ES_DEFAULTS) + ["seed", "restore_mode"]}
+    settings = {k: (ES_DEFAULTS[k] if v is None else v) for k, v in flags.items() if k != "seed"}
+    if settings["anchor_decay"] is not None and args.anchor_lambda is None:
+        raise UserError("--anchor-decay needs --anchor-lambda (reference values: l2 10, l1 0.01 at alpha 5e-4)")
+    settings.update(seed=flags["seed"], restore_mode="snapshot")
+    return settings
+
+
+def build(args, log):
+    """Trainer, samples, loader and the ES run from the flags (+ --load)."""
+    from ..es import ESConfig
+    from ..es.finetune import ESFinetune
+    from ..llm import data as sft
+    from ..llm.chat import ChatTemplate
+    from ..llm.finetune import Trainer, lora_config
+    from ..llm.gguf import open_gguf
+    from ..models.qwen3 import Qwen3
+    from ..train.checkpoint import read_sentinel
+    from .finetune import _load_tokenizer, _targets
+
+    state = read_sentinel(args.load) if args.load else None
+    settings = _es_settings(args, state, log)
+    lora_seed = args.seed
+    if state is not None and isinstance(state.seeds.get("lora"), int):
+        lora_seed = state.seeds["lora"]  # the adapter init (and so the AWD anchor) must be the checkpoint's
+    gg = open_gguf(args.model)
+    model = Qwen3.from_gguf(gg)
+    tokenizer = _load_tokenizer(gg)
+    encoder, template = sft.RawEncoder(tokenizer), sft.PromptTemplate(ChatTemplate.from_gguf(gg))
+    if args.data:
+        pairs, source = sft.load_jsonl(args.data, args.instruction_key, args.response_key), args.data
+    else:
+        pairs, source = list(sft.PIRATE_PAIRS), "pirate pair"
+    options = sft.EncodeOptions(seq_max=args.seq_max)
+    samples = sft.encode_all(encoder, template, pairs, options, source=source)
+    trainer = Trainer(model, targets=_targets(args.targets), rank=args.rank, alpha=args.lora_alpha, seed=lora_seed)
+    order = "shuffled" if args.shuffle else "sequential"
+    data_seed = args.seed if args.data_seed is None else args.data_seed
+    loader = sft.Loader(len(samples), order, seed=data_seed)
+    es_config = ESConfig(**{k: settings[k] for k in ("sigma", "alpha", "population", "seed", "noise", "antithetic",
+                                                      "shaping", "restore_mode", "anchor_decay", "anchor_lambda")})
+    run = ESFinetune(trainer, samples, loader, es_config, batch=settings["batch"], search=settings["search"])
+    if state is not None:
+        stored_order = state.config.get("order")
+        if stored_order is not None and stored_order != order:
+            from ..errors import ConfigMismatchError
+            raise ConfigMismatchError(f"{args.load}/trainer_state.json: field 'config.order' is {stored_order!r} "
+                                      f"but this run is {order!r} (pass --shuffle as the checkpoint did, or not)")
+        run.load(args.load)
+        log(f"resumed {args.load}: ES iteration {run.iteration}, loader epoch {run.loader.epoch} index {run.loader.index}")
+    run_config = {"model": str(args.model), "lora": lora_config(trainer), "seq_max": args.seq_max,
+                  "data": args.data or "builtin:pirate", "order": order, "trainer": "es"}
+    return run, tokenizer, encoder, template, pairs, options, run_config
+
+
+def run(args):
+    from ..es.finetune import batch_loss
+    from ..llm.finetune import adapters_sha256
+    from ..threads import pin_threads
+    from .finetune import _answer, _bar
+
+    _check_args(args)
+    if args.threads:
+        pin_threads(args.threads)
+    out = sys.stderr if args.json else sys.stdout
+
+    def log(msg):
+        print(msg, file=out, flush=True)
+
+    es_run, tokenizer, encoder, template, pairs, options, run_config = build(args, log)
+    trainer, cfg = es_run.trainer, es_run.es.config
+    eval_set = es_run.samples[:args.eval_samples]
+    log(f"fucina es-finetune: {args.model} ({trainer.config.layers} layers, hidden {trainer.config.hidden}); "
+        f"LoRA rank {trainer.rank} alpha {trainer.alpha:g} on {','.join(trainer.targets)}; ES searches "
+        f"{'A and B' if es_run.search == 'ab' else 'B only'}: {es_run.n_searched():,} parameters; population "
+        f"{cfg.population}{' antithetic' if cfg.antithetic else ''}, sigma {cfg.sigma:g}, alpha {cfg.alpha:g}, "
+        f"{cfg.shaping}, noise {cfg.noise}, seed {cfg.seed}"
+        f"{f', anchor {cfg.anchor_decay} lambda {cfg.anchor_lambda:g}' if cfg.anchor_decay else ''}; "
+        f"{len(pairs)} pairs, batch {es_run.batch}")
+    prompt = args.prompt or pairs[0].instruction
+    before = _answer(trainer, tokenizer, encoder, template, prompt, options, args.max_new_tokens)
+    log(f"BEFORE  {prompt!r} -> {before!r}")
+    initial_loss = batch_loss(trainer, eval_set)
+    log(f"loss on {len(eval_set)} training samples: {initial_loss:.4f}")
+    first, rewards, t_start = es_run.iteration, [], time.perf_counter()
+    while es_run.iteration < args.iterations:
+        t0 = time.perf_counter()
+        stats = es_run.iteration_step()
+        dt = time.perf_counter() - t0
+        rewards.append(stats["reward_mean"])
+        it = es_run.iteration
+        log(f"iter {it:4d}/{args.iterations}  reward {stats['reward_mean']:9.4f} (std {stats['reward_std']:.4f}, "
+            f"best {stats['reward_max']:9.4f})  {dt * 1e3:7.0f} ms  {cfg.population / dt:6.1f} member-evals/s  "
+            f"{_bar(it - first, args.iterations - first)}")
+        if args.save_every and it % args.save_every == 0 and it < args.iterations:
+            from ..train.checkpoint import step_dir
+            es_run.save(step_dir(args.save, it), run_config)
+    elapsed = time.perf_counter() - t_start
+    final_loss = batch_loss(trainer, eval_set)
+    after = _answer(trainer, tokenizer, encoder, template, prompt, options, args.max_new_tokens)
+    log(f"AFTER   {prompt!r} -> {after!r}")
+    done = es_run.iteration - first
+    if done:
+        change = 100.0 * (1.0 - final_loss / initial_loss) if initial_loss else 0.0
+        log(f"loss {initial_loss:.4f} -> {final_loss:.4f} ({change:.1f}% lower) in {done} iterations, {elapsed:.1f} s, "
+            f"{done * cfg.population / elapsed:.1f} member-evals/s")
+    else:
+        log(f"nothing to do: the run is already at iteration {es_run.iteration} of --iterations {args.iterations}")
+    if args.save:
+        es_run.save(args.save, run_config)
+        log(f"saved {args.save} (adapters.safetensors, trainer_state.json; ES keeps no optimizer state)")
+    if args.json:
+        print(json.dumps({"initial_loss": initial_loss, "final_loss": final_loss, "before": before, "after": after,
+                          "iterations": es_run.iteration, "adapters_sha256": adapters_sha256(trainer),
+                          "reward_means": rewards, "ms_per_iteration": 1e3 * elapsed / done if done else None,
+                          "member_evals_per_s": done * cfg.population / elapsed if done else None}))
+    return 0

@@ -1,0 +1,149 @@
+"""ES fine-tuning of LoRA adapters over a frozen Qwen3 GGUF: `fucina finetune`'s gradient-free twin.
+
+Everything but the learning signal is the backprop fine-tune's: the same
+`pipeline.llm.finetune.Trainer` (frozen base, quantized or not, adapters named
+`layers.<i>.<target>.lora_{a,b}`), the same SFT samples and deterministic
+Loader, the same checkpoint directory (adapters.safetensors + trainer_state.json
+written last), minus the optimizer file: (es seed, iteration) regenerate every
+member's noise, so the es_* fields of trainer_state.json are the whole resume
+story. backward() is never called.
+
+One iteration: the Loader draws `batch` sample indices; every population member
+scores that SAME batch with its perturbation applied in place (perturb ->
+forward -> restore, one model instance serves the population); the reward is
+the negative token-weighted mean cross-entropy over the batch (summed per sample
+in float64, divided by the batch's supervised tokens); the ES trainer shapes the
+rewards and updates the searched adapters.
+
+Which tensors are searched (`search`): B starts at exact zeros and A at a seeded
+kaiming-uniform, so the adapted model starts as the base model. With B = 0 a
+perturbation of A alone changes nothing, and a joint (A, B) perturbation moves
+the output through sigma * eps_B * A to first order (A's own noise enters only
+at sigma^2). "ab" (default, the reference's and the backprop run's parameter
+set) searches both factors; "b" searches only the B factors and keeps A at its
+random projection: half the dimension, so the same population estimates the
+useful direction with less noise. The unsearched factors are still saved.
+
+Trade-off: members run sequentially in one process (the spec's LLM-scale
+shape: one model instance, no population of replicas), so an iteration costs
+population x batch forwards; restores are snapshots (adapters are small, and a
+bitwise restore keeps resume exact without relying on (x + t) - t).
+"""
+from __future__ import annotations
+
+from ..autograd.tensor import no_grad
+from ..errors import ConfigMismatchError, UserError
+from ..train.checkpoint import load_checkpoint, read_sentinel, save_checkpoint
+from ..train.trainer_state import TrainerState
+from .checkpoint import STRUCTURAL
+from .trainer import ESConfig, ESTrainer
+
+SEARCHES = ("ab", "b")
+
+
+def batch_loss(trainer, samples) -> float:
+    """Token-weighted mean CE of `samples` under the trainer's current adapters (no graph, no dropout).
+
+    Each sample's CE sum is accumulated in float64 in batch order, then divided
+    by the batch's supervised-token count: one serial sum, same bits every call.
+    """
+    total, valid = 0.0, 0
+    saved_step = trainer.step  # loss() advances the dropout counter; evaluation must not
+    try:
+        with no_grad():
+            for s in samples:
+                total += float(trainer.loss(s.inputs, s.labels, reduction="sum").item())
+                valid += s.n_valid
+    finally:
+        trainer.step = saved_step
+    if valid == 0:
+        raise UserError("the batch has no supervised token")
+    return total / valid
+
+
+class ESFinetune:
+    """ES over a Trainer's adapters: one `iteration()` = one ES step on one loader batch."""
+
+    def __init__(self, trainer, samples, loader, es_config: ESConfig, batch=5, search="ab"):
+        if search not in SEARCHES:
+            raise UserError(f"search must be one of {SEARCHES}, got {search!r}")
+        if batch < 1:
+            raise UserError(f"batch must be >= 1, got {batch}")
+        if trainer.dropout:
+            raise UserError("ES fine-tuning scores members with dropout off; build the Trainer with dropout=0")
+        self.trainer, self.samples, self.loader = trainer, samples, loader
+        self.batch, self.search = int(batch), search
+        self.es = ESTrainer(es_config)
+        for name, p in trainer.named_parameters():
+            if search == "ab" or name.endswith(".lora_b"):
+                self.es.add_param(p, name)
+        if es_config.anchor_decay is not None:
+            self.es.capture_anchor()  # the initial adapters; a resume loads the checkpoint AFTER this
+
+    @property
+    def iteration(self) -> int:
+        return self.es.iteration
+
+    def n_searched(self) -> int:
+        return self.es.dim
+
+    def iteration_step(self) -> dict:
+        """Draw a batch, score every member on it, update; returns the ES stats (+ batch indices)."""
+        idx = self.loader.take(self.batch)
+        batch = [self.samples[i] for i in idx]
+        stats = self.es.step(lambda member: -batch_loss(self.trainer, batch))
+        stats["batch"] = idx
+        return stats
+
+    # --- checkpoints --------------------------------------------------------
+    def state(self, run_config: dict) -> TrainerState:
+        t = self.trainer
+        return TrainerState(step=self.es.iteration, accum_steps=1,
+                            seeds={"lora": t.seed, "es": self.es.config.seed, "data": self.loader.seed},
+                            loader=self.loader.state(), schedule={},
+                            config={**run_config, **self.es.state_fields(), "es_search": self.search,
+                                    "es_batch": self.batch})
+
+    def save(self, directory, run_config: dict):
+        """adapters.safetensors (every adapter, searched or not) + trainer_state.json, the sentinel last."""
+        return save_checkpoint(directory, self.state(run_config), model=self.trainer, adapters=True)
+
+    def load(self, directory):
+        """Resume: validate the stored ES fields against this run, then load adapters, iteration, loader.
+
+        The anchor (if any) was captured at construction from the initial
+        adapters, i.e. BEFORE this load, as anchored decay requires.
+        """
+        from ..llm.data import Loader
+        from ..llm.finetune import check_resume_config
+
+        state = read_sentinel(directory)
+        source = f"{directory}/trainer_state.json"
+        stored = state.config
+        check_resume_config(stored, self.trainer, source)
+        ours = {**self.es.state_fields(), "es_search": self.search, "es_batch": self.batch}
+        for name in STRUCTURAL + ("es_search", "es_batch"):
+            if name not in stored:
+                raise ConfigMismatchError(f"{source}: field 'config.{name}' is missing; not an es-finetune checkpoint")
+            if stored[name] != ours[name]:
+                raise ConfigMismatchError(f"{source}: field 'config.{name}' is {stored[name]!r} in the checkpoint, "
+                                          f"{ours[name]!r} in this run")
+        if state.seeds.get("lora") != self.trainer.seed:
+            raise ConfigMismatchError(f"{source}: field 'seeds.lora' is {state.seeds.get('lora')!r} in the checkpoint, "
+                                      f"{self.trainer.seed!r} in this run (the adapter init and the anchor depend on it)")
+        load_checkpoint(directory, model=self.trainer)
+        self.es.iteration = state.step
+        self.loader = Loader.from_state(self.loader.n, self.loader.order, state.loader)
+        return state
+
+
+def es_config_from_state(stored: dict, source: str) -> dict:
+    """The ESConfig keyword arguments a checkpoint was trained with (the resume takes them, never the flags)."""
+    keys = {"es_sigma": "sigma", "es_alpha": "alpha", "es_population": "population", "es_seed": "seed",
+            "es_noise": "noise", "es_antithetic": "antithetic", "es_shaping": "shaping",
+            "es_restore_mode": "restore_mode", "es_anchor_decay": "anchor_decay", "es_anchor_lambda": "anchor_lambda"}
+    missing = [k for k in keys if k not in stored]
+    if missing:
+        raise ConfigMismatchError(f"{source}: field 'config.{missing[0]}' is missing; not an es-finetune checkpoint")
+    return {ours: stored[k] for k, ours in keys.items()}
+

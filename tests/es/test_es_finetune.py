@@ -1,0 +1,136 @@
+"""`fucina es-finetune` on the tiny Q8_0 Qwen3 fixture: resume bit-exactness (with anchored decay),
+the checkpoint layout, no backward anywhere, the loss falls, the searched tensors, clear errors."""
+import json
+import os
+
+import numpy as np
+import pytest
+from threadpoolctl import threadpool_limits
+
+from pipeline.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODEL = os.path.join(ROOT, "tests", "fixtures", "qwen3-mini-q8_0.gguf")
+SMALL = ("--population", "4", "--batch", "2", "--max-new-tokens", "3", "--threads", "0")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_blas_thread():
+    """Tiny matmuls: one BLAS thread is faster on a shared 2-core box (restored afterwards)."""
+    with threadpool_limits(1):
+        yield
+
+
+def _run(capsys, *argv):
+    rc = main(["es-finetune", "--model", MODEL, *SMALL, *argv, "--json"])
+    out = capsys.readouterr()
+    return rc, (json.loads(out.out.strip().splitlines()[-1]) if rc == 0 else None), out.err
+
+
+def test_stop_and_resume_is_bit_identical_with_anchored_decay(tmp_path, capsys):
+    common = ("--shuffle", "--anchor-decay", "l2", "--anchor-lambda", "5", "--sigma", "0.05", "--alpha", "0.05")
+    rc, full, err = _run(capsys, "--iterations", "4", *common)
+    assert rc == 0, err
+    assert full["iterations"] == 4 and len(full["reward_means"]) == 4
+    rc, half, _ = _run(capsys, "--iterations", "2", "--save", str(tmp_path / "a"), *common)
+    assert rc == 0 and half["adapters_sha256"] != full["adapters_sha256"]
+    # the checkpoint's ES settings win over the flags (a different sigma is reported and ignored)
+    rc, resumed, err = _run(capsys, "--iterations", "4", "--load", str(tmp_path / "a"), "--shuffle", "--sigma", "0.5")
+    assert rc == 0, err
+    assert "ignoring --sigma 0.5" in err and "resumed" in err
+    assert resumed["adapters_sha256"] == full["adapters_sha256"]
+    assert resumed["final_loss"] == full["final_loss"]
+    assert resumed["reward_means"] == full["reward_means"][2:]
+
+
+def test_checkpoint_layout_and_es_fields(tmp_path, capsys):
+    rc, s, _ = _run(capsys, "--iterations", "2", "--save", str(tmp_path / "r"), "--save-every", "1")
+    assert rc == 0
+    final = tmp_path / "r"
+    assert sorted(p.name for p in final.iterdir()) == ["adapters.safetensors", "checkpoint-step-1", "trainer_state.json"]
+    assert (final / "checkpoint-step-1" / "trainer_state.json").is_file()
+    assert not (final / "checkpoint-step-1" / "optimizer.safetensors").exists()
+    state = json.loads((final / "trainer_state.json").read_text())
+    cfg = state["config"]
+    assert state["step"] == 2 and cfg["es_iteration"] == 2
+    assert cfg["es_population"] == 4 and cfg["es_antithetic"] is True and cfg["es_restore_mode"] == "snapshot"
+    assert cfg["lora"]["rank"] == 8 and cfg["lora"]["targets"] == ["q", "v"] and cfg["es_search"] == "ab"
+    assert set(state["loader"]) == {"seed", "epoch", "index"} and state["loader"]["index"] == 4  # 2 iterations x batch 2
+    from safetensors.numpy import load_file
+    tensors = load_file(final / "adapters.safetensors")
+    assert sorted(tensors)[0] == "layers.0.q.lora_a" and len(tensors) == 2 * 2 * 2
+    assert all(np.any(t) for n, t in tensors.items() if n.endswith("lora_b"))  # ES moved B off zero
+    from pipeline.llm.finetune import Trainer, adapters_sha256
+    reloaded = Trainer.from_gguf(MODEL, targets=("q", "v"), seed=42)
+    reloaded.load_adapter_tensors(tensors)
+    assert adapters_sha256(reloaded) == s["adapters_sha256"]
+
+
+def test_no_backward_anywhere_and_the_loss_falls(monkeypatch, capsys):
+    from pipeline.autograd.tensor import Tensor
+
+    def refuse(*_a, **_k):
+        raise AssertionError("es-finetune called backward()")
+
+    monkeypatch.setattr(Tensor, "backward", refuse)
+    rc, s, err = _run(capsys, "--iterations", "6", "--population", "8", "--batch", "5")
+    assert rc == 0, err
+    assert s["final_loss"] < s["initial_loss"], s
+    assert "BEFORE" in err and "AFTER" in err and "member-evals/s" in err
+
+
+def test_search_b_keeps_a_at_its_init():
+    from pipeline.es import ESConfig
+    from pipeline.es.finetune import ESFinetune, batch_loss
+    from pipeline.llm import data as sft
+    from pipeline.llm.finetune import Trainer
+    from pipeline.commands.finetune import _load_tokenizer
+    from pipeline.llm.chat import ChatTemplate
+    from pipeline.llm.gguf import open_gguf
+
+    gg = open_gguf(MODEL)
+    enc, tpl = sft.RawEncoder(_load_tokenizer(gg)), sft.PromptTemplate(ChatTemplate.from_gguf(gg))
+    samples = sft.encode_all(enc, tpl, sft.PIRATE_PAIRS[:3])
+    trainer = Trainer.from_gguf(MODEL, targets=("v",), rank=4, seed=3)
+    a_init = {n: p.data.copy() for n, p in trainer.named_parameters() if n.endswith("lora_a")}
+    run = ESFinetune(trainer, samples, sft.Loader(3), ESConfig(sigma=0.05, alpha=0.05, population=4, seed=1,
+                                                              restore_mode="snapshot"), batch=3, search="b")
+    assert run.es.names == ["layers.0.v.lora_b", "layers.1.v.lora_b"]
+    base = batch_loss(trainer, samples)
+    # batch_loss is the trainer's own token-weighted mean CE (B = 0: the base model)
+    total = sum(float(trainer.loss(s.inputs, s.labels, reduction="sum").item()) for s in samples)
+    assert base == pytest.approx(total / sum(s.n_valid for s in samples), rel=1e-12)
+    stats = run.iteration_step()
+    assert stats["batch"] == [0, 1, 2] and run.iteration == 1
+    for n, p in trainer.named_parameters():
+        if n.endswith("lora_a"):
+            assert np.array_equal(p.data, a_init[n])
+        else:
+            assert np.any(p.data)
+    assert batch_loss(trainer, samples) != base
+
+
+def test_rank_mismatch_on_resume_is_a_config_error(tmp_path, capsys):
+    assert _run(capsys, "--iterations", "1", "--save", str(tmp_path / "c"))[0] == 0
+    rc, _, err = _run(capsys, "--iterations", "2", "--load", str(tmp_path / "c"), "--rank", "4")
+    assert rc == 2 and "config.lora.rank" in err and "is 8" in err
+    rc, _, err = _run(capsys, "--iterations", "2", "--load", str(tmp_path / "c"), "--shuffle")
+    assert rc == 2 and "config.order" in err
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"instruction": "a", "response": "b"}\n{"instruction": "a" "response": "b"}\n')
+    rc, _, err = _run(capsys, "--data", str(bad))
+    assert rc == 2 and "bad.jsonl:2: malformed JSON" in err
+    rc = main(["es-finetune", "--model", str(tmp_path / "none.gguf")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "no such file" in err
+    rc, _, err = _run(capsys, "--population", "5")
+    assert rc == 2 and "population" in err and "even" in err
+    rc, _, err = _run(capsys, "--anchor-decay", "l1")
+    assert rc == 2 and "--anchor-lambda" in err
+    rc, _, err = _run(capsys, "--save-every", "2")
+    assert rc == 2 and "--save" in err
+    rc, _, err = _run(capsys, "--load", str(tmp_path))
+    assert rc == 2 and "not a committed checkpoint" in err

@@ -32,6 +32,8 @@ BLOCK = {"q8_0": (32, 34), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256,
 _F0 = np.float32(0.0)
 _F1 = np.float32(1.0)
 _MAGIC = np.float32(12582912.0)  # 1.5 * 2**23: adding it rounds a float32 to an integer
+_TWO23 = np.float32(8388608.0)
+_TWO24 = np.float32(16777216.0)
 _GROUP_MAX_EPS = np.float32(1e-15)
 
 
@@ -41,12 +43,13 @@ _GROUP_MAX_EPS = np.float32(1e-15)
 def _nearest_int(f):
     """ggml's nearest_int: float32 add of 1.5*2**23 (round half to even), read the mantissa.
 
-    For |f| <= 4194303 that is round-half-even; beyond, we reproduce the
-    mantissa read-out exactly (llama.cpp only asserts in debug builds).
+    While the sum lies in [2**23, 2**24) its mantissa field is sum - 2**23, so the
+    result is sum - 1.5*2**23 (round-half-even of f for |f| <= 4194303). Beyond,
+    we reproduce the mantissa read-out exactly (llama.cpp only asserts in debug builds).
     """
     val = np.float32(f + _MAGIC)
-    if abs(f) <= 4194303.0:
-        return np.int64(np.float32(val - _MAGIC))
+    if val >= _TWO23 and val < _TWO24:
+        return np.int64(val) - 12582912
     if math.isnan(val):
         return np.int64(0)
     if math.isinf(val):

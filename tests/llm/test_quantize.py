@@ -160,3 +160,28 @@ def test_llama_model_quantize_tensors_equal_our_encoding(tmp_path, ftype, expect
         ours = quantize(base.tensor(t.name).dense(), name)
         np.testing.assert_array_equal(ours, t.data, err_msg=f"{ftype}: {t.name} ({t.qtype.name})")
     assert expect <= seen, f"{ftype}: llama.cpp produced {seen}"
+
+
+def test_nearest_int_matches_ggml_bit_trick_everywhere():
+    """ggml: (bits(f + 1.5*2**23) & 0x7fffff) - 0x400000, including far outside its asserted range."""
+    from numba import njit
+
+    from kernels.quantize import _nearest_int
+
+    @njit
+    def ours(values, out):
+        for i in range(values.size):
+            out[i] = _nearest_int(values[i])
+
+    rng = np.random.default_rng(9)
+    with np.errstate(over="ignore"):
+        values = np.concatenate([
+            rng.uniform(-40, 40, 20000), rng.uniform(-5e6, 5e6, 20000), rng.standard_normal(2000) * 1e30,
+            np.arange(-8, 8) + 0.5, [4194303.5, -4194304.5, 8388608.0, -12582912.0, 3e38, -3e38, np.inf, -np.inf],
+        ]).astype(np.float32)
+    out = np.zeros(values.size, np.int64)
+    ours(values, out)
+    with np.errstate(over="ignore"):
+        summed = (values + np.float32(12582912.0)).astype(np.float32)
+    reference = (summed.view(np.int32).astype(np.int64) & 0x7FFFFF) - 0x400000
+    np.testing.assert_array_equal(out, reference)

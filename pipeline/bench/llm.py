@@ -39,6 +39,9 @@ def add_arguments(parser):
     parser.add_argument("--threads", type=int, default=2, help="threads for Fucina (numba+BLAS) and llama.cpp (default 2)")
     parser.add_argument("--decode-tokens", type=int, default=16, help="tokens timed in the decode case (default 16)")
     parser.add_argument("--repeat", type=int, default=3, help="timed repetitions per case; the median is reported")
+    parser.add_argument("--blas-threads", type=int, default=1,
+                        help="OpenBLAS threads for Fucina's prefill GEMMs (default 1: OpenBLAS's spinning "
+                             "workers fight numba's on a small or shared machine; see docs/models.md)")
     parser.add_argument("--no-llama", action="store_true", help="skip the llama.cpp baseline")
 
 
@@ -58,12 +61,12 @@ def _peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _ours(path, threads, decode_tokens, repeat):
+def _ours(path, threads, decode_tokens, repeat, blas_threads=1):
     import numba
     from threadpoolctl import threadpool_limits
     from ..models.qwen3 import Qwen3
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-    with threadpool_limits(threads):
+    with threadpool_limits(blas_threads, user_api="blas"):
         rss0 = _peak_rss_mb()
         t0 = time.perf_counter()
         model = Qwen3.from_gguf(path)
@@ -152,7 +155,7 @@ def run(args):
         raise UserError(f"{args.model}: no such GGUF file")
     gg = GGUFFile(args.model)
     quantized = any(gg.tensor_type(n) not in ("F32", "F16", "BF16") for n in gg.tensor_names)
-    ours = _ours(args.model, args.threads, args.decode_tokens, args.repeat)
+    ours = _ours(args.model, args.threads, args.decode_tokens, args.repeat, args.blas_threads)
     theirs, why = None, "llama-cpp-python not installed"
     if not args.no_llama and importlib.util.find_spec("llama_cpp") is not None:
         theirs, why = _llama(args.model, args.threads, args.decode_tokens, args.repeat, quantized)

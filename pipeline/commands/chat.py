@@ -1,7 +1,7 @@
 """`fucina chat`: an interactive chat loop over a Qwen3 GGUF (ChatML, reasoning channel off)."""
 import sys
 
-from .generate import add_sampling_arguments, sampling_from
+from .generate import add_sampling_arguments, apply_threads, sampling_from
 
 NAME = "chat"
 HELP = "interactive chat with a Qwen3 GGUF (type /exit or Ctrl-D to quit, /reset to clear)"
@@ -17,6 +17,7 @@ def run(args, stdin=None, stdout=None):
     from ..errors import UserError
     from ..llm.generate import LoadedModel, generate
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    apply_threads(args)
     lm = LoadedModel(args.model)
     tok = lm.require_tokenizer()
     sampling = sampling_from(args)

@@ -19,6 +19,8 @@ def add_arguments(parser):
     src.add_argument("--tokens", help="comma-separated token ids, e.g. 1,2,3")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument("--top", type=int, default=5, help="without --json: show the top-N logits per position")
+    from .generate import add_thread_arguments
+    add_thread_arguments(parser)
     parser.add_argument("--llama-numerics", action="store_true",
                         help="round activations like llama.cpp's CPU kernels (tighter parity on quantized files)")
 
@@ -35,6 +37,8 @@ def parse_tokens(text):
 
 def run(args):
     from ..llm.generate import LoadedModel
+    from .generate import apply_threads
+    apply_threads(args)
     lm = LoadedModel(args.model, llama_numerics=args.llama_numerics)
     if args.tokens is not None:
         ids = parse_tokens(args.tokens)

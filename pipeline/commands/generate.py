@@ -10,6 +10,25 @@ DESCRIPTION = ("Generate a continuation of --prompt with a Qwen3-family GGUF. Te
                "deterministic greedy decoding; otherwise sampling is seeded by --seed.")
 
 
+def add_thread_arguments(parser):
+    parser.add_argument("--threads", type=int, default=None, help="numba threads for the kernels (default: all cores)")
+    parser.add_argument("--blas-threads", type=int, default=1,
+                        help="OpenBLAS threads for prefill GEMMs (default 1: its spinning workers fight numba's)")
+
+
+def apply_threads(args):
+    """Pin numba and BLAS thread counts for this process (see docs/models.md, 'Threads')."""
+    import numba
+    from threadpoolctl import threadpool_limits
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError(f"--threads must be at least 1, got {args.threads}")
+        numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
+    if args.blas_threads < 1:
+        raise UserError(f"--blas-threads must be at least 1, got {args.blas_threads}")
+    threadpool_limits(args.blas_threads, user_api="blas")
+
+
 def add_sampling_arguments(parser):
     parser.add_argument("--model", required=True, help="path to a Qwen3 GGUF file")
     parser.add_argument("--max-tokens", type=int, default=128, help="maximum number of new tokens (default 128)")
@@ -19,6 +38,7 @@ def add_sampling_arguments(parser):
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     parser.add_argument("--think", action="store_true", help="with chat templates: leave Qwen3's reasoning channel on")
     parser.add_argument("--system", default=None, help="optional system message for --chat")
+    add_thread_arguments(parser)
 
 
 def add_arguments(parser):
@@ -37,6 +57,7 @@ def run(args):
     from ..llm.generate import LoadedModel, generate
     if args.max_tokens < 1:
         raise UserError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    apply_threads(args)
     lm = LoadedModel(args.model)
     ids = lm.encode_prompt(args.prompt, chat=args.chat, system=args.system, think_off=not args.think)
     stream = lm.tokenizer.stream()

@@ -45,7 +45,7 @@ def test_chat_loop_reads_turns_until_exit():
     import argparse
     from pipeline.commands import chat
     args = argparse.Namespace(model=MINI, max_tokens=4, temperature=0.0, top_k=0, top_p=1.0, seed=0,
-                              think=False, system="be brief")
+                              think=False, system="be brief", threads=1, blas_threads=1)
     out = io.StringIO()
     assert chat.run(args, stdin=io.StringIO("hello\n/reset\nagain\n/exit\n"), stdout=out) == 0
     assert out.getvalue().count("\n") >= 2
@@ -58,6 +58,7 @@ def test_chat_loop_reads_turns_until_exit():
     (["generate", "--model", MINI, "--prompt", "x " * 400], "the model's context is 256"),
     (["eval-logits", "--model", MINI, "--tokens", "1,a"], "comma-separated integers"),
     (["eval-logits", "--model", MINI, "--tokens", "1,99999"], "out of range"),
+    (["generate", "--model", MINI, "--prompt", "x", "--threads", "0"], "--threads must be at least 1"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv, message):
     assert main(argv) == 2

@@ -24,7 +24,7 @@ DESCRIPTION = (HELP + ". With no --data it trains the built-in five-pair pirate 
                "forward passes than backprop needs steps: expect a measurable loss drop, not a converged style.")
 
 # ES defaults when the flags are not given (a resume takes the checkpoint's values instead)
-ES_DEFAULTS = {"sigma": 0.02, "alpha": 0.02, "population": 16, "antithetic": True, "shaping": "z_score",
+ES_DEFAULTS = {"sigma": 0.05, "alpha": 0.05, "population": 16, "antithetic": True, "shaping": "z_score",
                "noise": "iid", "anchor_decay": None, "anchor_lambda": 0.0, "batch": 5, "search": "ab"}
 
 

@@ -134,3 +134,15 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     assert rc == 2 and "--save" in err
     rc, _, err = _run(capsys, "--load", str(tmp_path))
     assert rc == 2 and "not a committed checkpoint" in err
+
+
+@pytest.mark.slow
+def test_default_run_lowers_the_pirate_loss(capsys):
+    """The default ES settings on the fixture, 60 iterations (population 16 x batch 5): a measurable drop."""
+    rc = main(["es-finetune", "--model", MODEL, "--iterations", "60", "--max-new-tokens", "3", "--threads", "0", "--json"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    s = json.loads(out.out.strip().splitlines()[-1])
+    assert s["final_loss"] <= 0.9 * s["initial_loss"], s
+    means = s["reward_means"]
+    assert np.mean(means[-10:]) > np.mean(means[:10])  # the population's reward rose, not just the end point

@@ -134,6 +134,12 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     assert rc == 2 and "--save" in err
     rc, _, err = _run(capsys, "--load", str(tmp_path))
     assert rc == 2 and "not a committed checkpoint" in err
+    # a backprop `fucina finetune` checkpoint has no es_* fields: refused by name, nothing loaded
+    assert main(["finetune", "--model", MODEL, "--targets", "q,v", "--steps", "1", "--accum-steps", "1",
+                 "--max-new-tokens", "1", "--save", str(tmp_path / "bp")]) == 0
+    capsys.readouterr()
+    rc, _, err = _run(capsys, "--load", str(tmp_path / "bp"))
+    assert rc == 2 and "config.es_sigma" in err and "not an es-finetune checkpoint" in err
 
 
 @pytest.mark.slow

@@ -152,3 +152,28 @@ def test_default_run_lowers_the_pirate_loss(capsys):
     assert s["final_loss"] <= 0.9 * s["initial_loss"], s
     means = s["reward_means"]
     assert np.mean(means[-10:]) > np.mean(means[:10])  # the population's reward rose, not just the end point
+
+
+def test_checkpoint_exports_like_a_backprop_one(tmp_path, capsys):
+    """`fucina export-gguf` merges an ES checkpoint (same layout); the merged model scores the ES final loss."""
+    f32 = os.path.join(ROOT, "tests", "fixtures", "qwen3-mini-f32.gguf")
+    rc = main(["es-finetune", "--model", f32, *SMALL, "--iterations", "2", "--eval-samples", "5",
+               "--sigma", "0.1", "--alpha", "0.1", "--save", str(tmp_path / "es"), "--json"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    s = json.loads(out.out.strip().splitlines()[-1])
+    assert main(["export-gguf", "--from-gguf", f32, "--adapters", str(tmp_path / "es"),
+                 "--out", str(tmp_path / "merged.gguf")]) == 0
+    capsys.readouterr()
+    from pipeline.commands.finetune import _load_tokenizer
+    from pipeline.es.finetune import batch_loss
+    from pipeline.llm import data as sft
+    from pipeline.llm.chat import ChatTemplate
+    from pipeline.llm.finetune import Trainer
+    from pipeline.llm.gguf import open_gguf
+    gg = open_gguf(tmp_path / "merged.gguf")
+    samples = sft.encode_all(sft.RawEncoder(_load_tokenizer(gg)), sft.PromptTemplate(ChatTemplate.from_gguf(gg)),
+                             sft.PIRATE_PAIRS)
+    merged = batch_loss(Trainer.from_gguf(tmp_path / "merged.gguf"), samples)  # B = 0 adapters: the merged base alone
+    assert s["final_loss"] != s["initial_loss"]
+    assert merged == pytest.approx(s["final_loss"], rel=1e-4)

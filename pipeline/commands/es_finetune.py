@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import UserError
+from ..errors import ConfigMismatchError, UserError
 
 NAME = "es-finetune"
 HELP = "gradient-free ES fine-tune of LoRA adapters on a frozen (quantized) Qwen3 GGUF"
@@ -93,7 +93,10 @@ def _es_settings(args, state, log):
     if state is not None:
         source = f"{args.load}/trainer_state.json"
         stored = es_config_from_state(state.config, source)
-        stored["batch"], stored["search"] = state.config.get("es_batch"), state.config.get("es_search")
+        for key in ("es_batch", "es_search"):
+            if key not in state.config:
+                raise ConfigMismatchError(f"{source}: field 'config.{key}' is missing; not an es-finetune checkpoint")
+        stored["batch"], stored["search"] = state.config["es_batch"], state.config["es_search"]
         ignored = [f"--{k.replace('_', '-')} {v}" for k, v in flags.items()
                    if v is not None and k in stored and stored[k] != v]
         if ignored:
@@ -143,7 +146,6 @@ def build(args, log):
     if state is not None:
         stored_order = state.config.get("order")
         if stored_order is not None and stored_order != order:
-            from ..errors import ConfigMismatchError
             raise ConfigMismatchError(f"{args.load}/trainer_state.json: field 'config.order' is {stored_order!r} "
                                       f"but this run is {order!r} (pass --shuffle as the checkpoint did, or not)")
         run.load(args.load)

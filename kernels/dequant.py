@@ -9,19 +9,21 @@ float32. Two consumers, chosen by measurement (docs/models.md):
 Dequantization is element-exact against gguf-py's `gguf.quants.dequantize`
 (same f32 operation order: (d*scale)*q - dmin*min). The matvec accumulates
 in 32 fixed lanes, so it matches the dequant+dot path to float rounding, not
-bitwise. Every parallel loop runs over rows on a fixed chunk
-grid; each row is reduced serially, so results are bitwise independent of the
-thread count. F16 scales are read through a 65536-entry exact lookup table.
+bitwise. Kernels are serial, GIL-free row-range functions; `_over_rows`
+splits the rows across numba.get_num_threads() Python threads. Each row is
+reduced by the same serial code whatever the split, so results are bitwise
+independent of the thread count, and nothing pays numba's parallel compile.
+F16 scales are read through a 65536-entry exact lookup table.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 # qtype ids (gguf GGMLQuantizationType) handled here
 F32, F16, Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 8, 12, 13, 14, 30
 _BLOCK = {Q4_0: (32, 18), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
-ROW_CHUNK = 16  # rows per parallel work item (fixed grid, thread-count independent)
+ROW_CHUNK = 16  # fewest rows worth a thread of their own
 
 HALF_TO_FLOAT = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
@@ -97,17 +99,14 @@ def _dequant_row(qtype, b, out, lut):
                         out[blk * 256 + pos] = (d * np.float32(sc)) * np.float32(q)
 
 
-@njit(cache=True, parallel=True)
-def _dequant_rows(qtype, raw, out, lut):
-    """raw uint8[n_rows, row_bytes] -> out f32[n_rows, n_cols]."""
-    n_rows = raw.shape[0]
-    n_chunks = (n_rows + ROW_CHUNK - 1) // ROW_CHUNK
-    for c in prange(n_chunks):
-        for r in range(c * ROW_CHUNK, min(n_rows, (c + 1) * ROW_CHUNK)):
-            _dequant_row(qtype, raw[r], out[r], lut)
+@njit(cache=True, nogil=True)
+def _dequant_range(qtype, raw, out, lut, r0, r1):
+    """Rows r0..r1 of raw uint8[n_rows, row_bytes] -> out f32[n_rows, n_cols]."""
+    for r in range(r0, r1):
+        _dequant_row(qtype, raw[r], out[r], lut)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _dot_row(qtype, b, x, lut, acc):
     """sum_k dequant(b)[k] * x[k] for one row, in f32.
 
@@ -182,24 +181,21 @@ def _dot_row(qtype, b, x, lut, acc):
     return total
 
 
-@njit(cache=True, parallel=True)
-def _matvec_rows(qtype, raw, x, out, lut):
-    """raw uint8[n_rows, row_bytes], x f32[m, n_cols] -> out f32[m, n_rows]."""
-    n_rows = raw.shape[0]
-    n_chunks = (n_rows + ROW_CHUNK - 1) // ROW_CHUNK
-    for c in prange(n_chunks):
-        acc = np.empty(32, np.float32)
-        for r in range(c * ROW_CHUNK, min(n_rows, (c + 1) * ROW_CHUNK)):
-            for i in range(x.shape[0]):
-                out[i, r] = _dot_row(qtype, raw[r], x[i], lut, acc)
+@njit(cache=True, nogil=True)
+def _matvec_range(qtype, raw, x, out, lut, r0, r1):
+    """Rows r0..r1: raw uint8[n_rows, row_bytes], x f32[m, n_cols] -> out f32[m, n_rows]."""
+    acc = np.empty(32, np.float32)
+    for r in range(r0, r1):
+        for i in range(x.shape[0]):
+            out[i, r] = _dot_row(qtype, raw[r], x[i], lut, acc)
 
 
 LANES = 32  # explicit partial sums: vectorizable, and a fixed summation order
 
 
-@njit(cache=True, parallel=True)
-def _matvec_half_rows(bf16, raw, x, out):
-    """raw uint16[n_rows, n_cols] (f16 or bf16 bits), x f32[m, n_cols] -> out f32[m, n_rows].
+@njit(cache=True, nogil=True)
+def _matvec_half_range(bf16, raw, x, out, r0, r1):
+    """Rows r0..r1: raw uint16[n_rows, n_cols] (f16 or bf16 bits), x f32[m, n_cols] -> out f32[m, n_rows].
 
     Widening is exact and vectorizes (unlike a table lookup): bf16 is the high half of an
     f32; an f16 normal or subnormal is its 11-bit significand shifted by its exponent in
@@ -207,37 +203,35 @@ def _matvec_half_rows(bf16, raw, x, out):
     Products accumulate in LANES fixed lanes, combined in lane order.
     """
     n_rows, n_cols = raw.shape
-    n_chunks = (n_rows + ROW_CHUNK - 1) // ROW_CHUNK
     two112 = np.float32(5.192296858534828e33)
-    for c in prange(n_chunks):
-        bits = np.empty(LANES, np.uint32)
-        wide = bits.view(np.float32)
-        acc = np.empty(LANES, np.float32)
-        for r in range(c * ROW_CHUNK, min(n_rows, (c + 1) * ROW_CHUNK)):
-            src = raw[r]
-            for i in range(x.shape[0]):
-                acc[:] = 0.0
-                for k0 in range(0, n_cols - n_cols % LANES, LANES):
-                    if bf16:
-                        for l in range(LANES):
-                            bits[l] = np.uint32(src[k0 + l]) << 16
-                        for l in range(LANES):
-                            acc[l] += wide[l] * x[i, k0 + l]
-                    else:  # f16 = (implicit-1 | mantissa) << exponent, times 2**-25: integer ops, no aliasing
-                        for l in range(LANES):
-                            h = np.int64(src[k0 + l])
-                            e = (h >> 10) & 0x1F
-                            m = (h & 0x3FF) | (np.int64(e > 0) << 10)
-                            mag = np.float32(m << (max(e, np.int64(1)) - 1)) * np.float32(2.0 ** -24)
-                            acc[l] += (-mag if h & 0x8000 else mag) * x[i, k0 + l]
-                total = np.float32(0.0)
-                for l in range(LANES):
-                    total += acc[l]
-                for k in range(n_cols - n_cols % LANES, n_cols):
-                    h = np.uint32(src[k])
-                    bits[0] = (h << 16) if bf16 else (((h & 0x8000) << 16) | ((h & 0x7FFF) << 13))
-                    total += (wide[0] if bf16 else wide[0] * two112) * x[i, k]
-                out[i, r] = total
+    bits = np.empty(LANES, np.uint32)
+    wide = bits.view(np.float32)
+    acc = np.empty(LANES, np.float32)
+    for r in range(r0, r1):
+        src = raw[r]
+        for i in range(x.shape[0]):
+            acc[:] = 0.0
+            for k0 in range(0, n_cols - n_cols % LANES, LANES):
+                if bf16:
+                    for l in range(LANES):
+                        bits[l] = np.uint32(src[k0 + l]) << 16
+                    for l in range(LANES):
+                        acc[l] += wide[l] * x[i, k0 + l]
+                else:  # f16 = (implicit-1 | mantissa) << exponent, times 2**-24: integer ops, no aliasing
+                    for l in range(LANES):
+                        h = np.int64(src[k0 + l])
+                        e = (h >> 10) & 0x1F
+                        m = (h & 0x3FF) | (np.int64(e > 0) << 10)
+                        mag = np.float32(m << (max(e, np.int64(1)) - 1)) * np.float32(2.0 ** -24)
+                        acc[l] += (-mag if h & 0x8000 else mag) * x[i, k0 + l]
+            total = np.float32(0.0)
+            for l in range(LANES):
+                total += acc[l]
+            for k in range(n_cols - n_cols % LANES, n_cols):
+                h = np.uint32(src[k])
+                bits[0] = (h << 16) if bf16 else (((h & 0x8000) << 16) | ((h & 0x7FFF) << 13))
+                total += (wide[0] if bf16 else wide[0] * two112) * x[i, k]
+            out[i, r] = total
 
 
 def matvec_half(raw: np.ndarray, x: np.ndarray, bf16: bool = False) -> np.ndarray:
@@ -247,8 +241,34 @@ def matvec_half(raw: np.ndarray, x: np.ndarray, bf16: bool = False) -> np.ndarra
     if raw.ndim != 2 or x.ndim != 2 or x.shape[1] != raw.shape[1]:
         raise ValueError(f"matvec_half: W {raw.shape} and x {x.shape} do not align (x must be [m, {raw.shape[-1]}])")
     out = np.empty((x.shape[0], raw.shape[0]), np.float32)
-    _matvec_half_rows(bool(bf16), raw, x, out)
+    _over_rows(raw.shape[0], lambda r0, r1: _matvec_half_range(bool(bf16), raw, x, out, r0, r1))
     return out
+
+
+_POOL = None
+
+
+def _over_rows(n_rows, kernel):
+    """Run kernel(r0, r1) over [0, n_rows) on numba.get_num_threads() threads.
+
+    The kernels release the GIL; each row is computed by the same serial code
+    whatever the split, so the result is bitwise independent of the thread count.
+    Python threads block instead of spinning, which matters on a shared machine.
+    """
+    global _POOL
+    import numba
+    n = max(1, min(numba.get_num_threads(), (n_rows + ROW_CHUNK - 1) // ROW_CHUNK))
+    if n == 1:
+        kernel(0, n_rows)
+        return
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+        _POOL = ThreadPoolExecutor(max_workers=numba.config.NUMBA_NUM_THREADS, thread_name_prefix="dequant")
+    step = (n_rows + n - 1) // n
+    futures = [_POOL.submit(kernel, r0, min(n_rows, r0 + step)) for r0 in range(step, n_rows, step)]
+    kernel(0, min(n_rows, step))  # the calling thread takes the first share
+    for f in futures:
+        f.result()
 
 
 def _check(qtype, raw, n_cols):
@@ -269,7 +289,8 @@ def dequantize_rows(qtype: int, raw: np.ndarray, n_cols: int, out: np.ndarray | 
         out = np.empty((raw.shape[0], n_cols), np.float32)
     elif out.dtype != np.float32 or out.shape != (raw.shape[0], n_cols) or not out.flags.c_contiguous:
         raise ValueError(f"dequant: out must be contiguous f32 {(raw.shape[0], n_cols)}, got {out.dtype} {out.shape}")
-    _dequant_rows(qtype, np.ascontiguousarray(raw), out, HALF_TO_FLOAT)
+    raw = np.ascontiguousarray(raw)
+    _over_rows(raw.shape[0], lambda r0, r1: _dequant_range(qtype, raw, out, HALF_TO_FLOAT, r0, r1))
     return out
 
 
@@ -280,5 +301,6 @@ def matvec_rows(qtype: int, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
         raise ValueError(f"matvec: x must be [m, n_cols], got shape {x.shape}")
     _check(qtype, raw, x.shape[1])
     out = np.empty((x.shape[0], raw.shape[0]), np.float32)
-    _matvec_rows(qtype, np.ascontiguousarray(raw), x, out, HALF_TO_FLOAT)
+    raw = np.ascontiguousarray(raw)
+    _over_rows(raw.shape[0], lambda r0, r1: _matvec_range(qtype, raw, x, out, HALF_TO_FLOAT, r0, r1))
     return out

@@ -177,3 +177,15 @@ def test_checkpoint_exports_like_a_backprop_one(tmp_path, capsys):
     merged = batch_loss(Trainer.from_gguf(tmp_path / "merged.gguf"), samples)  # B = 0 adapters: the merged base alone
     assert s["final_loss"] != s["initial_loss"]
     assert merged == pytest.approx(s["final_loss"], rel=1e-4)
+
+
+def test_same_bits_with_one_and_two_threads(capsys):
+    runs = []
+    for threads in ("1", "2"):
+        rc = main(["es-finetune", "--model", MODEL, "--population", "4", "--batch", "2", "--max-new-tokens", "2",
+                   "--iterations", "2", "--threads", threads, "--json"])
+        out = capsys.readouterr()
+        assert rc == 0, out.err
+        runs.append(json.loads(out.out.strip().splitlines()[-1]))
+    assert runs[0]["adapters_sha256"] == runs[1]["adapters_sha256"]
+    assert runs[0]["reward_means"] == runs[1]["reward_means"]

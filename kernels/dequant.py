@@ -245,7 +245,7 @@ def matvec_half(raw: np.ndarray, x: np.ndarray, bf16: bool = False) -> np.ndarra
     return out
 
 
-_POOL = None
+_POOL = None  # (pid, ThreadPoolExecutor): a pool inherited through fork has no threads, so it is per process
 
 
 def _over_rows(n_rows, kernel):
@@ -261,11 +261,13 @@ def _over_rows(n_rows, kernel):
     if n == 1:
         kernel(0, n_rows)
         return
-    if _POOL is None:
+    import os
+    if _POOL is None or _POOL[0] != os.getpid():
         from concurrent.futures import ThreadPoolExecutor
-        _POOL = ThreadPoolExecutor(max_workers=numba.config.NUMBA_NUM_THREADS, thread_name_prefix="dequant")
+        _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=numba.config.NUMBA_NUM_THREADS,
+                                                 thread_name_prefix="dequant"))
     step = (n_rows + n - 1) // n
-    futures = [_POOL.submit(kernel, r0, min(n_rows, r0 + step)) for r0 in range(step, n_rows, step)]
+    futures = [_POOL[1].submit(kernel, r0, min(n_rows, r0 + step)) for r0 in range(step, n_rows, step)]
     kernel(0, min(n_rows, step))  # the calling thread takes the first share
     for f in futures:
         f.result()

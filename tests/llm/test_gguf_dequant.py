@@ -101,3 +101,19 @@ def test_matvec_half_vs_numpy_and_thread_counts(bf16):
         numba.set_num_threads(prev)
     np.testing.assert_allclose(outs[0], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     np.testing.assert_array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+
+
+def test_kernels_work_in_a_forked_child_after_the_parent_used_threads():
+    import multiprocessing as mp
+    raw = random_blocks(QT.Q4_K, 64, 512, seed=6)
+    x = np.random.default_rng(7).standard_normal((1, 512)).astype(np.float32)
+    prev = numba.get_num_threads()
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    try:
+        parent = dequant.matvec_rows(int(QT.Q4_K), raw, x)  # creates the parent's thread pool
+        ctx = mp.get_context("fork")
+        with ctx.Pool(1) as pool:
+            child = pool.apply_async(dequant.matvec_rows, (int(QT.Q4_K), raw, x)).get(timeout=120)
+    finally:
+        numba.set_num_threads(prev)
+    np.testing.assert_array_equal(parent, child)

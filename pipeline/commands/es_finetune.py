@@ -60,6 +60,8 @@ def add_arguments(p):
     p.add_argument("--save", metavar="DIR", help="write the final checkpoint directory here")
     p.add_argument("--save-every", type=int, default=0, metavar="N", help="also save DIR/checkpoint-step-N every N iterations (needs --save)")
     p.add_argument("--load", metavar="DIR", help="resume from a checkpoint (adapters, iteration, loader position; its ES config wins over the flags)")
+    p.add_argument("--workers", type=int, default=0, metavar="N",
+                   help="score the members on N processes that map the GGUF read-only (0 = in this process); same bits")
     p.add_argument("--threads", type=int, default=1,
                    help="BLAS/numba threads (default 1: the forwards are small; 0 = leave the pools alone)")
     p.add_argument("--prompt", default=None, help="held prompt for the BEFORE/AFTER answers (default: the first training instruction)")
@@ -74,7 +76,7 @@ def _check_args(args):
         raise UserError(f"--model {args.model}: no such file")
     for flag, value, low in (("--iterations", args.iterations, 0), ("--seq-max", args.seq_max, 1),
                              ("--save-every", args.save_every, 0), ("--max-new-tokens", args.max_new_tokens, 0),
-                             ("--eval-samples", args.eval_samples, 1), ("--threads", args.threads, 0),
+                             ("--eval-samples", args.eval_samples, 1), ("--threads", args.threads, 0), ("--workers", args.workers, 0),
                              ("--batch", args.batch if args.batch is not None else 1, 1)):
         if value < low:
             raise UserError(f"{flag} must be >= {low}, got {value}")
@@ -112,7 +114,7 @@ def _es_settings(args, state, log):
 def build(args, log):
     """Trainer, samples, loader and the ES run from the flags (+ --load)."""
     from ..es import ESConfig
-    from ..es.finetune import ESFinetune
+    from ..es.finetune import ESFinetune, MemberPool
     from ..llm import data as sft
     from ..llm.chat import ChatTemplate
     from ..llm.finetune import Trainer, lora_config
@@ -136,7 +138,8 @@ def build(args, log):
         pairs, source = list(sft.PIRATE_PAIRS), "pirate pair"
     options = sft.EncodeOptions(seq_max=args.seq_max)
     samples = sft.encode_all(encoder, template, pairs, options, source=source)
-    trainer = Trainer(model, targets=_targets(args.targets), rank=args.rank, alpha=args.lora_alpha, seed=lora_seed)
+    trainer_kwargs = dict(targets=_targets(args.targets), rank=args.rank, alpha=args.lora_alpha, seed=lora_seed)
+    trainer = Trainer(model, **trainer_kwargs)
     order = "shuffled" if args.shuffle else "sequential"
     data_seed = args.seed if args.data_seed is None else args.data_seed
     loader = sft.Loader(len(samples), order, seed=data_seed)
@@ -150,16 +153,15 @@ def build(args, log):
                                       f"but this run is {order!r} (pass --shuffle as the checkpoint did, or not)")
         run.load(args.load)
         log(f"resumed {args.load}: ES iteration {run.iteration}, loader epoch {run.loader.epoch} index {run.loader.index}")
+    if args.workers:
+        run.pool = MemberPool(args.workers, args.model, trainer_kwargs, samples, threads=max(1, args.threads))
     run_config = {"model": str(args.model), "lora": lora_config(trainer), "seq_max": args.seq_max,
                   "data": args.data or "builtin:pirate", "order": order, "trainer": "es"}
     return run, tokenizer, encoder, template, pairs, options, run_config
 
 
 def run(args):
-    from ..es.finetune import batch_loss
-    from ..llm.finetune import adapters_sha256
     from ..threads import pin_threads
-    from .finetune import _answer, _bar
 
     _check_args(args)
     if args.threads:
@@ -170,6 +172,18 @@ def run(args):
         print(msg, file=out, flush=True)
 
     es_run, tokenizer, encoder, template, pairs, options, run_config = build(args, log)
+    try:
+        return _train(args, log, es_run, tokenizer, encoder, template, pairs, options, run_config)
+    finally:
+        if es_run.pool is not None:
+            es_run.pool.close()
+
+
+def _train(args, log, es_run, tokenizer, encoder, template, pairs, options, run_config):
+    from ..es.finetune import batch_loss
+    from ..llm.finetune import adapters_sha256
+    from .finetune import _answer, _bar
+
     trainer, cfg = es_run.trainer, es_run.es.config
     eval_set = es_run.samples[:args.eval_samples]
     log(f"fucina es-finetune: {args.model} ({trainer.config.layers} layers, hidden {trainer.config.hidden}); "
@@ -178,7 +192,8 @@ def run(args):
         f"{cfg.population}{' antithetic' if cfg.antithetic else ''}, sigma {cfg.sigma:g}, alpha {cfg.alpha:g}, "
         f"{cfg.shaping}, noise {cfg.noise}, seed {cfg.seed}"
         f"{f', anchor {cfg.anchor_decay} lambda {cfg.anchor_lambda:g}' if cfg.anchor_decay else ''}; "
-        f"{len(pairs)} pairs, batch {es_run.batch}")
+        f"{len(pairs)} pairs, batch {es_run.batch}; "
+        f"{f'{args.workers} member processes' if es_run.pool is not None else 'in-process'}")
     prompt = args.prompt or pairs[0].instruction
     before = _answer(trainer, tokenizer, encoder, template, prompt, options, args.max_new_tokens)
     log(f"BEFORE  {prompt!r} -> {before!r}")

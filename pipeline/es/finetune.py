@@ -24,10 +24,14 @@ set) searches both factors; "b" searches only the B factors and keeps A at its
 random projection: half the dimension, so the same population estimates the
 useful direction with less noise. The unsearched factors are still saved.
 
-Trade-off: members run sequentially in one process (the spec's LLM-scale
+Trade-off: by default members run sequentially in one process (the LLM-scale
 shape: one model instance, no population of replicas), so an iteration costs
 population x batch forwards; restores are snapshots (adapters are small, and a
-bitwise restore keeps resume exact without relying on (x + t) - t).
+bitwise restore keeps resume exact without relying on (x + t) - t). A
+`MemberPool` of N processes (each maps the GGUF read-only, the OS shares its
+pages) scores members k with k % N == j on process j from the materialized rows
+theta + sigma*eps_k: the parameters are small, so shipping rows is cheap, and
+the rewards, hence the update, are the same bits as in place.
 """
 from __future__ import annotations
 
@@ -64,7 +68,7 @@ def batch_loss(trainer, samples) -> float:
 class ESFinetune:
     """ES over a Trainer's adapters: one `iteration()` = one ES step on one loader batch."""
 
-    def __init__(self, trainer, samples, loader, es_config: ESConfig, batch=5, search="ab"):
+    def __init__(self, trainer, samples, loader, es_config: ESConfig, batch=5, search="ab", pool=None):
         if search not in SEARCHES:
             raise UserError(f"search must be one of {SEARCHES}, got {search!r}")
         if batch < 1:
@@ -72,7 +76,7 @@ class ESFinetune:
         if trainer.dropout:
             raise UserError("ES fine-tuning scores members with dropout off; build the Trainer with dropout=0")
         self.trainer, self.samples, self.loader = trainer, samples, loader
-        self.batch, self.search = int(batch), search
+        self.batch, self.search, self.pool = int(batch), search, pool
         self.es = ESTrainer(es_config)
         for name, p in trainer.named_parameters():
             if search == "ab" or name.endswith(".lora_b"):
@@ -91,7 +95,12 @@ class ESFinetune:
         """Draw a batch, score every member on it, update; returns the ES stats (+ batch indices)."""
         idx = self.loader.take(self.batch)
         batch = [self.samples[i] for i in idx]
-        stats = self.es.step(lambda member: -batch_loss(self.trainer, batch))
+        if self.pool is None:  # in place: perturb -> score -> restore, one member at a time
+            stats = self.es.step(lambda member: -batch_loss(self.trainer, batch))
+        else:  # the rows theta + sigma*eps_m are bitwise what perturb(m) leaves, so the rewards are too
+            rows = self.es.split(self.es.materialize_members(range(self.es.config.population)))
+            adapters = {n: p.data for n, p in self.trainer.named_parameters()}
+            stats = self.es.update(self.pool.score(adapters, rows, idx))
         stats["batch"] = idx
         return stats
 
@@ -147,3 +156,77 @@ def es_config_from_state(stored: dict, source: str) -> dict:
         raise ConfigMismatchError(f"{source}: field 'config.{missing[0]}' is missing; not an es-finetune checkpoint")
     return {ours: stored[k] for k, ours in keys.items()}
 
+
+
+# --- member processes ------------------------------------------------------------
+def _member_main(conn, model_path, trainer_kwargs, samples, threads):
+    """A member process: a Trainer over the mapped GGUF; answers (adapters, member rows, batch) with rewards."""
+    from ..llm.finetune import Trainer
+    from ..threads import pin_threads
+    pin_threads(threads)
+    trainer = Trainer.from_gguf(model_path, **trainer_kwargs)
+    params = dict(trainer.named_parameters())
+    conn.send("ready")
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        adapters, members, idx = msg
+        batch = [samples[i] for i in idx]
+        rewards = []
+        for rows in members:  # rows: {searched name: this member's values}
+            for name, arr in {**adapters, **rows}.items():
+                params[name].data[...] = arr
+            rewards.append(-batch_loss(trainer, batch))
+        conn.send(rewards)
+
+
+class MemberPool:
+    """N spawned member processes; member k is scored by process k % N; rewards come back in member order."""
+
+    def __init__(self, n, model_path, trainer_kwargs, samples, threads=1):
+        import multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for _ in range(n):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_member_main, args=(child, str(model_path), trainer_kwargs, samples, threads),
+                               daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        for conn, proc in zip(self.conns, self.procs):
+            try:
+                if conn.recv() != "ready":
+                    raise EOFError
+            except EOFError:
+                self.close()
+                raise UserError(f"a member process failed to start on {model_path} (exit code {proc.exitcode})") from None
+
+    def score(self, adapters, rows, idx):
+        """adapters: {name: array} (the unperturbed state); rows: {searched name: (population, ...)}."""
+        population = len(next(iter(rows.values())))
+        n = len(self.conns)
+        for j, conn in enumerate(self.conns):
+            mine = [{name: r[k] for name, r in rows.items()} for k in range(j, population, n)]
+            conn.send((adapters, mine, idx))
+        rewards = [None] * population
+        for j, conn in enumerate(self.conns):
+            try:
+                answer = conn.recv()
+            except (EOFError, OSError):
+                self.procs[j].join(timeout=5)
+                raise UserError(f"member process {j} died (exit code {self.procs[j].exitcode}); its error is printed above") from None
+            rewards[j::n] = answer
+        return rewards
+
+    def close(self):
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()

@@ -189,3 +189,13 @@ def test_same_bits_with_one_and_two_threads(capsys):
         runs.append(json.loads(out.out.strip().splitlines()[-1]))
     assert runs[0]["adapters_sha256"] == runs[1]["adapters_sha256"]
     assert runs[0]["reward_means"] == runs[1]["reward_means"]
+
+
+def test_member_processes_equal_in_process(capsys):
+    rc, inproc, err = _run(capsys, "--iterations", "2")
+    assert rc == 0, err
+    rc, fanned, err = _run(capsys, "--iterations", "2", "--workers", "2")
+    assert rc == 0, err
+    assert "2 member processes" in err
+    assert fanned["adapters_sha256"] == inproc["adapters_sha256"]
+    assert fanned["reward_means"] == inproc["reward_means"]

@@ -66,7 +66,7 @@ def batch_loss(trainer, samples) -> float:
 
 
 class ESFinetune:
-    """ES over a Trainer's adapters: one `iteration()` = one ES step on one loader batch."""
+    """ES over a Trainer's adapters: one `iteration_step()` = one ES update from one loader batch."""
 
     def __init__(self, trainer, samples, loader, es_config: ESConfig, batch=5, search="ab", pool=None):
         if search not in SEARCHES:

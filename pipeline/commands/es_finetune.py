@@ -34,8 +34,8 @@ def add_arguments(p):
     p.add_argument("--instruction-key", default="instruction", help="JSONL key holding the instruction")
     p.add_argument("--response-key", default="response", help="JSONL key holding the response")
     p.add_argument("--shuffle", action="store_true", help="shuffled sample order (Fisher-Yates per epoch, seeded by --data-seed)")
-    p.add_argument("--seed", type=int, default=42, help="seed of the adapter init (A) and, unless --es-seed, of the ES noise")
-    p.add_argument("--es-seed", type=int, default=None, help="seed of the ES noise stream (default: --seed)")
+    p.add_argument("--seed", type=int, default=42, help="run seed: the adapter init (A), the ES noise (unless --es-seed) and the data order (unless --data-seed)")
+    p.add_argument("--es-seed", type=int, default=None, help="seed of the ES noise stream (default: derived from --seed, independent of the adapter init)")
     p.add_argument("--data-seed", type=int, default=None, help="seed of the shuffled order (default: --seed)")
     p.add_argument("--iterations", type=int, default=40, help="train until this many ES iterations in total (a resumed run continues from its checkpoint)")
     p.add_argument("--population", type=int, default=None, help=f"members per iteration (default {ES_DEFAULTS['population']}; even with --antithetic)")
@@ -91,7 +91,10 @@ def _es_settings(args, state, log):
     from ..es.finetune import es_config_from_state
 
     flags = {k: getattr(args, k) for k in ES_DEFAULTS}
-    flags["seed"] = args.es_seed if args.es_seed is not None else (None if state is not None else args.seed)
+    flags["seed"] = args.es_seed
+    if flags["seed"] is None and state is None:
+        from kernels.rng import derive_seed
+        flags["seed"] = derive_seed(args.seed, 2)  # the trainer derives streams 0 (adapter init) and 1 (dropout)
     if state is not None:
         source = f"{args.load}/trainer_state.json"
         stored = es_config_from_state(state.config, source)

@@ -18,7 +18,7 @@ from pipeline.runtime import ckpt
 from pipeline.runtime.scheduler import RunFailed, Scheduler
 from pipeline.runtime.shm import exit_on_signals
 from pipeline.runtime.transport import ipc_endpoints, tcp_endpoints
-from pipeline.runtime.worker import limit_threads
+from pipeline.threads import pin_threads
 
 
 def build_parser():
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level="WARNING")
     exit_on_signals()
-    limit_threads(args.threads)
+    pin_threads(args.threads)
     try:
         job_cls = get_job(args.job)
         values = load_toml(args.config, job_cls.Spec) if args.config else {}

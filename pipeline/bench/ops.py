@@ -26,10 +26,8 @@ def add_arguments(parser):
 
 
 def _set_threads(n):
-    import numba
-    from threadpoolctl import threadpool_limits
-    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-    threadpool_limits(n)
+    from ..threads import pin_threads
+    pin_threads(n)
     try:
         import torch
         torch.set_num_threads(n)

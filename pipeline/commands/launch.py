@@ -64,8 +64,8 @@ def run(args) -> int:
     say(f"  spec {json.dumps(to_dict(spec))}")
     if args.inprocess:
         from ..runtime.inprocess import run_inprocess
-        from ..runtime.worker import limit_threads
-        limit_threads(args.threads)
+        from ..threads import pin_threads
+        pin_threads(args.threads)
         with _progress(spec.steps, quiet) as on_step:
             summary = run_inprocess(job_cls(spec), run_dir, resume=args.resume, log=say, on_step=on_step)
         try:

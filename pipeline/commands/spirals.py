@@ -13,6 +13,7 @@ import tempfile
 import time
 
 from pipeline.errors import UserError
+from pipeline.threads import pin_threads
 
 NAME = "spirals"
 HELP = "two-spirals gauntlet: every optimizer trains, checkpoints halfway, resumes bit-exact, infers"
@@ -62,26 +63,13 @@ def selected(values):
     return [n for n in recipes if n in names]
 
 
-def _limit_threads(n):
-    """BLAS and numba thread caps for this process.
-
-    Not pipeline.threads.pin_threads: it also exports NUMBA_NUM_THREADS, and once
-    numba is imported (the CLI imports every command) numba refuses that change
-    at its next compile.
-    """
-    import numba
-    from threadpoolctl import threadpool_limits
-    threadpool_limits(n)
-    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-
-
 def run(args):
     if args.steps < 2:
         raise UserError(f"spirals: --steps must be >= 2 (the checkpoint is at steps/2), got {args.steps}")
     if args.hidden < 1 or args.threads < 1:
         raise UserError("spirals: --hidden and --threads must be >= 1")
     names = selected(args.optimizer)
-    _limit_threads(args.threads)
+    pin_threads(args.threads)
     from pipeline.train.gauntlet import run_recipe
 
     say = (lambda *a: None) if args.json else print

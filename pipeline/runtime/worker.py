@@ -24,28 +24,13 @@ import time
 import traceback
 
 from ..jobs import get_job
+from ..threads import pin_threads
 from ..jobs.spec import build
 from .shm import Registry, exit_on_signals
 from .transport import DealerSocket, HeartbeatThread, ipc_endpoints
 
 WELCOME_TIMEOUT_S = 60.0
 EXIT_REPLACED = 75  # EX_TEMPFAIL: the scheduler declared us lost; a supervisor should start a new one
-
-
-def limit_threads(n: int) -> int:
-    """Limit BLAS and numba to n threads in this (already running) process.
-
-    Unlike pipeline.threads.pin_threads this leaves NUMBA_NUM_THREADS in the
-    environment alone: changing it after numba loaded makes numba's next
-    compile raise "Cannot set NUMBA_NUM_THREADS to a different value". Child
-    processes get their thread variables from the launcher (pin_env) instead.
-    """
-    import numba
-    from threadpoolctl import threadpool_limits
-    n = max(1, int(n))
-    threadpool_limits(n)
-    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-    return n
 
 
 def worker_arguments(parser: argparse.ArgumentParser):
@@ -80,7 +65,7 @@ class Worker:
     # --- the life cycle ----------------------------------------------------
     def main(self) -> int:
         exit_on_signals()
-        limit_threads(self.threads)
+        pin_threads(self.threads)
         self.sock = DealerSocket(self.endpoint, self.id)
         heartbeat = None
         try:

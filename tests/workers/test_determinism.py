@@ -8,13 +8,13 @@ from pipeline.jobs import get_job
 from pipeline.jobs.spec import build
 from pipeline.runtime import ckpt
 from pipeline.runtime.inprocess import run_inprocess
-from pipeline.runtime.worker import limit_threads
+from pipeline.threads import pin_threads
 
 SPIRALS_SPEC = {"steps": 40, "batch": 32, "micro_batches": 4, "checkpoint_every": 20, "eval_every": 20}
 
 
 def _inprocess(tmp_path, name, spec, resume=None):
-    limit_threads(1)
+    pin_threads(1)
     job = get_job(name)
     return run_inprocess(job(build(job.Spec, spec)), str(tmp_path), resume=resume, log=lambda m: None)
 

@@ -16,7 +16,7 @@ from pipeline.jobs import get_job
 from pipeline.jobs.spec import build
 from pipeline.runtime import ckpt, shm
 from pipeline.runtime.inprocess import run_inprocess
-from pipeline.runtime.worker import limit_threads
+from pipeline.threads import pin_threads
 
 SPEC = {"steps": 60, "batch": 32, "micro_batches": 4, "checkpoint_every": 20, "eval_every": 20}
 FLAGS = ["--steps", "60", "--batch", "32", "--micro-batches", "4", "--checkpoint-every", "20",
@@ -25,14 +25,14 @@ FLAGS = ["--steps", "60", "--batch", "32", "--micro-batches", "4", "--checkpoint
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    limit_threads(1)
+    pin_threads(1)
     job = get_job("spirals")
     return run_inprocess(job(build(job.Spec, SPEC)), str(tmp_path_factory.mktemp("ref")), log=lambda m: None)
 
 
 def test_checkpointer_killed_mid_write_leaves_previous_checkpoint_latest(tmp_path):
     """Unit level: the weights file of step 40 is written, then the writer dies before the sentinel."""
-    limit_threads(1)
+    pin_threads(1)
     job = get_job("spirals")(build(get_job("spirals").Spec, SPEC))
     params = {n: a for n, a in job.init_params()}
     skeleton = {"type": "adamw", "config": {}, "scalars": {}}

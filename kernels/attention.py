@@ -9,13 +9,13 @@ runs over a fixed grid of row chunks, so the bits do not depend on threads.
 import numpy as np
 from numba import njit, prange
 
-from kernels.fastexp import _FASTMATH, exp_shifted_sum_inplace, row_max
+from kernels.fastexp import exp_shifted_sum_inplace, row_max
 from kernels.nn import threads_for
 
 ROW_CHUNK = 64
 
 
-@njit(cache=True, fastmath=_FASTMATH)
+@njit(cache=True)
 def _softmax_rows(s, i0, i1):
     for i in range(i0, i1):
         row = s[i]
@@ -33,7 +33,7 @@ def _softmax_inplace(s):
         _softmax_rows(s, c * ROW_CHUNK, min(n, (c + 1) * ROW_CHUNK))
 
 
-@njit(cache=True, fastmath=_FASTMATH)
+@njit(cache=True)
 def _softmax_bwd_rows(p, dp, scale, i0, i1):
     for i in range(i0, i1):
         pr = p[i]

@@ -17,7 +17,13 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-_FASTMATH = {"reassoc", "nsz", "contract"}  # not nnan/ninf: -inf inputs must stay exact
+# The exp maps and reductions below carry NO fastmath flags: with "reassoc" or
+# "contract" LLVM chose a different association/FMA fusion in a fresh compile
+# than in the cached code (measured: gradients 1 ulp apart between a cold and a
+# warm numba cache), which broke bit-identity across processes. The reductions
+# instead accumulate in LANES explicit float32 lanes (independent accumulators
+# vectorize without reassociation) and fold the lanes in a fixed serial order.
+LANES = 16
 TILE = 64
 LOG2E = np.float32(1.44269504088896341)
 C1 = np.float32(0.693359375)
@@ -66,7 +72,7 @@ def _order_key(i):
     return np.int32(i ^ ((i >> np.int32(31)) & np.int32(0x7FFFFFFF)))
 
 
-@njit(cache=True, fastmath=_FASTMATH, inline="always")
+@njit(cache=True, inline="always")
 def expf(t):
     """float32 exp(t) for a float32 scalar t (0 below -87)."""
     tc = min(max(t, LOW), HIGH)
@@ -90,17 +96,24 @@ def row_max(src):
     return _bits_as_f32(_order_key(m))
 
 
-@njit(cache=True, fastmath=_FASTMATH)
+@njit(cache=True)
 def sum_exp_shifted(src, shift):
-    """sum_j exp(src[j] - shift) as float64 (float32 within fixed tiles)."""
+    """sum_j exp(src[j] - shift) as float64: float32 lanes within fixed
+    64-element tiles, each tile's lanes folded in order into a float64 total."""
     n = src.shape[0]
     full = n // TILE
+    lanes = np.empty(LANES, np.float32)
     total = 0.0
     for t in range(full):
         base = t * TILE
-        part = ZERO
-        for j in range(TILE):  # constant trip count: vectorizes cleanly
-            part += expf(src[base + j] - shift)
+        for k in range(LANES):
+            lanes[k] = expf(src[base + k] - shift)
+        for q in range(1, TILE // LANES):
+            for k in range(LANES):
+                lanes[k] += expf(src[base + q * LANES + k] - shift)
+        part = lanes[0]
+        for k in range(1, LANES):
+            part += lanes[k]
         total += np.float64(part)
     part = ZERO
     for j in range(full * TILE, n):
@@ -108,7 +121,7 @@ def sum_exp_shifted(src, shift):
     return total + np.float64(part)
 
 
-@njit(cache=True, fastmath=_FASTMATH)
+@njit(cache=True)
 def exp_shifted_into(src, shift, dst, scale, offset):
     """dst[j] = exp(src[j] - shift) * scale - offset over float32 rows.
     dst must not overlap src (LLVM's overlap check would fall back to scalar
@@ -117,27 +130,35 @@ def exp_shifted_into(src, shift, dst, scale, offset):
         dst[j] = expf(src[j] - shift) * scale - offset
 
 
-@njit(cache=True, fastmath=_FASTMATH)
+@njit(cache=True)
 def exp_shifted_inplace(row, shift, scale, offset):
     """row[j] = exp(row[j] - shift) * scale - offset (one pointer: vectorizes)."""
     for j in range(row.shape[0]):
         row[j] = expf(row[j] - shift) * scale - offset
 
 
-@njit(cache=True, fastmath=_FASTMATH)
+@njit(cache=True)
 def exp_shifted_sum_inplace(row, shift):
-    """row[j] = exp(row[j] - shift); returns their sum in float64 (float32
-    within fixed tiles, like sum_exp_shifted)."""
+    """row[j] = exp(row[j] - shift); returns their sum in float64 (lanes within
+    fixed tiles, like sum_exp_shifted)."""
     n = row.shape[0]
     full = n // TILE
+    lanes = np.empty(LANES, np.float32)
     total = 0.0
     for t in range(full):
         base = t * TILE
-        part = ZERO
-        for j in range(TILE):
-            e = expf(row[base + j] - shift)
-            row[base + j] = e
-            part += e
+        for k in range(LANES):
+            e = expf(row[base + k] - shift)
+            row[base + k] = e
+            lanes[k] = e
+        for q in range(1, TILE // LANES):
+            for k in range(LANES):
+                e = expf(row[base + q * LANES + k] - shift)
+                row[base + q * LANES + k] = e
+                lanes[k] += e
+        part = lanes[0]
+        for k in range(1, LANES):
+            part += lanes[k]
         total += np.float64(part)
     part = ZERO
     for j in range(full * TILE, n):

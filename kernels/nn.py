@@ -38,10 +38,11 @@ def threads_for(size):
 
 
 # --- RMSNorm -------------------------------------------------------------------
-_FASTMATH = {"reassoc", "nsz", "contract"}  # lets row reductions vectorize; fixed code, fixed order
+# No fastmath here: "reassoc" let LLVM pick a reduction order that differed
+# between a fresh compile and the cached code (see kernels/fastexp.py).
 
 
-@njit(cache=True, fastmath=_FASTMATH)
+@njit(cache=True)
 def _rms_norm_fwd_rows(x, w, eps, out, rstd, i0, i1):
     d = x.shape[1]
     for i in range(i0, i1):
@@ -66,7 +67,7 @@ def _rms_norm_fwd(x, w, eps, out, rstd):
         _rms_norm_fwd_rows(x, w, eps, out, rstd, c * ROW_CHUNK, min(n, (c + 1) * ROW_CHUNK))
 
 
-@njit(cache=True, fastmath=_FASTMATH)
+@njit(cache=True)
 def _rms_norm_bwd_rows(g, x, w, rstd, gx, gw_row, i0, i1):
     d = x.shape[1]
     for j in range(d):

@@ -1,0 +1,42 @@
+"""Bits must not depend on whether numba compiled a kernel just now or loaded
+it from its cache: a fresh process with an empty cache and one with a warm
+cache give identical cross-entropy gradients (fastmath reassociation once broke
+this, and with it 1-process vs N-process equality)."""
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PROBE = """
+import sys, numpy as np
+from kernels import rng
+from pipeline.autograd import Tensor, cross_entropy, linear_cross_entropy, rms_norm, attention
+x = Tensor(rng.gaussian(1, (37, 64)), requires_grad=True)
+w = Tensor(rng.gaussian(2, (384, 64)) * 0.1, requires_grad=True)
+labels = (rng.at_values(3, range(37)) % 384).astype(np.int64)
+linear_cross_entropy(x, w, labels).backward()
+logits = Tensor(rng.gaussian(4, (37, 384)), requires_grad=True)
+cross_entropy(logits, labels).backward()
+h = Tensor(rng.gaussian(5, (2, 70, 4, 16)), requires_grad=True)
+(attention(h, h, h, causal=True) * rms_norm(h, None, 1e-6)).sum().backward()
+np.savez(sys.argv[1], gx=x.grad, gw=w.grad, gl=logits.grad, gh=h.grad)
+"""
+
+
+def test_cold_and_warm_numba_cache_give_identical_bits(tmp_path):
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "kernels", tree / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "pipeline", tree / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(os.environ, PYTHONPATH=str(tree), NUMBA_CACHE_DIR=str(tmp_path / "numba_cache"))
+    outs = []
+    for name in ("cold", "warm"):
+        out = tmp_path / f"{name}.npz"
+        r = subprocess.run([sys.executable, "-c", PROBE, str(out)], cwd=tree, env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        outs.append(np.load(out))
+    for k in outs[0]:
+        assert np.array_equal(outs[0][k], outs[1][k]), k

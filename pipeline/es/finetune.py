@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from ..autograd.tensor import no_grad
 from ..errors import ConfigMismatchError, UserError
+from ..llm.finetune import ProcessPool
 from ..train.checkpoint import load_checkpoint, read_sentinel, save_checkpoint
 from ..train.trainer_state import TrainerState
 from .checkpoint import STRUCTURAL
@@ -181,27 +182,12 @@ def _member_main(conn, model_path, trainer_kwargs, samples, threads):
         conn.send(rewards)
 
 
-class MemberPool:
+class MemberPool(ProcessPool):
     """N spawned member processes; member k is scored by process k % N; rewards come back in member order."""
 
     def __init__(self, n, model_path, trainer_kwargs, samples, threads=1):
-        import multiprocessing as mp
-        ctx = mp.get_context("spawn")
-        self.conns, self.procs = [], []
-        for _ in range(n):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_member_main, args=(child, str(model_path), trainer_kwargs, samples, threads),
-                               daemon=True)
-            proc.start()
-            self.conns.append(parent)
-            self.procs.append(proc)
-        for conn, proc in zip(self.conns, self.procs):
-            try:
-                if conn.recv() != "ready":
-                    raise EOFError
-            except EOFError:
-                self.close()
-                raise UserError(f"a member process failed to start on {model_path} (exit code {proc.exitcode})") from None
+        super().__init__(n, _member_main, (str(model_path), trainer_kwargs, samples, threads),
+                         f"a member process on {model_path}")
 
     def score(self, adapters, rows, idx):
         """adapters: {name: array} (the unperturbed state); rows: {searched name: (population, ...)}."""
@@ -219,14 +205,3 @@ class MemberPool:
                 raise UserError(f"member process {j} died (exit code {self.procs[j].exitcode}); its error is printed above") from None
             rewards[j::n] = answer
         return rewards
-
-    def close(self):
-        for conn in self.conns:
-            try:
-                conn.send(None)
-            except (OSError, BrokenPipeError):
-                pass
-        for proc in self.procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.terminate()

@@ -385,21 +385,18 @@ def _worker_main(conn, model_path, trainer_kwargs, threads):
         conn.send(results)
 
 
-class TrainerPool:
-    """N trainer processes (spawned; the OS shares the mapped GGUF's pages between them).
+class ProcessPool:
+    """N spawned worker processes, each on its own Pipe, that answer "ready" once
+    started (the OS shares a mapped GGUF's pages between them). Subclasses add
+    the request/answer protocol; close() sends None and joins."""
 
-    Micro-batch k of a window goes to process k % N; the parent adds the
-    returned gradients into the adapters' .grad in k order, exactly as
-    in-process backward passes would, so the bits match the in-process run.
-    """
-
-    def __init__(self, n, model_path, trainer_kwargs, threads=1):
+    def __init__(self, n, target, args, what):
         import multiprocessing as mp
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         for _ in range(n):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(child, str(model_path), trainer_kwargs, threads), daemon=True)
+            proc = ctx.Process(target=target, args=(child, *args), daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -409,7 +406,30 @@ class TrainerPool:
                     raise EOFError
             except EOFError:
                 self.close()
-                raise UserError(f"a trainer process failed to start on {model_path} (exit code {proc.exitcode})") from None
+                raise UserError(f"{what} failed to start (exit code {proc.exitcode})") from None
+
+    def close(self):
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()
+
+
+class TrainerPool(ProcessPool):
+    """N trainer processes (spawned; the OS shares the mapped GGUF's pages between them).
+
+    Micro-batch k of a window goes to process k % N; the parent adds the
+    returned gradients into the adapters' .grad in k order, exactly as
+    in-process backward passes would, so the bits match the in-process run.
+    """
+
+    def __init__(self, n, model_path, trainer_kwargs, threads=1):
+        super().__init__(n, _worker_main, (str(model_path), trainer_kwargs, threads), f"a trainer process on {model_path}")
 
     def run(self, trainer, tasks):
         weights = {n: p.data for n, p in trainer.named_parameters()}
@@ -434,17 +454,6 @@ class TrainerPool:
                 else:
                     p.grad += g
         return [results[k][0] for k in range(len(tasks))]
-
-    def close(self):
-        for conn in self.conns:
-            try:
-                conn.send(None)
-            except (OSError, BrokenPipeError):
-                pass
-        for proc in self.procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.terminate()
 
 
 # --- gradient verification on a real model ----------------------------------------

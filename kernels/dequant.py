@@ -310,6 +310,18 @@ def matvec_half(raw: np.ndarray, x: np.ndarray, bf16: bool = False) -> np.ndarra
 _POOL = None  # (pid, ThreadPoolExecutor): a pool inherited through fork has no threads, so it is per process
 
 
+def pool():
+    """This process's worker threads (numba.config.NUMBA_NUM_THREADS of them, created on first use)."""
+    global _POOL
+    import os
+    if _POOL is None or _POOL[0] != os.getpid():
+        import numba
+        from concurrent.futures import ThreadPoolExecutor
+        _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=numba.config.NUMBA_NUM_THREADS,
+                                                 thread_name_prefix="dequant"))
+    return _POOL[1]
+
+
 def _over_rows(n_rows, kernel):
     """Run kernel(r0, r1) over [0, n_rows) on numba.get_num_threads() threads.
 
@@ -317,19 +329,13 @@ def _over_rows(n_rows, kernel):
     whatever the split, so the result is bitwise independent of the thread count.
     Python threads block instead of spinning, which matters on a shared machine.
     """
-    global _POOL
     import numba
     n = max(1, min(numba.get_num_threads(), (n_rows + ROW_CHUNK - 1) // ROW_CHUNK))
     if n == 1:
         kernel(0, n_rows)
         return
-    import os
-    if _POOL is None or _POOL[0] != os.getpid():
-        from concurrent.futures import ThreadPoolExecutor
-        _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=numba.config.NUMBA_NUM_THREADS,
-                                                 thread_name_prefix="dequant"))
     step = (n_rows + n - 1) // n
-    futures = [_POOL[1].submit(kernel, r0, min(n_rows, r0 + step)) for r0 in range(step, n_rows, step)]
+    futures = [pool().submit(kernel, r0, min(n_rows, r0 + step)) for r0 in range(step, n_rows, step)]
     kernel(0, min(n_rows, step))  # the calling thread takes the first share
     for f in futures:
         f.result()

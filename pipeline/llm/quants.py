@@ -64,8 +64,9 @@ class FrozenWeight:
 
     `raw` is the GGUF data as read (memory-mapped): f32/f16 arrays, uint16 bits for
     BF16, or uint8 block bytes [n_out, row_bytes]. `matmul_t(x)` computes x @ W.T:
-    a fused dequant-matvec for a few rows of x (decode), or a dequant into f32
-    followed by BLAS for many rows (prefill, training). It carries no gradient.
+    a fused dequant-matvec for a few rows of x (decode), or a tiled dequant + BLAS
+    for many rows (prefill, training; kernels/qgemm.py). `matmul(g)` computes g @ W
+    (the backward of a frozen linear) the same tiled way. It carries no gradient.
     """
 
     FUSED_MAX_ROWS = 4  # below this many activation rows the fused kernel wins (docs/models.md)
@@ -107,7 +108,7 @@ class FrozenWeight:
     def matmul_t(self, x):
         """x [..., n_in] f32 -> x @ W.T [..., n_out] f32."""
         import numpy as np
-        from kernels import dequant
+        from kernels import dequant, qgemm
         x2 = np.asarray(x, dtype=np.float32).reshape(-1, self.shape[1])
         if self.llama_numerics:
             x2 = llama_activation_roundtrip(self.format.qtype, x2)
@@ -115,11 +116,20 @@ class FrozenWeight:
             y = dequant.matvec_rows(int(self.format.qtype), self.raw, x2)
         elif self.format.qtype in (QT.F16, QT.BF16) and x2.shape[0] <= self.FUSED_MAX_ROWS:
             y = dequant.matvec_half(self.raw, x2, bf16=self.format.qtype == QT.BF16)
-        elif self.format.qtype == QT.F32:
-            y = x2 @ self.raw.T
         else:
-            y = x2 @ self.dequantize_scratch().T
+            y = qgemm.matmul_t(int(self.format.qtype), self.raw, x2, self.shape)
         return y.reshape(*np.shape(x)[:-1], self.shape[0])
+
+    def matmul(self, g):
+        """g [..., n_out] f32 -> g @ W [..., n_in] f32: the input gradient of x @ W.T.
+
+        Tiled (kernels/qgemm.py): W is dequantized a few columns at a time into a
+        per-thread buffer, never as a whole; bitwise independent of the thread count."""
+        import numpy as np
+        from kernels import qgemm
+        g2 = np.asarray(g, dtype=np.float32).reshape(-1, self.shape[0])
+        y = qgemm.matmul(int(self.format.qtype), self.raw, g2, self.shape)
+        return y.reshape(*np.shape(g)[:-1], self.shape[1])
 
     def __repr__(self):
         return f"FrozenWeight({self.name!r}, {self.format.name}, {self.shape})"

@@ -1,0 +1,152 @@
+"""Many-row products with a frozen weight kept in its file format: x @ W.T and g @ W.
+
+Trade-off: the weight W [n_out, n_in] is never materialised in f32 as a whole.
+It is cut into tiles on a grid fixed by W's shape alone; each tile is
+dequantized into a small per-thread f32 buffer (~TILE_BYTES, stays in L2) and
+multiplied by single-threaded BLAS straight into its own slice of the output.
+Tiles run on our own threads (dequant.pool()), so both cores do useful work
+(dequantizing and multiplying) instead of OpenBLAS's workers spinning against
+ours. No output element sums over more than one tile:
+  * x @ W.T tiles W's rows, so a tile owns whole output columns;
+  * g @ W tiles W's columns in whole blocks (256 weights for the K-quants),
+    so a tile owns whole output columns there too.
+Each tile is computed by the same code on the same shapes whatever thread
+takes it, so results are bitwise independent of the thread count. Costs: one
+f32 tile per thread (at least n_out x 256 x 4 bytes for g @ W on a K-quant),
+and one BLAS call per tile (tiles are big enough that this is noise).
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+
+import numpy as np
+
+from . import dequant
+
+F32 = dequant.F32
+TILE_BYTES = 1 << 21  # f32 tile size: ~L2; smaller tiles made BLAS calls too thin (64 rows: 58 vs ~85 GFLOP/s)
+_LOCAL = threading.local()
+_BLAS = None  # threadpoolctl controller for the loaded BLAS libraries (found once: the lookup is slow)
+
+
+def _unit(qtype: int) -> int:
+    """Columns per tile step: one block (F16/BF16: a 32-column group)."""
+    if qtype not in dequant.TILE_KERNELS:
+        raise ValueError(f"qgemm: no kernel for ggml type {qtype}")
+    return dequant.TILE_KERNELS[qtype][1]
+
+
+def _check_raw(qtype: int, raw, shape):
+    n_out, n_in = shape
+    raw = np.ascontiguousarray(raw)
+    if qtype in (dequant.F16, dequant.BF16):
+        raw = raw.view(np.uint16)
+        if raw.shape != (n_out, n_in):
+            raise ValueError(f"qgemm: 16-bit weight must be [{n_out}, {n_in}], got {raw.shape}")
+    elif qtype != F32:
+        _, block, size = dequant.TILE_KERNELS.get(qtype, (None, 0, 0))
+        if not block:
+            raise ValueError(f"qgemm: no kernel for ggml type {qtype}")
+        if raw.dtype != np.uint8 or raw.shape != (n_out, n_in // block * size) or n_in % block:
+            raise ValueError(f"qgemm: weight [{n_out}, {n_in}] in blocks of {block} ({size} B) must be uint8 "
+                             f"[{n_out}, {n_in // block * size}], got {raw.dtype} {raw.shape}")
+    return raw
+
+
+def _buffer(n: int) -> np.ndarray:
+    """This thread's f32 scratch of at least n elements (grown, never shrunk)."""
+    buf = getattr(_LOCAL, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _LOCAL.buf = np.empty(n, np.float32)
+    return buf[:n]
+
+
+def _single_thread_blas():
+    global _BLAS
+    if _BLAS is None:
+        from threadpoolctl import ThreadpoolController
+        _BLAS = ThreadpoolController().select(user_api="blas")
+    return _BLAS.limit(limits=1)
+
+
+def _run_tiles(n_tiles: int, tile):
+    """Call tile(i) for i in range(n_tiles) on numba.get_num_threads() threads (dynamic
+    assignment: which thread takes a tile never changes what the tile computes)."""
+    import numba
+    workers = max(1, min(numba.get_num_threads(), n_tiles))
+    with _single_thread_blas():
+        if workers == 1:
+            for i in range(n_tiles):
+                tile(i)
+            return
+        counter = itertools.count()  # next() is atomic under the GIL
+
+        def worker():
+            for i in iter(counter.__next__, None):
+                if i >= n_tiles:
+                    return
+                tile(i)
+
+        futures = [dequant.pool().submit(worker) for _ in range(workers - 1)]
+        worker()
+        for f in futures:
+            f.result()
+
+
+def row_tile(n_in: int) -> int:
+    """Rows of W per tile for x @ W.T (a multiple of 16, at least 64, from n_in alone)."""
+    return max(64, TILE_BYTES // (4 * n_in) // 16 * 16)
+
+
+def col_tile(qtype: int, n_out: int) -> int:
+    """Columns of W per tile for g @ W: whole blocks, ~TILE_BYTES of f32 (from the shape alone)."""
+    unit = _unit(qtype)
+    return max(1, TILE_BYTES // (4 * n_out * unit)) * unit
+
+
+def matmul_t(qtype: int, raw, x: np.ndarray, shape) -> np.ndarray:
+    """x [N, n_in] f32 @ W.T -> [N, n_out] f32, W [n_out, n_in] = `shape` stored as `raw` in format qtype."""
+    n_out, n_in = shape
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != n_in:
+        raise ValueError(f"qgemm.matmul_t: x must be [N, {n_in}] for W {tuple(shape)}, got {x.shape}")
+    if qtype == F32:
+        return x @ np.asarray(raw, np.float32).T
+    raw = _check_raw(qtype, raw, shape)
+    kernel, unit, _ = dequant.TILE_KERNELS[qtype]
+    n_groups = (n_in + unit - 1) // unit
+    rows = row_tile(n_in)
+    out = np.empty((x.shape[0], n_out), np.float32)
+
+    def tile(i):
+        r0, r1 = i * rows, min(n_out, (i + 1) * rows)
+        w = _buffer((r1 - r0) * n_in).reshape(r1 - r0, n_in)
+        kernel(raw[r0:r1], w, dequant.HALF_TO_FLOAT, 0, n_groups, dequant.SUB)
+        np.matmul(x, w.T, out=out[:, r0:r1])
+
+    _run_tiles((n_out + rows - 1) // rows, tile)
+    return out
+
+
+def matmul(qtype: int, raw, g: np.ndarray, shape) -> np.ndarray:
+    """g [N, n_out] f32 @ W -> [N, n_in] f32 (the input gradient of a frozen linear layer)."""
+    n_out, n_in = shape
+    g = np.ascontiguousarray(g, dtype=np.float32)
+    if g.ndim != 2 or g.shape[1] != n_out:
+        raise ValueError(f"qgemm.matmul: g must be [N, {n_out}] for W {tuple(shape)}, got {g.shape}")
+    if qtype == F32:
+        return g @ np.asarray(raw, np.float32)
+    raw = _check_raw(qtype, raw, shape)
+    kernel, unit, _ = dequant.TILE_KERNELS[qtype]
+    cols = col_tile(qtype, n_out)
+    out = np.empty((g.shape[0], n_in), np.float32)
+
+    def tile(i):
+        c0, c1 = i * cols, min(n_in, (i + 1) * cols)
+        w = _buffer(n_out * (c1 - c0)).reshape(n_out, c1 - c0)
+        kernel(raw, w, dequant.HALF_TO_FLOAT, c0 // unit, (c1 + unit - 1) // unit, dequant.SUB)
+        np.matmul(g, w, out=out[:, c0:c1])
+
+    _run_tiles((n_in + cols - 1) // cols, tile)
+    return out

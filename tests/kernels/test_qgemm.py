@@ -1,0 +1,104 @@
+"""Tiled frozen-weight GEMMs (kernels/qgemm.py): against a numpy reference on the gguf-py dequant,
+several tiles per call, bitwise across thread counts and tile-to-thread assignment."""
+import sys
+from pathlib import Path
+
+import numba
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT, quants
+
+from kernels import qgemm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "llm"))
+from test_gguf_dequant import random_blocks  # noqa: E402
+
+QUANTIZED = [QT.Q8_0, QT.Q4_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+
+
+def weight(qt, n_out, n_in, seed=0):
+    """(raw, f32 reference) for a random weight in format qt."""
+    if qt in QUANTIZED:
+        raw = random_blocks(qt, n_out, n_in, seed)
+        return raw, quants.dequantize(raw, qt).astype(np.float32)
+    w = np.random.default_rng(seed).standard_normal((n_out, n_in)).astype(np.float32)
+    if qt == QT.F16:
+        raw = w.astype(np.float16)
+        return raw, raw.astype(np.float32)
+    if qt == QT.BF16:
+        raw = (w.view(np.uint32) >> 16).astype(np.uint16)
+        return raw, (raw.astype(np.uint32) << 16).view(np.float32)
+    return w, w
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles of 64 rows / one block of columns, so every call below spans several tiles."""
+    monkeypatch.setattr(qgemm, "TILE_BYTES", 1)
+
+
+@pytest.mark.parametrize("qt", QUANTIZED + [QT.F16, QT.BF16, QT.F32], ids=lambda q: q.name)
+def test_matmul_t_and_matmul_match_numpy(qt, small_tiles):
+    n_out, n_in = 200, 512  # 200 rows: a ragged last row tile
+    raw, w = weight(qt, n_out, n_in)
+    r = np.random.default_rng(1)
+    x = r.standard_normal((7, n_in)).astype(np.float32)
+    g = r.standard_normal((9, n_out)).astype(np.float32)
+    ref_t = x.astype(np.float64) @ w.astype(np.float64).T
+    ref = g.astype(np.float64) @ w.astype(np.float64)
+    got_t, got = qgemm.matmul_t(int(qt), raw, x, (n_out, n_in)), qgemm.matmul(int(qt), raw, g, (n_out, n_in))
+    assert got_t.shape == (7, n_out) and got.shape == (9, n_in) and got.dtype == np.float32
+    np.testing.assert_allclose(got_t, ref_t, rtol=1e-4, atol=1e-5 * np.abs(ref_t).max())
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+
+
+def test_f16_ragged_columns(small_tiles):
+    """A 16-bit weight whose row length is not a multiple of the 32-column group."""
+    raw, w = weight(QT.F16, 70, 100)
+    g = np.random.default_rng(2).standard_normal((3, 70)).astype(np.float32)
+    x = np.random.default_rng(3).standard_normal((5, 100)).astype(np.float32)
+    np.testing.assert_allclose(qgemm.matmul(int(QT.F16), raw, g, (70, 100)), g @ w, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(qgemm.matmul_t(int(QT.F16), raw, x, (70, 100)), x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.BF16], ids=lambda q: q.name)
+def test_bitwise_across_thread_counts(qt, small_tiles):
+    raw, _ = weight(qt, 300, 768, seed=4)
+    r = np.random.default_rng(5)
+    x = r.standard_normal((33, 768)).astype(np.float32)
+    g = r.standard_normal((33, 300)).astype(np.float32)
+    before = numba.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 1, 2):
+            numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+            outs.append((qgemm.matmul_t(int(qt), raw, x, (300, 768)), qgemm.matmul(int(qt), raw, g, (300, 768))))
+    finally:
+        numba.set_num_threads(before)
+    for a, b in outs[1:]:
+        np.testing.assert_array_equal(a.view(np.uint32), outs[0][0].view(np.uint32))
+        np.testing.assert_array_equal(b.view(np.uint32), outs[0][1].view(np.uint32))
+
+
+def test_frozen_weight_matmul_is_the_backward_of_matmul_t():
+    from pipeline.llm.quants import FORMATS, FrozenWeight
+    raw, w = weight(QT.Q5_K, 64, 256)
+    fw = FrozenWeight(FORMATS[QT.Q5_K], raw, (64, 256), "blk.0.ffn_up.weight")
+    g = np.random.default_rng(6).standard_normal((2, 3, 64)).astype(np.float32)
+    got = fw.matmul(g)
+    assert got.shape == (2, 3, 256)
+    np.testing.assert_allclose(got, g @ w, rtol=1e-4, atol=1e-5 * np.abs(g @ w).max())
+    x = np.random.default_rng(7).standard_normal((2, 8, 256)).astype(np.float32)  # 16 rows: the tiled path
+    np.testing.assert_allclose(fw.matmul_t(x), x @ w.T, rtol=1e-4, atol=1e-5 * np.abs(x @ w.T).max())
+
+
+def test_bad_shapes_are_named():
+    raw, _ = weight(QT.Q4_K, 8, 256)
+    with pytest.raises(ValueError, match=r"x must be \[N, 256\]"):
+        qgemm.matmul_t(int(QT.Q4_K), raw, np.zeros((2, 128), np.float32), (8, 256))
+    with pytest.raises(ValueError, match=r"g must be \[N, 8\]"):
+        qgemm.matmul(int(QT.Q4_K), raw, np.zeros((2, 7), np.float32), (8, 256))
+    with pytest.raises(ValueError, match="must be uint8"):
+        qgemm.matmul(int(QT.Q4_K), raw[:, :100], np.zeros((2, 8), np.float32), (8, 256))
+    with pytest.raises(ValueError, match="no kernel for ggml type"):
+        qgemm.matmul(int(QT.Q2_K), raw, np.zeros((2, 8), np.float32), (8, 256))

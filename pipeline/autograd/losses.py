@@ -111,37 +111,50 @@ def linear_cross_entropy(x, w, labels, ignore_index=-100, reduction="mean", labe
     C, H = w.shape
     lead = x.shape[:-1]
     _, flat = _labels(op, labels, lead, C, ignore_index)
-    X = np.ascontiguousarray(_compute(x.data)).reshape(-1, H)
+    X_all = np.ascontiguousarray(_compute(x.data)).reshape(-1, H)
     W = _compute(w.data)
-    N = X.shape[0]
     valid = flat != ignore_index
+    # Ignored rows add nothing to the loss or to any gradient, so only the
+    # supervised rows enter the GEMMs (a prompt-masked SFT sample skips its prompt).
+    rows = np.flatnonzero(valid)
+    X, kept = (X_all, flat) if rows.size == valid.size else (np.ascontiguousarray(X_all[rows]), flat[rows])
+    N = X.shape[0]
     step = N if chunk_rows is None else max(1, int(chunk_rows))
     starts = range(0, N, step) if N else []
 
-    loss_rows = np.empty(N, np.float64)
+    kept_loss = np.empty(N, np.float64)
     stats = np.empty((N, 2), np.float64)
     saved = None
     for s in starts:
         logits = X[s:s + step] @ W.T
-        loss_rows[s:s + step], stats[s:s + step] = ce_forward(logits, flat[s:s + step], ignore_index, label_smoothing)
+        kept_loss[s:s + step], stats[s:s + step] = ce_forward(logits, kept[s:s + step], ignore_index, label_smoothing)
         if chunk_rows is None:
             saved = logits
+    if X is X_all:
+        loss_rows = kept_loss
+    else:
+        loss_rows = np.zeros(valid.size, np.float64)
+        loss_rows[rows] = kept_loss
     value, row_scale = _reduce(loss_rows, valid, reduction, lead, X.dtype)
 
     def backward(g):
         nonlocal saved
-        scale = row_scale(g)
+        scale = row_scale(g) if X is X_all else row_scale(g)[rows]
         gx = np.empty((N, H), np.float32) if x.requires_grad else None
         gw = np.zeros((C, H), np.float32) if w.requires_grad else None
         for s in starts:
             logits = saved if chunk_rows is None else X[s:s + step] @ W.T
-            dl = ce_backward(logits, flat[s:s + step], stats[s:s + step], scale[s:s + step],
+            dl = ce_backward(logits, kept[s:s + step], stats[s:s + step], scale[s:s + step],
                              ignore_index, label_smoothing, out=logits)  # in place: no second buffer
             if gx is not None:
                 gx[s:s + step] = dl @ W
             if gw is not None:
                 gw += dl.T @ X[s:s + step]
         saved = None  # release the logits with the graph
+        if gx is not None and X is not X_all:
+            full = np.zeros((valid.size, H), np.float32)
+            full[rows] = gx
+            gx = full
         return (None if gx is None else gx.reshape(x.shape), gw)
 
     return Tensor.make(value, (x, w), backward, op)

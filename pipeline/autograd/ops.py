@@ -136,13 +136,20 @@ def _sigmoid(x):
 
 def sigmoid(a):
     a = as_tensor(a)
-    out = _sigmoid(a.data)
+    if a.dtype == np.float32:  # SIMD exp kernel; float64 (finite differences) stays numpy
+        from kernels.nn import sigmoid as sigmoid_f32
+        out = sigmoid_f32(a.data)
+    else:
+        out = _sigmoid(a.data)
     return Tensor.make(out, (a,), lambda g: (g * out * (1.0 - out),), "sigmoid")
 
 
 def silu(a):
     """x * sigmoid(x) (a.k.a. swish), as in SwiGLU MLPs."""
     a = as_tensor(a)
+    if a.dtype == np.float32:  # one fused pass each way; backward recomputes sigmoid instead of storing it
+        from kernels.nn import silu as silu_f32, silu_backward
+        return Tensor.make(silu_f32(a.data), (a,), lambda g: (silu_backward(_f32(g), a.data),), "silu")
     s = _sigmoid(a.data)
     out = a.data * s
     return Tensor.make(out, (a,), lambda g: (g * s * (1.0 + a.data * (1.0 - s)),), "silu")
@@ -556,6 +563,21 @@ def rope_tables(positions, head_dim, theta=10000.0, dtype=np.float32):
     return np.cos(ang).astype(dtype), np.sin(ang).astype(dtype)
 
 
+_ROPE_TABLES = {}  # (positions, head_dim, theta, dtype) -> (cos, sin): a training step asks for the same few
+
+
+def _cached_rope_tables(pos, head_dim, theta, dtype):
+    key = (pos.dtype.str, pos.shape, pos.tobytes(), head_dim, float(theta), np.dtype(dtype).str)
+    tables = _ROPE_TABLES.get(key)
+    if tables is None:
+        if len(_ROPE_TABLES) >= 32:
+            _ROPE_TABLES.clear()
+        tables = _ROPE_TABLES[key] = rope_tables(pos, head_dim, theta, dtype)
+        for t in tables:
+            t.flags.writeable = False  # shared between calls
+    return tables
+
+
 def rope(x, positions, theta=10000.0):
     """Rotary position embedding, NeoX half-rotation layout.
 
@@ -572,7 +594,15 @@ def rope(x, positions, theta=10000.0):
     except ValueError:
         raise OpError(f"rope: positions shape {pos.shape} does not broadcast to {x.shape[:-2]} (x shape {x.shape})") from None
     X = _compute(x.data)
-    cos, sin = rope_tables(pos, x.shape[-1], theta, X.dtype)
+    cos, sin = _cached_rope_tables(pos, x.shape[-1], theta, X.dtype)
+    if X.dtype == np.float32:  # one kernel pass each way; backward rotates by the negative angle
+        from kernels.nn import rope_rotate
+        rows = x.shape[:-2]
+        cos_r = np.broadcast_to(cos, rows + cos.shape[-1:]).reshape(-1, cos.shape[-1])
+        sin_r = np.broadcast_to(sin, rows + sin.shape[-1:]).reshape(-1, sin.shape[-1])
+        flat = (-1,) + x.shape[-2:]
+        out = rope_rotate(X.reshape(flat), cos_r, sin_r).reshape(x.shape)
+        return Tensor.make(out, (x,), lambda g: (rope_rotate(g.reshape(flat), cos_r, -sin_r).reshape(x.shape),), "rope")
     cos, sin = cos[..., None, :], sin[..., None, :]  # broadcast over heads
     h = x.shape[-1] // 2
     x1, x2 = X[..., :h], X[..., h:]

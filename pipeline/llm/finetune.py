@@ -87,6 +87,20 @@ def frozen_linear(x, w):
     return Tensor.make(y, (x,), lambda g: ((g.reshape(-1, w.shape[0]) @ w.dense()).reshape(x.shape),), "frozen_linear")
 
 
+def swiglu(gate, up):
+    """silu(gate) * up as one op: the bits of ops.silu then ops.mul, in one pass
+    each way with no [T, ffn] temporaries beyond the outputs."""
+    from kernels.nn import swiglu as swiglu_f32, swiglu_backward
+    a = np.ascontiguousarray(gate.data, dtype=np.float32)
+    b = np.ascontiguousarray(up.data, dtype=np.float32)
+
+    def backward(g):
+        ga, gb = swiglu_backward(np.ascontiguousarray(g, dtype=np.float32), a, b)
+        return (ga if gate.requires_grad else None, gb if up.requires_grad else None)
+
+    return Tensor.make(swiglu_f32(a, b), (gate, up), backward, "swiglu")
+
+
 def _const(v):
     """A norm vector as a plain f32 array: a constant in the graph whatever the model holds."""
     return np.asarray(v.data if isinstance(v, Tensor) else v, dtype=np.float32)
@@ -182,7 +196,7 @@ class Trainer(Module):
         att = ops.reshape(ops.attention(q, k, v, causal=True), (T, c.heads * c.head_dim))
         h = h + self._proj(att, i, "o", step)
         m = ops.rms_norm(h, w["ffn_norm"], c.rms_eps)
-        f = ops.silu(self._proj(m, i, "gate", step)) * self._proj(m, i, "up", step)
+        f = swiglu(self._proj(m, i, "gate", step), self._proj(m, i, "up", step))
         return h + self._proj(f, i, "down", step)
 
     def hidden(self, tokens, step=None):

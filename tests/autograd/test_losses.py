@@ -80,6 +80,25 @@ def test_fused_matches_composed(rand, chunk_rows, reduction):
         np.testing.assert_array_equal(res[0][0], res[1][0])
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_fused_skips_ignored_rows_exactly(rand, reduction):
+    """Ignored rows never enter the GEMMs: the loss and gradients equal a run on the
+    supervised rows alone, and the ignored rows' input gradient is exactly zero."""
+    x0, w0 = rand(7, 8).astype(np.float32), rand(13, 8).astype(np.float32)
+    labels = np.array([-100, 3, -100, -100, 12, 0, 5])
+    keep = labels != -100
+    x, w = Tensor(x0, requires_grad=True), Tensor(w0, requires_grad=True)
+    loss = ag.linear_cross_entropy(x, w, labels, reduction=reduction)
+    loss.backward()
+    xs, ws = Tensor(np.ascontiguousarray(x0[keep]), requires_grad=True), Tensor(w0, requires_grad=True)
+    ref = ag.linear_cross_entropy(xs, ws, labels[keep], reduction=reduction)
+    ref.backward()
+    np.testing.assert_array_equal(loss.data, ref.data)
+    np.testing.assert_array_equal(x.grad[keep], xs.grad)
+    np.testing.assert_array_equal(x.grad[~keep], 0.0)
+    np.testing.assert_array_equal(w.grad, ws.grad)
+
+
 def test_fused_keeps_no_logits_in_graph(rand):
     x = Tensor(rand(4, 3).astype(np.float32), requires_grad=True)
     w = Tensor(rand(5, 3).astype(np.float32), requires_grad=True)

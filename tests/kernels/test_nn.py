@@ -115,3 +115,81 @@ def test_erf_matches_math_erf():
 def test_erf_thread_count_bitwise():
     x = np.random.default_rng(5).standard_normal(100_000)
     np.testing.assert_array_equal(with_threads(1, lambda: nn.erf(x)), with_threads(2, lambda: nn.erf(x)))
+
+
+# --- sigmoid / SiLU / SwiGLU / RoPE ----------------------------------------------------
+def ref_sigmoid(x):
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(np.float32)
+
+
+@pytest.fixture
+def acts():
+    r = np.random.default_rng(11)
+    a = (r.standard_normal((70, 3001)) * 6).astype(np.float32)  # odd size: tails of chunks and vectors
+    a[0, :4] = [-1000.0, 1000.0, 0.0, -0.0]
+    return a, r.standard_normal(a.shape).astype(np.float32), r.standard_normal(a.shape).astype(np.float32)
+
+
+def ulps(a, b):
+    return int(np.abs(a.view(np.int32).astype(np.int64) - b.view(np.int32).astype(np.int64)).max())
+
+
+def test_sigmoid_silu_match_numpy(acts):
+    a, b, g = acts
+    s = ref_sigmoid(a)
+    assert ulps(nn.sigmoid(a), s) <= 8  # the SIMD exp is within 5 ulp
+    np.testing.assert_allclose(nn.silu(a), a * s, rtol=1e-6, atol=1e-30)
+    np.testing.assert_allclose(nn.silu_backward(g, a), g * s * (1 + a * (1 - s)), rtol=1e-5, atol=1e-6)
+    assert nn.sigmoid(a)[0, :3].tolist() == [0.0, 1.0, 0.5]
+
+
+def test_swiglu_is_silu_then_multiply_bitwise(acts):
+    a, b, g = acts
+    silu = nn.silu(a)
+    np.testing.assert_array_equal(nn.swiglu(a, b), silu * b)
+    ga, gb = nn.swiglu_backward(g, a, b)
+    np.testing.assert_array_equal(gb, g * silu)
+    np.testing.assert_array_equal(ga, nn.silu_backward(g * b, a))
+
+
+@two_threads
+def test_swiglu_thread_count_bitwise(acts):
+    a, b, g = acts
+    run = lambda: (nn.sigmoid(a), nn.silu(a), nn.silu_backward(g, a), nn.swiglu(a, b)) + nn.swiglu_backward(g, a, b)
+    for x, y in zip(with_threads(1, run), with_threads(2, run)):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.fixture
+def rope_case():
+    r = np.random.default_rng(12)
+    x = r.standard_normal((75, 6, 32)).astype(np.float32)
+    ang = r.uniform(-50, 50, (75, 16))
+    return x, np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def test_rope_rotate_matches_numpy_bitwise(rope_case):
+    x, cos, sin = rope_case
+    x1, x2 = x[..., :16], x[..., 16:]
+    c, s = cos[:, None], sin[:, None]
+    np.testing.assert_array_equal(nn.rope_rotate(x, cos, sin), np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1))
+    back = nn.rope_rotate(nn.rope_rotate(x, cos, sin), cos, -sin)
+    np.testing.assert_allclose(back, x, rtol=1e-5, atol=1e-5)  # a rotation and its inverse
+
+
+@two_threads
+def test_rope_rotate_thread_count_bitwise(rope_case):
+    x, cos, sin = rope_case
+    np.testing.assert_array_equal(with_threads(1, lambda: nn.rope_rotate(x, cos, sin)),
+                                  with_threads(2, lambda: nn.rope_rotate(x, cos, sin)))
+
+
+def test_new_wrappers_validate(rope_case):
+    x, cos, sin = rope_case
+    with pytest.raises(ValueError, match="swiglu"):
+        nn.swiglu(np.ones(3, np.float32), np.ones(4, np.float32))
+    with pytest.raises(ValueError, match="silu"):
+        nn.silu(np.ones(3, np.float64))
+    with pytest.raises(ValueError, match="rope"):
+        nn.rope_rotate(x, cos[:, :8], sin[:, :8])

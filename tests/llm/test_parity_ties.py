@@ -1,0 +1,185 @@
+"""Quantized llama.cpp parity, explained to float rounding: every logit difference is a rounding tie.
+
+llama.cpp's CPU matmuls round the activations to 8 bits (Q8_K for K-quant
+weights, Q8_0 for Q8_0) before its integer dot products; llama-numerics mode
+(`Qwen3.from_gguf(..., llama_numerics=True)`) rounds ours the same way. When an
+activation lands within a few ulps of a rounding midpoint, our float operations
+(ordered differently from ggml's SIMD code) can round it to the neighbouring
+integer: one such flip in a K/V row or the head's input moves the logits of these
+small random models by ~1% (measured up to 1.5%), which is why
+test_parity_llama.py can only bound the raw difference loosely.
+
+This test removes that slack. It replays our forward with the rounding of the
+nearest tie at the first mismatching position turned the other way, and repeats
+(a few flips at most). Passing means: after flipping at most MAX_FLIPS
+activations that each sat within TIE of a midpoint, our logits equal llama.cpp's
+to REL relative at every position — the two implementations agree to float
+rounding, and the raw gap is rounding-tie chaos, not an error in our kernels.
+"""
+import numpy as np
+import pytest
+
+import pipeline.llm.quants as quants
+from pipeline.llm.gguf import GGUFFile
+from pipeline.llm.tokenizer import Tokenizer
+from pipeline.models.qwen3 import Qwen3
+
+from test_parity_llama import FIXTURES, TEXT, files, llama  # noqa: F401  (files is a fixture)
+
+pytestmark = [pytest.mark.parity, pytest.mark.needs("llama_cpp")]
+
+MAX_FLIPS = 6
+TIE = 1e-3   # a flipped value must sit within this many quantization steps of a midpoint
+REL = 1e-5   # per-position relative error left after the flips (float rounding is ~3e-7)
+CANDIDATES = 12  # nearest ties tried per mismatching position
+QT = quants.QT
+
+
+def _element_steps(qtype, x):
+    """(x in quantization steps before rounding, f32 block scale d) per element, as the roundtrip computes them."""
+    if qtype in (QT.Q8_0, QT.Q4_0):
+        blocks = x.reshape(-1, 32)
+        d = (np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)).astype(np.float32)
+        with np.errstate(divide="ignore"):
+            inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+        return (blocks * inv).reshape(x.shape), d.reshape(x.shape[0], -1)
+    blocks = x.reshape(-1, 256)
+    mx = blocks[np.arange(len(blocks)), np.abs(blocks).argmax(axis=1)]
+    with np.errstate(divide="ignore"):
+        iscale = np.where(mx == 0, np.float32(0), np.float32(-127.0) / mx).astype(np.float32)
+        d = np.where(iscale == 0, np.float32(0), np.float32(1) / iscale).astype(np.float32)
+    return (iscale[:, None] * blocks).reshape(x.shape), d.reshape(x.shape[0], -1)
+
+
+def _half_brackets(d):
+    """The two f16 values around f32 d, and d's position between them (0..1)."""
+    h = d.astype(np.float16)
+    below = h.astype(np.float32) <= d
+    lo = np.where(below, h, np.nextafter(h, np.float16(-np.inf)))
+    hi = np.where(below, np.nextafter(h, np.float16(np.inf)), h)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        frac = (d.astype(np.float64) - lo) / (hi.astype(np.float64) - lo)
+    return lo.astype(np.float32), hi.astype(np.float32), np.nan_to_num(frac, nan=0.0)
+
+
+class TieReplay:
+    """Wraps quants.llama_activation_roundtrip: records how close each rounding came to a midpoint
+    and applies the chosen flips on replay. Two roundings can tie: an element to its integer
+    step, and (Q8_0/Q4_0) a block's scale to f16, which rescales its 32 elements. A flip is
+    (input, kind, row, index), keyed by the input's bytes, not the call: q/k/v (and gate/up)
+    quantize the same input, in llama.cpp as here, so one flip applies to every matmul reading it."""
+
+    def __init__(self, monkeypatch):
+        self.original = quants.llama_activation_roundtrip
+        self.flips, self.ties = set(), {}
+        monkeypatch.setattr(quants, "llama_activation_roundtrip", self)
+
+    def __call__(self, qtype, x):
+        y = self.original(qtype, x)
+        if qtype not in (QT.Q8_0, QT.Q4_0, QT.Q4_K, QT.Q5_K, QT.Q6_K):
+            return y
+        x = np.asarray(x, dtype=np.float32)
+        v, d = _element_steps(qtype, x)
+        key = hash(x.tobytes())
+        block = x.shape[1] // d.shape[1]
+        ties = {"element": np.abs(np.abs(v - np.floor(v)) - 0.5)}
+        if qtype in (QT.Q8_0, QT.Q4_0):  # the scale is stored as f16
+            lo, hi, frac = _half_brackets(d)
+            ties["scale"] = np.abs(frac - 0.5)
+            scale = np.where(d.astype(np.float16).astype(np.float32) == lo, lo, hi)
+        else:
+            scale = d
+        self.ties.setdefault(key, ties)
+        mine = [f for f in self.flips if f[0] == key]
+        if mine:
+            y = y.copy()
+            for _, kind, r, j in mine:
+                if kind == "element":
+                    q = np.rint(v[r, j])
+                    y[r, j] = np.float32(np.clip(q + (1 if v[r, j] > q else -1), -127, 127)) * scale[r, j // block]
+                else:
+                    s = lo[r, j] if scale[r, j] == hi[r, j] else hi[r, j]
+                    y[r, j * block:(j + 1) * block] = np.rint(v[r, j * block:(j + 1) * block]) * s
+        return y
+
+    def run(self, model, ids):
+        self.ties = {}
+        return model.infer(ids, all_logits=True)
+
+    def nearest_ties(self, position, n):
+        """The n roundings at positions <= `position` closest to a midpoint: (distance, (input, kind, row, index))."""
+        found = []
+        for key, ties in self.ties.items():
+            for kind, dist in ties.items():
+                head = dist[: position + 1].reshape(-1)
+                for flat in np.argpartition(head, min(n, head.size - 1))[:n]:
+                    flip = (key, kind) + divmod(int(flat), dist.shape[1])
+                    if flip not in self.flips:
+                        found.append((float(head[flat]), flip))
+        return sorted(found)[:n]
+
+
+def _rows(ref, ours):
+    return np.linalg.norm(ref - ours, axis=1) / np.linalg.norm(ref, axis=1)
+
+
+def explain(path, monkeypatch):
+    """(raw per-position error, error after the flips, flips): the first mismatching position is fixed by
+    the one flip, among its CANDIDATES nearest ties at or before it, that makes it agree to REL."""
+    ids = np.array(Tokenizer.from_gguf(GGUFFile(path)).encode(TEXT))
+    oracle = llama(path, quantized=True)
+    oracle.eval(list(ids))
+    ref = np.array(oracle.scores[: len(ids)], dtype=np.float32)
+    model = Qwen3.from_gguf(path, llama_numerics=True)
+    replay = TieReplay(monkeypatch)
+    raw = rows = _rows(ref, replay.run(model, ids))
+    while (rows > REL).any():
+        p = int(np.flatnonzero(rows > REL)[0])
+        assert len(replay.flips) < MAX_FLIPS, f"more than {MAX_FLIPS} rounding flips needed (position {p} still off)"
+        for dist, flip in replay.nearest_ties(p, CANDIDATES):
+            if dist > TIE:
+                break
+            replay.flips.add(flip)
+            trial = _rows(ref, replay.run(model, ids))
+            if trial[: p + 1].max() <= REL:
+                rows = trial
+                break
+            replay.flips.discard(flip)
+        else:
+            dist = None
+        assert rows[p] <= REL, (f"position {p} differs by {rows[p]:.2e} and no single activation within {TIE} "
+                                f"steps of a rounding midpoint explains it: not rounding")
+        replay.run(model, ids)  # refresh the tie distances under the accepted flips
+    return raw, rows, replay.flips
+
+
+FAST = {("untied", "Q4_K_S"), ("untied", "Q6_K")}  # the two largest raw gaps; the full matrix runs with -m slow
+# Open finding (2026-11-29): on the "wide" shape (1 kv head, head_dim 128) and on tied Q8_0, the
+# first few mismatches are single ties like everywhere else, but a later one (at positions 16-38)
+# is not fixed by flipping any one of the nearest ties: two coincident flips, or a rounding site
+# of llama.cpp's that we do not model. Marked so a fix shows up as XPASS-strict.
+UNEXPLAINED = {("tied", "Q8_0"), ("wide", "Q8_0"), ("wide", "Q4_K_S"), ("wide", "Q5_K_M"), ("wide", "Q6_K")}
+
+
+def _marks(s, k):
+    marks = [] if (s, k) in FAST else [pytest.mark.slow]
+    if (s, k) in UNEXPLAINED:
+        marks.append(pytest.mark.xfail(strict=True, reason="a later mismatch is not a single rounding tie (see UNEXPLAINED)"))
+    return marks
+
+
+CASES = [pytest.param(s, k, id=f"{s}-{k}", marks=_marks(s, k))
+         for s in ("tied", "untied", "wide") for k in ("Q8_0", "Q4_K_S", "Q5_K_M", "Q6_K")]
+
+
+@pytest.mark.parametrize("shape,kind", CASES)
+def test_quantized_logit_gaps_are_rounding_ties(files, shape, kind, monkeypatch):
+    raw, rows, flips = explain(files(shape, kind), monkeypatch)
+    assert rows.max() <= REL, (f"{len(flips)} tie flips left a per-position relative error of {rows.max():.2e} "
+                               f"(raw {raw.max():.2e}): the remaining gap is not rounding")
+
+
+@pytest.mark.parametrize("name", ["qwen3-mini-q8_0.gguf", "qwen3-tied-q4_k_s.gguf"])
+def test_committed_quantized_fixtures_agree_to_rounding(name, monkeypatch):
+    raw, rows, flips = explain(FIXTURES / name, monkeypatch)
+    assert rows.max() <= REL

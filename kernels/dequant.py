@@ -1,11 +1,13 @@
-"""Dequantization and fused dequant-matvec kernels for the GGML block formats.
+"""Dequantization kernels for the GGML block formats, and the matvec entry points.
 
 Trade-off: the kernels work on whole rows of raw block bytes (a weight of
 shape [n_rows, n_cols] is stored as uint8 [n_rows, row_bytes]) and produce
-float32. Two consumers, chosen by measurement (docs/models.md):
-  * prefill / training: `dequantize_rows` into a scratch buffer, then BLAS;
-  * decode (a handful of tokens): `matvec_rows` / `matvec_half`, which never
-    materialise the f32 weight and read only the stored bytes (memory-bound work).
+float32. Three consumers, chosen by measurement (docs/models.md):
+  * prefill / training: the per-format tile kernels `_dq_*` (one per format, no
+    type branch in the hot loop) feed kernels/qgemm.py's tiled BLAS products,
+    and `dequantize_rows` for a whole f32 copy;
+  * decode (a handful of tokens): `matvec_rows` (kernels/qdot.py) / `matvec_half`,
+    which never materialise the f32 weight and read only the stored bytes.
 Dequantization is element-exact against gguf-py's `gguf.quants.dequantize`
 (same f32 operation order: (d*scale)*q - dmin*min). The matvec accumulates
 in 32 fixed lanes, so it matches the dequant+dot path to float rounding, not
@@ -168,90 +170,6 @@ TILE_KERNELS = {Q8_0: (_dq_q8_0, 32, 34), Q4_0: (_dq_q4_0, 32, 18), Q4_K: (_dq_q
                 Q5_K: (_dq_q5_k, 256, 176), Q6_K: (_dq_q6_k, 256, 210), F16: (_dq_f16, 32, 64), BF16: (_dq_bf16, 32, 64)}
 
 
-@njit(cache=True)
-def _dot_row(qtype, b, x, lut, acc):
-    """sum_k dequant(b)[k] * x[k] for one row, in f32.
-
-    Each weight is dequantized exactly as the `_dq_*` tile kernels do, then accumulated into
-    32 lane sums (acc, f32[32], lane = k % 32) combined in lane order at the end: no
-    loop-carried dependency inside a 32-element group, so LLVM vectorizes it, and
-    the summation order is fixed by the code alone.
-    """
-    n = x.shape[0]
-    acc[:] = 0.0
-    if qtype == Q8_0:
-        for blk in range(n // 32):
-            o = blk * 34
-            d = _half(lut, b, o)
-            for l in range(32):
-                q = np.int32(np.int8(b[o + 2 + l]))
-                acc[l] += np.float32(q) * d * x[blk * 32 + l]
-    elif qtype == Q4_0:
-        for blk in range(n // 32):
-            o = blk * 18
-            d = _half(lut, b, o)
-            for l in range(16):
-                v = b[o + 2 + l]
-                acc[l] += d * np.float32(np.int32(v & 0xF) - 8) * x[blk * 32 + l]
-                acc[16 + l] += d * np.float32(np.int32(v >> 4) - 8) * x[blk * 32 + 16 + l]
-    elif qtype == Q4_K or qtype == Q5_K:
-        bs = 144 if qtype == Q4_K else 176
-        qs_off = 16 if qtype == Q4_K else 48
-        for blk in range(n // 256):
-            o = blk * bs
-            d = _half(lut, b, o)
-            dmin = _half(lut, b, o + 2)
-            for p in range(4):  # 32 bytes hold sub-blocks 2p (low nibbles) and 2p+1 (high nibbles)
-                s_lo, m_lo = _scale_min_k4(b, 2 * p, o + 4)
-                s_hi, m_hi = _scale_min_k4(b, 2 * p + 1, o + 4)
-                d_lo, dm_lo = d * np.float32(s_lo), dmin * np.float32(m_lo)
-                d_hi, dm_hi = d * np.float32(s_hi), dmin * np.float32(m_hi)
-                base = o + qs_off + p * 32
-                xo = blk * 256 + p * 64
-                if qtype == Q4_K:
-                    for l in range(32):
-                        acc[l] += (d_lo * np.float32(b[base + l] & 0xF) - dm_lo) * x[xo + l]
-                    for l in range(32):
-                        acc[l] += (d_hi * np.float32(b[base + l] >> 4) - dm_hi) * x[xo + 32 + l]
-                else:
-                    for l in range(32):
-                        q = (b[base + l] & 0xF) | (((b[o + 16 + l] >> (2 * p)) & 1) << 4)
-                        acc[l] += (d_lo * np.float32(q) - dm_lo) * x[xo + l]
-                    for l in range(32):
-                        q = (b[base + l] >> 4) | (((b[o + 16 + l] >> (2 * p + 1)) & 1) << 4)
-                        acc[l] += (d_hi * np.float32(q) - dm_hi) * x[xo + 32 + l]
-    elif qtype == Q6_K:
-        for blk in range(n // 256):
-            o = blk * 210
-            d = _half(lut, b, o + 208)
-            for h in range(2):
-                for t in range(4):
-                    xo = blk * 256 + h * 128 + t * 32
-                    sc_lo = d * np.float32(np.int8(b[o + 192 + (h * 128 + t * 32) // 16]))
-                    sc_hi = d * np.float32(np.int8(b[o + 193 + (h * 128 + t * 32) // 16]))
-                    qlo = o + h * 64 + (t & 1) * 32
-                    qho = o + 128 + h * 32
-                    sl = 4 * (t >> 1)
-                    for l in range(32):
-                        ql = (b[qlo + l] >> sl) & 0xF
-                        qh = (b[qho + l] >> (2 * t)) & 3
-                        sc = sc_lo if l < 16 else sc_hi
-                        acc[l] += sc * np.float32(np.int32(ql | (qh << 4)) - 32) * x[xo + l]
-    total = np.float32(0.0)
-    for l in range(32):
-        total += acc[l]
-    return total
-
-
-@njit(cache=True, nogil=True)
-def _matvec_range(qtype, raw, x, out, lut, r0, r1):
-    """Rows r0..r1: raw uint8[n_rows, row_bytes], x f32[m, n_cols] -> out f32[m, n_rows]."""
-    acc = np.empty(32, np.float32)
-    for r in range(r0, r1):
-        for i in range(x.shape[0]):
-            out[i, r] = _dot_row(qtype, raw[r], x[i], lut, acc)
-
-
 LANES = 32  # explicit partial sums: vectorizable, and a fixed summation order
 
 
@@ -373,5 +291,6 @@ def matvec_rows(qtype: int, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
     _check(qtype, raw, x.shape[1])
     out = np.empty((x.shape[0], raw.shape[0]), np.float32)
     raw = np.ascontiguousarray(raw)
-    _over_rows(raw.shape[0], lambda r0, r1: _matvec_range(qtype, raw, x, out, HALF_TO_FLOAT, r0, r1))
+    from .qdot import matvec_range  # qdot builds on this module's helpers
+    _over_rows(raw.shape[0], lambda r0, r1: matvec_range(qtype, raw, x, out, r0, r1))
     return out

@@ -1,0 +1,65 @@
+"""Decode matvec kernels (kernels/qdot.py): bitwise equal to a numpy emulation of their contract.
+
+The contract: lane l (0..31) accumulates, in f32 and block order, w[k] * x[k] for
+k = l mod 32, where w is the exact gguf-py dequantized weight; the 32 lanes are
+then summed in lane order. The emulation below does exactly that in numpy, so any
+change of operation order, FMA contraction or lane layout in the IR shows up.
+"""
+import sys
+from pathlib import Path
+
+import numba
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT, quants
+
+from kernels import dequant, qdot
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "llm"))
+from test_gguf_dequant import random_blocks  # noqa: E402
+
+FORMATS = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.Q4_0]
+
+
+def lane_reference(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """f32 [m, n_rows]: 32 sequential f32 lane sums of w * x, then a sequential sum of the lanes."""
+    prod = w[None, :, :] * x[:, None, :]                        # f32 [m, rows, n]
+    groups = prod.reshape(x.shape[0], w.shape[0], -1, 32)
+    acc = np.zeros(groups.shape[:2] + (32,), np.float32)
+    for g in range(groups.shape[2]):
+        acc += groups[:, :, g]
+    total = np.zeros(acc.shape[:2], np.float32)
+    for lane in range(32):
+        total += acc[:, :, lane]
+    return total
+
+
+@pytest.mark.parametrize("qt", FORMATS, ids=lambda q: q.name)
+def test_matvec_bitwise_equals_lane_emulation(qt):
+    raw = random_blocks(qt, 37, 768, seed=3)
+    x = np.random.default_rng(4).standard_normal((3, 768)).astype(np.float32)
+    w = quants.dequantize(raw, qt).astype(np.float32)
+    got = np.empty((3, 37), np.float32)
+    qdot.matvec_range(int(qt), raw, x, got, 0, 37)
+    np.testing.assert_array_equal(got.view(np.uint32), lane_reference(w, x).view(np.uint32))
+    ref = x.astype(np.float64) @ w.astype(np.float64).T  # and it is a good dot product
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K], ids=lambda q: q.name)
+def test_row_range_and_thread_count(qt):
+    raw = random_blocks(qt, 100, 512, seed=5)
+    x = np.random.default_rng(6).standard_normal((1, 512)).astype(np.float32)
+    out = np.full((1, 100), np.nan, np.float32)
+    qdot.matvec_range(int(qt), raw, x, out, 10, 30)  # writes only its rows
+    assert np.isnan(out[:, :10]).all() and np.isnan(out[:, 30:]).all() and np.isfinite(out[:, 10:30]).all()
+    before = numba.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+            outs.append(dequant.matvec_rows(int(qt), raw, x))
+    finally:
+        numba.set_num_threads(before)
+    np.testing.assert_array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+    np.testing.assert_array_equal(outs[0][:, 10:30], out[:, 10:30])

@@ -23,7 +23,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .dequant import HALF_TO_FLOAT, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _half, _scale_min_k4
+from .dequant import HALF_TO_FLOAT, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _half
 
 LANES = 32
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -77,30 +77,52 @@ def _accumulate(sig, body):
     return sig, codegen
 
 
+def _k4_scales(h, d, dmin):
+    """The 8 (d * scale, dmin * min) pairs of a Q4_K/Q5_K block as <8 x float> vectors: the 12
+    packed 6-bit bytes at b[o+4:] unpacked with shuffles (ggml's get_scale_min_k4, all j at once)."""
+    v8b, v8f, v8i = ir.VectorType(_I8, 8), ir.VectorType(_F32, 8), ir.VectorType(_I32, 8)
+    sc = h.vload(1, o_arg(h), ir.VectorType(_I8, 16), 4)  # 12 bytes used; the block goes on well past 16
+    pick = lambda idx: h.b.shuffle_vector(sc, ir.Constant(sc.type, ir.Undefined), ir.Constant(v8i, idx))
+    low = ir.Constant(ir.VectorType(ir.IntType(1), 8), [1, 1, 1, 1, 0, 0, 0, 0])  # j < 4
+    c = lambda v: ir.Constant(v8b, [v] * 8)
+    s_src, m_src = pick([0, 1, 2, 3, 8, 9, 10, 11]), pick([4, 5, 6, 7, 8, 9, 10, 11])
+    s_top, m_top = h.b.shl(h.b.lshr(pick([0, 1, 2, 3, 0, 1, 2, 3]), c(6)), c(4)), h.b.shl(h.b.lshr(pick([0, 1, 2, 3, 4, 5, 6, 7]), c(6)), c(4))
+    s = h.b.select(low, h.b.and_(s_src, c(63)), h.b.or_(h.b.and_(s_src, c(0xF)), s_top))
+    m = h.b.select(low, h.b.and_(m_src, c(63)), h.b.or_(h.b.lshr(m_src, c(4)), m_top))
+    return h.b.fmul(h.splat(d, v8f), h.b.uitofp(s, v8f)), h.b.fmul(h.splat(dmin, v8f), h.b.uitofp(m, v8f))
+
+
+def _lane(h, v8, j):
+    """Element j of an <8 x float> broadcast to 32 lanes."""
+    return h.b.shuffle_vector(v8, ir.Constant(v8.type, ir.Undefined), ir.Constant(ir.VectorType(_I32, LANES), [j] * LANES))
+
+
 @intrinsic
-def _block_q4_k(typingctx, acc, b, o, x, xo, ds, dm):
-    """acc[l] += (ds[j] * q - dm[j]) * x[xo + 32j + l] over the 8 sub-blocks j of the Q4_K block at b[o:]."""
+def _block_q4_k(typingctx, acc, b, o, x, xo, d, dmin):
+    """acc[l] += (d*s_j * q - dmin*m_j) * x[xo + 32j + l] over the 8 sub-blocks j of the Q4_K block at b[o:]."""
     def body(h, a):
+        ds, dm = _k4_scales(h, h.ptrs[5], h.ptrs[6])
         for j in range(8):
             q = h.bits(h.vload(1, o_arg(h), _VB, 16 + (j // 2) * 32), 4 * (j % 2), 0xF)
-            w = h.b.fsub(h.b.fmul(h.splat(h.scalar(5, j), _VF), h.b.uitofp(q, _VF)), h.splat(h.scalar(6, j), _VF))
+            w = h.b.fsub(h.b.fmul(_lane(h, ds, j), h.b.uitofp(q, _VF)), _lane(h, dm, j))
             a = h.b.fadd(a, h.b.fmul(w, h.vload(3, h.ptrs[4], _VF, 32 * j)))
         return a
-    return _accumulate(types.void(acc, b, o, x, xo, ds, dm), body)
+    return _accumulate(types.void(acc, b, o, x, xo, d, dmin), body)
 
 
 @intrinsic
-def _block_q5_k(typingctx, acc, b, o, x, xo, ds, dm):
+def _block_q5_k(typingctx, acc, b, o, x, xo, d, dmin):
     """As _block_q4_k for Q5_K: the fifth bit of sub-block j is bit j of the 32 qh bytes at b[o+16:]."""
     def body(h, a):
+        ds, dm = _k4_scales(h, h.ptrs[5], h.ptrs[6])
         qh = h.vload(1, o_arg(h), _VB, 16)
         for j in range(8):
             lo = h.bits(h.vload(1, o_arg(h), _VB, 48 + (j // 2) * 32), 4 * (j % 2), 0xF)
             q = h.b.or_(lo, h.b.shl(h.bits(qh, j, 1), h.bytes_const(4)))
-            w = h.b.fsub(h.b.fmul(h.splat(h.scalar(5, j), _VF), h.b.uitofp(q, _VF)), h.splat(h.scalar(6, j), _VF))
+            w = h.b.fsub(h.b.fmul(_lane(h, ds, j), h.b.uitofp(q, _VF)), _lane(h, dm, j))
             a = h.b.fadd(a, h.b.fmul(w, h.vload(3, h.ptrs[4], _VF, 32 * j)))
         return a
-    return _accumulate(types.void(acc, b, o, x, xo, ds, dm), body)
+    return _accumulate(types.void(acc, b, o, x, xo, d, dmin), body)
 
 
 @intrinsic
@@ -160,7 +182,7 @@ def _lane_sum(acc):
 @njit(cache=True, nogil=True)
 def _mv_q4_k(raw, x, out, lut, r0, r1):
     """Rows r0..r1: raw uint8 [n_rows, row_bytes] Q4_K, x f32 [m, n_cols] -> out f32 [m, n_rows]."""
-    acc, ds, dm = np.empty(LANES, np.float32), np.empty(8, np.float32), np.empty(8, np.float32)
+    acc = np.empty(LANES, np.float32)
     for r in range(r0, r1):
         b = raw[r]
         for i in range(x.shape[0]):
@@ -168,18 +190,14 @@ def _mv_q4_k(raw, x, out, lut, r0, r1):
             acc[:] = 0.0
             for blk in range(xi.shape[0] // 256):
                 o = blk * 144
-                d, dmin = _half(lut, b, o), _half(lut, b, o + 2)
-                for j in range(8):
-                    s, m = _scale_min_k4(b, j, o + 4)
-                    ds[j], dm[j] = d * np.float32(s), dmin * np.float32(m)
-                _block_q4_k(acc, b, o, xi, blk * 256, ds, dm)
+                _block_q4_k(acc, b, o, xi, blk * 256, _half(lut, b, o), _half(lut, b, o + 2))
             out[i, r] = _lane_sum(acc)
 
 
 @njit(cache=True, nogil=True)
 def _mv_q5_k(raw, x, out, lut, r0, r1):
     """Rows r0..r1: raw uint8 [n_rows, row_bytes] Q5_K, x f32 [m, n_cols] -> out f32 [m, n_rows]."""
-    acc, ds, dm = np.empty(LANES, np.float32), np.empty(8, np.float32), np.empty(8, np.float32)
+    acc = np.empty(LANES, np.float32)
     for r in range(r0, r1):
         b = raw[r]
         for i in range(x.shape[0]):
@@ -187,11 +205,7 @@ def _mv_q5_k(raw, x, out, lut, r0, r1):
             acc[:] = 0.0
             for blk in range(xi.shape[0] // 256):
                 o = blk * 176
-                d, dmin = _half(lut, b, o), _half(lut, b, o + 2)
-                for j in range(8):
-                    s, m = _scale_min_k4(b, j, o + 4)
-                    ds[j], dm[j] = d * np.float32(s), dmin * np.float32(m)
-                _block_q5_k(acc, b, o, xi, blk * 256, ds, dm)
+                _block_q5_k(acc, b, o, xi, blk * 256, _half(lut, b, o), _half(lut, b, o + 2))
             out[i, r] = _lane_sum(acc)
 
 

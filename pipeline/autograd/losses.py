@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernels.losses import ce_backward, ce_forward
+from kernels.nn import matmul_nn, matmul_nt
 
 from .ops import _compute, as_tensor
 from .tensor import OpError, Tensor
@@ -122,11 +123,15 @@ def linear_cross_entropy(x, w, labels, ignore_index=-100, reduction="mean", labe
     step = N if chunk_rows is None else max(1, int(chunk_rows))
     starts = range(0, N, step) if N else []
 
+    f32 = X.dtype == W.dtype == np.float32  # the big float32 products run tiled on our threads
+    gemm_nt = matmul_nt if f32 else (lambda a, b: a @ b.T)
+    gemm_nn = matmul_nn if f32 else (lambda a, b: a @ b)
+
     kept_loss = np.empty(N, np.float64)
     stats = np.empty((N, 2), np.float64)
     saved = None
     for s in starts:
-        logits = X[s:s + step] @ W.T
+        logits = gemm_nt(X[s:s + step], W)
         kept_loss[s:s + step], stats[s:s + step] = ce_forward(logits, kept[s:s + step], ignore_index, label_smoothing)
         if chunk_rows is None:
             saved = logits
@@ -143,11 +148,11 @@ def linear_cross_entropy(x, w, labels, ignore_index=-100, reduction="mean", labe
         gx = np.empty((N, H), np.float32) if x.requires_grad else None
         gw = np.zeros((C, H), np.float32) if w.requires_grad else None
         for s in starts:
-            logits = saved if chunk_rows is None else X[s:s + step] @ W.T
+            logits = saved if chunk_rows is None else gemm_nt(X[s:s + step], W)
             dl = ce_backward(logits, kept[s:s + step], stats[s:s + step], scale[s:s + step],
                              ignore_index, label_smoothing, out=logits)  # in place: no second buffer
             if gx is not None:
-                gx[s:s + step] = dl @ W
+                gx[s:s + step] = gemm_nn(dl, W)
             if gw is not None:
                 gw += dl.T @ X[s:s + step]
         saved = None  # release the logits with the graph

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kernels.nn import matmul_nn, matmul_nt, single_thread_blas
 from kernels.rng import derive_seed
 from pipeline.autograd import ops
 from pipeline.autograd.losses import linear_cross_entropy
@@ -69,8 +70,15 @@ class Frozen:
     def matmul_t(self, x2):
         """x2 [N, in] -> x2 @ W.T [N, out]."""
         if self._dense is not None:
-            return x2 @ self._dense.T
+            return matmul_nt(x2, self._dense)
         return self.weight.matmul_t(x2)
+
+    def matmul(self, g2):
+        """g2 [N, out] -> g2 @ W [N, in]: the input gradient of x @ W.T (a quantized
+        weight is dequantized tile by tile inside the GEMM, never as a whole)."""
+        if self._dense is not None:
+            return matmul_nn(g2, self._dense)
+        return self.weight.matmul(g2)
 
     def rows(self, ids):
         """Dense f32 rows W[ids] (embedding lookup) without dequantizing the whole table."""
@@ -84,7 +92,7 @@ def frozen_linear(x, w):
     lead = x.shape[:-1]
     x2 = np.ascontiguousarray(x.data, dtype=np.float32).reshape(-1, w.shape[1])
     y = w.matmul_t(x2).reshape(*lead, w.shape[0])
-    return Tensor.make(y, (x,), lambda g: ((g.reshape(-1, w.shape[0]) @ w.dense()).reshape(x.shape),), "frozen_linear")
+    return Tensor.make(y, (x,), lambda g: (w.matmul(g.reshape(-1, w.shape[0])).reshape(x.shape),), "frozen_linear")
 
 
 def swiglu(gate, up):
@@ -324,8 +332,9 @@ class Session:
             losses = []
             for i in idx:
                 s = self.samples[i]
-                loss = self.trainer.loss(s.inputs, s.labels, reduction="sum", loss_scale=scale)
-                loss.backward()
+                with single_thread_blas():  # small GEMMs on one BLAS thread; big ones tile on our threads (kernels/nn.py)
+                    loss = self.trainer.loss(s.inputs, s.labels, reduction="sum", loss_scale=scale)
+                    loss.backward()
                 losses.append(loss.item())
         else:
             tasks = [(k, first_step + k, self.samples[i].inputs, self.samples[i].labels, scale) for k, i in enumerate(idx)]
@@ -393,8 +402,9 @@ def _worker_main(conn, model_path, trainer_kwargs, threads):
         for k, step, inputs, labels, scale in tasks:
             trainer.zero_grad()
             trainer.step = step
-            loss = trainer.loss(inputs, labels, reduction="sum", loss_scale=scale)
-            loss.backward()
+            with single_thread_blas():
+                loss = trainer.loss(inputs, labels, reduction="sum", loss_scale=scale)
+                loss.backward()
             results.append((k, loss.item(), {n: p.grad for n, p in params.items()}))
         conn.send(results)
 

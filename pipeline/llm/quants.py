@@ -135,6 +135,20 @@ class FrozenWeight:
         return f"FrozenWeight({self.name!r}, {self.format.name}, {self.shape})"
 
 
+def matmul_t_many(weights: list, x) -> list:
+    """[w.matmul_t(x) for w in weights], for weights that share their input (q/k/v, gate/up).
+    A few rows of x through block-quantized weights go to the threads in one dispatch
+    (dequant.matvec_many); the results equal the one-by-one calls bit for bit."""
+    import numpy as np
+    from kernels import dequant
+    x2 = np.asarray(x, dtype=np.float32).reshape(-1, weights[0].shape[1])
+    if x2.shape[0] > FrozenWeight.FUSED_MAX_ROWS or any(
+            not w.format.quantized or w.llama_numerics or w.shape[1] != x2.shape[1] for w in weights):
+        return [w.matmul_t(x) for w in weights]
+    ys = dequant.matvec_many([(int(w.format.qtype), w.raw) for w in weights], x2)
+    return [y.reshape(*np.shape(x)[:-1], w.shape[0]) for w, y in zip(weights, ys)]
+
+
 def weight_rows(w: FrozenWeight, ids):
     """Dequantize only the rows `ids` of w (embedding lookup) -> f32 [len(ids), n_in]."""
     import numpy as np

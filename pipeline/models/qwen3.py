@@ -32,7 +32,7 @@ import numpy as np
 from kernels import rng
 from ..autograd import Module, Tensor, no_grad, ops, parameter
 from ..errors import UserError
-from ..llm.quants import FrozenWeight, weight_rows
+from ..llm.quants import FrozenWeight, matmul_t_many, weight_rows
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,13 @@ def _infer(proj, x: np.ndarray) -> np.ndarray:
         return proj.infer(x)
     with no_grad():
         return proj(Tensor(x)).data
+
+
+def _infer_many(projs, x: np.ndarray) -> list:
+    """Projections of one input (q/k/v, gate/up): plain frozen weights share one thread dispatch."""
+    if all(type(p) is FrozenLinear for p in projs):
+        return matmul_t_many([p.weight for p in projs], x)
+    return [_infer(p, x) for p in projs]
 
 
 # --- the model ---------------------------------------------------------------
@@ -301,16 +308,16 @@ class Qwen3(Module):
         x = (self.embed.data[ids] if isinstance(self.embed, Tensor) else weight_rows(self.embed, ids)).astype(np.float32)
         for li, blk in enumerate(self.blocks):
             h = _rms(x, blk.attn_norm.data, c.rms_eps)
-            q = _infer(blk.attn.q, h).reshape(t, c.heads, c.head_dim)
-            k = _infer(blk.attn.k, h).reshape(t, c.kv_heads, c.head_dim)
-            v = _infer(blk.attn.v, h).reshape(t, c.kv_heads, c.head_dim)
+            q, k, v = _infer_many((blk.attn.q, blk.attn.k, blk.attn.v), h)
+            q, k, v = (q.reshape(t, c.heads, c.head_dim), k.reshape(t, c.kv_heads, c.head_dim),
+                       v.reshape(t, c.kv_heads, c.head_dim))
             q = _rope(_rms(q, blk.attn.q_norm.data, c.rms_eps), cos, sin)
             k = _rope(_rms(k, blk.attn.k_norm.data, c.rms_eps), cos, sin)
             keys, values = cache.store(li, pos0, k, v)
             x = x + _infer(blk.attn.o, _attend(q, keys, values, pos0))
             h = _rms(x, blk.ffn_norm.data, c.rms_eps)
-            g = _infer(blk.mlp.gate, h)
-            x = x + _infer(blk.mlp.down, g / (1.0 + np.exp(-g)) * _infer(blk.mlp.up, h))
+            g, u = _infer_many((blk.mlp.gate, blk.mlp.up), h)
+            x = x + _infer(blk.mlp.down, g / (1.0 + np.exp(-g)) * u)
         cache.length = pos0 + t
         x = _rms(x if all_logits else x[-1:], self.out_norm.data, c.rms_eps)
         logits = _infer(self.output, x)

@@ -63,3 +63,18 @@ def test_row_range_and_thread_count(qt):
         numba.set_num_threads(before)
     np.testing.assert_array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
     np.testing.assert_array_equal(outs[0][:, 10:30], out[:, 10:30])
+
+
+def test_matvec_many_equals_one_by_one():
+    weights = [(int(QT.Q4_K), random_blocks(QT.Q4_K, 70, 512, seed=7)),
+               (int(QT.Q6_K), random_blocks(QT.Q6_K, 9, 512, seed=8)),
+               (int(QT.Q8_0), random_blocks(QT.Q8_0, 33, 512, seed=9))]
+    x = np.random.default_rng(10).standard_normal((2, 512)).astype(np.float32)
+    before = numba.get_num_threads()
+    try:
+        for n in (1, 2):
+            numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+            for (qt, raw), got in zip(weights, dequant.matvec_many(weights, x)):
+                np.testing.assert_array_equal(got.view(np.uint32), dequant.matvec_rows(qt, raw, x).view(np.uint32))
+    finally:
+        numba.set_num_threads(before)

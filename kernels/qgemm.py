@@ -7,7 +7,8 @@ multiplied by single-threaded BLAS straight into its own slice of the output.
 Tiles run on our own threads (dequant.pool()), so both cores do useful work
 (dequantizing and multiplying) instead of OpenBLAS's workers spinning against
 ours. No output element sums over more than one tile:
-  * x @ W.T tiles W's rows, so a tile owns whole output columns;
+  * x @ W.T tiles W's rows, so a tile owns whole output columns (for few rows
+    computed as W_tile @ x.T into a transposed output: a faster BLAS shape);
   * g @ W tiles W's columns in whole blocks (256 weights for the K-quants),
     so a tile owns whole output columns there too.
 Each tile is computed by the same code on the same shapes whatever thread
@@ -26,6 +27,7 @@ from . import dequant
 
 F32 = dequant.F32
 TILE_BYTES = 1 << 21  # f32 tile size: ~L2; smaller tiles made BLAS calls too thin (64 rows: 58 vs ~85 GFLOP/s)
+TRANSPOSE_BELOW_ROWS = 128
 _LOCAL = threading.local()
 _BLAS = None  # threadpoolctl controller for the loaded BLAS libraries (found once: the lookup is slow)
 
@@ -94,9 +96,15 @@ def _run_tiles(n_tiles: int, tile):
             f.result()
 
 
-def row_tile(n_in: int) -> int:
-    """Rows of W per tile for x @ W.T (a multiple of 16, at least 64, from n_in alone)."""
-    return max(64, TILE_BYTES // (4 * n_in) // 16 * 16)
+def row_tile(shape) -> int:
+    """Rows of W per tile for x @ W.T: ~TILE_BYTES of f32, an even number of tiles (two
+    threads finish together), a multiple of 16 rows; from the shape alone."""
+    n_out, n_in = shape
+    count = max(1, -(-n_out * n_in * 4 // TILE_BYTES))
+    if count > 1:
+        count += count % 2
+    per_tile = -(-n_out // count)
+    return max(16, -(-per_tile // 16) * 16)
 
 
 def col_tile(qtype: int, n_out: int) -> int:
@@ -107,26 +115,46 @@ def col_tile(qtype: int, n_out: int) -> int:
 
 def matmul_t(qtype: int, raw, x: np.ndarray, shape) -> np.ndarray:
     """x [N, n_in] f32 @ W.T -> [N, n_out] f32, W [n_out, n_in] = `shape` stored as `raw` in format qtype."""
-    n_out, n_in = shape
+    return matmul_t_many([(qtype, raw, shape)], x)[0]
+
+
+def matmul_t_many(weights, x: np.ndarray) -> list:
+    """[x @ W.T for (qtype, raw, shape) in weights] (weights sharing an input: q/k/v, gate/up),
+    all tiles in one dispatch so the threads stay busy to the end. Each output is the same
+    as matmul_t's for that weight alone."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.ndim != 2 or x.shape[1] != n_in:
-        raise ValueError(f"qgemm.matmul_t: x must be [N, {n_in}] for W {tuple(shape)}, got {x.shape}")
-    if qtype == F32:
-        return x @ np.asarray(raw, np.float32).T
-    raw = _check_raw(qtype, raw, shape)
-    kernel, unit, _ = dequant.TILE_KERNELS[qtype]
-    n_groups = (n_in + unit - 1) // unit
-    rows = row_tile(n_in)
-    out = np.empty((x.shape[0], n_out), np.float32)
+    # For few rows OpenBLAS runs W @ x.T faster than x @ W.T (84 vs 61 GFLOP/s at 64 rows; equal at
+    # 256, where transposing the result back would cost more than it saves).
+    transposed = x.shape[0] < TRANSPOSE_BELOW_ROWS
+    tiles, outs = [], []
+    for qtype, raw, shape in weights:
+        n_out, n_in = shape
+        if x.ndim != 2 or x.shape[1] != n_in:
+            raise ValueError(f"qgemm.matmul_t: x must be [N, {n_in}] for W {tuple(shape)}, got {x.shape}")
+        if qtype == F32:
+            raw = np.ascontiguousarray(raw, dtype=np.float32)
+        else:
+            raw = _check_raw(qtype, raw, shape)
+        out = np.empty((n_out, x.shape[0]) if transposed else (x.shape[0], n_out), np.float32)
+        rows = row_tile(shape)
+        tiles += [(qtype, raw, r0, min(n_out, r0 + rows), out) for r0 in range(0, n_out, rows)]
+        outs.append(out)
 
     def tile(i):
-        r0, r1 = i * rows, min(n_out, (i + 1) * rows)
-        w = _buffer((r1 - r0) * n_in).reshape(r1 - r0, n_in)
-        kernel(raw[r0:r1], w, dequant.HALF_TO_FLOAT, 0, n_groups, dequant.SUB)
-        np.matmul(x, w.T, out=out[:, r0:r1])
+        qtype, raw, r0, r1, out = tiles[i]
+        if qtype == F32:
+            w = raw[r0:r1]
+        else:
+            kernel, unit, _ = dequant.TILE_KERNELS[qtype]
+            w = _buffer((r1 - r0) * x.shape[1]).reshape(r1 - r0, x.shape[1])
+            kernel(raw[r0:r1], w, dequant.HALF_TO_FLOAT, 0, -(-x.shape[1] // unit), dequant.SUB)
+        if transposed:
+            np.matmul(w, x.T, out=out[r0:r1])
+        else:
+            np.matmul(x, w.T, out=out[:, r0:r1])
 
-    _run_tiles((n_out + rows - 1) // rows, tile)
-    return out
+    _run_tiles(len(tiles), tile)
+    return [np.ascontiguousarray(o.T) for o in outs] if transposed else outs
 
 
 def matmul(qtype: int, raw, g: np.ndarray, shape) -> np.ndarray:

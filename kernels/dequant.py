@@ -324,3 +324,15 @@ def matvec_many(weights, x: np.ndarray) -> list:
     for f in futures:
         f.result()
     return outs
+
+
+def split_range(n: int, parts: int, fn):
+    """fn(i0, i1) over [0, n) cut into `parts` contiguous pieces, run on the worker threads
+    (the caller takes the first). For GIL-releasing work whose result per index does not
+    depend on the cut."""
+    parts = max(1, min(parts, n))
+    step = -(-n // parts)
+    futures = [pool().submit(fn, i0, min(n, i0 + step)) for i0 in range(step, n, step)]
+    fn(0, min(n, step))
+    for f in futures:
+        f.result()

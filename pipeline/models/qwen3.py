@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from kernels import rng
+from kernels import dequant, rng
 from ..autograd import Module, Tensor, no_grad, ops, parameter
 from ..errors import UserError
 from ..llm.quants import FrozenWeight, matmul_t_many, weight_rows
@@ -365,21 +365,40 @@ def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int) -> np.ndarray:
-    """Causal grouped-query attention. q [t, H, D] at positions pos0.., k/v [s, KV, D] -> [t, H*D]."""
+    """Causal grouped-query attention. q [t, H, D] at positions pos0.., k/v [s, KV, D] -> [t, H*D].
+
+    A long prompt splits the kv heads over the worker threads (numpy releases the GIL, and a
+    head's arithmetic is the same whatever the split, so the result does not depend on it)."""
     t, n_h, d = q.shape
     s, n_kv, _ = k.shape
     g = n_h // n_kv
     qh = q.reshape(t, n_kv, g, d).transpose(1, 2, 0, 3).reshape(n_kv, g * t, d)
-    scores = (qh @ k.transpose(1, 2, 0)) * np.float32(d ** -0.5)          # [KV, g*t, s]
-    scores = scores.reshape(n_kv, g, t, s)
-    if t > 1:
-        future = np.arange(s)[None, :] > (pos0 + np.arange(t))[:, None]    # [t, s]
-        scores[:, :, future] = -np.inf
-    scores -= scores.max(axis=-1, keepdims=True)
-    p = np.exp(scores)
-    p /= p.sum(axis=-1, keepdims=True)
-    out = p.reshape(n_kv, g * t, s) @ v.transpose(1, 0, 2)                 # [KV, g*t, D]
+    kt, vt = k.transpose(1, 2, 0), v.transpose(1, 0, 2)
+    mask = None
+    if t > 1:  # adding a 0/-inf [t, s] mask broadcasts; boolean-index assignment was ~5x slower
+        mask = np.where(np.arange(s)[None, :] > (pos0 + np.arange(t))[:, None], np.float32(-np.inf), np.float32(0.0))
+    out = np.empty((n_kv, g * t, d), np.float32)
+
+    def heads(h0, h1):
+        scores = (qh[h0:h1] @ kt[h0:h1]) * np.float32(d ** -0.5)            # [h, g*t, s]
+        if mask is not None:
+            scores.reshape(h1 - h0, g, t, s)[...] += mask
+        scores -= scores.max(axis=-1, keepdims=True)
+        p = np.exp(scores, out=scores)
+        p /= p.sum(axis=-1, keepdims=True)
+        np.matmul(p, vt[h0:h1], out=out[h0:h1])                             # [h, g*t, D]
+
+    parts = _worker_threads() if t * s * n_h >= ATTEND_SPLIT_WORK else 1
+    dequant.split_range(n_kv, min(parts, n_kv), heads)
     return out.reshape(n_kv, g, t, d).transpose(2, 0, 1, 3).reshape(t, n_h * d)
+
+
+ATTEND_SPLIT_WORK = 1 << 16  # score elements below which one thread is quicker than two
+
+
+def _worker_threads() -> int:
+    import numba
+    return numba.get_num_threads()
 
 
 def _check_shapes(gg, cfg: Qwen3Config):

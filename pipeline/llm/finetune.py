@@ -37,7 +37,7 @@ from pipeline.errors import UserError
 
 from .data import IGNORE_INDEX
 from .lora import LoraAdapter
-from .quants import weight_rows
+from .quants import FrozenWeight, matmul_t_many, weight_rows
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 DEFAULT_TARGETS = ("q", "v")
@@ -93,6 +93,22 @@ def frozen_linear(x, w):
     x2 = np.ascontiguousarray(x.data, dtype=np.float32).reshape(-1, w.shape[1])
     y = w.matmul_t(x2).reshape(*lead, w.shape[0])
     return Tensor.make(y, (x,), lambda g: (w.matmul(g.reshape(-1, w.shape[0])).reshape(x.shape),), "frozen_linear")
+
+
+def frozen_linears(x, ws):
+    """[frozen_linear(x, w) for w in ws] for weights sharing their input (q/k/v, gate/up):
+    quantized weights run their tiles in one thread dispatch (same bits as one by one)."""
+    if len(ws) == 1 or any(w._dense is not None or not isinstance(w.weight, FrozenWeight) for w in ws):
+        return [frozen_linear(x, w) for w in ws]
+    lead = x.shape[:-1]
+    x2 = np.ascontiguousarray(x.data, dtype=np.float32).reshape(-1, ws[0].shape[1])
+    ys = matmul_t_many([w.weight for w in ws], x2)
+
+    def node(y, w):
+        return Tensor.make(y.reshape(*lead, w.shape[0]), (x,),
+                           lambda g: (w.matmul(g.reshape(-1, w.shape[0])).reshape(x.shape),), "frozen_linear")
+
+    return [node(y, w) for y, w in zip(ys, ws)]
 
 
 def swiglu(gate, up):
@@ -183,12 +199,14 @@ class Trainer(Module):
             return None
         return derive_seed(self._dropout_base, (step * self.config.layers + layer) * len(TARGETS) + TARGETS.index(target))
 
-    def _proj(self, x, i, target, step):
-        y = frozen_linear(x, self._layers[i][target])
-        adapter = self.layers[i].get(target)
-        if adapter is not None:
-            y = y + adapter.delta(x, self._dropout_seed(step, i, target))
-        return y
+    def _projs(self, x, i, targets, step):
+        """The adapted projections `targets` of layer i on one input x."""
+        ys = frozen_linears(x, [self._layers[i][t] for t in targets])
+        for j, t in enumerate(targets):
+            adapter = self.layers[i].get(t)
+            if adapter is not None:
+                ys[j] = ys[j] + adapter.delta(x, self._dropout_seed(step, i, t))
+        return ys
 
     def _layer(self, h, i, step):
         """One decoder block on h [T, hidden]."""
@@ -196,16 +214,17 @@ class Trainer(Module):
         T = h.shape[0]
         pos = np.arange(T)
         a = ops.rms_norm(h, w["attn_norm"], c.rms_eps)
-        q = ops.reshape(self._proj(a, i, "q", step), (1, T, c.heads, c.head_dim))
-        k = ops.reshape(self._proj(a, i, "k", step), (1, T, c.kv_heads, c.head_dim))
-        v = ops.reshape(self._proj(a, i, "v", step), (1, T, c.kv_heads, c.head_dim))
+        q, k, v = self._projs(a, i, ("q", "k", "v"), step)
+        q = ops.reshape(q, (1, T, c.heads, c.head_dim))
+        k = ops.reshape(k, (1, T, c.kv_heads, c.head_dim))
+        v = ops.reshape(v, (1, T, c.kv_heads, c.head_dim))
         q = ops.rope(ops.rms_norm(q, w["q_norm"], c.rms_eps), pos, c.rope_base)
         k = ops.rope(ops.rms_norm(k, w["k_norm"], c.rms_eps), pos, c.rope_base)
         att = ops.reshape(ops.attention(q, k, v, causal=True), (T, c.heads * c.head_dim))
-        h = h + self._proj(att, i, "o", step)
+        h = h + self._projs(att, i, ("o",), step)[0]
         m = ops.rms_norm(h, w["ffn_norm"], c.rms_eps)
-        f = swiglu(self._proj(m, i, "gate", step), self._proj(m, i, "up", step))
-        return h + self._proj(f, i, "down", step)
+        f = swiglu(*self._projs(m, i, ("gate", "up"), step))
+        return h + self._projs(f, i, ("down",), step)[0]
 
     def hidden(self, tokens, step=None):
         """Final-normed hidden states [T, hidden]; step None = eval (no dropout)."""

@@ -205,3 +205,25 @@ def test_bad_inputs_are_clear_errors():
         tr.loss(np.array([1, 2, 999]), np.array([2, 3, 4]))
     with pytest.raises(UserError, match="labels shape"):
         tr.loss(np.array([1, 2]), np.array([2]))
+
+
+def test_grouped_projections_equal_one_by_one_bitwise(monkeypatch):
+    """q/k/v and gate/up share one tile dispatch (frozen_linears): same bits as one call per weight."""
+    import pipeline.llm.finetune as ft
+    fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "qwen3-mini-q8_0.gguf")
+
+    def run():
+        tr = Trainer.from_gguf(fixture, targets=("q", "v", "gate"), rank=4)
+        for p in tr.parameters():
+            p.data[...] = np.random.default_rng(0).standard_normal(p.shape).astype(np.float32) * 0.1
+        tokens = np.arange(40) % tr.config.vocab_size
+        loss = tr.loss(tokens, np.roll(tokens, -1))
+        loss.backward()
+        return loss.item(), _grads(tr)
+
+    grouped = run()
+    monkeypatch.setattr(ft, "frozen_linears", lambda x, ws: [ft.frozen_linear(x, w) for w in ws])
+    single = run()
+    assert grouped[0] == single[0]
+    for n in grouped[1]:
+        np.testing.assert_array_equal(grouped[1][n], single[1][n])

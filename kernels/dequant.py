@@ -22,6 +22,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .qblocks import store_q4_0, store_q4_k, store_q5_k, store_q6_k, store_q8_0
+
 # qtype ids (gguf GGMLQuantizationType) handled here
 F32, F16, Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 8, 12, 13, 14, 30
 _BLOCK = {Q4_0: (32, 18), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
@@ -35,134 +37,70 @@ def _half(lut, b, o):
     return lut[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
 
 
-@njit(cache=True, inline="always")
-def _scale_min_k4(sc, j, off):
-    """(scale, min) of sub-block j from the 12 packed 6-bit bytes at sc[off:]."""
-    if j < 4:
-        return sc[off + j] & 63, sc[off + j + 4] & 63
-    s = (sc[off + j + 4] & 0xF) | ((sc[off + j - 4] >> 6) << 4)
-    m = (sc[off + j + 4] >> 4) | ((sc[off + j] >> 6) << 4)
-    return s, m
-
-
-# The tile kernels take the sub-block length `sub` (always 32) as an argument: with a
-# compile-time trip count LLVM fully unrolls the 32-step loops into scalar code (0.6 G
-# weights/s); with a run-time one it vectorizes them (ymm, 2.5 G weights/s for Q4_K).
-# Indexing through sub-block views (not b[o + l]) keeps LLVM's vectorizer on contiguous loads.
-SUB = 32
+# Tile kernels: rows of raw blocks, blocks b0..b1 of each row -> out f32 [rows, (b1-b0)*block].
+# The block formats unpack through kernels/qblocks.py's vector IR (the same f32 operations as
+# gguf-py, so element-exact; ~2x the speed of the best numba loops we could get vectorized).
 
 
 @njit(cache=True, nogil=True)
-def _dq_q8_0(raw, out, lut, b0, b1, sub):
-    """raw uint8 [rows, row_bytes] blocks b0..b1 -> out f32 [rows, (b1-b0)*32]."""
+def _dq_q8_0(raw, out, lut, b0, b1):
     for r in range(raw.shape[0]):
         b, y = raw[r], out[r]
         for blk in range(b0, b1):
-            o, yo = blk * 34, (blk - b0) * 32
-            d = _half(lut, b, o)
-            qs, yb = b[o + 2:o + 34], y[yo:yo + 32]
-            for l in range(sub):
-                yb[l] = np.float32(np.int8(qs[l])) * d
+            store_q8_0(y, b, blk * 34, (blk - b0) * 32, _half(lut, b, blk * 34))
 
 
 @njit(cache=True, nogil=True)
-def _dq_q4_0(raw, out, lut, b0, b1, sub):
-    """raw uint8 [rows, row_bytes] blocks b0..b1 -> out f32 [rows, (b1-b0)*32]."""
-    half = sub // 2
+def _dq_q4_0(raw, out, lut, b0, b1):
     for r in range(raw.shape[0]):
         b, y = raw[r], out[r]
         for blk in range(b0, b1):
-            o, yo = blk * 18, (blk - b0) * 32
-            d = _half(lut, b, o)
-            qs, ylo, yhi = b[o + 2:o + 18], y[yo:yo + 16], y[yo + 16:yo + 32]
-            for l in range(half):
-                ylo[l] = d * np.float32(np.int32(qs[l] & 0xF) - 8)
-            for l in range(half):
-                yhi[l] = d * np.float32(np.int32(qs[l] >> 4) - 8)
+            store_q4_0(y, b, blk * 18, (blk - b0) * 32, _half(lut, b, blk * 18))
 
 
 @njit(cache=True, nogil=True)
-def _dq_q4_k(raw, out, lut, b0, b1, sub):
-    """raw uint8 [rows, row_bytes] blocks b0..b1 -> out f32 [rows, (b1-b0)*256]."""
+def _dq_q4_k(raw, out, lut, b0, b1):
     for r in range(raw.shape[0]):
         b, y = raw[r], out[r]
         for blk in range(b0, b1):
-            o, yo = blk * 144, (blk - b0) * 256
-            d, dmin = _half(lut, b, o), _half(lut, b, o + 2)
-            for p in range(4):  # 32 bytes hold sub-blocks 2p (low nibbles) and 2p+1 (high nibbles)
-                s_lo, m_lo = _scale_min_k4(b, 2 * p, o + 4)
-                s_hi, m_hi = _scale_min_k4(b, 2 * p + 1, o + 4)
-                d_lo, dm_lo = d * np.float32(s_lo), dmin * np.float32(m_lo)
-                d_hi, dm_hi = d * np.float32(s_hi), dmin * np.float32(m_hi)
-                qs = b[o + 16 + p * 32:o + 48 + p * 32]
-                ylo, yhi = y[yo + p * 64:yo + p * 64 + 32], y[yo + p * 64 + 32:yo + p * 64 + 64]
-                for l in range(sub):
-                    ylo[l] = d_lo * np.float32(qs[l] & 0xF) - dm_lo
-                for l in range(sub):
-                    yhi[l] = d_hi * np.float32(qs[l] >> 4) - dm_hi
+            o = blk * 144
+            store_q4_k(y, b, o, (blk - b0) * 256, _half(lut, b, o), _half(lut, b, o + 2))
 
 
 @njit(cache=True, nogil=True)
-def _dq_q5_k(raw, out, lut, b0, b1, sub):
-    """raw uint8 [rows, row_bytes] blocks b0..b1 -> out f32 [rows, (b1-b0)*256]."""
+def _dq_q5_k(raw, out, lut, b0, b1):
     for r in range(raw.shape[0]):
         b, y = raw[r], out[r]
         for blk in range(b0, b1):
-            o, yo = blk * 176, (blk - b0) * 256
-            d, dmin = _half(lut, b, o), _half(lut, b, o + 2)
-            qh = b[o + 16:o + 48]
-            for p in range(4):
-                s_lo, m_lo = _scale_min_k4(b, 2 * p, o + 4)
-                s_hi, m_hi = _scale_min_k4(b, 2 * p + 1, o + 4)
-                d_lo, dm_lo = d * np.float32(s_lo), dmin * np.float32(m_lo)
-                d_hi, dm_hi = d * np.float32(s_hi), dmin * np.float32(m_hi)
-                qs = b[o + 48 + p * 32:o + 80 + p * 32]
-                ylo, yhi = y[yo + p * 64:yo + p * 64 + 32], y[yo + p * 64 + 32:yo + p * 64 + 64]
-                for l in range(sub):
-                    ylo[l] = d_lo * np.float32((qs[l] & 0xF) | (((qh[l] >> (2 * p)) & 1) << 4)) - dm_lo
-                for l in range(sub):
-                    yhi[l] = d_hi * np.float32((qs[l] >> 4) | (((qh[l] >> (2 * p + 1)) & 1) << 4)) - dm_hi
+            o = blk * 176
+            store_q5_k(y, b, o, (blk - b0) * 256, _half(lut, b, o), _half(lut, b, o + 2))
 
 
 @njit(cache=True, nogil=True)
-def _dq_q6_k(raw, out, lut, b0, b1, sub):
-    """raw uint8 [rows, row_bytes] blocks b0..b1 -> out f32 [rows, (b1-b0)*256]."""
-    half = sub // 2  # 16 weights share one int8 scale
+def _dq_q6_k(raw, out, lut, b0, b1):
     for r in range(raw.shape[0]):
         b, y = raw[r], out[r]
         for blk in range(b0, b1):
-            o, yo = blk * 210, (blk - b0) * 256
-            d = _half(lut, b, o + 208)
-            for h in range(2):
-                qh = b[o + 128 + h * 32:o + 160 + h * 32]
-                for t in range(4):
-                    ql = b[o + h * 64 + (t & 1) * 32:o + h * 64 + (t & 1) * 32 + 32]
-                    sl, sh = 4 * (t >> 1), 2 * t
-                    for g in range(2):
-                        sc = d * np.float32(np.int8(b[o + 192 + h * 8 + t * 2 + g]))
-                        yg = y[yo + h * 128 + t * 32 + g * 16:yo + h * 128 + t * 32 + g * 16 + 16]
-                        qlg, qhg = ql[g * 16:g * 16 + 16], qh[g * 16:g * 16 + 16]
-                        for l in range(half):
-                            yg[l] = sc * np.float32(np.int32(((qlg[l] >> sl) & 0xF) | (((qhg[l] >> sh) & 3) << 4)) - 32)
+            store_q6_k(y, b, blk * 210, (blk - b0) * 256, _half(lut, b, blk * 210 + 208))
 
 
 @njit(cache=True, nogil=True)
-def _dq_f16(raw, out, lut, b0, b1, sub):
+def _dq_f16(raw, out, lut, b0, b1):
     """raw uint16 [rows, n_cols] (f16 bits), 32-column groups b0..b1 -> out f32 [rows, <= (b1-b0)*32]."""
     for r in range(raw.shape[0]):
         b, y = raw[r], out[r]
-        for k in range(b0 * sub, min(b1 * sub, b.shape[0])):
-            y[k - b0 * sub] = lut[b[k]]
+        for k in range(b0 * 32, min(b1 * 32, b.shape[0])):
+            y[k - b0 * 32] = lut[b[k]]
 
 
 @njit(cache=True, nogil=True)
-def _dq_bf16(raw, out, lut, b0, b1, sub):
+def _dq_bf16(raw, out, lut, b0, b1):
     """raw uint16 [rows, n_cols] (bf16 bits), 32-column groups b0..b1 -> out f32 [rows, <= (b1-b0)*32]."""
     bits = out.view(np.uint32)
     for r in range(raw.shape[0]):
         b, y = raw[r], bits[r]
-        for k in range(b0 * sub, min(b1 * sub, b.shape[0])):
-            y[k - b0 * sub] = np.uint32(b[k]) << 16
+        for k in range(b0 * 32, min(b1 * 32, b.shape[0])):
+            y[k - b0 * 32] = np.uint32(b[k]) << 16
 
 
 # qtype -> (tile kernel, elements per block, bytes per block); F16/BF16 tiles count 32 columns
@@ -279,7 +217,7 @@ def dequantize_rows(qtype: int, raw: np.ndarray, n_cols: int, out: np.ndarray | 
         raise ValueError(f"dequant: out must be contiguous f32 {(raw.shape[0], n_cols)}, got {out.dtype} {out.shape}")
     raw = np.ascontiguousarray(raw)
     kernel, n_blocks = TILE_KERNELS[qtype][0], n_cols // _BLOCK[qtype][0]
-    _over_rows(raw.shape[0], lambda r0, r1: kernel(raw[r0:r1], out[r0:r1], HALF_TO_FLOAT, 0, n_blocks, SUB))
+    _over_rows(raw.shape[0], lambda r0, r1: kernel(raw[r0:r1], out[r0:r1], HALF_TO_FLOAT, 0, n_blocks))
     return out
 
 

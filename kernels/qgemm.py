@@ -147,7 +147,7 @@ def matmul_t_many(weights, x: np.ndarray) -> list:
         else:
             kernel, unit, _ = dequant.TILE_KERNELS[qtype]
             w = _buffer((r1 - r0) * x.shape[1]).reshape(r1 - r0, x.shape[1])
-            kernel(raw[r0:r1], w, dequant.HALF_TO_FLOAT, 0, -(-x.shape[1] // unit), dequant.SUB)
+            kernel(raw[r0:r1], w, dequant.HALF_TO_FLOAT, 0, -(-x.shape[1] // unit))
         if transposed:
             np.matmul(w, x.T, out=out[r0:r1])
         else:
@@ -173,7 +173,7 @@ def matmul(qtype: int, raw, g: np.ndarray, shape) -> np.ndarray:
     def tile(i):
         c0, c1 = i * cols, min(n_in, (i + 1) * cols)
         w = _buffer(n_out * (c1 - c0)).reshape(n_out, c1 - c0)
-        kernel(raw, w, dequant.HALF_TO_FLOAT, c0 // unit, (c1 + unit - 1) // unit, dequant.SUB)
+        kernel(raw, w, dequant.HALF_TO_FLOAT, c0 // unit, (c1 + unit - 1) // unit)
         np.matmul(g, w, out=out[:, c0:c1])
 
     _run_tiles((n_in + cols - 1) // cols, tile)

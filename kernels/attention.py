@@ -15,7 +15,7 @@ from kernels.nn import threads_for
 ROW_CHUNK = 64
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _softmax_rows(s, i0, i1):
     for i in range(i0, i1):
         row = s[i]
@@ -33,7 +33,7 @@ def _softmax_inplace(s):
         _softmax_rows(s, c * ROW_CHUNK, min(n, (c + 1) * ROW_CHUNK))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _softmax_bwd_rows(p, dp, scale, i0, i1):
     for i in range(i0, i1):
         pr = p[i]
@@ -76,3 +76,22 @@ def softmax_backward_inplace(p, dp, scale=1.0):
     dp *= p
     dp *= scale
     return dp
+
+
+def softmax_rows_serial(s):
+    """softmax_inplace on the calling thread only, GIL released (for callers that
+    already run on several threads: a numba parallel launch is not re-entrant)."""
+    if s.dtype == np.float32 and s.flags.c_contiguous:
+        s2 = s.reshape(-1, s.shape[-1])
+        _softmax_rows(s2, 0, s2.shape[0])
+        return s
+    return softmax_inplace(s)
+
+
+def softmax_backward_rows_serial(p, dp, scale=1.0):
+    """softmax_backward_inplace on the calling thread only, GIL released."""
+    if p.dtype == np.float32 and dp.dtype == np.float32 and p.flags.c_contiguous and dp.flags.c_contiguous:
+        p2, dp2 = p.reshape(-1, p.shape[-1]), dp.reshape(-1, dp.shape[-1])
+        _softmax_bwd_rows(p2, dp2, np.float32(scale), 0, p2.shape[0])
+        return dp
+    return softmax_backward_inplace(p, dp, scale)

@@ -420,7 +420,7 @@ def _tile_pool():
     return _TILE_POOL[1]
 
 
-def _run_tiles(n_tiles, tile):
+def run_tiles(n_tiles, tile):
     """tile(i) for i in range(n_tiles) on numba.get_num_threads() threads (the caller is one)."""
     import itertools
     workers = max(1, min(numba.get_num_threads(), n_tiles))
@@ -470,7 +470,7 @@ def matmul_nt(a, b):
         r0, r1 = i * width, min(n, (i + 1) * width)
         np.matmul(a, b[r0:r1].T, out=out[:, r0:r1])
 
-    _run_tiles(-(-n // width), tile)
+    run_tiles(-(-n // width), tile)
     return out
 
 
@@ -487,5 +487,5 @@ def matmul_nn(a, b):
         c0, c1 = i * width, min(n, (i + 1) * width)
         np.matmul(a, b[:, c0:c1], out=out[:, c0:c1])
 
-    _run_tiles(-(-n // width), tile)
+    run_tiles(-(-n // width), tile)
     return out

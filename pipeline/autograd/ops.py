@@ -642,30 +642,48 @@ def attention(q, k, v, causal=True, offset=None, scale=None):
         raise OpError(f"attention: causal offset must be >= 0 (seq_q {Sq}, seq_k {Sk}, offset {offset})")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
 
-    from kernels.attention import softmax_backward_inplace, softmax_inplace
+    from kernels.attention import softmax_backward_rows_serial, softmax_rows_serial
+    from kernels.nn import run_tiles
 
     # Fold the query heads that share a kv head into the GEMM rows: one GEMM per
-    # (batch, kv head). Causal: split the queries into blocks of _ATTN_QBLOCK
-    # positions; a block only multiplies against the keys it can see.
+    # (batch, kv head) pair. Causal: split the queries into blocks of _ATTN_QBLOCK
+    # positions; a block only multiplies against the keys it can see. The pairs
+    # are independent and run on our threads (single-threaded BLAS each): at
+    # training sizes the GEMMs are too small for BLAS threading to pay.
     Q5 = np.ascontiguousarray(_compute(q.data).reshape(B, Sq, Hkv, G, D).transpose(0, 2, 3, 1, 4))
     K = _compute(k.data).transpose(0, 2, 1, 3)  # [B, Hkv, Sk, D]
     V = _compute(v.data).transpose(0, 2, 1, 3)
     step = _ATTN_QBLOCK if causal else Sq
-    blocks = []  # (q0, q1, visible keys, Q rows [B, Hkv, G*bq, D], probabilities [B, Hkv, G*bq, kmax])
-    O5 = np.empty(Q5.shape, Q5.dtype)
+    blocks = []  # (q0, q1, visible keys, additive mask [G*bq, kmax] or None)
     for q0 in range(0, Sq, step):
         q1 = builtins.min(Sq, q0 + step)
         kmax = builtins.min(Sk, offset + q1) if causal else Sk
-        Qb = Q5[:, :, :, q0:q1].reshape(B, Hkv, G * (q1 - q0), D)
-        pb = np.matmul(Qb, np.swapaxes(K[:, :, :kmax], -1, -2))
-        pb *= np.asarray(scale, dtype=pb.dtype)
+        mask = None
         if causal:
             blocked = np.arange(kmax)[None, :] > (offset + np.arange(q0, q1))[:, None]
             if blocked.any():
-                pb += np.tile(np.where(blocked, -np.inf, 0.0).astype(pb.dtype), (G, 1))
-        softmax_inplace(pb)
-        O5[:, :, :, q0:q1] = (pb @ V[:, :, :kmax]).reshape(B, Hkv, G, q1 - q0, D)
-        blocks.append((q0, q1, kmax, Qb, pb))
+                mask = np.tile(np.where(blocked, -np.inf, 0.0).astype(Q5.dtype), (G, 1))
+        blocks.append((q0, q1, kmax, mask))
+    pairs = B * Hkv
+    saved = [None] * pairs  # per pair: [(Q rows [G*bq, D], probabilities [G*bq, kmax]) per block]
+    O5 = np.empty(Q5.shape, Q5.dtype)
+    typed_scale = np.asarray(scale, dtype=Q5.dtype)
+
+    def forward_pair(i):
+        b, h = divmod(i, Hkv)
+        mine = []
+        for q0, q1, kmax, mask in blocks:
+            Qb = Q5[b, h, :, q0:q1].reshape(G * (q1 - q0), D)
+            pb = Qb @ K[b, h, :kmax].T
+            pb *= typed_scale
+            if mask is not None:
+                pb += mask
+            softmax_rows_serial(pb)
+            O5[b, h, :, q0:q1] = (pb @ V[b, h, :kmax]).reshape(G, q1 - q0, D)
+            mine.append((Qb, pb))
+        saved[i] = mine
+
+    run_tiles(pairs, forward_pair)
     out = O5.transpose(0, 3, 1, 2, 4).reshape(B, Sq, Hq, D)
 
     def backward(g):
@@ -673,15 +691,20 @@ def attention(q, k, v, causal=True, offset=None, scale=None):
         dQ5 = np.empty(Q5.shape, np.float32)
         dK = np.zeros(K.shape, np.float32)
         dV = np.zeros(V.shape, np.float32)
-        for q0, q1, kmax, Qb, pb in blocks:  # fixed block order: deterministic sums into dK, dV
-            dOb = dO5[:, :, :, q0:q1].reshape(B, Hkv, G * (q1 - q0), D)
-            if v.requires_grad:
-                dV[:, :, :kmax] += np.swapaxes(pb, -1, -2) @ dOb  # sums over the group inside the GEMM
-            ds = softmax_backward_inplace(pb, dOb @ np.swapaxes(V[:, :, :kmax], -1, -2), scale)
-            if q.requires_grad:
-                dQ5[:, :, :, q0:q1] = (ds @ K[:, :, :kmax]).reshape(B, Hkv, G, q1 - q0, D)
-            if k.requires_grad:
-                dK[:, :, :kmax] += np.swapaxes(ds, -1, -2) @ Qb
+
+        def backward_pair(i):
+            b, h = divmod(i, Hkv)
+            for (q0, q1, kmax, _), (Qb, pb) in zip(blocks, saved[i]):  # fixed block order: deterministic sums
+                dOb = dO5[b, h, :, q0:q1].reshape(G * (q1 - q0), D)
+                if v.requires_grad:
+                    dV[b, h, :kmax] += pb.T @ dOb  # sums over the group inside the GEMM
+                ds = softmax_backward_rows_serial(pb, dOb @ V[b, h, :kmax].T, scale)
+                if q.requires_grad:
+                    dQ5[b, h, :, q0:q1] = (ds @ K[b, h, :kmax]).reshape(G, q1 - q0, D)
+                if k.requires_grad:
+                    dK[b, h, :kmax] += ds.T @ Qb
+
+        run_tiles(pairs, backward_pair)
         dq = dQ5.transpose(0, 3, 1, 2, 4).reshape(B, Sq, Hq, D) if q.requires_grad else None
         return (dq,
                 dK.transpose(0, 2, 1, 3) if k.requires_grad else None,

@@ -61,3 +61,30 @@ def test_float32_attention_op_matches_float64():
         res.append([out.data] + [t.grad for t in ts])
     for a, b in zip(*res):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@two_threads
+def test_attention_op_thread_count_bitwise():
+    """The (batch, kv head) pairs run on numba.get_num_threads() Python threads: same bits for 1 and 2."""
+    import pipeline.autograd as ag
+    from pipeline.autograd import Tensor
+    r = np.random.default_rng(4)
+    arrays = [r.standard_normal((2, 130, h, 16)).astype(np.float32) for h in (6, 2, 2)]
+    g = r.standard_normal((2, 130, 6, 16)).astype(np.float32)
+
+    def run():
+        ts = [Tensor(a, requires_grad=True) for a in arrays]
+        out = ag.attention(*ts)
+        out.backward(g)
+        return [out.data] + [t.grad for t in ts]
+
+    prev = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = run()
+        numba.set_num_threads(2)
+        two = run()
+    finally:
+        numba.set_num_threads(prev)
+    for a, b in zip(one, two):
+        np.testing.assert_array_equal(a, b)

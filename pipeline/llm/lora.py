@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kernels.nn import single_thread_blas
 from kernels.rng import kaiming_uniform, uniform
 from pipeline.autograd.module import Module
 from pipeline.autograd.tensor import Tensor, parameter
@@ -47,23 +48,25 @@ def lora_delta(x, a, b, scale, dropout_p=0.0, dropout_seed=None):
     x2 = np.ascontiguousarray(x.data, dtype=np.float32).reshape(-1, a.shape[1])
     use_dropout = dropout_seed is not None and dropout_p > 0.0
     xd = x2 * dropout_keep_mask(dropout_seed, x2.shape, dropout_p) if use_dropout else x2
-    h = xd @ a.data.T                      # [N, r]: the only intermediate kept
-    y = (h @ b.data.T) * np.float32(scale)  # [N, out]
+    with single_thread_blas():  # rank-thin products: BLAS threads only spin-wait here
+        h = xd @ a.data.T                      # [N, r]: the only intermediate kept
+        y = (h @ b.data.T) * np.float32(scale)  # [N, out]
 
     def backward(g):
         g2 = g.reshape(-1, b.shape[0])
-        gh = (g2 @ b.data) * np.float32(scale)          # [N, r]
-        gb = (g2.T @ h) * np.float32(scale) if b.requires_grad else None
-        ga = None
-        if a.requires_grad:
-            xd_ = x2 * dropout_keep_mask(dropout_seed, x2.shape, dropout_p) if use_dropout else x2
-            ga = gh.T @ xd_
-        gx = None
-        if x.requires_grad:
-            gx = gh @ a.data
-            if use_dropout:
-                gx *= dropout_keep_mask(dropout_seed, x2.shape, dropout_p)
-            gx = gx.reshape(x.shape)
+        with single_thread_blas():
+            gh = (g2 @ b.data) * np.float32(scale)          # [N, r]
+            gb = (g2.T @ h) * np.float32(scale) if b.requires_grad else None
+            ga = None
+            if a.requires_grad:
+                xd_ = x2 * dropout_keep_mask(dropout_seed, x2.shape, dropout_p) if use_dropout else x2
+                ga = gh.T @ xd_
+            gx = None
+            if x.requires_grad:
+                gx = gh @ a.data
+                if use_dropout:
+                    gx *= dropout_keep_mask(dropout_seed, x2.shape, dropout_p)
+                gx = gx.reshape(x.shape)
         return gx, ga, gb
 
     return Tensor.make(y.reshape(*lead, b.shape[0]), (x, a, b), backward, "lora_delta")

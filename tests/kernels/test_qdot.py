@@ -78,3 +78,41 @@ def test_matvec_many_equals_one_by_one():
                 np.testing.assert_array_equal(got.view(np.uint32), dequant.matvec_rows(qt, raw, x).view(np.uint32))
     finally:
         numba.set_num_threads(before)
+
+
+COLD_PROBE = """
+import sys, numpy as np
+sys.path.insert(0, sys.argv[2])
+from test_gguf_dequant import random_blocks
+from gguf import GGMLQuantizationType as QT
+from kernels import dequant, qgemm
+x = np.random.default_rng(0).standard_normal((2, 512)).astype(np.float32)
+out = {}
+for qt in (QT.Q4_K, QT.Q6_K):
+    raw = random_blocks(qt, 40, 512, seed=int(qt))
+    out[qt.name + "_mv"] = dequant.matvec_rows(int(qt), raw, x)
+    out[qt.name + "_dq"] = dequant.dequantize_rows(int(qt), raw, 512)
+    out[qt.name + "_mm"] = qgemm.matmul(int(qt), raw, np.ones((3, 40), np.float32), (40, 512))
+np.savez(sys.argv[1], **out)
+"""
+
+
+def test_cold_and_warm_numba_cache_give_identical_bits(tmp_path):
+    """The IR intrinsics must compile to the same arithmetic fresh and from numba's cache."""
+    import os
+    import shutil
+    import subprocess
+    root = Path(__file__).resolve().parents[2]
+    tree = tmp_path / "tree"
+    shutil.copytree(root / "kernels", tree / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(os.environ, PYTHONPATH=str(tree), NUMBA_CACHE_DIR=str(tmp_path / "numba_cache"))
+    outs = []
+    for name in ("cold", "warm"):
+        path = tmp_path / f"{name}.npz"
+        r = subprocess.run([sys.executable, "-c", COLD_PROBE, str(path), str(root / "tests" / "llm")],
+                           cwd=tree, env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        outs.append(np.load(path))
+    assert sorted(outs[0].files) == sorted(outs[1].files) and len(outs[0].files) == 6
+    for key in outs[0].files:
+        np.testing.assert_array_equal(outs[0][key].view(np.uint32), outs[1][key].view(np.uint32), err_msg=key)

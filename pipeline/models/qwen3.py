@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import numpy as np
+from numba import njit
 
 from kernels import dequant, rng
 from ..autograd import Module, Tensor, no_grad, ops, parameter
@@ -311,8 +312,8 @@ class Qwen3(Module):
             q, k, v = _infer_many((blk.attn.q, blk.attn.k, blk.attn.v), h)
             q, k, v = (q.reshape(t, c.heads, c.head_dim), k.reshape(t, c.kv_heads, c.head_dim),
                        v.reshape(t, c.kv_heads, c.head_dim))
-            q = _rope(_rms(q, blk.attn.q_norm.data, c.rms_eps), cos, sin)
-            k = _rope(_rms(k, blk.attn.k_norm.data, c.rms_eps), cos, sin)
+            q = _norm_rope(q, blk.attn.q_norm.data, c.rms_eps, cos, sin)
+            k = _norm_rope(k, blk.attn.k_norm.data, c.rms_eps, cos, sin)
             keys, values = cache.store(li, pos0, k, v)
             x = x + _infer(blk.attn.o, _attend(q, keys, values, pos0))
             h = _rms(x, blk.ffn_norm.data, c.rms_eps)
@@ -345,10 +346,27 @@ class Qwen3(Module):
         return total  # a tied table is listed (and counted) once
 
 
-# --- numpy kernels of the inference path ------------------------------------
+# --- numpy / numba kernels of the inference path ------------------------------
 def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    ms = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True, dtype=np.float32)
-    return x * (1.0 / np.sqrt(ms + np.float32(eps))) * w
+    """x / sqrt(mean(x^2) + eps) * w over the last axis (a numba loop: at decode sizes numpy's
+    per-call overhead cost more than the arithmetic)."""
+    x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+    out = np.empty_like(x2)
+    _rms_rows(x2, np.ascontiguousarray(w, dtype=np.float32), np.float32(eps), out)
+    return out.reshape(x.shape)
+
+
+@njit(cache=True, nogil=True)
+def _rms_rows(x, w, eps, out):
+    """out[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * w for x, out f32 [n, d], w f32 [d]."""
+    n, d = x.shape
+    for r in range(n):
+        ss = np.float32(0.0)
+        for i in range(d):
+            ss += x[r, i] * x[r, i]
+        inv = np.float32(1.0) / np.sqrt(ss / np.float32(d) + eps)
+        for i in range(d):
+            out[r, i] = x[r, i] * inv * w[i]
 
 
 def _rope_table(pos: np.ndarray, head_dim: int, base: float):
@@ -357,11 +375,31 @@ def _rope_table(pos: np.ndarray, head_dim: int, base: float):
     return np.cos(ang).astype(np.float32)[:, None, :], np.sin(ang).astype(np.float32)[:, None, :]
 
 
-def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """NeoX rotation of x [seq, heads, head_dim]: halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
-    h = x.shape[-1] // 2
-    x1, x2 = x[..., :h], x[..., h:]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+def _norm_rope(x: np.ndarray, w: np.ndarray, eps: float, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Per-head RMSNorm, then the NeoX rotation, of x [seq, heads, head_dim] (one numba pass):
+    halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); cos/sin [seq, 1, head_dim/2]."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(x)
+    _norm_rope_heads(x, np.ascontiguousarray(w, dtype=np.float32), np.float32(eps), cos, sin, out)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _norm_rope_heads(x, w, eps, cos, sin, out):
+    """x, out f32 [t, heads, d]; w f32 [d]; cos, sin f32 [t, 1, d/2]."""
+    t, n_heads, d = x.shape
+    half = d // 2
+    for p in range(t):
+        for h in range(n_heads):
+            ss = np.float32(0.0)
+            for i in range(d):
+                ss += x[p, h, i] * x[p, h, i]
+            inv = np.float32(1.0) / np.sqrt(ss / np.float32(d) + eps)
+            for i in range(half):
+                a = x[p, h, i] * inv * w[i]
+                b = x[p, h, i + half] * inv * w[i + half]
+                out[p, h, i] = a * cos[p, 0, i] - b * sin[p, 0, i]
+                out[p, h, i + half] = b * cos[p, 0, i] + a * sin[p, 0, i]
 
 
 def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int) -> np.ndarray:

@@ -146,3 +146,20 @@ def test_bad_inputs():
         Qwen3Config(vocab_size=8, hidden=8, layers=1, heads=3, kv_heads=2, head_dim=4, ffn=8)
     with pytest.raises(UserError, match="top-p"):
         Sampling(temperature=1.0, top_p=0.0)
+
+
+def test_inference_norm_and_rope_kernels_match_numpy():
+    """The numba _rms / _norm_rope against the plain numpy formulas they replace."""
+    from pipeline.models.qwen3 import _norm_rope, _rms, _rope_table
+    r = np.random.default_rng(0)
+    x = r.standard_normal((5, 3, 64)).astype(np.float32) * 3
+    w = r.standard_normal(64).astype(np.float32)
+
+    def rms(a):
+        return a * (1.0 / np.sqrt(np.mean(np.square(a.astype(np.float64)), axis=-1, keepdims=True) + 1e-6)) * w
+
+    np.testing.assert_allclose(_rms(x, w, 1e-6), rms(x), rtol=1e-5, atol=1e-5)
+    cos, sin = _rope_table(np.arange(7, 12), 64, 1e6)
+    n = rms(x)
+    ref = np.concatenate([n[..., :32] * cos - n[..., 32:] * sin, n[..., 32:] * cos + n[..., :32] * sin], axis=-1)
+    np.testing.assert_allclose(_norm_rope(x, w, 1e-6, cos, sin), ref, rtol=1e-5, atol=1e-5)

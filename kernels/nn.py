@@ -443,8 +443,9 @@ def run_tiles(n_tiles, tile):
             f.result()
 
 
-def _tile_width(n, unit=64):
-    """Output columns per tile: n / N_TILES rounded up to a multiple of unit (from n alone)."""
+def _tile_width(n, unit=256):
+    """Output columns per tile: n / N_TILES rounded up to a multiple of unit (from n alone);
+    at least `unit` so each BLAS call stays thick enough to run near peak."""
     return max(unit, -(-n // (N_TILES * unit)) * unit)
 
 

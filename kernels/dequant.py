@@ -223,21 +223,17 @@ def dequantize_rows(qtype: int, raw: np.ndarray, n_cols: int, out: np.ndarray | 
 
 def matvec_rows(qtype: int, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
     """y = x @ W.T for a block-quantized W (raw uint8 [n_rows, row_bytes]), x f32 [m, n_cols] -> [m, n_rows]."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.ndim != 2:
-        raise ValueError(f"matvec: x must be [m, n_cols], got shape {x.shape}")
-    _check(qtype, raw, x.shape[1])
-    out = np.empty((x.shape[0], raw.shape[0]), np.float32)
-    raw = np.ascontiguousarray(raw)
-    from .qdot import matvec_range  # qdot builds on this module's helpers
-    _over_rows(raw.shape[0], lambda r0, r1: matvec_range(qtype, raw, x, out, r0, r1))
-    return out
+    return matvec_many([(qtype, raw)], x)[0]
+
+
+MATVEC_PIECES_PER_THREAD = 2  # row pieces per thread: a late-waking worker leaves its share to the others
 
 
 def matvec_many(weights, x: np.ndarray) -> list:
-    """[x @ W.T for (qtype, raw) in weights]: several block-quantized weights that share one input
-    (q/k/v, gate/up) in a single dispatch to the threads, each thread taking the same share of
-    every weight's rows as `matvec_rows` would (so the results are identical to it)."""
+    """[x @ W.T for (qtype, raw) in weights]: block-quantized weights that share one input
+    (q/k/v, gate/up) in one dispatch. Each weight's rows are cut into a few pieces that the
+    threads take dynamically; every row is computed by the same serial code whichever
+    thread takes it, so the results do not depend on the thread count or the cut."""
     import numba
     from .qdot import matvec_range
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -247,21 +243,39 @@ def matvec_many(weights, x: np.ndarray) -> list:
     for qtype, raw in weights:
         _check(qtype, raw, x.shape[1])
     outs = [np.empty((x.shape[0], raw.shape[0]), np.float32) for _, raw in weights]
-    n = max(1, min(numba.get_num_threads(), max((raw.shape[0] + ROW_CHUNK - 1) // ROW_CHUNK for _, raw in weights)))
+    threads = numba.get_num_threads()
+    pieces = []
+    for (qtype, raw), out in zip(weights, outs):
+        rows = raw.shape[0]
+        parts = max(1, min(threads * MATVEC_PIECES_PER_THREAD if threads > 1 else 1, rows // ROW_CHUNK))
+        step = -(-rows // parts)
+        pieces += [(qtype, raw, out, r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
+    run_dynamic(len(pieces), lambda i: matvec_range(pieces[i][0], pieces[i][1], x, *pieces[i][2:]))
+    return outs
 
-    def share(k):
-        for (qtype, raw), out in zip(weights, outs):
-            rows = raw.shape[0]
-            parts = max(1, min(n, (rows + ROW_CHUNK - 1) // ROW_CHUNK))  # as _over_rows splits this weight
-            step = (rows + parts - 1) // parts
-            if k < parts and k * step < rows:
-                matvec_range(qtype, raw, x, out, k * step, min(rows, (k + 1) * step))
 
-    futures = [pool().submit(share, k) for k in range(1, n)]
-    share(0)
+def run_dynamic(n_tasks: int, task):
+    """task(i) for i in range(n_tasks) on numba.get_num_threads() threads, each taking the
+    next undone index (for GIL-releasing tasks whose result does not depend on who runs them)."""
+    import itertools
+    import numba
+    workers = max(1, min(numba.get_num_threads(), n_tasks))
+    if workers == 1:
+        for i in range(n_tasks):
+            task(i)
+        return
+    counter = itertools.count()  # next() is atomic under the GIL
+
+    def worker():
+        for i in iter(counter.__next__, None):
+            if i >= n_tasks:
+                return
+            task(i)
+
+    futures = [pool().submit(worker) for _ in range(workers - 1)]
+    worker()  # the calling thread works too
     for f in futures:
         f.result()
-    return outs
 
 
 def split_range(n: int, parts: int, fn):

@@ -18,7 +18,6 @@ and one BLAS call per tile (tiles are big enough that this is noise).
 """
 from __future__ import annotations
 
-import itertools
 import threading
 
 import numpy as np
@@ -73,27 +72,10 @@ def _single_thread_blas():
 
 
 def _run_tiles(n_tiles: int, tile):
-    """Call tile(i) for i in range(n_tiles) on numba.get_num_threads() threads (dynamic
+    """Call tile(i) for i in range(n_tiles) on the worker threads, BLAS single-threaded (dynamic
     assignment: which thread takes a tile never changes what the tile computes)."""
-    import numba
-    workers = max(1, min(numba.get_num_threads(), n_tiles))
     with _single_thread_blas():
-        if workers == 1:
-            for i in range(n_tiles):
-                tile(i)
-            return
-        counter = itertools.count()  # next() is atomic under the GIL
-
-        def worker():
-            for i in iter(counter.__next__, None):
-                if i >= n_tiles:
-                    return
-                tile(i)
-
-        futures = [dequant.pool().submit(worker) for _ in range(workers - 1)]
-        worker()
-        for f in futures:
-            f.result()
+        dequant.run_dynamic(n_tiles, tile)
 
 
 def row_tile(shape) -> int:

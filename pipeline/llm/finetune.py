@@ -9,11 +9,15 @@ and enters the graph as a CONSTANT through `frozen_linear`: gradients flow to
 the f32 activations only, so the base never has a gradient to hold. The only
 parameters are the adapters' A/B, named `layers.<i>.<target>.lora_{a,b}`.
 
-Trade-off: a backward through a quantized weight needs its dense rows, so by
-default each frozen weight is dequantized per use (memory stays at the file's
-bits per weight); `dense_cache=True` keeps the f32 copies resident instead
-(~4 bytes per weight, faster steps). The output head is always kept dense: it
-is used in full on every step by the fused linear + cross-entropy.
+Trade-off: a product with a quantized weight needs its dense values, so by
+default each frozen weight is dequantized per use, a few L2-sized tiles at a
+time inside the GEMM (kernels/qgemm.py: forward x @ W.T and backward g @ W), so
+memory stays at the file's bits per weight. `dense_cache=True` keeps f32 copies
+resident instead (~4 bytes per weight); streaming those from DRAM measured
+slower than dequantizing tiles, so it is off by default. The output head is
+always kept dense: the fused linear + cross-entropy uses it in full every step.
+The step's BLAS runs single-threaded: big products tile over our own threads,
+small ones (attention per head, LoRA) would only spin-wait on BLAS threads.
 
 Determinism: each `loss` call advances a step counter; the dropout seed of
 (step, layer, projection) is at(at(seed, 1), (step * n_layers + layer) * 7 + proj)
@@ -49,7 +53,7 @@ class Frozen:
     Accepts the model seam's objects: a `FrozenLinear` (a GGUF weight in its
     file format), a `Linear` (its f32 parameter's data: trainable elsewhere,
     frozen here), a FrozenWeight, or a numpy array. `keep_dense` keeps an f32
-    copy resident (faster backward, ~4 bytes per weight).
+    copy resident (~4 bytes per weight) instead of dequantizing tiles per use.
     """
 
     def __init__(self, proj, keep_dense=False):

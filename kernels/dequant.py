@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .qblocks import store_q4_0, store_q4_k, store_q5_k, store_q6_k, store_q8_0
+from .qblocks import store_bf16, store_f16, store_q4_0, store_q4_k, store_q5_k, store_q6_k, store_q8_0
 
 # qtype ids (gguf GGMLQuantizationType) handled here
 F32, F16, Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 8, 12, 13, 14, 30
@@ -89,7 +89,10 @@ def _dq_f16(raw, out, lut, b0, b1):
     """raw uint16 [rows, n_cols] (f16 bits), 32-column groups b0..b1 -> out f32 [rows, <= (b1-b0)*32]."""
     for r in range(raw.shape[0]):
         b, y = raw[r], out[r]
-        for k in range(b0 * 32, min(b1 * 32, b.shape[0])):
+        full = min(b1, b.shape[0] // 32)
+        for blk in range(b0, full):
+            store_f16(y, b, blk * 32, (blk - b0) * 32)
+        for k in range(max(b0, full) * 32, min(b1 * 32, b.shape[0])):  # a ragged last group
             y[k - b0 * 32] = lut[b[k]]
 
 
@@ -98,58 +101,17 @@ def _dq_bf16(raw, out, lut, b0, b1):
     """raw uint16 [rows, n_cols] (bf16 bits), 32-column groups b0..b1 -> out f32 [rows, <= (b1-b0)*32]."""
     bits = out.view(np.uint32)
     for r in range(raw.shape[0]):
-        b, y = raw[r], bits[r]
-        for k in range(b0 * 32, min(b1 * 32, b.shape[0])):
-            y[k - b0 * 32] = np.uint32(b[k]) << 16
+        b, y = raw[r], out[r]
+        full = min(b1, b.shape[0] // 32)
+        for blk in range(b0, full):
+            store_bf16(y, b, blk * 32, (blk - b0) * 32)
+        for k in range(max(b0, full) * 32, min(b1 * 32, b.shape[0])):
+            bits[r, k - b0 * 32] = np.uint32(b[k]) << 16
 
 
 # qtype -> (tile kernel, elements per block, bytes per block); F16/BF16 tiles count 32 columns
 TILE_KERNELS = {Q8_0: (_dq_q8_0, 32, 34), Q4_0: (_dq_q4_0, 32, 18), Q4_K: (_dq_q4_k, 256, 144),
                 Q5_K: (_dq_q5_k, 256, 176), Q6_K: (_dq_q6_k, 256, 210), F16: (_dq_f16, 32, 64), BF16: (_dq_bf16, 32, 64)}
-
-
-LANES = 32  # explicit partial sums: vectorizable, and a fixed summation order
-
-
-@njit(cache=True, nogil=True)
-def _matvec_half_range(bf16, raw, x, out, r0, r1):
-    """Rows r0..r1: raw uint16[n_rows, n_cols] (f16 or bf16 bits), x f32[m, n_cols] -> out f32[m, n_rows].
-
-    Widening is exact and vectorizes (unlike a table lookup): bf16 is the high half of an
-    f32; an f16 normal or subnormal is its 11-bit significand shifted by its exponent in
-    int64, converted (exactly) and scaled by 2**-24 (inf/nan never occur in weights).
-    Products accumulate in LANES fixed lanes, combined in lane order.
-    """
-    n_rows, n_cols = raw.shape
-    two112 = np.float32(5.192296858534828e33)
-    bits = np.empty(LANES, np.uint32)
-    wide = bits.view(np.float32)
-    acc = np.empty(LANES, np.float32)
-    for r in range(r0, r1):
-        src = raw[r]
-        for i in range(x.shape[0]):
-            acc[:] = 0.0
-            for k0 in range(0, n_cols - n_cols % LANES, LANES):
-                if bf16:
-                    for l in range(LANES):
-                        bits[l] = np.uint32(src[k0 + l]) << 16
-                    for l in range(LANES):
-                        acc[l] += wide[l] * x[i, k0 + l]
-                else:  # f16 = (implicit-1 | mantissa) << exponent, times 2**-24: integer ops, no aliasing
-                    for l in range(LANES):
-                        h = np.int64(src[k0 + l])
-                        e = (h >> 10) & 0x1F
-                        m = (h & 0x3FF) | (np.int64(e > 0) << 10)
-                        mag = np.float32(m << (max(e, np.int64(1)) - 1)) * np.float32(2.0 ** -24)
-                        acc[l] += (-mag if h & 0x8000 else mag) * x[i, k0 + l]
-            total = np.float32(0.0)
-            for l in range(LANES):
-                total += acc[l]
-            for k in range(n_cols - n_cols % LANES, n_cols):
-                h = np.uint32(src[k])
-                bits[0] = (h << 16) if bf16 else (((h & 0x8000) << 16) | ((h & 0x7FFF) << 13))
-                total += (wide[0] if bf16 else wide[0] * two112) * x[i, k]
-            out[i, r] = total
 
 
 def matvec_half(raw: np.ndarray, x: np.ndarray, bf16: bool = False) -> np.ndarray:
@@ -158,9 +120,7 @@ def matvec_half(raw: np.ndarray, x: np.ndarray, bf16: bool = False) -> np.ndarra
     x = np.ascontiguousarray(x, dtype=np.float32)
     if raw.ndim != 2 or x.ndim != 2 or x.shape[1] != raw.shape[1]:
         raise ValueError(f"matvec_half: W {raw.shape} and x {x.shape} do not align (x must be [m, {raw.shape[-1]}])")
-    out = np.empty((x.shape[0], raw.shape[0]), np.float32)
-    _over_rows(raw.shape[0], lambda r0, r1: _matvec_half_range(bool(bf16), raw, x, out, r0, r1))
-    return out
+    return matvec_many([(BF16 if bf16 else F16, raw)], x)[0]
 
 
 _POOL = None  # (pid, ThreadPoolExecutor): a pool inherited through fork has no threads, so it is per process
@@ -198,6 +158,10 @@ def _over_rows(n_rows, kernel):
 
 
 def _check(qtype, raw, n_cols):
+    if qtype in (F16, BF16):
+        if raw.dtype != np.uint16 or raw.ndim != 2 or raw.shape[1] != n_cols:
+            raise ValueError(f"matvec: 16-bit rows must be uint16 [n_rows, {n_cols}], got {raw.dtype} {raw.shape}")
+        return
     if qtype not in _BLOCK:
         raise ValueError(f"dequant: no kernel for ggml type {qtype}")
     block, size = _BLOCK[qtype]
@@ -230,7 +194,7 @@ MATVEC_PIECES_PER_THREAD = 2  # row pieces per thread: a late-waking worker leav
 
 
 def matvec_many(weights, x: np.ndarray) -> list:
-    """[x @ W.T for (qtype, raw) in weights]: block-quantized weights that share one input
+    """[x @ W.T for (qtype, raw) in weights]: block-quantized or 16-bit weights that share one input
     (q/k/v, gate/up) in one dispatch. Each weight's rows are cut into a few pieces that the
     threads take dynamically; every row is computed by the same serial code whichever
     thread takes it, so the results do not depend on the thread count or the cut."""
@@ -239,7 +203,8 @@ def matvec_many(weights, x: np.ndarray) -> list:
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2:
         raise ValueError(f"matvec: x must be [m, n_cols], got shape {x.shape}")
-    weights = [(qtype, np.ascontiguousarray(raw)) for qtype, raw in weights]
+    weights = [(qtype, np.ascontiguousarray(raw).view(np.uint16) if qtype in (F16, BF16) else np.ascontiguousarray(raw))
+               for qtype, raw in weights]
     for qtype, raw in weights:
         _check(qtype, raw, x.shape[1])
     outs = [np.empty((x.shape[0], raw.shape[0]), np.float32) for _, raw in weights]

@@ -178,6 +178,18 @@ def _w_q4_0(h, scalars):
     return [h.b.fmul(h.splat(scalars[0], _VF), h.b.sitofp(h.b.sub(q, h.bytes_const(8)), _VF))]
 
 
+def _w_f16(h, scalars):
+    """32 f16 weights at b[o:] (b uint16): widened exactly (vcvtph2ps)."""
+    v = h.vload(1, o_arg(h), ir.VectorType(ir.IntType(16), LANES))
+    return [h.b.fpext(h.b.bitcast(v, ir.VectorType(ir.HalfType(), LANES)), _VF)]
+
+
+def _w_bf16(h, scalars):
+    """32 bf16 weights at b[o:] (b uint16): the high halves of f32s."""
+    v = h.b.zext(h.vload(1, o_arg(h), ir.VectorType(ir.IntType(16), LANES)), ir.VectorType(_I32, LANES))
+    return [h.b.bitcast(h.b.shl(v, ir.Constant(v.type, [16] * LANES)), _VF)]
+
+
 def o_arg(h):
     """The block offset argument (arg 2) of every block intrinsic."""
     return h.ptrs[2]
@@ -206,6 +218,26 @@ def dot_q8_0(typingctx, acc, b, o, x, xo, d):
 @intrinsic
 def dot_q4_0(typingctx, acc, b, o, x, xo, d):
     return _dot(types.void(acc, b, o, x, xo, d), _w_q4_0, 1)
+
+
+@intrinsic
+def dot_f16(typingctx, acc, b, o, x, xo):
+    return _dot(types.void(acc, b, o, x, xo), _w_f16, 0)
+
+
+@intrinsic
+def dot_bf16(typingctx, acc, b, o, x, xo):
+    return _dot(types.void(acc, b, o, x, xo), _w_bf16, 0)
+
+
+@intrinsic
+def store_f16(typingctx, y, b, o, yo):
+    return _store(types.void(y, b, o, yo), _w_f16, 0)
+
+
+@intrinsic
+def store_bf16(typingctx, y, b, o, yo):
+    return _store(types.void(y, b, o, yo), _w_bf16, 0)
 
 
 @intrinsic

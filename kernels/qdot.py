@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .dequant import HALF_TO_FLOAT, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _half
-from .qblocks import LANES, _lane_sum, dot_q4_0, dot_q4_k, dot_q5_k, dot_q6_k, dot_q8_0
+from .dequant import BF16, F16, HALF_TO_FLOAT, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _half
+from .qblocks import LANES, _lane_sum, dot_bf16, dot_f16, dot_q4_0, dot_q4_k, dot_q5_k, dot_q6_k, dot_q8_0
 
 
 @njit(cache=True, nogil=True)
@@ -90,7 +90,47 @@ def _mv_q4_0(raw, x, out, lut, r0, r1):
             out[i, r] = _lane_sum(acc)
 
 
-MATVEC = {Q4_K: _mv_q4_k, Q5_K: _mv_q5_k, Q6_K: _mv_q6_k, Q8_0: _mv_q8_0, Q4_0: _mv_q4_0}
+@njit(cache=True, nogil=True)
+def _mv_f16(raw, x, out, lut, r0, r1):
+    """Rows r0..r1: raw uint16 [n_rows, n_cols] f16 bits, x f32 [m, n_cols] -> out f32 [m, n_rows].
+    Columns past the last whole 32-group are added after the lanes, in order."""
+    acc = np.empty(LANES, np.float32)
+    for r in range(r0, r1):
+        b = raw[r]
+        for i in range(x.shape[0]):
+            xi = x[i]
+            acc[:] = 0.0
+            full = xi.shape[0] // 32
+            for blk in range(full):
+                dot_f16(acc, b, blk * 32, xi, blk * 32)
+            total = _lane_sum(acc)
+            for k in range(full * 32, xi.shape[0]):
+                total += lut[b[k]] * xi[k]
+            out[i, r] = total
+
+
+@njit(cache=True, nogil=True)
+def _mv_bf16(raw, x, out, lut, r0, r1):
+    """As _mv_f16 for bf16 bits (the high halves of f32s)."""
+    acc = np.empty(LANES, np.float32)
+    one = np.empty(1, np.uint32)
+    wide = one.view(np.float32)
+    for r in range(r0, r1):
+        b = raw[r]
+        for i in range(x.shape[0]):
+            xi = x[i]
+            acc[:] = 0.0
+            full = xi.shape[0] // 32
+            for blk in range(full):
+                dot_bf16(acc, b, blk * 32, xi, blk * 32)
+            total = _lane_sum(acc)
+            for k in range(full * 32, xi.shape[0]):
+                one[0] = np.uint32(b[k]) << 16
+                total += wide[0] * xi[k]
+            out[i, r] = total
+
+
+MATVEC = {Q4_K: _mv_q4_k, Q5_K: _mv_q5_k, Q6_K: _mv_q6_k, Q8_0: _mv_q8_0, Q4_0: _mv_q4_0, F16: _mv_f16, BF16: _mv_bf16}
 
 
 def matvec_range(qtype: int, raw: np.ndarray, x: np.ndarray, out: np.ndarray, r0: int, r1: int):

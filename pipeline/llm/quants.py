@@ -138,13 +138,13 @@ class FrozenWeight:
 def matmul_t_many(weights: list, x) -> list:
     """[w.matmul_t(x) for w in weights], for weights that share their input (q/k/v, gate/up),
     in one dispatch to the threads: the tiled GEMM for many rows of x (kernels/qgemm.py),
-    the fused matvec for a few rows through block-quantized weights (dequant.matvec_many).
+    the fused matvec for a few rows through block or 16-bit weights (dequant.matvec_many).
     The results equal the one-by-one calls bit for bit."""
     import numpy as np
     from kernels import dequant, qgemm
     x2 = np.asarray(x, dtype=np.float32).reshape(-1, weights[0].shape[1])
     few = x2.shape[0] <= FrozenWeight.FUSED_MAX_ROWS
-    if any(w.llama_numerics or w.shape[1] != x2.shape[1] or (few and not w.format.quantized) for w in weights):
+    if any(w.llama_numerics or w.shape[1] != x2.shape[1] or (few and w.format.qtype == QT.F32) for w in weights):
         return [w.matmul_t(x) for w in weights]
     if few:
         ys = dequant.matvec_many([(int(w.format.qtype), w.raw) for w in weights], x2)

@@ -116,3 +116,22 @@ def test_cold_and_warm_numba_cache_give_identical_bits(tmp_path):
     assert sorted(outs[0].files) == sorted(outs[1].files) and len(outs[0].files) == 6
     for key in outs[0].files:
         np.testing.assert_array_equal(outs[0][key].view(np.uint32), outs[1][key].view(np.uint32), err_msg=key)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["f16", "bf16"])
+def test_half_matvec_bitwise_equals_lane_emulation(bf16):
+    """16-bit rows: whole 32-column groups in the lanes, the ragged tail added after the tree."""
+    r = np.random.default_rng(11)
+    w32 = r.standard_normal((21, 100)).astype(np.float32)
+    if bf16:
+        bits = (w32.view(np.uint32) >> 16).astype(np.uint16)
+        w = (bits.astype(np.uint32) << 16).view(np.float32)
+    else:
+        bits = w32.astype(np.float16).view(np.uint16)
+        w = bits.view(np.float16).astype(np.float32)
+    x = r.standard_normal((2, 100)).astype(np.float32)
+    ref = lane_reference(w[:, :96], x[:, :96])
+    for k in range(96, 100):
+        ref += w[None, :, k] * x[:, None, k]
+    got = dequant.matvec_half(bits, x, bf16=bf16)
+    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))

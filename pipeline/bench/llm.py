@@ -40,8 +40,9 @@ def add_arguments(parser):
     parser.add_argument("--decode-tokens", type=int, default=16, help="tokens timed in the decode case (default 16)")
     parser.add_argument("--repeat", type=int, default=3, help="timed repetitions per case; the median is reported")
     parser.add_argument("--blas-threads", type=int, default=1,
-                        help="OpenBLAS threads for Fucina's prefill GEMMs (default 1: OpenBLAS's spinning "
-                             "workers fight numba's on a small or shared machine; see docs/models.md)")
+                        help="OpenBLAS threads for numpy work outside Fucina's GEMM tiles, i.e. the attention "
+                             "matmuls (default 1); the tiles always run BLAS on one thread per Fucina thread "
+                             "(docs/models.md, 'Threads')")
     parser.add_argument("--no-llama", action="store_true", help="skip the llama.cpp baseline")
 
 

@@ -20,7 +20,13 @@ from kernels.rng import _u64, uniform_at
 ROW_CHUNK = 32      # rows per parallel task (RMSNorm)
 COL_CHUNK = 64      # columns per parallel task (embedding scatter-add)
 ELEM_CHUNK = 1 << 15  # elements per parallel task (dropout)
-PARALLEL_MIN = 1 << 16  # below this many elements a thread launch costs more than it saves
+# Below this many elements the kernels run on the calling thread. A numba parallel
+# launch is cheap by itself, but its worker then spin-waits for milliseconds and
+# steals the core from the next tiled GEMM (measured on 2 cores: a 0.07 ms
+# RMSNorm launched in parallel made the following 5.5 ms Q4_K GEMM take 9.3 ms),
+# and on a busy machine each launch can wait a scheduler slice (~8 ms) for its
+# worker. Training-size rows ([128, 3072]) take < 1 ms serially.
+PARALLEL_MIN = 1 << 22
 
 
 @contextlib.contextmanager

@@ -9,6 +9,13 @@ from kernels import attention as ka
 two_threads = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs NUMBA_NUM_THREADS >= 2")
 
 
+@pytest.fixture(autouse=True)
+def parallel_even_when_small(monkeypatch):
+    """Small inputs run serially below nn.PARALLEL_MIN; here every kernel takes its parallel grid."""
+    from kernels import nn as kernels_nn
+    monkeypatch.setattr(kernels_nn, "PARALLEL_MIN", 0)
+
+
 def scores():
     s = np.random.default_rng(0).standard_normal((300, 257)).astype(np.float32) * 3
     s[:, 200:] = -np.inf  # masked keys

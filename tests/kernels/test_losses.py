@@ -8,6 +8,13 @@ from kernels import losses
 two_threads = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs NUMBA_NUM_THREADS >= 2")
 
 
+@pytest.fixture(autouse=True)
+def parallel_even_when_small(monkeypatch):
+    """Small inputs run serially below nn.PARALLEL_MIN; here every kernel takes its parallel grid."""
+    from kernels import nn as kernels_nn
+    monkeypatch.setattr(kernels_nn, "PARALLEL_MIN", 0)
+
+
 def ref_ce(x, y, ignore, eps):
     x64 = x.astype(np.float64)
     m = x64.max(-1, keepdims=True)

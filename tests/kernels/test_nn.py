@@ -8,6 +8,13 @@ from kernels import nn, rng
 two_threads = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs NUMBA_NUM_THREADS >= 2")
 
 
+@pytest.fixture(autouse=True)
+def parallel_even_when_small(monkeypatch):
+    """Small inputs run serially below nn.PARALLEL_MIN; here every kernel takes its parallel grid."""
+    from kernels import nn as kernels_nn
+    monkeypatch.setattr(kernels_nn, "PARALLEL_MIN", 0)
+
+
 def with_threads(n, fn):
     prev = numba.get_num_threads()
     numba.set_num_threads(n)

@@ -4,18 +4,19 @@ Trade-off: the kernels work on whole rows of raw block bytes (a weight of
 shape [n_rows, n_cols] is stored as uint8 [n_rows, row_bytes]) and produce
 float32. Three consumers, chosen by measurement (docs/models.md):
   * prefill / training: the per-format tile kernels `_dq_*` (one per format, no
-    type branch in the hot loop) feed kernels/qgemm.py's tiled BLAS products,
-    and `dequantize_rows` for a whole f32 copy;
-  * decode (a handful of tokens): `matvec_rows` (kernels/qdot.py) / `matvec_half`,
-    which never materialise the f32 weight and read only the stored bytes.
+    type branch in the hot loop; the block unpacking is kernels/qblocks.py's
+    vector IR) feed kernels/qgemm.py's tiled BLAS products, and
+    `dequantize_rows` makes a whole f32 copy;
+  * decode (a handful of tokens): `matvec_rows` / `matvec_many` / `matvec_half`
+    (kernels/qdot.py), which never materialise the f32 weight.
 Dequantization is element-exact against gguf-py's `gguf.quants.dequantize`
 (same f32 operation order: (d*scale)*q - dmin*min). The matvec accumulates
 in 32 fixed lanes, so it matches the dequant+dot path to float rounding, not
-bitwise. Kernels are serial, GIL-free row-range functions; `_over_rows`
-splits the rows across numba.get_num_threads() Python threads. Each row is
-reduced by the same serial code whatever the split, so results are bitwise
-independent of the thread count, and nothing pays numba's parallel compile.
-F16 scales are read through a 65536-entry exact lookup table.
+bitwise. Kernels are serial, GIL-free row-range functions run on a pool of
+Python threads (`_over_rows`, `run_dynamic`); each row is reduced by the same
+serial code whatever thread takes it, so results are bitwise independent of
+the thread count, and nothing pays numba's parallel compile. F16 block scales
+are read through a 65536-entry exact lookup table.
 """
 from __future__ import annotations
 

@@ -163,3 +163,27 @@ def test_inference_norm_and_rope_kernels_match_numpy():
     n = rms(x)
     ref = np.concatenate([n[..., :32] * cos - n[..., 32:] * sin, n[..., 32:] * cos + n[..., :32] * sin], axis=-1)
     np.testing.assert_allclose(_norm_rope(x, w, 1e-6, cos, sin), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_inference_attention_chunks_and_threads():
+    """Chunked causal GQA attention: equal to a plain softmax reference, bitwise across thread counts."""
+    import numba
+    from pipeline.models import qwen3
+    r = np.random.default_rng(1)
+    t, pos0 = qwen3.ATTEND_CHUNK + 37, 9
+    q = r.standard_normal((t, 8, 32)).astype(np.float32)
+    k, v = (r.standard_normal((pos0 + t, 2, 32)).astype(np.float32) for _ in range(2))
+    kk, vv = np.repeat(k, 4, axis=1), np.repeat(v, 4, axis=1)              # GQA: 4 q heads per kv head
+    scores = np.einsum("thd,shd->hts", q.astype(np.float64), kk) / np.sqrt(32)
+    scores[:, np.arange(pos0 + t)[None, :] > (pos0 + np.arange(t))[:, None]] = -np.inf
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    ref = np.einsum("hts,shd->thd", p / p.sum(-1, keepdims=True), vv).reshape(t, -1)
+    before, outs = numba.get_num_threads(), []
+    try:
+        for n in (1, 2):
+            numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+            outs.append(qwen3._attend(q, k, v, pos0))
+    finally:
+        numba.set_num_threads(before)
+    np.testing.assert_allclose(outs[0], ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(outs[0], outs[1])

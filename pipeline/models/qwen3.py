@@ -318,7 +318,7 @@ class Qwen3(Module):
             x = x + _infer(blk.attn.o, _attend(q, keys, values, pos0))
             h = _rms(x, blk.ffn_norm.data, c.rms_eps)
             g, u = _infer_many((blk.mlp.gate, blk.mlp.up), h)
-            x = x + _infer(blk.mlp.down, g / (1.0 + np.exp(-g)) * u)
+            x = x + _infer(blk.mlp.down, _silu_mul(g, u))
         cache.length = pos0 + t
         x = _rms(x if all_logits else x[-1:], self.out_norm.data, c.rms_eps)
         logits = _infer(self.output, x)
@@ -433,6 +433,23 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int) -> np.ndarra
     parts = _worker_threads() if t * s * n_h >= ATTEND_SPLIT_WORK else 1
     dequant.split_range(n_kv, min(parts, n_kv), heads)
     return out.transpose(2, 0, 1, 3).reshape(t, n_h * d)
+
+
+def _silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """silu(g) * u = g / (1 + exp(-g)) * u, in place in g; a long prompt's rows are split over
+    the worker threads (elementwise, so the split cannot change a bit)."""
+    g = np.ascontiguousarray(g, dtype=np.float32)
+
+    def rows(r0, r1):
+        gr = g[r0:r1]
+        e = np.exp(-gr)
+        e += 1.0
+        np.divide(gr, e, out=gr)
+        gr *= u[r0:r1]
+
+    parts = _worker_threads() if g.size >= ATTEND_SPLIT_WORK else 1
+    dequant.split_range(len(g), parts, rows)
+    return g
 
 
 ATTEND_CHUNK = 64             # query positions per chunk

@@ -8,7 +8,7 @@ Tiles run on our own threads (dequant.pool()), so both cores do useful work
 (dequantizing and multiplying) instead of OpenBLAS's workers spinning against
 ours. No output element sums over more than one tile:
   * x @ W.T tiles W's rows, so a tile owns whole output columns (for few rows
-    computed as W_tile @ x.T into a transposed output: a faster BLAS shape);
+    computed as W_tile @ x.T, a faster BLAS shape, and transposed into place);
   * g @ W tiles W's columns in whole blocks (256 weights for the K-quants),
     so a tile owns whole output columns there too.
 Each tile is computed by the same code on the same shapes whatever thread
@@ -117,7 +117,7 @@ def matmul_t_many(weights, x: np.ndarray) -> list:
             raw = np.ascontiguousarray(raw, dtype=np.float32)
         else:
             raw = _check_raw(qtype, raw, shape)
-        out = np.empty((n_out, x.shape[0]) if transposed else (x.shape[0], n_out), np.float32)
+        out = np.empty((x.shape[0], n_out), np.float32)
         rows = row_tile(shape)
         tiles += [(qtype, raw, r0, min(n_out, r0 + rows), out) for r0 in range(0, n_out, rows)]
         outs.append(out)
@@ -130,13 +130,13 @@ def matmul_t_many(weights, x: np.ndarray) -> list:
             kernel, unit, _ = dequant.TILE_KERNELS[qtype]
             w = _buffer((r1 - r0) * x.shape[1]).reshape(r1 - r0, x.shape[1])
             kernel(raw[r0:r1], w, dequant.HALF_TO_FLOAT, 0, -(-x.shape[1] // unit))
-        if transposed:
-            np.matmul(w, x.T, out=out[r0:r1])
+        if transposed:  # the tile's [rows, N] product is copied into place by the same thread
+            out[:, r0:r1] = np.matmul(w, x.T).T
         else:
             np.matmul(x, w.T, out=out[:, r0:r1])
 
     _run_tiles(len(tiles), tile)
-    return [np.ascontiguousarray(o.T) for o in outs] if transposed else outs
+    return outs
 
 
 def matmul(qtype: int, raw, g: np.ndarray, shape) -> np.ndarray:

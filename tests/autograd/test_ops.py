@@ -337,3 +337,19 @@ def test_sqrt_abs_clamp_where_stack(gradcheck, rand):
     np.testing.assert_array_equal(ag.stack([Tensor(x), Tensor(x)], -1).data, np.stack([x, x], -1).astype(np.float32))
     with pytest.raises(OpError, match="where: cond must be a boolean"):
         ag.where(x, x, x)
+
+
+def test_float32_kernel_paths_match_float64(rand):
+    """float32 sigmoid/SiLU/RoPE run numba kernels (float64 stays numpy): same values and gradients."""
+    x = rand(2, 5, 3, 8)
+    g = rand(2, 5, 3, 8)
+    pos = np.array([[3, 4, 5, 6, 7], [0, 1, 2, 3, 4]])
+    for fn in (ag.sigmoid, ag.silu, lambda t: ag.rope(t, pos, theta=100.0), lambda t: ag.rope(t, np.arange(5))):
+        res = []
+        for dt in (np.float32, np.float64):
+            t = Tensor(x.astype(dt), requires_grad=True, dtype=dt)
+            out = fn(t)
+            out.backward(g.astype(np.float32))
+            res.append((out.data.astype(np.float64), t.grad))
+        np.testing.assert_allclose(res[0][0], res[1][0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(res[0][1], res[1][1], rtol=1e-5, atol=1e-6)

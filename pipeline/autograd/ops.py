@@ -5,8 +5,9 @@ gradient per parent (None where a parent needs none). Broadcasting is undone by
 the engine (`_reduce_to_shape`), so elementwise ops may return full-shape grads.
 
 Trade-off: plain numpy first (legible, BLAS for contractions); the few row
-kernels that dominate training time (cross-entropy, RMSNorm, dropout) call
-numba kernels in `kernels/`. Forward values keep the input dtype (float64
+kernels that dominate training time (cross-entropy, RMSNorm, dropout, and for
+float32 sigmoid/SiLU/RoPE) call numba kernels in `kernels/`; attention runs its
+(batch, kv head) GEMMs on our threads. Forward values keep the input dtype (float64
 inputs stay float64, which the finite-difference tests rely on); 16-bit inputs
 to contractions are widened to float32 for the compute. Gradients are float32.
 

@@ -1,4 +1,5 @@
-"""Row kernels for the autograd engine: RMSNorm, dropout, embedding scatter-add, erf.
+"""Row kernels for the autograd engine: RMSNorm, dropout, embedding scatter-add, erf,
+sigmoid/SiLU/SwiGLU, RoPE; and the tiled big GEMMs that run on our own threads.
 
 Trade-off: numba loops instead of composed numpy so each op is one pass over
 memory with no temporaries; in exchange every kernel has a numpy reference in

@@ -56,9 +56,6 @@ def format_of(qtype) -> Format | None:
         return None
 
 
-_SCRATCH: dict = {}  # (n_out, n_in) -> f32 buffer shared by all quantized weights of that shape
-
-
 class FrozenWeight:
     """A frozen [n_out, n_in] matrix kept in its file format (quantized stays quantized).
 
@@ -91,19 +88,6 @@ class FrozenWeight:
             bits = np.asarray(self.raw).view(np.uint16).astype(np.uint32) << 16
             return bits.view(np.float32).reshape(self.shape)
         return dequant.dequantize_rows(int(self.format.qtype), self.raw, self.shape[1])
-
-    def dequantize_scratch(self):
-        """The f32 copy in a reusable per-shape buffer: valid only until the next call for a
-        weight of the same shape (consume it at once; `dequantize()` gives an owned copy).
-        Reusing the buffer avoids page-faulting a fresh allocation per matmul."""
-        import numpy as np
-        from kernels import dequant
-        if not self.format.quantized:
-            return self.dequantize()
-        buf = _SCRATCH.get(self.shape)
-        if buf is None:
-            buf = _SCRATCH[self.shape] = np.empty(self.shape, np.float32)
-        return dequant.dequantize_rows(int(self.format.qtype), self.raw, self.shape[1], out=buf)
 
     def matmul_t(self, x):
         """x [..., n_in] f32 -> x @ W.T [..., n_out] f32."""

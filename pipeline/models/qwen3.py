@@ -95,8 +95,8 @@ class FrozenLinear(Module):
         x = ops.as_tensor(x)
         w = self.weight
 
-        def backward(g):  # dx = g @ W; W is re-dequantized rather than kept resident in f32
-            return (np.asarray(g, np.float32).reshape(-1, w.shape[0]) @ w.dequantize_scratch()).reshape(x.shape),
+        def backward(g):  # dx = g @ W, dequantized tile by tile inside the GEMM (never resident in f32)
+            return w.matmul(np.asarray(g, np.float32).reshape(-1, w.shape[0])).reshape(x.shape),
 
         return Tensor.make(w.matmul_t(x.data), (x,), backward, "frozen_linear")
 

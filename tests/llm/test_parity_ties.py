@@ -11,15 +11,15 @@ test_parity_llama.py can only bound the raw difference loosely.
 
 This test removes that slack. It replays our forward with the rounding of the
 nearest tie at the first mismatching position turned the other way, and repeats
-(a few flips at most). Passing means: after flipping at most MAX_FLIPS
+(MAX_FLIPS at most). Passing means: after flipping at most MAX_FLIPS
 roundings that each sat within TIE (relative) of a midpoint — an activation
 element, or a Q8_0 block scale's f16 rounding — our logits equal llama.cpp's to
 REL relative at every position: the two implementations agree to float
 rounding, and the raw gap is rounding-tie chaos, not an error in our kernels.
 
 Measured 2026-11-29 on all 14 quantized fixtures (3 shapes x Q8_0/Q4_K_S/
-Q5_K_M/Q6_K + 2 committed files): raw max per-position gap up to 1.9e-2; after
-0-5 flips, at most 9.2e-7 at every position.
+Q5_K_M/Q6_K + 2 committed files): raw max per-position gap up to 2.2e-2; after
+1-6 flips, at most 7.6e-7 at every position.
 """
 import numpy as np
 import pytest
@@ -33,7 +33,7 @@ from test_parity_llama import FIXTURES, TEXT, files, llama  # noqa: F401  (files
 
 pytestmark = [pytest.mark.parity, pytest.mark.needs("llama_cpp")]
 
-MAX_FLIPS = 6
+MAX_FLIPS = 8
 TIE = 1e-5   # a flipped rounding must be this close to its midpoint, relative to the value rounded
 REL = 1e-5   # per-position relative error left after the flips (float rounding is ~3e-7)
 CANDIDATES = 40  # nearest ties tried per mismatching position
@@ -134,8 +134,10 @@ def _rows(ref, ours):
 
 
 def explain(path, monkeypatch):
-    """(raw per-position error, error after the flips, flips): the first mismatching position is fixed by
-    the one flip, among its CANDIDATES nearest ties at or before it, that makes it agree to REL."""
+    """(raw per-position error, error after the flips, flips). The first mismatching position p
+    takes the nearest tie (among its CANDIDATES nearest at or before it, those at p first) whose flip leaves every
+    earlier position within REL and at least halves p's error; two ties can coincide at one
+    position, so p may take more than one flip before it agrees to REL."""
     ids = np.array(Tokenizer.from_gguf(GGUFFile(path)).encode(TEXT))
     oracle = llama(path, quantized=True)
     oracle.eval(list(ids))
@@ -146,19 +148,19 @@ def explain(path, monkeypatch):
     while (rows > REL).any():
         p = int(np.flatnonzero(rows > REL)[0])
         assert len(replay.flips) < MAX_FLIPS, f"more than {MAX_FLIPS} rounding flips needed (position {p} still off)"
-        for dist, flip in replay.nearest_ties(p, CANDIDATES):
+        accepted = False
+        # a tie at p itself first: one at an earlier row would usually have shown there already
+        for dist, flip in sorted(replay.nearest_ties(p, CANDIDATES), key=lambda c: (c[1][2] != p, c[0])):
             if dist > TIE:
-                break
+                continue
             replay.flips.add(flip)
             trial = _rows(ref, replay.run(model, ids))
-            if trial[: p + 1].max() <= REL:
-                rows = trial
+            if (p == 0 or trial[:p].max() <= REL) and trial[p] <= rows[p] / 2:
+                rows, accepted = trial, True
                 break
             replay.flips.discard(flip)
-        else:
-            dist = None
-        assert rows[p] <= REL, (f"position {p} differs by {rows[p]:.2e} and no single rounding within {TIE} "
-                                f"(relative) of its midpoint explains it: not rounding")
+        assert accepted, (f"position {p} differs by {rows[p]:.2e} and no rounding within {TIE} (relative) "
+                          f"of its midpoint explains it: not rounding")
         replay.run(model, ids)  # refresh the tie distances under the accepted flips
     return raw, rows, replay.flips
 

@@ -2,9 +2,8 @@
 
 Rank-8 LoRA on q+v (the defaults) at sequence length 128, AdamW, clip 1.0, on
 one synthetic sample (random tokens, the first quarter masked as prompt):
-in-process with the base kept in its file format, in-process with the f32
-copies resident (--dense-cache), and an accumulation window of 2 run in-process
-vs on `--trainers 2` processes. The torch baseline runs the same LoRA on the
+in-process with the base kept in its file format, and an accumulation window
+of 2 run in-process vs on `--trainers 2` processes. The torch baseline runs the same LoRA on the
 dequantized f32 weights with the same thread count, in the same run.
 
 Trade-off: one synthetic sample keeps the bench independent of a tokenizer and
@@ -19,7 +18,7 @@ import time
 import numpy as np
 
 NAME = "finetune"
-HELP = "LoRA fine-tune step time (rank-8 q+v, seq 128) in-process, dense-cache and --trainers 2, vs torch"
+HELP = "LoRA fine-tune step time (rank-8 q+v, seq 128) in-process and --trainers 2, vs torch"
 
 
 def add_arguments(p):
@@ -45,12 +44,12 @@ def _rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _session(args, model, samples, accum, dense_cache=False, pool=None):
+def _session(args, model, samples, accum, pool=None):
     from pipeline.llm.data import Loader
     from pipeline.llm.finetune import Session, Trainer
     from pipeline.optim import AdamW
     targets = tuple(args.targets.split(","))
-    trainer = Trainer(model, targets=targets, rank=args.rank, alpha=2.0 * args.rank, dense_cache=dense_cache)
+    trainer = Trainer(model, targets=targets, rank=args.rank, alpha=2.0 * args.rank)
     opt = AdamW(trainer.named_parameters(), lr=1e-3, weight_decay=0.0)
     return Session(trainer, opt, samples, Loader(len(samples)), accum_steps=accum, pool=pool)
 
@@ -171,10 +170,6 @@ def run(args):
     rows.append({"case": "step/in-process", "ms": ms, "cpu_ms": cpu, "baselines": baselines,
                  "baseline_cpu_ms": {"torch_f32": torch_cpu}, "supervised_tok_s": n_sup / ms * 1e3,
                  "peak_rss_mb": _rss_mb(), "notes": f"{desc}; base stays in its file format; {cpu_note(cpu, torch_cpu)}"})
-    ms, cpu = _time_windows(_session(args, model, [sample], 1, dense_cache=True), args.steps)
-    rows.append({"case": "step/in-process dense-cache", "ms": ms, "cpu_ms": cpu, "baselines": baselines,
-                 "baseline_cpu_ms": {"torch_f32": torch_cpu}, "supervised_tok_s": n_sup / ms * 1e3,
-                 "peak_rss_mb": _rss_mb(), "notes": f"{desc}; f32 copies resident; {cpu_note(cpu, torch_cpu)}"})
     if not args.no_trainers:
         samples = [sample, _sample(model.config.vocab_size, args.seq, seed=1)]
         ms_in, _ = _time_windows(_session(args, model, samples, 2), args.steps)

@@ -45,7 +45,6 @@ def add_arguments(p):
     p.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout probability on the adapter input, in [0, 1)")
     p.add_argument("--state-dtype", choices=("f32", "bf16"), default="f32", help="dtype of the AdamW moments")
     p.add_argument("--checkpoint-layers", action="store_true", help="recompute each layer in backward (less memory, same bits)")
-    p.add_argument("--dense-cache", action="store_true", help="keep f32 copies of the frozen weights resident (faster steps, ~4 bytes/weight)")
     p.add_argument("--save", metavar="DIR", help="write the final checkpoint directory here")
     p.add_argument("--save-every", type=int, default=0, metavar="N", help="also save DIR/checkpoint-step-N every N optimizer steps (needs --save)")
     p.add_argument("--load", metavar="DIR", help="resume from a checkpoint directory (adapters, optimizer, step counter, loader position)")
@@ -103,7 +102,7 @@ def build(args, log):
     options = sft.EncodeOptions(seq_max=args.seq_max)
     samples = sft.encode_all(encoder, template, pairs, options, source=source)
     trainer_kwargs = dict(targets=_targets(args.targets), rank=args.rank, alpha=args.alpha, dropout=args.dropout,
-                          seed=args.seed, checkpoint_layers=args.checkpoint_layers, dense_cache=args.dense_cache)
+                          seed=args.seed, checkpoint_layers=args.checkpoint_layers)
     trainer = Trainer(model, **trainer_kwargs)
     optimizer = AdamW(trainer.named_parameters(), lr=args.lr, weight_decay=0.0, state_dtype=args.state_dtype)
     order = "shuffled" if args.shuffle else "sequential"

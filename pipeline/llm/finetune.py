@@ -12,9 +12,8 @@ parameters are the adapters' A/B, named `layers.<i>.<target>.lora_{a,b}`.
 Trade-off: a product with a quantized weight needs its dense values, so by
 default each frozen weight is dequantized per use, a few L2-sized tiles at a
 time inside the GEMM (kernels/qgemm.py: forward x @ W.T and backward g @ W), so
-memory stays at the file's bits per weight. `dense_cache=True` keeps f32 copies
-resident instead (~4 bytes per weight); streaming those from DRAM measured
-slower than dequantizing tiles, so it is off by default. The output head is
+memory stays at the file's bits per weight (resident f32 copies were measured
+slower: streaming them from DRAM costs more than dequantizing tiles). The output head is
 always kept dense: the fused linear + cross-entropy uses it in full every step.
 The step's BLAS runs single-threaded: big products tile over our own threads,
 small ones (attention per head, LoRA) would only spin-wait on BLAS threads.
@@ -151,7 +150,7 @@ class Trainer(Module):
     """
 
     def __init__(self, model, targets=DEFAULT_TARGETS, rank=8, alpha=16.0, dropout=0.0, seed=0,
-                 checkpoint_layers=False, ignore_index=IGNORE_INDEX, dense_cache=False):
+                 checkpoint_layers=False, ignore_index=IGNORE_INDEX):
         bad = [t for t in targets if t not in TARGETS]
         if bad or not targets:
             raise UserError(f"targets must be a non-empty subset of {','.join(TARGETS)}, got {','.join(targets) or '(none)'}")
@@ -160,11 +159,11 @@ class Trainer(Module):
         for b in model.blocks:
             projs = {"q": b.attn.q, "k": b.attn.k, "v": b.attn.v, "o": b.attn.o,
                      "gate": b.mlp.gate, "up": b.mlp.up, "down": b.mlp.down}
-            layer = {t: Frozen(p, dense_cache) for t, p in projs.items()}
+            layer = {t: Frozen(p) for t, p in projs.items()}
             layer.update(attn_norm=_const(b.attn_norm), ffn_norm=_const(b.ffn_norm),
                          q_norm=_const(b.attn.q_norm), k_norm=_const(b.attn.k_norm))
             self._layers.append(layer)
-        self._embed = Frozen(model.embed, dense_cache)
+        self._embed = Frozen(model.embed)
         self._out_norm = _const(model.out_norm)
         self._head = Frozen(model.output, keep_dense=True)  # used in full every step by the fused CE
         self.targets = tuple(t for t in TARGETS if t in targets)  # canonical order

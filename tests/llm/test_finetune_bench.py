@@ -15,7 +15,7 @@ def test_bench_rows_on_the_tiny_fixture():
     args = p.parse_args(["--model", os.path.join(ROOT, "tests", "fixtures", "qwen3-mini-q8_0.gguf"),
                          "--seq", "16", "--steps", "1", "--threads", "0", "--no-torch", "--no-trainers"])
     rows = bench.run(args)
-    assert [r["case"] for r in rows] == ["step/in-process", "step/in-process dense-cache"]
+    assert [r["case"] for r in rows] == ["step/in-process"]
     assert all(r["ms"] > 0 and r["peak_rss_mb"] > 0 and r["supervised_tok_s"] > 0 for r in rows)
 
 

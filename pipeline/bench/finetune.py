@@ -178,13 +178,15 @@ def run(args):
                            threads=per_process)
         try:
             ms_pool, _ = _time_windows(_session(args, model, samples, 2, pool=pool), args.steps)
+            child_rss = pool.worker_peak_rss_mb  # each trainer's own VmHWM, sent with its answers
         finally:
             pool.close()
-        child_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0
         base = {"in_process_accum2": ms_in}
         if torch_ms:
             base["torch_f32_x2"] = 2 * torch_ms
         rows.append({"case": "window accum2/trainers 2", "ms": ms_pool, "baselines": base,
                      "supervised_tok_s": 2 * n_sup / ms_pool * 1e3, "peak_rss_mb": _rss_mb(),
-                     "child_peak_rss_mb": child_rss, "notes": f"{desc}; 2 processes x {per_process} threads"})
+                     "child_peak_rss_mb": max(child_rss) if None not in child_rss else None,
+                     "notes": f"{desc}; 2 processes x {per_process} threads; trainers' own peak RSS "
+                              f"{' / '.join('?' if r is None else f'{r:.0f}' for r in child_rss)} MB (parent's is peak_rss_mb)"})
     return rows

@@ -406,6 +406,20 @@ def check_resume_config(stored, trainer, source):
 
 
 # --- trainer processes -----------------------------------------------------------
+def peak_rss_mb():
+    """This process's own peak resident set (VmHWM) in MB; None where /proc is absent.
+    A parent cannot read a live child's peak (RUSAGE_CHILDREN counts only reaped
+    children), so trainer processes report theirs with every answer."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return None
+
+
 def _worker_main(conn, model_path, trainer_kwargs, threads):
     """A trainer process: maps the GGUF read-only, answers micro-batch tasks with gradients."""
     from pipeline.threads import pin_threads
@@ -428,7 +442,7 @@ def _worker_main(conn, model_path, trainer_kwargs, threads):
                 loss = trainer.loss(inputs, labels, reduction="sum", loss_scale=scale)
                 loss.backward()
             results.append((k, loss.item(), {n: p.grad for n, p in params.items()}))
-        conn.send(results)
+        conn.send((results, peak_rss_mb()))
 
 
 class ProcessPool:
@@ -472,10 +486,12 @@ class TrainerPool(ProcessPool):
     Micro-batch k of a window goes to process k % N; the parent adds the
     returned gradients into the adapters' .grad in k order, exactly as
     in-process backward passes would, so the bits match the in-process run.
+    `worker_peak_rss_mb[j]` is process j's own VmHWM as of its last answer.
     """
 
     def __init__(self, n, model_path, trainer_kwargs, threads=1):
         super().__init__(n, _worker_main, (str(model_path), trainer_kwargs, threads), f"a trainer process on {model_path}")
+        self.worker_peak_rss_mb = [None] * n
 
     def run(self, trainer, tasks):
         weights = {n: p.data for n, p in trainer.named_parameters()}
@@ -489,6 +505,7 @@ class TrainerPool(ProcessPool):
             except (EOFError, OSError):
                 self.procs[j].join(timeout=5)
                 raise UserError(f"trainer process {j} died (exit code {self.procs[j].exitcode}); its error is printed above") from None
+            answer, self.worker_peak_rss_mb[j] = answer
             for k, loss, grads in answer:
                 results[k] = (loss, grads)
         params = trainer.named_parameters()

@@ -30,3 +30,16 @@ def test_bench_torch_baseline_and_cpu_times_on_the_tiny_fixture():
     for r in rows:
         assert r["baselines"]["torch_f32"] > 0 and r["baseline_cpu_ms"]["torch_f32"] > 0 and r["cpu_ms"] > 0
         assert "CPU" in r["notes"]
+
+
+def test_trainers_row_reports_each_trainer_processes_own_peak_rss():
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["--model", os.path.join(ROOT, "tests", "fixtures", "qwen3-mini-q8_0.gguf"),
+                         "--seq", "16", "--steps", "1", "--threads", "2", "--no-torch"])
+    rows = bench.run(args)
+    pool_row = rows[-1]
+    assert pool_row["case"] == "window accum2/trainers 2"
+    # a live child's peak is not in RUSAGE_CHILDREN: the workers send their own VmHWM
+    assert pool_row["child_peak_rss_mb"] is not None and pool_row["child_peak_rss_mb"] > 10
+    assert "trainers' own peak RSS" in pool_row["notes"]

@@ -10,6 +10,7 @@ the output bits do not depend on how many threads run.
 """
 import contextlib
 import math
+import threading
 
 import numba
 import numpy as np
@@ -45,12 +46,36 @@ def threads_for(size):
         numba.set_num_threads(prev)
 
 
+# Between SPLIT_MIN and PARALLEL_MIN elements the serial row functions run on our
+# own threads (the GEMM tile pool: blocked workers, no spinning), cut at chunk
+# boundaries of the same fixed grid. Every row/element is computed by the same
+# serial code whatever the cut, so the bits equal the one-thread run. A hand-off
+# costs ~30-40 us, so the smallest inputs stay on the calling thread.
+SPLIT_MIN = 1 << 16
+
+
+def _split_chunks(n_chunks, size, span):
+    """span(c0, c1) over chunks [0, n_chunks): contiguous pieces, one per thread, when
+    the input (size elements) is worth the hand-off; the caller runs the first piece."""
+    workers = min(numba.get_num_threads(), n_chunks) if size >= SPLIT_MIN else 1
+    if threading.current_thread().name.startswith(_TILE_THREADS):
+        workers = 1  # already on a pool thread (e.g. inside a GEMM tile): waiting on the pool could deadlock
+    if workers <= 1:
+        span(0, n_chunks)
+        return
+    step = -(-n_chunks // workers)
+    futures = [_tile_pool().submit(span, c0, min(n_chunks, c0 + step)) for c0 in range(step, n_chunks, step)]
+    span(0, step)
+    for f in futures:
+        f.result()
+
+
 # --- RMSNorm -------------------------------------------------------------------
 # No fastmath here: "reassoc" let LLVM pick a reduction order that differed
 # between a fresh compile and the cached code (see kernels/fastexp.py).
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _rms_norm_fwd_rows(x, w, eps, out, rstd, i0, i1):
     d = x.shape[1]
     for i in range(i0, i1):
@@ -75,7 +100,7 @@ def _rms_norm_fwd(x, w, eps, out, rstd):
         _rms_norm_fwd_rows(x, w, eps, out, rstd, c * ROW_CHUNK, min(n, (c + 1) * ROW_CHUNK))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _rms_norm_bwd_rows(g, x, w, rstd, gx, gw_row, i0, i1):
     d = x.shape[1]
     for j in range(d):
@@ -102,6 +127,14 @@ def _rms_norm_bwd(g, x, w, rstd, gx, gw_partial):
         _rms_norm_bwd_rows(g, x, w, rstd, gx, gw_partial[c], c * ROW_CHUNK, min(n, (c + 1) * ROW_CHUNK))
 
 
+@njit(cache=True, nogil=True)
+def _rms_norm_bwd_span(g, x, w, rstd, gx, gw_partial, c0, c1):
+    """_rms_norm_bwd's chunks c0..c1-1, serially (for our threads)."""
+    n = x.shape[0]
+    for c in range(c0, c1):
+        _rms_norm_bwd_rows(g, x, w, rstd, gx, gw_partial[c], c * ROW_CHUNK, min(n, (c + 1) * ROW_CHUNK))
+
+
 def _check_rows(op, x):
     if not isinstance(x, np.ndarray) or x.ndim != 2 or x.dtype not in (np.float32, np.float64):
         raise ValueError(f"{op}: expected a 2-D float32/float64 array, got {getattr(x, 'dtype', type(x))} {getattr(x, 'shape', '')}")
@@ -114,8 +147,12 @@ def rms_norm_forward(x, w, eps):
     w = np.ones(x.shape[1], x.dtype) if w is None else np.ascontiguousarray(w, dtype=x.dtype)
     out = np.empty_like(x)
     rstd = np.empty(x.shape[0], np.float64)
-    with threads_for(x.size):
-        _rms_norm_fwd(x, w, float(eps), out, rstd)
+    n, eps = x.shape[0], float(eps)
+    if x.size >= PARALLEL_MIN:
+        _rms_norm_fwd(x, w, eps, out, rstd)
+    else:
+        _split_chunks(-(-n // ROW_CHUNK), x.size, lambda c0, c1: _rms_norm_fwd_rows(
+            x, w, eps, out, rstd, c0 * ROW_CHUNK, min(n, c1 * ROW_CHUNK)))
     return out, rstd
 
 
@@ -127,8 +164,10 @@ def rms_norm_backward(g, x, w, rstd, need_weight_grad=True):
     gx = np.empty_like(x)
     nchunks = (x.shape[0] + ROW_CHUNK - 1) // ROW_CHUNK
     partial = np.empty((nchunks, x.shape[1]), np.float64)
-    with threads_for(x.size):
+    if x.size >= PARALLEL_MIN:
         _rms_norm_bwd(g, x, w, rstd, gx, partial)
+    else:
+        _split_chunks(nchunks, x.size, lambda c0, c1: _rms_norm_bwd_span(g, x, w, rstd, gx, partial, c0, c1))
     gw = None
     if need_weight_grad:
         gw = np.zeros(x.shape[1], np.float64)
@@ -232,32 +271,32 @@ def _sigmoid1(x):
 # numba's ZeroDivisionError branch, which kept the loops scalar.
 # The row functions take slices and loop from 0: with range(i0, i1) numba's
 # negative-index wraparound stays in the loop and blocks vectorization.
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def _sigmoid_range(x, out):
     for i in range(x.shape[0]):
         out[i] = _sigmoid1(x[i])
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def _silu_range(x, out):
     for i in range(x.shape[0]):
         out[i] = x[i] * _sigmoid1(x[i])
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def _silu_bwd_range(g, x, gx):
     for i in range(x.shape[0]):
         s = _sigmoid1(x[i])
         gx[i] = g[i] * s * (ONE + x[i] * (ONE - s))
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def _swiglu_range(a, b, out):
     for i in range(a.shape[0]):
         out[i] = a[i] * _sigmoid1(a[i]) * b[i]
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def _swiglu_bwd_range(g, a, b, ga, gb):
     for i in range(a.shape[0]):
         s = _sigmoid1(a[i])
@@ -320,42 +359,47 @@ def _flat_f32(op, *arrays):
     return [np.ascontiguousarray(a).reshape(-1) for a in arrays]
 
 
-def _map(op, kernel, n_out, *arrays):
+def _map(op, kernel, range_kernel, n_out, *arrays):
+    """kernel (parallel, whole arrays) or range_kernel (serial, slices) over flat float32 arrays."""
     flat = _flat_f32(op, *arrays)
     outs = [np.empty_like(flat[0]) for _ in range(n_out)]
-    with threads_for(flat[0].size):
+    n = flat[0].size
+    if n >= PARALLEL_MIN:
         kernel(*flat, *outs)
+    else:
+        _split_chunks(-(-n // ELEM_CHUNK), n, lambda c0, c1: range_kernel(
+            *[a[c0 * ELEM_CHUNK:c1 * ELEM_CHUNK] for a in flat + outs]))
     shape = arrays[0].shape
     return tuple(o.reshape(shape) for o in outs) if n_out > 1 else outs[0].reshape(shape)
 
 
 def sigmoid(x):
     """float32 sigmoid of any-shape x."""
-    return _map("sigmoid", _sigmoid, 1, x)
+    return _map("sigmoid", _sigmoid, _sigmoid_range, 1, x)
 
 
 def silu(x):
     """float32 x * sigmoid(x)."""
-    return _map("silu", _silu, 1, x)
+    return _map("silu", _silu, _silu_range, 1, x)
 
 
 def silu_backward(g, x):
     """Gradient of silu at x for upstream g (float32, same shape)."""
-    return _map("silu backward", _silu_bwd, 1, g, x)
+    return _map("silu backward", _silu_bwd, _silu_bwd_range, 1, g, x)
 
 
 def swiglu(a, b):
     """silu(a) * b (float32, same shape): the SwiGLU gate in one pass."""
-    return _map("swiglu", _swiglu, 1, a, b)
+    return _map("swiglu", _swiglu, _swiglu_range, 1, a, b)
 
 
 def swiglu_backward(g, a, b):
     """-> (ga, gb) of swiglu(a, b) for upstream g."""
-    return _map("swiglu backward", _swiglu_bwd, 2, g, a, b)
+    return _map("swiglu backward", _swiglu_bwd, _swiglu_bwd_range, 2, g, a, b)
 
 
 # --- rotary embedding (NeoX half rotation) -------------------------------------------
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _rope_rows(x, cos, sin, out):
     """x, out [R, H, D]; cos, sin [R, D/2]: out[:h] = x1 cos - x2 sin, out[h:] = x2 cos + x1 sin."""
     h = cos.shape[1]
@@ -388,8 +432,13 @@ def rope_rotate(x, cos, sin):
                          f"{getattr(x, 'dtype', None)}{getattr(x, 'shape', None)}, cos {cos.dtype}{cos.shape}, sin {sin.dtype}{sin.shape}")
     x = np.ascontiguousarray(x)
     out = np.empty_like(x)
-    with threads_for(x.size):
-        _rope(x, np.ascontiguousarray(cos), np.ascontiguousarray(sin), out)
+    cos, sin = np.ascontiguousarray(cos), np.ascontiguousarray(sin)
+    if x.size >= PARALLEL_MIN:
+        _rope(x, cos, sin, out)
+    else:
+        _split_chunks(-(-x.shape[0] // ROW_CHUNK), x.size, lambda c0, c1: _rope_rows(
+            x[c0 * ROW_CHUNK:c1 * ROW_CHUNK], cos[c0 * ROW_CHUNK:c1 * ROW_CHUNK],
+            sin[c0 * ROW_CHUNK:c1 * ROW_CHUNK], out[c0 * ROW_CHUNK:c1 * ROW_CHUNK]))
     return out
 
 
@@ -406,6 +455,7 @@ TILED_MIN_FLOPS = 1 << 27  # below ~0.1 GFLOP one call on the calling thread is 
 N_TILES = 16               # tiles per product: enough to balance 2-4 threads
 _BLAS = None               # threadpoolctl controller (the library lookup is slow: once)
 _TILE_POOL = None          # (pid, executor): a pool inherited through fork has no threads
+_TILE_THREADS = "gemm-tiles"  # thread-name prefix of that pool
 
 
 def single_thread_blas():
@@ -423,7 +473,7 @@ def _tile_pool():
     if _TILE_POOL is None or _TILE_POOL[0] != os.getpid():
         from concurrent.futures import ThreadPoolExecutor
         _TILE_POOL = (os.getpid(), ThreadPoolExecutor(max_workers=max(1, numba.config.NUMBA_NUM_THREADS - 1),
-                                                      thread_name_prefix="gemm-tiles"))
+                                                      thread_name_prefix=_TILE_THREADS))
     return _TILE_POOL[1]
 
 

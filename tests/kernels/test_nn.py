@@ -276,3 +276,30 @@ np.savez(sys.argv[1], ga=a.grad, gb=b.grad, gh=h.grad, gx=x.grad)
         outs.append(np.load(out))
     for k in outs[0]:
         assert np.array_equal(outs[0][k], outs[1][k]), k
+
+
+@two_threads
+def test_row_kernels_split_on_our_threads_equal_the_parallel_grid_bitwise(monkeypatch):
+    """Below PARALLEL_MIN the serial row functions run cut at chunk boundaries on the
+    tile pool: 1 vs 2 threads and the numba parallel grid give the same bits."""
+    g = np.random.default_rng(3)
+    x = g.standard_normal((200, 96)).astype(np.float32)          # 7 row chunks, ragged tail
+    gy = g.standard_normal((200, 96)).astype(np.float32)
+    w = g.standard_normal(96).astype(np.float32)
+    a = g.standard_normal(3 * nn.ELEM_CHUNK + 123).astype(np.float32)
+    b = g.standard_normal(a.size).astype(np.float32)
+    r = g.standard_normal((100, 4, 16)).astype(np.float32)
+    ang = g.standard_normal((100, 8))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+    def run():
+        y, rstd = nn.rms_norm_forward(x, w, 1e-6)
+        return [y, rstd, *nn.rms_norm_backward(gy, x, w, rstd), nn.swiglu(a, b), *nn.swiglu_backward(b, a, b),
+                nn.silu(a), nn.silu_backward(b, a), nn.sigmoid(a), nn.rope_rotate(r, cos, sin)]
+
+    parallel = with_threads(2, run)                     # PARALLEL_MIN = 0 (fixture): numba's grid
+    monkeypatch.setattr(nn, "PARALLEL_MIN", 1 << 40)
+    monkeypatch.setattr(nn, "SPLIT_MIN", 0)
+    for got in (with_threads(1, run), with_threads(2, run)):
+        for p, q in zip(parallel, got):
+            assert p.dtype == q.dtype and np.array_equal(p, q)

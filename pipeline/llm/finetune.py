@@ -128,6 +128,23 @@ def swiglu(gate, up):
     return Tensor.make(swiglu_f32(a, b), (gate, up), backward, "swiglu")
 
 
+def keep_freed_memory():
+    """Let glibc reuse the step's freed activations instead of returning them to the OS.
+
+    A step allocates and frees ~170 MB of [T, dim] arrays; with glibc's defaults
+    most come from fresh mmap pages, so every step paid ~44 000 page faults
+    (60-160 ms of system time on 2 cores). Arrays up to 32 MB now come from the
+    heap and the heap is never trimmed: the resident set stays at the step's
+    high-water mark, which it reaches anyway. No-op off glibc."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: the largest value glibc accepts on 64-bit
+        libc.mallopt(-1, 1 << 30)   # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def _const(v):
     """A norm vector as a plain f32 array: a constant in the graph whatever the model holds."""
     return np.asarray(v.data if isinstance(v, Tensor) else v, dtype=np.float32)
@@ -331,6 +348,7 @@ class Session:
             raise UserError(f"accum_steps must be >= 1, got {accum_steps}")
         self.trainer, self.optimizer, self.samples, self.loader = trainer, optimizer, samples, loader
         self.accum_steps, self.clip, self.base_lr, self.warmup, self.pool = int(accum_steps), clip, float(lr), int(warmup), pool
+        keep_freed_memory()
 
     @property
     def macro_step(self):
@@ -424,6 +442,7 @@ def _worker_main(conn, model_path, trainer_kwargs, threads):
     """A trainer process: maps the GGUF read-only, answers micro-batch tasks with gradients."""
     from pipeline.threads import pin_threads
     pin_threads(threads)
+    keep_freed_memory()
     trainer = Trainer.from_gguf(model_path, **trainer_kwargs)
     params = dict(trainer.named_parameters())
     conn.send("ready")

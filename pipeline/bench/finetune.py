@@ -4,7 +4,9 @@ Rank-8 LoRA on q+v (the defaults) at sequence length 128, AdamW, clip 1.0, on
 one synthetic sample (random tokens, the first quarter masked as prompt):
 in-process with the base kept in its file format, and an accumulation window
 of 2 run in-process vs on `--trainers 2` processes. The torch baseline runs the same LoRA on the
-dequantized f32 weights with the same thread count, in the same run.
+dequantized f32 weights with the same thread count, in the same run; its steps
+alternate with ours (one of each, repeated), so a machine whose speed drifts
+over minutes slows both sides alike.
 
 Trade-off: one synthetic sample keeps the bench independent of a tokenizer and
 a dataset; the per-step work (forward, backward, optimizer) is what a real run
@@ -71,8 +73,23 @@ def _time_windows(session, steps):
     return _timed(session.window, steps)
 
 
-def _torch_step_ms(model, sample, args):
-    """(wall ms, CPU ms) of the same LoRA step in torch on the dequantized f32 weights
+def _timed_alternating(fns, steps):
+    """[(median wall ms, median CPU ms)] per fn, the fns called in turn `steps` times
+    after one warm-up call each: drift in the machine's speed hits all of them alike."""
+    for fn in fns:
+        fn()
+    wall, cpu = [[] for _ in fns], [[] for _ in fns]
+    for _ in range(steps):
+        for j, fn in enumerate(fns):
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            wall[j].append((time.perf_counter() - t0) * 1e3)
+            cpu[j].append((time.process_time() - c0) * 1e3)
+    return [(float(np.median(w)), float(np.median(c))) for w, c in zip(wall, cpu)]
+
+
+def _torch_step(model, sample, args):
+    """A callable running the same LoRA step in torch on the dequantized f32 weights
     (None when torch is absent)."""
     try:
         import torch
@@ -143,7 +160,7 @@ def _torch_step_ms(model, sample, args):
         opt.step()
         opt.zero_grad()
 
-    return _timed(step, args.steps)
+    return step
 
 
 def run(args):
@@ -156,7 +173,13 @@ def run(args):
     sample = _sample(model.config.vocab_size, args.seq)
     n_sup = sample.n_valid
     rows = []
-    torch_ms, torch_cpu = (None, None) if args.no_torch else (_torch_step_ms(model, sample, args) or (None, None))
+    torch_step = None if args.no_torch else _torch_step(model, sample, args)
+    ours = _session(args, model, [sample], 1).window
+    if torch_step is None:
+        (ms, cpu), (torch_ms, torch_cpu) = _timed(ours, args.steps), (None, None)
+    else:
+        (ms, cpu), (torch_ms, torch_cpu) = _timed_alternating([ours, torch_step], args.steps)
+        del torch_step  # its f32 weights are not needed past here
     baselines = {"torch_f32": torch_ms} if torch_ms else {}
     desc = f"rank {args.rank} {args.targets} seq {args.seq}"
 
@@ -166,7 +189,6 @@ def run(args):
             note += f" vs torch {torch_cpu:.0f} ms (x{torch_cpu / cpu:.2f})"
         return note
 
-    ms, cpu = _time_windows(_session(args, model, [sample], 1), args.steps)
     rows.append({"case": "step/in-process", "ms": ms, "cpu_ms": cpu, "baselines": baselines,
                  "baseline_cpu_ms": {"torch_f32": torch_cpu}, "supervised_tok_s": n_sup / ms * 1e3,
                  "peak_rss_mb": _rss_mb(), "notes": f"{desc}; base stays in its file format; {cpu_note(cpu, torch_cpu)}"})

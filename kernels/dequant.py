@@ -13,7 +13,7 @@ Dequantization is element-exact against gguf-py's `gguf.quants.dequantize`
 (same f32 operation order: (d*scale)*q - dmin*min). The matvec accumulates
 in 32 fixed lanes, so it matches the dequant+dot path to float rounding, not
 bitwise. Kernels are serial, GIL-free row-range functions run on a pool of
-Python threads (`_over_rows`, `run_dynamic`); each row is reduced by the same
+Python threads (kernels/workpool.py); each row is reduced by the same
 serial code whatever thread takes it, so results are bitwise independent of
 the thread count, and nothing pays numba's parallel compile. F16 block scales
 are read through a 65536-entry exact lookup table.
@@ -24,6 +24,7 @@ import numpy as np
 from numba import njit
 
 from .qblocks import store_bf16, store_f16, store_q4_0, store_q4_k, store_q5_k, store_q6_k, store_q8_0
+from .workpool import run_dynamic, split_range
 
 # qtype ids (gguf GGMLQuantizationType) handled here
 F32, F16, Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 8, 12, 13, 14, 30
@@ -124,38 +125,9 @@ def matvec_half(raw: np.ndarray, x: np.ndarray, bf16: bool = False) -> np.ndarra
     return matvec_many([(BF16 if bf16 else F16, raw)], x)[0]
 
 
-_POOL = None  # (pid, ThreadPoolExecutor): a pool inherited through fork has no threads, so it is per process
-
-
-def pool():
-    """This process's worker threads (numba.config.NUMBA_NUM_THREADS of them, created on first use)."""
-    global _POOL
-    import os
-    if _POOL is None or _POOL[0] != os.getpid():
-        import numba
-        from concurrent.futures import ThreadPoolExecutor
-        _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=numba.config.NUMBA_NUM_THREADS,
-                                                 thread_name_prefix="dequant"))
-    return _POOL[1]
-
-
 def _over_rows(n_rows, kernel):
-    """Run kernel(r0, r1) over [0, n_rows) on numba.get_num_threads() threads.
-
-    The kernels release the GIL; each row is computed by the same serial code
-    whatever the split, so the result is bitwise independent of the thread count.
-    Python threads block instead of spinning, which matters on a shared machine.
-    """
-    import numba
-    n = max(1, min(numba.get_num_threads(), (n_rows + ROW_CHUNK - 1) // ROW_CHUNK))
-    if n == 1:
-        kernel(0, n_rows)
-        return
-    step = (n_rows + n - 1) // n
-    futures = [pool().submit(kernel, r0, min(n_rows, r0 + step)) for r0 in range(step, n_rows, step)]
-    kernel(0, min(n_rows, step))  # the calling thread takes the first share
-    for f in futures:
-        f.result()
+    """kernel(r0, r1) over [0, n_rows) in contiguous pieces of whole ROW_CHUNKs on the worker threads."""
+    split_range(n_rows, -(-n_rows // ROW_CHUNK), kernel)
 
 
 def _check(qtype, raw, n_cols):
@@ -218,39 +190,3 @@ def matvec_many(weights, x: np.ndarray) -> list:
         pieces += [(qtype, raw, out, r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
     run_dynamic(len(pieces), lambda i: matvec_range(pieces[i][0], pieces[i][1], x, *pieces[i][2:]))
     return outs
-
-
-def run_dynamic(n_tasks: int, task):
-    """task(i) for i in range(n_tasks) on numba.get_num_threads() threads, each taking the
-    next undone index (for GIL-releasing tasks whose result does not depend on who runs them)."""
-    import itertools
-    import numba
-    workers = max(1, min(numba.get_num_threads(), n_tasks))
-    if workers == 1:
-        for i in range(n_tasks):
-            task(i)
-        return
-    counter = itertools.count()  # next() is atomic under the GIL
-
-    def worker():
-        for i in iter(counter.__next__, None):
-            if i >= n_tasks:
-                return
-            task(i)
-
-    futures = [pool().submit(worker) for _ in range(workers - 1)]
-    worker()  # the calling thread works too
-    for f in futures:
-        f.result()
-
-
-def split_range(n: int, parts: int, fn):
-    """fn(i0, i1) over [0, n) cut into `parts` contiguous pieces, run on the worker threads
-    (the caller takes the first). For GIL-releasing work whose result per index does not
-    depend on the cut."""
-    parts = max(1, min(parts, n))
-    step = -(-n // parts)
-    futures = [pool().submit(fn, i0, min(n, i0 + step)) for i0 in range(step, n, step)]
-    fn(0, min(n, step))
-    for f in futures:
-        f.result()

@@ -10,7 +10,6 @@ the output bits do not depend on how many threads run.
 """
 import contextlib
 import math
-import threading
 
 import numba
 import numpy as np
@@ -18,6 +17,7 @@ from numba import njit, prange
 
 from kernels.fastexp import ONE, ZERO, expf
 from kernels.rng import _u64, uniform_at
+from kernels.workpool import run_tiles, single_thread_blas, split_range
 
 ROW_CHUNK = 32      # rows per parallel task (RMSNorm)
 COL_CHUNK = 64      # columns per parallel task (embedding scatter-add)
@@ -57,17 +57,7 @@ SPLIT_MIN = 1 << 16
 def _split_chunks(n_chunks, size, span):
     """span(c0, c1) over chunks [0, n_chunks): contiguous pieces, one per thread, when
     the input (size elements) is worth the hand-off; the caller runs the first piece."""
-    workers = min(numba.get_num_threads(), n_chunks) if size >= SPLIT_MIN else 1
-    if threading.current_thread().name.startswith(_TILE_THREADS):
-        workers = 1  # already on a pool thread (e.g. inside a GEMM tile): waiting on the pool could deadlock
-    if workers <= 1:
-        span(0, n_chunks)
-        return
-    step = -(-n_chunks // workers)
-    futures = [_tile_pool().submit(span, c0, min(n_chunks, c0 + step)) for c0 in range(step, n_chunks, step)]
-    span(0, step)
-    for f in futures:
-        f.result()
+    split_range(n_chunks, n_chunks if size >= SPLIT_MIN else 1, span)
 
 
 # --- RMSNorm -------------------------------------------------------------------
@@ -453,51 +443,6 @@ def rope_rotate(x, cos, sin):
 # thread count (the same scheme as kernels/qgemm.py for quantized weights).
 TILED_MIN_FLOPS = 1 << 27  # below ~0.1 GFLOP one call on the calling thread is cheaper
 N_TILES = 16               # tiles per product: enough to balance 2-4 threads
-_BLAS = None               # threadpoolctl controller (the library lookup is slow: once)
-_TILE_POOL = None          # (pid, executor): a pool inherited through fork has no threads
-_TILE_THREADS = "gemm-tiles"  # thread-name prefix of that pool
-
-
-def single_thread_blas():
-    """Context manager: BLAS limited to one thread inside (restored on exit)."""
-    global _BLAS
-    if _BLAS is None:
-        from threadpoolctl import ThreadpoolController
-        _BLAS = ThreadpoolController().select(user_api="blas")
-    return _BLAS.limit(limits=1)
-
-
-def _tile_pool():
-    global _TILE_POOL
-    import os
-    if _TILE_POOL is None or _TILE_POOL[0] != os.getpid():
-        from concurrent.futures import ThreadPoolExecutor
-        _TILE_POOL = (os.getpid(), ThreadPoolExecutor(max_workers=max(1, numba.config.NUMBA_NUM_THREADS - 1),
-                                                      thread_name_prefix=_TILE_THREADS))
-    return _TILE_POOL[1]
-
-
-def run_tiles(n_tiles, tile):
-    """tile(i) for i in range(n_tiles) on numba.get_num_threads() threads (the caller is one)."""
-    import itertools
-    workers = max(1, min(numba.get_num_threads(), n_tiles))
-    with single_thread_blas():
-        if workers == 1:
-            for i in range(n_tiles):
-                tile(i)
-            return
-        counter = itertools.count()  # next() is atomic under the GIL
-
-        def worker():
-            for i in iter(counter.__next__, None):
-                if i >= n_tiles:
-                    return
-                tile(i)
-
-        futures = [_tile_pool().submit(worker) for _ in range(workers - 1)]
-        worker()
-        for f in futures:
-            f.result()
 
 
 def _tile_width(n, unit=256):

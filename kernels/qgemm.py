@@ -4,7 +4,7 @@ Trade-off: the weight W [n_out, n_in] is never materialised in f32 as a whole.
 It is cut into tiles on a grid fixed by W's shape alone; each tile is
 dequantized into a small per-thread f32 buffer (~TILE_BYTES, stays in L2) and
 multiplied by single-threaded BLAS straight into its own slice of the output.
-Tiles run on our own threads (dequant.pool()), so both cores do useful work
+Tiles run on our own threads (kernels/workpool.py), so both cores do useful work
 (dequantizing and multiplying) instead of OpenBLAS's workers spinning against
 ours. No output element sums over more than one tile:
   * x @ W.T tiles W's rows, so a tile owns whole output columns (for few rows
@@ -23,12 +23,12 @@ import threading
 import numpy as np
 
 from . import dequant
+from .workpool import run_tiles
 
 F32 = dequant.F32
 TILE_BYTES = 1 << 21  # f32 tile size: ~L2; smaller tiles made BLAS calls too thin (64 rows: 58 vs ~85 GFLOP/s)
 TRANSPOSE_BELOW_ROWS = 128
 _LOCAL = threading.local()
-_BLAS = None  # threadpoolctl controller for the loaded BLAS libraries (found once: the lookup is slow)
 
 
 def _unit(qtype: int) -> int:
@@ -61,21 +61,6 @@ def _buffer(n: int) -> np.ndarray:
     if buf is None or buf.size < n:
         buf = _LOCAL.buf = np.empty(n, np.float32)
     return buf[:n]
-
-
-def _single_thread_blas():
-    global _BLAS
-    if _BLAS is None:
-        from threadpoolctl import ThreadpoolController
-        _BLAS = ThreadpoolController().select(user_api="blas")
-    return _BLAS.limit(limits=1)
-
-
-def _run_tiles(n_tiles: int, tile):
-    """Call tile(i) for i in range(n_tiles) on the worker threads, BLAS single-threaded (dynamic
-    assignment: which thread takes a tile never changes what the tile computes)."""
-    with _single_thread_blas():
-        dequant.run_dynamic(n_tiles, tile)
 
 
 def row_tile(shape) -> int:
@@ -135,7 +120,7 @@ def matmul_t_many(weights, x: np.ndarray) -> list:
         else:
             np.matmul(x, w.T, out=out[:, r0:r1])
 
-    _run_tiles(len(tiles), tile)
+    run_tiles(len(tiles), tile)
     return outs
 
 
@@ -158,5 +143,5 @@ def matmul(qtype: int, raw, g: np.ndarray, shape) -> np.ndarray:
         kernel(raw, w, dequant.HALF_TO_FLOAT, c0 // unit, (c1 + unit - 1) // unit)
         np.matmul(g, w, out=out[:, c0:c1])
 
-    _run_tiles((n_in + cols - 1) // cols, tile)
+    run_tiles((n_in + cols - 1) // cols, tile)
     return out

@@ -644,7 +644,7 @@ def attention(q, k, v, causal=True, offset=None, scale=None):
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
 
     from kernels.attention import softmax_backward_rows_serial, softmax_rows_serial
-    from kernels.nn import run_tiles
+    from kernels.workpool import run_tiles
 
     # Fold the query heads that share a kv head into the GEMM rows: one GEMM per
     # (batch, kv head) pair. Causal: split the queries into blocks of _ATTN_QBLOCK

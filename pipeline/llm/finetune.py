@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.nn import matmul_nn, matmul_nt, single_thread_blas
+from kernels.nn import matmul_nn, matmul_nt
+from kernels.workpool import single_thread_blas
 from kernels.rng import derive_seed
 from pipeline.autograd import ops
 from pipeline.autograd.losses import linear_cross_entropy

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.nn import single_thread_blas
+from kernels.workpool import single_thread_blas
 from kernels.rng import kaiming_uniform, uniform
 from pipeline.autograd.module import Module
 from pipeline.autograd.tensor import Tensor, parameter

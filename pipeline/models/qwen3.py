@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from numba import njit
 
-from kernels import dequant, rng
+from kernels import rng, workpool
 from ..autograd import Module, Tensor, no_grad, ops, parameter
 from ..errors import UserError
 from ..llm.quants import FrozenWeight, matmul_t_many, weight_rows
@@ -431,7 +431,7 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int) -> np.ndarra
             out[h0:h1, :, c0:c1] = (p @ vt[h0:h1, :seen]).reshape(n, g, c1 - c0, d)
 
     parts = _worker_threads() if t * s * n_h >= ATTEND_SPLIT_WORK else 1
-    dequant.split_range(n_kv, min(parts, n_kv), heads)
+    workpool.split_range(n_kv, min(parts, n_kv), heads)
     return out.transpose(2, 0, 1, 3).reshape(t, n_h * d)
 
 
@@ -448,7 +448,7 @@ def _silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
         gr *= u[r0:r1]
 
     parts = _worker_threads() if g.size >= ATTEND_SPLIT_WORK else 1
-    dequant.split_range(len(g), parts, rows)
+    workpool.split_range(len(g), parts, rows)
     return g
 
 

@@ -27,6 +27,20 @@ def median_ms(fn, repeat=5, warmup=1):
     return statistics.median(times)
 
 
+def timed(fn, repeat=5, warmup=1):
+    """(median wall ms, median process-CPU ms) of fn() over `repeat` runs after `warmup`.
+    CPU time (all threads of this process) is the figure to trust on a shared machine."""
+    for _ in range(warmup):
+        fn()
+    walls, cpus = [], []
+    for _ in range(repeat):
+        w, c = time.perf_counter(), time.process_time()
+        fn()
+        walls.append((time.perf_counter() - w) * 1e3)
+        cpus.append((time.process_time() - c) * 1e3)
+    return statistics.median(walls), statistics.median(cpus)
+
+
 def _cpu_name():
     try:
         with open("/proc/cpuinfo") as f:

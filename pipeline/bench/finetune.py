@@ -14,10 +14,12 @@ does per micro-batch.
 """
 from __future__ import annotations
 
-import resource
 import time
 
 import numpy as np
+
+from . import timed
+from ..runtime.metrics import peak_rss_mb
 
 NAME = "finetune"
 HELP = "LoRA fine-tune step time (rank-8 q+v, seq 128) in-process and --trainers 2, vs torch"
@@ -42,10 +44,6 @@ def _sample(vocab, seq, seed=0):
     return Sample(ids[:-1].copy(), labels, seq // 4 + 1)
 
 
-def _rss_mb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
 def _session(args, model, samples, accum, pool=None):
     from pipeline.llm.data import Loader
     from pipeline.llm.finetune import Session, Trainer
@@ -56,21 +54,8 @@ def _session(args, model, samples, accum, pool=None):
     return Session(trainer, opt, samples, Loader(len(samples)), accum_steps=accum, pool=pool)
 
 
-def _timed(fn, steps):
-    """(median wall ms, median process-CPU ms) of fn() after one warm-up call. CPU time
-    (all threads of this process) is the figure to trust on a machine shared with other jobs."""
-    fn()  # warm-up: numba compiles, BLAS spins up
-    wall, cpu = [], []
-    for _ in range(steps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        fn()
-        wall.append((time.perf_counter() - t0) * 1e3)
-        cpu.append((time.process_time() - c0) * 1e3)
-    return float(np.median(wall)), float(np.median(cpu))
-
-
 def _time_windows(session, steps):
-    return _timed(session.window, steps)
+    return timed(session.window, steps)
 
 
 def _timed_alternating(fns, steps):
@@ -176,7 +161,7 @@ def run(args):
     torch_step = None if args.no_torch else _torch_step(model, sample, args)
     ours = _session(args, model, [sample], 1).window
     if torch_step is None:
-        (ms, cpu), (torch_ms, torch_cpu) = _timed(ours, args.steps), (None, None)
+        (ms, cpu), (torch_ms, torch_cpu) = timed(ours, args.steps), (None, None)
     else:
         (ms, cpu), (torch_ms, torch_cpu) = _timed_alternating([ours, torch_step], args.steps)
         del torch_step  # its f32 weights are not needed past here
@@ -191,7 +176,7 @@ def run(args):
 
     rows.append({"case": "step/in-process", "ms": ms, "cpu_ms": cpu, "baselines": baselines,
                  "baseline_cpu_ms": {"torch_f32": torch_cpu}, "supervised_tok_s": n_sup / ms * 1e3,
-                 "peak_rss_mb": _rss_mb(), "notes": f"{desc}; base stays in its file format; {cpu_note(cpu, torch_cpu)}"})
+                 "peak_rss_mb": peak_rss_mb(), "notes": f"{desc}; base stays in its file format; {cpu_note(cpu, torch_cpu)}"})
     if not args.no_trainers:
         samples = [sample, _sample(model.config.vocab_size, args.seq, seed=1)]
         ms_in, _ = _time_windows(_session(args, model, samples, 2), args.steps)
@@ -207,7 +192,7 @@ def run(args):
         if torch_ms:
             base["torch_f32_x2"] = 2 * torch_ms
         rows.append({"case": "window accum2/trainers 2", "ms": ms_pool, "baselines": base,
-                     "supervised_tok_s": 2 * n_sup / ms_pool * 1e3, "peak_rss_mb": _rss_mb(),
+                     "supervised_tok_s": 2 * n_sup / ms_pool * 1e3, "peak_rss_mb": peak_rss_mb(),
                      "child_peak_rss_mb": max(child_rss) if None not in child_rss else None,
                      "notes": f"{desc}; 2 processes x {per_process} threads; trainers' own peak RSS "
                               f"{' / '.join('?' if r is None else f'{r:.0f}' for r in child_rss)} MB (parent's is peak_rss_mb)"})

@@ -10,25 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
 
 import numpy as np
 
-
-def _timed(fn, repeat, warmup=1):
-    """(median wall ms, median process-CPU ms) of fn(); CPU time is robust to other load on the machine."""
-    for _ in range(warmup):
-        fn()
-    walls, cpus = [], []
-    for _ in range(repeat):
-        w, c = time.perf_counter(), time.process_time()
-        fn()
-        walls.append((time.perf_counter() - w) * 1e3)
-        cpus.append((time.process_time() - c) * 1e3)
-    return float(np.median(walls)), float(np.median(cpus))
+from . import timed
+from ..runtime.metrics import peak_rss_mb
 
 NAME = "llm"
 HELP = "Qwen3 GGUF prefill/decode tok/s and peak RSS, with llama.cpp ratios when installed"
@@ -50,25 +39,13 @@ def _prompt(n, vocab):
     return (np.arange(n, dtype=np.int64) * 7919 + 13) % min(vocab, 500)
 
 
-def _peak_rss_mb():
-    """This process's high-water RSS (VmHWM; ru_maxrss would include the parent's after fork+exec)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
 def _ours(path, threads, decode_tokens, repeat, blas_threads=1):
     import numba
     from threadpoolctl import threadpool_limits
     from ..models.qwen3 import Qwen3
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     with threadpool_limits(blas_threads, user_api="blas"):
-        rss0 = _peak_rss_mb()
+        rss0 = peak_rss_mb()
         t0 = time.perf_counter()
         model = Qwen3.from_gguf(path)
         load_ms = (time.perf_counter() - t0) * 1e3
@@ -76,7 +53,7 @@ def _ours(path, threads, decode_tokens, repeat, blas_threads=1):
         res = {"load_ms": load_ms, "weight_mb": model.weight_bytes / 2 ** 20}
         for n in (64, 256):
             ids = _prompt(n, vocab)
-            res[f"prefill{n}"], res[f"prefill{n}_cpu"] = _timed(lambda: model.infer(ids, model.new_cache(n)), repeat)
+            res[f"prefill{n}"], res[f"prefill{n}_cpu"] = timed(lambda: model.infer(ids, model.new_cache(n)), repeat)
         ids = _prompt(64, vocab)
 
         def decode():
@@ -91,7 +68,7 @@ def _ours(path, threads, decode_tokens, repeat, blas_threads=1):
         decode()  # warm-up (numba compilation)
         runs = [decode() for _ in range(repeat)]
         res["decode"], res["decode_cpu"] = (float(np.median([r[k] for r in runs])) for k in (0, 1))
-        res["peak_rss_mb"] = _peak_rss_mb()
+        res["peak_rss_mb"] = peak_rss_mb()
         res["rss_before_mb"] = rss0
     return res
 
@@ -119,7 +96,7 @@ def _llama_worker(path, threads, decode_tokens, repeat, quantized):
             llm.reset()  # rewinds the KV cache: the next eval starts at position 0
             llm.eval(ids)
 
-        res[f"prefill{n}"], res[f"prefill{n}_cpu"] = _timed(prefill, repeat)
+        res[f"prefill{n}"], res[f"prefill{n}_cpu"] = timed(prefill, repeat)
     ids = [int(i) for i in _prompt(64, vocab)]
 
     def decode():
@@ -133,7 +110,7 @@ def _llama_worker(path, threads, decode_tokens, repeat, quantized):
     decode()
     runs = [decode() for _ in range(repeat)]
     res["decode"], res["decode_cpu"] = (float(np.median([r[k] for r in runs])) for k in (0, 1))
-    res["peak_rss_mb"] = _peak_rss_mb()
+    res["peak_rss_mb"] = peak_rss_mb()
     print(json.dumps(res))
 
 

@@ -38,6 +38,7 @@ from pipeline.autograd.losses import linear_cross_entropy
 from pipeline.autograd.module import Module
 from pipeline.autograd.tensor import Tensor, no_grad
 from pipeline.errors import UserError
+from pipeline.runtime.metrics import peak_rss_mb
 
 from .data import IGNORE_INDEX
 from .lora import LoraAdapter
@@ -425,20 +426,6 @@ def check_resume_config(stored, trainer, source):
 
 
 # --- trainer processes -----------------------------------------------------------
-def peak_rss_mb():
-    """This process's own peak resident set (VmHWM) in MB; None where /proc is absent.
-    A parent cannot read a live child's peak (RUSAGE_CHILDREN counts only reaped
-    children), so trainer processes report theirs with every answer."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return None
-
-
 def _worker_main(conn, model_path, trainer_kwargs, threads):
     """A trainer process: maps the GGUF read-only, answers micro-batch tasks with gradients."""
     from pipeline.threads import pin_threads

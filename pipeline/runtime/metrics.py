@@ -11,6 +11,20 @@ import os
 import time
 
 
+def peak_rss_mb():
+    """This process's own peak resident set in MB: VmHWM where /proc exists (ru_maxrss would
+    include the parent's after fork+exec), else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
 class MetricsLog:
     def __init__(self, run_dir):
         self.path = os.path.join(run_dir, "metrics.jsonl")

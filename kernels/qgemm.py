@@ -27,7 +27,7 @@ from .workpool import run_tiles
 
 F32 = dequant.F32
 TILE_BYTES = 1 << 21  # f32 tile size: ~L2; smaller tiles made BLAS calls too thin (64 rows: 58 vs ~85 GFLOP/s)
-TRANSPOSE_BELOW_ROWS = 128
+TRANSPOSE_BELOW_ROWS = 256
 _LOCAL = threading.local()
 
 
@@ -55,11 +55,12 @@ def _check_raw(qtype: int, raw, shape):
     return raw
 
 
-def _buffer(n: int) -> np.ndarray:
-    """This thread's f32 scratch of at least n elements (grown, never shrunk)."""
-    buf = getattr(_LOCAL, "buf", None)
+def _buffer(n: int, name: str = "buf") -> np.ndarray:
+    """This thread's f32 scratch `name` of at least n elements (grown, never shrunk)."""
+    buf = getattr(_LOCAL, name, None)
     if buf is None or buf.size < n:
-        buf = _LOCAL.buf = np.empty(n, np.float32)
+        buf = np.empty(n, np.float32)
+        setattr(_LOCAL, name, buf)
     return buf[:n]
 
 
@@ -90,9 +91,11 @@ def matmul_t_many(weights, x: np.ndarray) -> list:
     all tiles in one dispatch so the threads stay busy to the end. Each output is the same
     as matmul_t's for that weight alone."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    # For few rows OpenBLAS runs W @ x.T faster than x @ W.T (84 vs 61 GFLOP/s at 64 rows; equal at
-    # 256, where transposing the result back would cost more than it saves).
+    # For up to ~200 rows OpenBLAS runs W @ xT (both operands contiguous, no transpose flags)
+    # faster than x @ W.T, even counting the copy of the [rows, N] result back into place
+    # (single thread, 128 rows: 111-119 vs 99-103 GFLOP/s; 64 rows: 84 vs 61; equal at 256).
     transposed = x.shape[0] < TRANSPOSE_BELOW_ROWS
+    xt = np.ascontiguousarray(x.T) if transposed else None
     tiles, outs = [], []
     for qtype, raw, shape in weights:
         n_out, n_in = shape
@@ -116,7 +119,7 @@ def matmul_t_many(weights, x: np.ndarray) -> list:
             w = _buffer((r1 - r0) * x.shape[1]).reshape(r1 - r0, x.shape[1])
             kernel(raw[r0:r1], w, dequant.HALF_TO_FLOAT, 0, -(-x.shape[1] // unit))
         if transposed:  # the tile's [rows, N] product is copied into place by the same thread
-            out[:, r0:r1] = np.matmul(w, x.T).T
+            out[:, r0:r1] = np.matmul(w, xt, out=_buffer((r1 - r0) * x.shape[0], "product").reshape(r1 - r0, -1)).T
         else:
             np.matmul(x, w.T, out=out[:, r0:r1])
 

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from kernels.headce import head_ce
 from kernels.losses import ce_backward, ce_forward
 from kernels.nn import matmul_nn, matmul_nt
 
 from .ops import _compute, as_tensor
-from .tensor import OpError, Tensor
+from .tensor import OpError, Tensor, grad_enabled
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -123,6 +124,10 @@ def linear_cross_entropy(x, w, labels, ignore_index=-100, reduction="mean", labe
     step = N if chunk_rows is None else max(1, int(chunk_rows))
     starts = range(0, N, step) if N else []
 
+    if (grad_enabled() and x.requires_grad and not w.requires_grad
+            and X.dtype == W.dtype == np.float32):
+        return _frozen_head(x, w, X, W, kept, rows, valid, starts, step, reduction, label_smoothing, lead)
+
     f32 = X.dtype == W.dtype == np.float32  # the big float32 products run tiled on our threads
     gemm_nt = matmul_nt if f32 else (lambda a, b: a @ b.T)
     gemm_nn = matmul_nn if f32 else (lambda a, b: a @ b)
@@ -163,3 +168,33 @@ def linear_cross_entropy(x, w, labels, ignore_index=-100, reduction="mean", labe
         return (None if gx is None else gx.reshape(x.shape), gw)
 
     return Tensor.make(value, (x, w), backward, op)
+
+
+def _frozen_head(x, w, X, W, kept, rows, valid, starts, step, reduction, label_smoothing, lead):
+    """linear_cross_entropy when only x needs a gradient: one pass over W per
+    block of `step` rows computes each row's loss and the gradient of its own loss
+    (kernels/headce.py); the backward multiplies rows by the reduction's scale."""
+    N, H = X.shape
+    kept_loss = np.empty(N, np.float64)
+    gx_unit = np.empty((N, H), np.float32)
+    for s in starts:
+        kept_loss[s:s + step], gx_unit[s:s + step] = head_ce(X[s:s + step], W, kept[s:s + step], label_smoothing)
+    if N == valid.size:
+        loss_rows = kept_loss
+    else:
+        loss_rows = np.zeros(valid.size, np.float64)
+        loss_rows[rows] = kept_loss
+    value, row_scale = _reduce(loss_rows, valid, reduction, lead, X.dtype)
+
+    def backward(g):
+        nonlocal gx_unit
+        scale = row_scale(g) if N == valid.size else row_scale(g)[rows]
+        gx = gx_unit * scale.astype(np.float32)[:, None]
+        gx_unit = None  # release with the graph
+        if N != valid.size:
+            full = np.zeros((valid.size, H), np.float32)
+            full[rows] = gx
+            gx = full
+        return gx.reshape(x.shape), None
+
+    return Tensor.make(value, (x, w), backward, "linear_cross_entropy")

@@ -128,18 +128,21 @@ def _segment(XT, W, labels, c0, c1, chunk_rows, want_row_sum):
     return m, s, label_logit, acc, row_sum
 
 
-def head_ce(X, W, labels, smoothing=0.0, segment_rows=SEGMENT_ROWS, chunk_rows=CHUNK_ROWS):
+def head_ce(X, W, labels, smoothing=0.0, segment_rows=None, chunk_rows=None):
     """Per-row cross-entropy of X @ W.T and its gradient w.r.t. X, one pass over W.
 
     X [N, H] float32, W [C, H] float32, labels [N] all in [0, C) (callers drop
     ignored rows first); smoothing eps uses the target (1 - eps) onehot + eps / C.
     Returns (loss [N] float64, gx_unit [N, H] float32 = the gradient of each row's
-    own loss w.r.t. its row of X: softmax @ W - (1 - eps) W[y] - eps/C sum_c W[c])."""
+    own loss w.r.t. its row of X: softmax @ W - (1 - eps) W[y] - eps/C sum_c W[c]).
+    segment_rows / chunk_rows default to SEGMENT_ROWS / CHUNK_ROWS (read at call time)."""
     if not (isinstance(X, np.ndarray) and isinstance(W, np.ndarray) and X.ndim == 2 and W.ndim == 2
             and X.dtype == W.dtype == np.float32 and X.shape[1] == W.shape[1]):
         raise ValueError(f"head_ce: expected float32 X [N, H] and W [C, H], got {getattr(X, 'dtype', None)}"
                          f"{getattr(X, 'shape', None)} and {getattr(W, 'dtype', None)}{getattr(W, 'shape', None)}")
     n, c = X.shape[0], W.shape[0]
+    segment_rows = SEGMENT_ROWS if segment_rows is None else int(segment_rows)
+    chunk_rows = CHUNK_ROWS if chunk_rows is None else int(chunk_rows)
     labels = np.ascontiguousarray(labels, dtype=np.int64)
     if labels.shape != (n,) or (n and (labels.min() < 0 or labels.max() >= c)):
         raise ValueError(f"head_ce: labels must be {n} integers in [0, {c}), got shape {labels.shape}")

@@ -154,3 +154,92 @@ def test_bad_options():
         ag.cross_entropy(logits, np.array([0, 1]), label_smoothing=1.0)
     with pytest.raises(OpError, match=r"linear_cross_entropy: x \(2, 3\) and weight \(4, 5\)"):
         ag.linear_cross_entropy(logits, np.zeros((4, 5), np.float32), np.array([0, 1]))
+
+
+# --- frozen head: one pass over w (kernels/headce.py) vs the two-pass path -------------
+
+@pytest.fixture
+def head_calls(monkeypatch):
+    """Record the row count of every one-pass head call linear_cross_entropy makes."""
+    from pipeline.autograd import losses
+    calls = []
+    real = losses.head_ce
+
+    def counting(X, *args, **kwargs):
+        calls.append(X.shape[0])
+        return real(X, *args, **kwargs)
+
+    monkeypatch.setattr(losses, "head_ce", counting)
+    return calls
+
+
+def small_grid(monkeypatch):
+    """Several segments and a partial last chunk even for a small vocabulary."""
+    from kernels import headce
+    monkeypatch.setattr(headce, "SEGMENT_ROWS", 128)
+    monkeypatch.setattr(headce, "CHUNK_ROWS", 48)
+
+
+def run_head(x0, w0, labels, frozen, loss_scale=None, up=None, **kw):
+    x = Tensor(x0, requires_grad=True)
+    w = w0 if frozen else Tensor(w0, requires_grad=True)  # a trainable w takes the two-pass path
+    loss = ag.linear_cross_entropy(x, w, labels, **kw)
+    if loss_scale is not None:
+        loss = loss * np.float32(loss_scale)
+    loss.backward(up)
+    return loss.data, x.grad
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 3])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("reduction,loss_scale", [("mean", None), ("sum", 0.25), ("none", None)])
+def test_frozen_head_matches_two_pass_path(monkeypatch, head_calls, chunk_rows, eps, reduction, loss_scale):
+    small_grid(monkeypatch)
+    r = np.random.default_rng(7)
+    x0 = r.standard_normal((2, 9, 16)).astype(np.float32)
+    w0 = (r.standard_normal((500, 16)) * 0.5).astype(np.float32)
+    labels = r.integers(0, 500, (2, 9))
+    labels[0, [1, 4]] = -100
+    labels[1, 8] = 499  # the last class, in the last (partial) chunk
+    up = r.standard_normal((2, 9)).astype(np.float32) if reduction == "none" else None
+    kw = dict(reduction=reduction, label_smoothing=eps, chunk_rows=chunk_rows)
+    fast = run_head(x0, w0, labels, True, loss_scale, up, **kw)
+    assert head_calls and sum(head_calls) == 16 and max(head_calls) <= (chunk_rows or 16)
+    n_fast = len(head_calls)
+    two_pass = run_head(x0, w0, labels, False, loss_scale, up, **kw)
+    assert len(head_calls) == n_fast  # the trainable-w run did not take the one-pass path
+    np.testing.assert_allclose(fast[0], two_pass[0], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(fast[1], two_pass[1], rtol=0, atol=2e-6 * np.abs(two_pass[1]).max())
+    np.testing.assert_array_equal(fast[1][0, [1, 4]], 0.0)  # ignored rows: exactly zero gradient
+
+
+def test_frozen_head_all_ignored_and_fallbacks(head_calls, rand):
+    x0, w0 = rand(4, 8).astype(np.float32), rand(13, 8).astype(np.float32)
+    loss, gx = run_head(x0, w0, np.full(4, -100), True, reduction="mean")
+    assert loss == 0 and not gx.any() and head_calls == []
+    with ag.no_grad():  # no gradient wanted: the plain forward
+        ag.linear_cross_entropy(Tensor(x0, requires_grad=True), w0, np.arange(4))
+    ag.linear_cross_entropy(Tensor(x0, requires_grad=True, dtype=np.float64), Tensor(w0, dtype=np.float64), np.arange(4))
+    assert head_calls == []
+    ag.linear_cross_entropy(Tensor(x0, requires_grad=True), w0, np.arange(4))
+    assert head_calls == [4]
+
+
+@pytest.mark.skipif(__import__("numba").config.NUMBA_NUM_THREADS < 2, reason="needs NUMBA_NUM_THREADS >= 2")
+def test_frozen_head_thread_count_bitwise(monkeypatch):
+    import numba
+    small_grid(monkeypatch)
+    r = np.random.default_rng(3)
+    x0 = r.standard_normal((21, 16)).astype(np.float32)
+    w0 = r.standard_normal((700, 16)).astype(np.float32)
+    labels = r.integers(0, 700, 21)
+    labels[5] = -100
+    out, prev = [], numba.get_num_threads()
+    try:
+        for threads in (1, 2):
+            numba.set_num_threads(threads)
+            out.append(run_head(x0, w0, labels, True, reduction="sum"))
+    finally:
+        numba.set_num_threads(prev)
+    for a, b in zip(*out):
+        np.testing.assert_array_equal(a, b)

@@ -1,0 +1,143 @@
+"""kernels/headce.py (one-pass head cross-entropy) against a float64 numpy reference;
+1 vs 2 numba threads bitwise; online-max rescaling; partial last chunk; cold == warm cache."""
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numba
+import numpy as np
+import pytest
+
+from kernels import headce
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+two_threads = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs NUMBA_NUM_THREADS >= 2")
+
+
+def ref_head(x, w, y, eps=0.0):
+    """float64 loss rows and d(loss_i)/d(x_i) for logits = x @ w.T."""
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    logits = x64 @ w64.T
+    m = logits.max(1, keepdims=True)
+    lse = (m + np.log(np.exp(logits - m).sum(1, keepdims=True)))[:, 0]
+    rows = np.arange(len(y))
+    c = w.shape[0]
+    loss = lse - (1 - eps) * logits[rows, y] - eps / c * logits.sum(1)
+    p = np.exp(logits - lse[:, None])
+    gx = p @ w64 - (1 - eps) * w64[y] - eps / c * w64.sum(0)
+    return loss, gx
+
+
+def case(n=37, h=48, c=1000, seed=0, scale=1.0):
+    r = np.random.default_rng(seed)
+    x = r.standard_normal((n, h)).astype(np.float32)
+    w = (r.standard_normal((c, h)) * scale / np.sqrt(h)).astype(np.float32)
+    return x, w, r.integers(0, c, n)
+
+
+def check(x, w, y, eps=0.0, **grid):
+    loss, gx = headce.head_ce(x, w, y, eps, **grid)
+    rl, rg = ref_head(x, w, y, eps)
+    assert loss.dtype == np.float64 and gx.dtype == np.float32 and gx.shape == x.shape
+    np.testing.assert_allclose(loss, rl, rtol=2e-6, atol=2e-6 * np.abs(rl).max())
+    np.testing.assert_allclose(gx, rg, rtol=1e-5, atol=2e-6 * np.abs(rg).max())
+    return loss, gx
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("grid", [dict(segment_rows=256, chunk_rows=96),   # 4 segments, partial chunks
+                                  dict(segment_rows=1000, chunk_rows=1000),  # one chunk
+                                  dict(segment_rows=333, chunk_rows=7),
+                                  dict()])                                   # the defaults
+def test_matches_float64_reference(eps, grid):
+    check(*case(), eps=eps, **grid)
+
+
+def test_labels_in_the_last_partial_chunk():
+    x, w, _ = case(n=12, c=1000)
+    y = np.array([999, 998, 960, 961, 0, 959, 999, 975, 990, 500, 960, 997])
+    # segments 0..512, 512..1000; chunks of 96: the last chunk is 992..1000 (8 rows)
+    check(x, w, y, segment_rows=512, chunk_rows=96)
+    check(x, w, y, 0.2, segment_rows=512, chunk_rows=96)
+
+
+@pytest.mark.parametrize("growing", [True, False])
+def test_large_logits_rescale_the_running_max(growing):
+    """Logits in the thousands whose row max changes chunk after chunk: every
+    rescale of the running sum and accumulator is exercised (exp(m_old - m_new)
+    underflows to 0 for large jumps)."""
+    x, w, y = case(n=20, h=32, c=600, seed=3)
+    norms = np.linspace(1.0, 400.0, 600) if growing else np.linspace(400.0, 1.0, 600)
+    w = (w * norms[:, None]).astype(np.float32)
+    loss, gx = headce.head_ce(x, w, y, segment_rows=200, chunk_rows=64)
+    rl, rg = ref_head(x, w, y)
+    biggest = np.abs(x.astype(np.float64) @ w.T.astype(np.float64)).max()
+    assert biggest > 1000
+    np.testing.assert_allclose(loss, rl, rtol=1e-6)
+    # float32 logits carry ~eps32 * |logit| absolute error, which the softmax passes on
+    # to the gradient: the bound any float32 path meets (the two-pass path's error is the same)
+    np.testing.assert_allclose(gx, rg, rtol=0, atol=np.finfo(np.float32).eps * biggest * np.abs(rg).max())
+
+
+def test_one_class_and_one_row():
+    x, w, y = case(n=1, c=1)
+    loss, gx = check(x, w, y)
+    np.testing.assert_allclose(loss, 0.0, atol=1e-7)
+
+
+def test_empty_rows():
+    x, w, _ = case(n=0)
+    loss, gx = headce.head_ce(x, w, np.zeros(0, np.int64))
+    assert loss.shape == (0,) and gx.shape == (0, x.shape[1])
+
+
+def test_bad_input():
+    x, w, y = case()
+    with pytest.raises(ValueError, match=r"head_ce: expected float32 X \[N, H\] and W \[C, H\], got float64"):
+        headce.head_ce(x.astype(np.float64), w, y)
+    with pytest.raises(ValueError, match=r"labels must be 37 integers in \[0, 1000\)"):
+        headce.head_ce(x, w, np.full(37, 1000))
+    with pytest.raises(ValueError, match="must be positive"):
+        headce.head_ce(x, w, y, segment_rows=0)
+
+
+@two_threads
+def test_thread_count_bitwise():
+    x, w, y = case(n=40, c=2000, seed=5)
+    out = []
+    prev = numba.get_num_threads()
+    try:
+        for threads in (1, 2):
+            numba.set_num_threads(threads)
+            out.append(headce.head_ce(x, w, y, 0.05, segment_rows=256, chunk_rows=100))
+    finally:
+        numba.set_num_threads(prev)
+    for a, b in zip(*out):
+        np.testing.assert_array_equal(a, b)
+
+
+PROBE = """
+import sys, numpy as np
+from kernels import rng, headce
+x = rng.gaussian(1, (37, 64))
+w = rng.gaussian(2, (1500, 64)) * 0.3
+labels = (rng.at_values(3, range(37)) % 1500).astype(np.int64)
+loss, gx = headce.head_ce(x, w, labels, 0.1, segment_rows=512, chunk_rows=200)
+np.savez(sys.argv[1], loss=loss, gx=gx)
+"""
+
+
+def test_cold_and_warm_numba_cache_give_identical_bits(tmp_path):
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "kernels", tree / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(os.environ, PYTHONPATH=str(tree), NUMBA_CACHE_DIR=str(tmp_path / "numba_cache"))
+    outs = []
+    for name in ("cold", "warm"):
+        out = tmp_path / f"{name}.npz"
+        r = subprocess.run([sys.executable, "-c", PROBE, str(out)], cwd=tree, env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        outs.append(np.load(out))
+    for k in outs[0]:
+        assert np.array_equal(outs[0][k], outs[1][k]), k

@@ -15,6 +15,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from kernels.blas import gemm
 from kernels.fastexp import ONE, ZERO, expf
 from kernels.rng import _u64, uniform_at
 from kernels.workpool import run_tiles, single_thread_blas, split_range
@@ -471,7 +472,7 @@ def matmul_nt(a, b):
 
     def tile(i):
         r0, r1 = i * width, min(n, (i + 1) * width)
-        np.matmul(a, b[r0:r1].T, out=out[:, r0:r1])
+        gemm(a, b[r0:r1].T, out[:, r0:r1])
 
     run_tiles(-(-n // width), tile)
     return out
@@ -488,7 +489,7 @@ def matmul_nn(a, b):
 
     def tile(i):
         c0, c1 = i * width, min(n, (i + 1) * width)
-        np.matmul(a, b[:, c0:c1], out=out[:, c0:c1])
+        gemm(a, b[:, c0:c1], out[:, c0:c1])
 
     run_tiles(-(-n // width), tile)
     return out

@@ -23,6 +23,7 @@ import threading
 import numpy as np
 
 from . import dequant
+from .blas import gemm
 from .workpool import run_tiles
 
 F32 = dequant.F32
@@ -119,9 +120,9 @@ def matmul_t_many(weights, x: np.ndarray) -> list:
             w = _buffer((r1 - r0) * x.shape[1]).reshape(r1 - r0, x.shape[1])
             kernel(raw[r0:r1], w, dequant.HALF_TO_FLOAT, 0, -(-x.shape[1] // unit))
         if transposed:  # the tile's [rows, N] product is copied into place by the same thread
-            out[:, r0:r1] = np.matmul(w, xt, out=_buffer((r1 - r0) * x.shape[0], "product").reshape(r1 - r0, -1)).T
+            out[:, r0:r1] = gemm(w, xt, _buffer((r1 - r0) * x.shape[0], "product").reshape(r1 - r0, -1)).T
         else:
-            np.matmul(x, w.T, out=out[:, r0:r1])
+            gemm(x, w.T, out[:, r0:r1])
 
     run_tiles(len(tiles), tile)
     return outs
@@ -144,7 +145,7 @@ def matmul(qtype: int, raw, g: np.ndarray, shape) -> np.ndarray:
         c0, c1 = i * cols, min(n_in, (i + 1) * cols)
         w = _buffer(n_out * (c1 - c0)).reshape(n_out, c1 - c0)
         kernel(raw, w, dequant.HALF_TO_FLOAT, c0 // unit, (c1 + unit - 1) // unit)
-        np.matmul(g, w, out=out[:, c0:c1])
+        gemm(g, w, out[:, c0:c1])
 
     run_tiles((n_in + cols - 1) // cols, tile)
     return out

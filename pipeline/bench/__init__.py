@@ -64,6 +64,8 @@ def machine(threads=None):
         import numpy, numba
         info["numpy"] = numpy.__version__
         info["numba"] = numba.__version__
+        from kernels.blas import backend
+        info["blas"] = backend()  # the library under the tiled GEMMs (kernels/blas.py)
     except ImportError:
         pass
     try:
@@ -82,7 +84,8 @@ def report(bench, rows, as_json=False, threads=None, out=None):
     if as_json:
         print(json.dumps(doc), file=out)
         return doc
-    print(f"# fucina bench {bench} — {doc['machine']['cpu']}, {doc['machine']['threads']} thread(s)", file=out)
+    blas = f", BLAS {doc['machine']['blas']}" if doc["machine"].get("blas") else ""
+    print(f"# fucina bench {bench} — {doc['machine']['cpu']}, {doc['machine']['threads']} thread(s){blas}", file=out)
     for r in rows:
         line = f"{r['case']:<36} {r['ms']:>10.3f} ms"
         if r.get("gbps") is not None:

@@ -92,7 +92,7 @@ def _torch_step(model, sample, args):
         projs = {"q": b.attn.q, "k": b.attn.k, "v": b.attn.v, "o": b.attn.o, "gate": b.mlp.gate, "up": b.mlp.up, "down": b.mlp.down}
         layer = {t: dense(p) for t, p in projs.items()}
         for nm, v in (("attn_norm", b.attn_norm), ("ffn_norm", b.ffn_norm), ("q_norm", b.attn.q_norm), ("k_norm", b.attn.k_norm)):
-            layer[nm] = torch.from_numpy(np.asarray(v.data, np.float32))
+            layer[nm] = torch.from_numpy(np.array(v.data, np.float32))  # a writable copy (the GGUF map is read-only)
         for t in targets:
             out_dim, in_dim = layer[t].shape
             a = torch.empty(args.rank, in_dim).uniform_(-in_dim ** -0.5, in_dim ** -0.5).requires_grad_()
@@ -102,7 +102,7 @@ def _torch_step(model, sample, args):
         layers.append(layer)
     embed = dense(model.embed)
     head = embed if c.tied_output else dense(model.output)
-    out_norm = torch.from_numpy(np.asarray(model.out_norm.data, np.float32))
+    out_norm = torch.from_numpy(np.array(model.out_norm.data, np.float32))
     opt = torch.optim.AdamW(lora, lr=1e-3, weight_decay=0.0)
     scale = 2.0
     T = len(sample.inputs)

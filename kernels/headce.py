@@ -51,10 +51,12 @@ def _chunk_softmax(lt, c0, labels, m, s, label_logit, rescale, col_max, tile_sum
         row = lt[j]
         for i in range(n):
             v = row[i]
-            col_max[i] = v if v > col_max[i] else col_max[i]
+            # a NaN sticks (v != v), so NaN logits give a NaN loss as in kernels/losses.py
+            # (fastexp's exp maps NaN to 0, which would hide it)
+            col_max[i] = v if (v > col_max[i] or v != v) else col_max[i]
     for i in range(n):
         f = 1.0
-        if col_max[i] > m[i]:
+        if not col_max[i] <= m[i]:  # the max grew (or is NaN: then f, s, acc all turn NaN)
             f = np.exp(np.float64(m[i]) - np.float64(col_max[i]))  # 0 on the first chunk (m = -inf)
             m[i] = col_max[i]
         s[i] *= f

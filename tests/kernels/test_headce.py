@@ -81,6 +81,19 @@ def test_large_logits_rescale_the_running_max(growing):
     np.testing.assert_allclose(gx, rg, rtol=0, atol=np.finfo(np.float32).eps * biggest * np.abs(rg).max())
 
 
+def test_nan_propagates_to_the_loss():
+    """fastexp's exp maps NaN to 0; the running max keeps the NaN so the loss shows it."""
+    x, w, y = case(n=8, h=16, c=300)
+    w[170] = np.nan  # one class: every row's logits contain a NaN
+    loss, gx = headce.head_ce(x, w, y, segment_rows=100, chunk_rows=40)
+    assert np.isnan(loss).all() and np.isnan(gx).all()
+    x, w, y = case(n=8, h=16, c=300)
+    x[3, 2] = np.nan  # one row
+    loss, gx = headce.head_ce(x, w, y, segment_rows=100, chunk_rows=40)
+    bad = np.isnan(loss)
+    assert bad.tolist() == [i == 3 for i in range(8)] and np.isnan(gx[3]).all() and np.isfinite(gx[~bad]).all()
+
+
 def test_one_class_and_one_row():
     x, w, y = case(n=1, c=1)
     loss, gx = check(x, w, y)

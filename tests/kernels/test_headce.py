@@ -46,6 +46,35 @@ def check(x, w, y, eps=0.0, **grid):
     return loss, gx
 
 
+def test_chunk_kernels_match_numpy():
+    """_chunk_softmax (two chunks: the max grows for some rows, not others) and _rescale_add."""
+    r = np.random.default_rng(9)
+    n, rows = 11, 150
+    chunks = [r.standard_normal((rows, n)).astype(np.float32) for _ in range(2)]
+    chunks[1][:, :5] += 4  # rows 0..4 of X get a larger max in the second chunk, the rest a smaller one
+    chunks[1][:, 5:] -= 4
+    labels = np.array([0, 149, 150, 299, 7, 160, 3, 200, 100, 250, 5])
+    m, s = np.full(n, -np.inf, np.float32), np.zeros(n)
+    ll, scale = np.zeros(n, np.float32), np.empty(n, np.float32)
+    scratch = [np.empty(n, np.float32) for _ in range(2)]
+    for k, lt in enumerate(chunks):
+        before_m = m.copy()
+        p = lt.copy()
+        headce._chunk_softmax(p, k * rows, labels, m, s, ll, scale, *scratch)
+        want_m = np.maximum(before_m, lt.max(0))
+        np.testing.assert_array_equal(m, want_m)
+        np.testing.assert_allclose(scale, np.exp(before_m.astype(np.float64) - want_m), rtol=1e-6)
+        np.testing.assert_allclose(p, np.exp(lt.astype(np.float64) - want_m), rtol=1e-6, atol=1e-30)
+    both = np.concatenate(chunks).astype(np.float64)
+    np.testing.assert_allclose(s, np.exp(both - m).sum(0), rtol=1e-6)
+    np.testing.assert_array_equal(ll, both[labels, np.arange(n)].astype(np.float32))
+    assert (scale[:5] < 1).all() and (scale[5:] == 1).all()
+    acc, part = r.standard_normal((2, n, 9)).astype(np.float32)
+    want = acc * scale[:, None] + part
+    headce._rescale_add(acc, part, scale)
+    np.testing.assert_allclose(acc, want, rtol=1e-6)
+
+
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 @pytest.mark.parametrize("grid", [dict(segment_rows=256, chunk_rows=96),   # 4 segments, partial chunks
                                   dict(segment_rows=1000, chunk_rows=1000),  # one chunk

@@ -26,6 +26,7 @@ import numpy as np
 from numba import njit
 
 from kernels.fastexp import TILE, expf
+from kernels.blas import gemm
 from kernels.workpool import run_tiles
 
 SEGMENT_ROWS = 8192  # vocabulary rows per task (one thread); 151936 -> 19 tasks balance 2 threads
@@ -120,12 +121,12 @@ def _segment(XT, W, labels, c0, c1, chunk_rows, want_row_sum):
     for a in range(c0, c1, chunk_rows):
         b = min(c1, a + chunk_rows)
         lt, w_chunk = logits[:b - a], W[a:b]
-        np.matmul(w_chunk, XT, out=lt)
+        gemm(w_chunk, XT, lt)
         _chunk_softmax(lt, a, labels, m, s, label_logit, rescale, col_max, tile_sum)
         if a == c0:
-            np.matmul(lt.T, w_chunk, out=acc)
+            gemm(lt.T, w_chunk, acc)
         else:
-            np.matmul(lt.T, w_chunk, out=part)
+            gemm(lt.T, w_chunk, part)
             _rescale_add(acc, part, rescale)
         if want_row_sum:
             _add_rows(w_chunk, row_sum)

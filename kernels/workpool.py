@@ -13,6 +13,7 @@ tile) run serially, so a pool thread never waits on the pool.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -22,6 +23,7 @@ import numba
 _THREAD_NAME = "fucina-kernels"
 _POOL = None  # (pid, executor): a pool inherited through fork has no threads, so it is per process
 _BLAS = None  # threadpoolctl controller (the library lookup is slow: once)
+_BLAS_LIMIT, _BLAS_DEPTH, _BLAS_LOCK = None, 0, threading.Lock()  # the outermost single_thread_blas
 
 
 def _pool():
@@ -40,13 +42,27 @@ def workers(n_tasks: int) -> int:
     return max(1, min(numba.get_num_threads(), n_tasks))
 
 
+@contextlib.contextmanager
 def single_thread_blas():
-    """Context manager: BLAS limited to one thread inside (restored on exit)."""
-    global _BLAS
-    if _BLAS is None:
-        from threadpoolctl import ThreadpoolController
-        _BLAS = ThreadpoolController().select(user_api="blas")
-    return _BLAS.limit(limits=1)
+    """Context manager: BLAS limited to one thread inside, restored when the outermost
+    one exits. Nested uses (every tiled product inside a training step that holds
+    one) cost a counter instead of threadpoolctl's ~60 us library round trip."""
+    global _BLAS, _BLAS_LIMIT, _BLAS_DEPTH
+    with _BLAS_LOCK:
+        if _BLAS_DEPTH == 0:
+            if _BLAS is None:
+                from threadpoolctl import ThreadpoolController
+                _BLAS = ThreadpoolController().select(user_api="blas")
+            _BLAS_LIMIT = _BLAS.limit(limits=1)
+        _BLAS_DEPTH += 1
+    try:
+        yield
+    finally:
+        with _BLAS_LOCK:
+            _BLAS_DEPTH -= 1
+            if _BLAS_DEPTH == 0:
+                _BLAS_LIMIT.restore_original_limits()
+                _BLAS_LIMIT = None
 
 
 def run_dynamic(n_tasks: int, task):

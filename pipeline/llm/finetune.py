@@ -5,7 +5,7 @@ per-head q/k RMSNorm, NeoX RoPE, grouped causal attention, SwiGLU, tied or
 untied head), reads the weights through the model's projection seam, and adds
 LoRA deltas on the selected projections (q, k, v, o, gate, up, down;
 default q+v). Every base weight stays in its file format (quantized included)
-and enters the graph as a CONSTANT through `frozen_linear`: gradients flow to
+and enters the graph as a CONSTANT through `adapted_linears`: gradients flow to
 the f32 activations only, so the base never has a gradient to hold. The only
 parameters are the adapters' A/B, named `layers.<i>.<target>.lora_{a,b}`.
 
@@ -41,7 +41,7 @@ from pipeline.errors import UserError
 from pipeline.runtime.metrics import peak_rss_mb
 
 from .data import IGNORE_INDEX
-from .lora import LoraAdapter
+from .lora import LoraAdapter, keep_mask_or_none, lora_backward, lora_forward
 from .quants import FrozenWeight, matmul_t_many, weight_rows
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -78,12 +78,16 @@ class Frozen:
             return matmul_nt(x2, self._dense)
         return self.weight.matmul_t(x2)
 
-    def matmul(self, g2):
+    def matmul(self, g2, also=()):
         """g2 [N, out] -> g2 @ W [N, in]: the input gradient of x @ W.T (a quantized
-        weight is dequantized tile by tile inside the GEMM, never as a whole)."""
+        weight is dequantized tile by tile inside the GEMM, never as a whole).
+        `also`: independent jobs run in the same thread dispatch (or after it)."""
         if self._dense is not None:
-            return matmul_nn(g2, self._dense)
-        return self.weight.matmul(g2)
+            out = matmul_nn(g2, self._dense)
+            for job in also:
+                job()
+            return out
+        return self.weight.matmul(g2, also=also)
 
     def rows(self, ids):
         """Dense f32 rows W[ids] (embedding lookup) without dequantizing the whole table."""
@@ -92,28 +96,67 @@ class Frozen:
         return weight_rows(self.weight, ids)
 
 
-def frozen_linear(x, w):
-    """x [..., in] @ W.T for a frozen weight: gradient to x only (W is a constant)."""
-    lead = x.shape[:-1]
-    x2 = np.ascontiguousarray(x.data, dtype=np.float32).reshape(-1, w.shape[1])
-    y = w.matmul_t(x2).reshape(*lead, w.shape[0])
-    return Tensor.make(y, (x,), lambda g: (w.matmul(g.reshape(-1, w.shape[0])).reshape(x.shape),), "frozen_linear")
+def adapted_linears(x, ws, adapters=None):
+    """[x @ W.T (+ its LoRA delta) for W in ws] for weights sharing their input x (q/k/v, gate/up).
 
-
-def frozen_linears(x, ws):
-    """[frozen_linear(x, w) for w in ws] for weights sharing their input (q/k/v, gate/up):
-    quantized weights run their tiles in one thread dispatch (same bits as one by one)."""
-    if len(ws) == 1 or any(w._dense is not None or not isinstance(w.weight, FrozenWeight) for w in ws):
-        return [frozen_linear(x, w) for w in ws]
+    adapters: per weight None or (LoraAdapter, dropout seed). Each output is ONE node,
+    y = x @ W.T + scale * dropout(x) @ A.T @ B.T, with parents (x, A, B) (or x alone):
+    W is a constant, so only x and the adapter receive gradients. Quantized weights
+    share one tile dispatch to the threads, and the adapters' thin products ride in it
+    as extra jobs (forward, and backward beside g @ W), filling the dispatch's tail
+    instead of running alone afterwards. The grouping never changes the bits."""
+    adapters = list(adapters) if adapters is not None else [None] * len(ws)
     lead = x.shape[:-1]
     x2 = np.ascontiguousarray(x.data, dtype=np.float32).reshape(-1, ws[0].shape[1])
-    ys = matmul_t_many([w.weight for w in ws], x2)
+    deltas = [None] * len(ws)
 
-    def node(y, w):
-        return Tensor.make(y.reshape(*lead, w.shape[0]), (x,),
-                           lambda g: (w.matmul(g.reshape(-1, w.shape[0])).reshape(x.shape),), "frozen_linear")
+    def delta_job(j):
+        adapter, seed = adapters[j]
+        keep = keep_mask_or_none(seed, x2.shape, adapter.dropout)  # here: the mask kernels are not for pool threads
 
-    return [node(y, w) for y, w in zip(ys, ws)]
+        def job():
+            deltas[j] = lora_forward(x2, adapter.lora_a.data, adapter.lora_b.data, adapter.scale, keep)
+        return job
+
+    jobs = [delta_job(j) for j in range(len(ws)) if adapters[j] is not None]
+    if all(w._dense is None and isinstance(w.weight, FrozenWeight) for w in ws):
+        ys = matmul_t_many([w.weight for w in ws], x2, also=jobs)
+    else:
+        ys = [w.matmul_t(x2) for w in ws]
+        for job in jobs:
+            job()
+    return [_adapted_node(x, x2, w, y, adapter, delta, lead)
+            for w, y, adapter, delta in zip(ws, ys, adapters, deltas)]
+
+
+def _adapted_node(x, x2, w, y, adapter, delta, lead):
+    n_out = w.shape[0]
+    if adapter is None:
+        return Tensor.make(y.reshape(*lead, n_out), (x,),
+                           lambda g: (w.matmul(g.reshape(-1, n_out)).reshape(x.shape),), "frozen_linear")
+    ad, seed = adapter
+    a, b = ad.lora_a, ad.lora_b
+    d, h = delta
+    y += d  # y is this call's own product array: the bits of y + d
+
+    def backward(g):
+        g2 = np.ascontiguousarray(g, dtype=np.float32).reshape(-1, n_out)
+        keep = keep_mask_or_none(seed, x2.shape, ad.dropout)  # regenerated from its seed, never stored
+        lora = []
+
+        def job():
+            lora.extend(lora_backward(g2, x2, h, a.data, b.data, ad.scale, keep,
+                                      x.requires_grad, a.requires_grad, b.requires_grad))
+        gx = None
+        if x.requires_grad:
+            gx = w.matmul(g2, also=[job])
+            gx += lora[0]
+            gx = gx.reshape(x.shape)
+        else:
+            job()
+        return gx, lora[1], lora[2]
+
+    return Tensor.make(y.reshape(*lead, n_out), (x, a, b), backward, "adapted_linear")
 
 
 def swiglu(gate, up):
@@ -223,12 +266,9 @@ class Trainer(Module):
 
     def _projs(self, x, i, targets, step):
         """The adapted projections `targets` of layer i on one input x."""
-        ys = frozen_linears(x, [self._layers[i][t] for t in targets])
-        for j, t in enumerate(targets):
-            adapter = self.layers[i].get(t)
-            if adapter is not None:
-                ys[j] = ys[j] + adapter.delta(x, self._dropout_seed(step, i, t))
-        return ys
+        adapters = [(self.layers[i][t], self._dropout_seed(step, i, t)) if t in self.layers[i] else None
+                    for t in targets]
+        return adapted_linears(x, [self._layers[i][t] for t in targets], adapters)
 
     def _layer(self, h, i, step):
         """One decoder block on h [T, hidden]."""

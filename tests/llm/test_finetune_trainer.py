@@ -208,7 +208,8 @@ def test_bad_inputs_are_clear_errors():
 
 
 def test_grouped_projections_equal_one_by_one_bitwise(monkeypatch):
-    """q/k/v and gate/up share one tile dispatch (frozen_linears): same bits as one call per weight."""
+    """q/k/v and gate/up share one tile dispatch (adapted_linears, adapters riding in it):
+    same bits as one call per weight."""
     import pipeline.llm.finetune as ft
     fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "qwen3-mini-q8_0.gguf")
 
@@ -222,7 +223,8 @@ def test_grouped_projections_equal_one_by_one_bitwise(monkeypatch):
         return loss.item(), _grads(tr)
 
     grouped = run()
-    monkeypatch.setattr(ft, "frozen_linears", lambda x, ws: [ft.frozen_linear(x, w) for w in ws])
+    one_by_one = ft.adapted_linears
+    monkeypatch.setattr(ft, "adapted_linears", lambda x, ws, ads: [one_by_one(x, [w], [a])[0] for w, a in zip(ws, ads)])
     single = run()
     assert grouped[0] == single[0]
     for n in grouped[1]:

@@ -181,8 +181,10 @@ class Tensor:
                 raise GraphError("backward: part of this graph was already differentiated; run the forward again")
         grads = {id(self): grad}
         shared = {id(_owner(grad))}  # memory a leaf may not adopt: the caller's grad, memory already adopted
+        sums = {}  # id -> gradient sums this walk allocated: later contributions add into them in place
         for node in reversed(order):
             g = grads.pop(id(node), None)
+            sums.pop(id(g), None)
             if node._backward is None:
                 # a leaf: accumulate
                 if g is not None and node.requires_grad:
@@ -203,7 +205,14 @@ class Tensor:
                     pg = _reduce_to_shape(np.asarray(pg, dtype=np.float32), p.data.shape)
                     key = id(p)
                     prev = grads.get(key)
-                    grads[key] = pg if prev is None else prev + pg
+                    if prev is None:
+                        grads[key] = pg
+                    elif id(prev) in sums:
+                        prev += pg  # the same bits as prev + pg, without a new array
+                    else:
+                        total = prev + pg
+                        sums[id(total)] = total
+                        grads[key] = total
             # release the graph: closures hold forward intermediates
             node._backward = None
             node._consumed = True

@@ -140,12 +140,7 @@ def linear_cross_entropy(x, w, labels, ignore_index=-100, reduction="mean", labe
         kept_loss[s:s + step], stats[s:s + step] = ce_forward(logits, kept[s:s + step], ignore_index, label_smoothing)
         if chunk_rows is None:
             saved = logits
-    if X is X_all:
-        loss_rows = kept_loss
-    else:
-        loss_rows = np.zeros(valid.size, np.float64)
-        loss_rows[rows] = kept_loss
-    value, row_scale = _reduce(loss_rows, valid, reduction, lead, X.dtype)
+    value, row_scale = _reduce(_scatter_rows(kept_loss, rows, valid.size), valid, reduction, lead, X.dtype)
 
     def backward(g):
         nonlocal saved
@@ -161,13 +156,19 @@ def linear_cross_entropy(x, w, labels, ignore_index=-100, reduction="mean", labe
             if gw is not None:
                 gw += dl.T @ X[s:s + step]
         saved = None  # release the logits with the graph
-        if gx is not None and X is not X_all:
-            full = np.zeros((valid.size, H), np.float32)
-            full[rows] = gx
-            gx = full
-        return (None if gx is None else gx.reshape(x.shape), gw)
+        return (None if gx is None else _scatter_rows(gx, rows, valid.size).reshape(x.shape), gw)
 
     return Tensor.make(value, (x, w), backward, op)
+
+
+def _scatter_rows(values, rows, n):
+    """Per-row values of the supervised rows -> all n rows, zeros at ignored rows
+    (the array itself when every row is supervised)."""
+    if values.shape[0] == n:
+        return values
+    full = np.zeros((n,) + values.shape[1:], values.dtype)
+    full[rows] = values
+    return full
 
 
 def _frozen_head(x, w, X, W, kept, rows, valid, starts, step, reduction, label_smoothing, lead):
@@ -179,22 +180,13 @@ def _frozen_head(x, w, X, W, kept, rows, valid, starts, step, reduction, label_s
     gx_unit = np.empty((N, H), np.float32)
     for s in starts:
         kept_loss[s:s + step], gx_unit[s:s + step] = head_ce(X[s:s + step], W, kept[s:s + step], label_smoothing)
-    if N == valid.size:
-        loss_rows = kept_loss
-    else:
-        loss_rows = np.zeros(valid.size, np.float64)
-        loss_rows[rows] = kept_loss
-    value, row_scale = _reduce(loss_rows, valid, reduction, lead, X.dtype)
+    value, row_scale = _reduce(_scatter_rows(kept_loss, rows, valid.size), valid, reduction, lead, X.dtype)
 
     def backward(g):
         nonlocal gx_unit
         scale = row_scale(g) if N == valid.size else row_scale(g)[rows]
         gx = gx_unit * scale.astype(np.float32)[:, None]
         gx_unit = None  # release with the graph
-        if N != valid.size:
-            full = np.zeros((valid.size, H), np.float32)
-            full[rows] = gx
-            gx = full
-        return gx.reshape(x.shape), None
+        return _scatter_rows(gx, rows, valid.size).reshape(x.shape), None
 
     return Tensor.make(value, (x, w), backward, "linear_cross_entropy")

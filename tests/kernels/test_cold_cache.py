@@ -1,7 +1,8 @@
 """Bits must not depend on whether numba compiled a kernel just now or loaded
 it from its cache: a fresh process with an empty cache and one with a warm
-cache give identical cross-entropy gradients (fastmath reassociation once broke
-this, and with it 1-process vs N-process equality)."""
+cache give identical cross-entropy gradients, two-pass and one-pass (frozen head),
+and attention / RMSNorm gradients (fastmath reassociation once broke this, and
+with it 1-process vs N-process equality)."""
 import os
 import pathlib
 import shutil
@@ -23,7 +24,10 @@ logits = Tensor(rng.gaussian(4, (37, 384)), requires_grad=True)
 cross_entropy(logits, labels).backward()
 h = Tensor(rng.gaussian(5, (2, 70, 4, 16)), requires_grad=True)
 (attention(h, h, h, causal=True) * rms_norm(h, None, 1e-6)).sum().backward()
-np.savez(sys.argv[1], gx=x.grad, gw=w.grad, gl=logits.grad, gh=h.grad)
+xf = Tensor(rng.gaussian(6, (37, 64)), requires_grad=True)  # a frozen head: the one-pass kernels/headce.py
+frozen = linear_cross_entropy(xf, Tensor(rng.gaussian(7, (1500, 64)) * 0.3), labels, label_smoothing=0.1)
+frozen.backward()
+np.savez(sys.argv[1], gx=x.grad, gw=w.grad, gl=logits.grad, gh=h.grad, gf=xf.grad, lf=frozen.data)
 """
 
 

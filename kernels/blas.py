@@ -48,6 +48,10 @@ def _load_mkl():
             continue
         lib.MKL_Set_Threading_Layer.argtypes = [ctypes.c_int]
         lib.MKL_Set_Threading_Layer(_SEQUENTIAL)
+        # and should MKL already run with threads (numpy linked against MKL picked its layer
+        # first), one thread per call: the tiles are our threads' work
+        lib.MKL_Set_Num_Threads.argtypes = [ctypes.c_int]
+        lib.MKL_Set_Num_Threads(1)
         sgemm = lib.cblas_sgemm
         sgemm.restype = None
         sgemm.argtypes = ([ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int,

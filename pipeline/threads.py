@@ -7,6 +7,7 @@ sets them (for children) and limits the already-loaded pools.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 _ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
@@ -43,3 +44,17 @@ def pin_threads(n: int):
     import numba
     numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
     return n
+
+
+@contextlib.contextmanager
+def numba_threads(n: int):
+    """numba (and so every kernel pool) at n threads inside, capped at NUMBA_NUM_THREADS;
+    the previous count is restored on exit. For 1-thread vs N-thread comparisons."""
+    import numba
+
+    before = numba.get_num_threads()
+    numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))
+    try:
+        yield
+    finally:
+        numba.set_num_threads(before)

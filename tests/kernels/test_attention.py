@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from kernels import attention as ka
+from pipeline.threads import numba_threads
 
 two_threads = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs NUMBA_NUM_THREADS >= 2")
 
@@ -42,14 +43,10 @@ def test_softmax_thread_count_bitwise():
         p = ka.softmax_inplace(scores())
         return p, ka.softmax_backward_inplace(p, dp.copy(), 0.5)
 
-    prev = numba.get_num_threads()
-    try:
-        numba.set_num_threads(1)
+    with numba_threads(1):
         one = run()
-        numba.set_num_threads(2)
+    with numba_threads(2):
         two = run()
-    finally:
-        numba.set_num_threads(prev)
     for a, b in zip(one, two):
         np.testing.assert_array_equal(a, b)
 
@@ -85,13 +82,9 @@ def test_attention_op_thread_count_bitwise():
         out.backward(g)
         return [out.data] + [t.grad for t in ts]
 
-    prev = numba.get_num_threads()
-    try:
-        numba.set_num_threads(1)
+    with numba_threads(1):
         one = run()
-        numba.set_num_threads(2)
+    with numba_threads(2):
         two = run()
-    finally:
-        numba.set_num_threads(prev)
     for a, b in zip(one, two):
         np.testing.assert_array_equal(a, b)

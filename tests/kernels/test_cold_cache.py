@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROBE = """
@@ -31,16 +32,46 @@ np.savez(sys.argv[1], gx=x.grad, gw=w.grad, gl=logits.grad, gh=h.grad, gf=xf.gra
 """
 
 
-def test_cold_and_warm_numba_cache_give_identical_bits(tmp_path):
+# The fine-tune step's own kernels: SwiGLU / SiLU, RoPE, and the tiled GEMMs of the two-pass head.
+FINETUNE_PROBE = """
+import sys, numpy as np
+from kernels import rng
+from pipeline.autograd import Tensor, rope, silu, linear_cross_entropy
+from pipeline.llm.finetune import swiglu
+a = Tensor(rng.gaussian(1, (37, 3001)) * 4, requires_grad=True)
+b = Tensor(rng.gaussian(2, (37, 3001)), requires_grad=True)
+(swiglu(a, b) * silu(b)).sum().backward()
+h = Tensor(rng.gaussian(5, (1, 70, 4, 16)), requires_grad=True)
+(rope(h, np.arange(70), 1e6) * h).sum().backward()
+x = Tensor(rng.gaussian(3, (40, 512)), requires_grad=True)
+labels = (rng.at_values(3, range(40)) % 3333).astype(np.int64)
+labels[:7] = -100
+linear_cross_entropy(x, rng.gaussian(4, (3333, 512)) * 0.1, labels).backward()
+np.savez(sys.argv[1], ga=a.grad, gb=b.grad, gh=h.grad, gx=x.grad)
+"""
+
+
+def _same_bits_cold_and_warm(tmp_path, probe):
+    """Run `probe` (which saves arrays to argv[1]) against an empty numba cache, then
+    against the cache it filled; every array must be bitwise equal."""
     tree = tmp_path / "tree"
-    shutil.copytree(ROOT / "kernels", tree / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(ROOT / "pipeline", tree / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
+    for pkg in ("kernels", "pipeline"):
+        shutil.copytree(ROOT / pkg, tree / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     env = dict(os.environ, PYTHONPATH=str(tree), NUMBA_CACHE_DIR=str(tmp_path / "numba_cache"))
     outs = []
     for name in ("cold", "warm"):
         out = tmp_path / f"{name}.npz"
-        r = subprocess.run([sys.executable, "-c", PROBE, str(out)], cwd=tree, env=env, capture_output=True, text=True)
+        r = subprocess.run([sys.executable, "-c", probe, str(out)], cwd=tree, env=env, capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
         outs.append(np.load(out))
     for k in outs[0]:
         assert np.array_equal(outs[0][k], outs[1][k]), k
+
+
+def test_cold_and_warm_numba_cache_give_identical_bits(tmp_path):
+    _same_bits_cold_and_warm(tmp_path, PROBE)
+
+
+@pytest.mark.slow
+def test_cold_and_warm_cache_identical_for_finetune_kernels(tmp_path):
+    _same_bits_cold_and_warm(tmp_path, FINETUNE_PROBE)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kernels import headce
+from pipeline.threads import numba_threads
 
 two_threads = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs NUMBA_NUM_THREADS >= 2")
 
@@ -144,12 +145,8 @@ def test_bad_input():
 def test_thread_count_bitwise():
     x, w, y = case(n=40, c=2000, seed=5)
     out = []
-    prev = numba.get_num_threads()
-    try:
-        for threads in (1, 2):
-            numba.set_num_threads(threads)
+    for threads in (1, 2):
+        with numba_threads(threads):
             out.append(headce.head_ce(x, w, y, 0.05, segment_rows=256, chunk_rows=100))
-    finally:
-        numba.set_num_threads(prev)
     for a, b in zip(*out):
         np.testing.assert_array_equal(a, b)

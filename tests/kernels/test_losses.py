@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from kernels import losses
+from pipeline.threads import numba_threads
 
 two_threads = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs NUMBA_NUM_THREADS >= 2")
 
@@ -59,14 +60,10 @@ def test_ce_thread_count_bitwise(case):
         loss, stats = losses.ce_forward(x, y, -100, 0.1)
         return loss, stats, losses.ce_backward(x, y, stats, np.ones(len(y)), -100, 0.1)
 
-    prev = numba.get_num_threads()
-    try:
-        numba.set_num_threads(1)
+    with numba_threads(1):
         one = run()
-        numba.set_num_threads(2)
+    with numba_threads(2):
         two = run()
-    finally:
-        numba.set_num_threads(prev)
     for a, b in zip(one, two):
         np.testing.assert_array_equal(a, b)
 

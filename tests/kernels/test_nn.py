@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from kernels import nn, rng
+from pipeline.threads import numba_threads
 
 two_threads = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs NUMBA_NUM_THREADS >= 2")
 
@@ -16,12 +17,8 @@ def parallel_even_when_small(monkeypatch):
 
 
 def with_threads(n, fn):
-    prev = numba.get_num_threads()
-    numba.set_num_threads(n)
-    try:
+    with numba_threads(n):
         return fn()
-    finally:
-        numba.set_num_threads(prev)
 
 
 def ref_rms_norm(x, w, eps):
@@ -240,47 +237,6 @@ def test_tiled_gemms_validate(gemm_case):
         nn.matmul_nt(a, b[:, :100])
     with pytest.raises(ValueError, match="matmul_nn"):
         nn.matmul_nn(a.astype(np.float64), b)
-
-
-@pytest.mark.slow
-def test_cold_and_warm_cache_identical_for_finetune_kernels(tmp_path):
-    """SwiGLU / SiLU / RoPE / tiled-GEMM paths give the same bits from a fresh
-    numba compile and from the cache (tests/kernels/test_cold_cache.py covers CE,
-    RMSNorm and attention)."""
-    import os
-    import pathlib
-    import shutil
-    import subprocess
-    import sys
-    root = pathlib.Path(__file__).resolve().parents[2]
-    probe = """
-import sys, numpy as np
-from kernels import rng
-from pipeline.autograd import Tensor, rope, silu, linear_cross_entropy
-from pipeline.llm.finetune import swiglu
-a = Tensor(rng.gaussian(1, (37, 3001)) * 4, requires_grad=True)
-b = Tensor(rng.gaussian(2, (37, 3001)), requires_grad=True)
-(swiglu(a, b) * silu(b)).sum().backward()
-h = Tensor(rng.gaussian(5, (1, 70, 4, 16)), requires_grad=True)
-(rope(h, np.arange(70), 1e6) * h).sum().backward()
-x = Tensor(rng.gaussian(3, (40, 512)), requires_grad=True)
-labels = (rng.at_values(3, range(40)) % 3333).astype(np.int64)
-labels[:7] = -100
-linear_cross_entropy(x, rng.gaussian(4, (3333, 512)) * 0.1, labels).backward()
-np.savez(sys.argv[1], ga=a.grad, gb=b.grad, gh=h.grad, gx=x.grad)
-"""
-    tree = tmp_path / "tree"
-    for pkg in ("kernels", "pipeline"):
-        shutil.copytree(root / pkg, tree / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    env = dict(os.environ, PYTHONPATH=str(tree), NUMBA_CACHE_DIR=str(tmp_path / "numba_cache"))
-    outs = []
-    for name in ("cold", "warm"):
-        out = tmp_path / f"{name}.npz"
-        r = subprocess.run([sys.executable, "-c", probe, str(out)], cwd=tree, env=env, capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr
-        outs.append(np.load(out))
-    for k in outs[0]:
-        assert np.array_equal(outs[0][k], outs[1][k]), k
 
 
 @two_threads

@@ -8,12 +8,12 @@ change of operation order, FMA contraction or lane layout in the IR shows up.
 import sys
 from pathlib import Path
 
-import numba
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT, quants
 
 from kernels import dequant, qdot
+from pipeline.threads import numba_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "llm"))
 from test_gguf_dequant import random_blocks  # noqa: E402
@@ -53,14 +53,10 @@ def test_row_range_and_thread_count(qt):
     out = np.full((1, 100), np.nan, np.float32)
     qdot.matvec_range(int(qt), raw, x, out, 10, 30)  # writes only its rows
     assert np.isnan(out[:, :10]).all() and np.isnan(out[:, 30:]).all() and np.isfinite(out[:, 10:30]).all()
-    before = numba.get_num_threads()
-    try:
-        outs = []
-        for n in (1, 2):
-            numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    outs = []
+    for n in (1, 2):
+        with numba_threads(n):
             outs.append(dequant.matvec_rows(int(qt), raw, x))
-    finally:
-        numba.set_num_threads(before)
     np.testing.assert_array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
     np.testing.assert_array_equal(outs[0][:, 10:30], out[:, 10:30])
 
@@ -70,14 +66,10 @@ def test_matvec_many_equals_one_by_one():
                (int(QT.Q6_K), random_blocks(QT.Q6_K, 9, 512, seed=8)),
                (int(QT.Q8_0), random_blocks(QT.Q8_0, 33, 512, seed=9))]
     x = np.random.default_rng(10).standard_normal((2, 512)).astype(np.float32)
-    before = numba.get_num_threads()
-    try:
-        for n in (1, 2):
-            numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    for n in (1, 2):
+        with numba_threads(n):
             for (qt, raw), got in zip(weights, dequant.matvec_many(weights, x)):
                 np.testing.assert_array_equal(got.view(np.uint32), dequant.matvec_rows(qt, raw, x).view(np.uint32))
-    finally:
-        numba.set_num_threads(before)
 
 
 COLD_PROBE = """

@@ -3,12 +3,12 @@ several tiles per call, bitwise across thread counts and tile-to-thread assignme
 import sys
 from pathlib import Path
 
-import numba
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT, quants
 
 from kernels import qgemm
+from pipeline.threads import numba_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "llm"))
 from test_gguf_dequant import random_blocks  # noqa: E402
@@ -67,14 +67,10 @@ def test_bitwise_across_thread_counts(qt, small_tiles):
     r = np.random.default_rng(5)
     x = r.standard_normal((33, 768)).astype(np.float32)
     g = r.standard_normal((33, 300)).astype(np.float32)
-    before = numba.get_num_threads()
     outs = []
-    try:
-        for n in (1, 2, 1, 2):
-            numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    for n in (1, 2, 1, 2):
+        with numba_threads(n):
             outs.append((qgemm.matmul_t(int(qt), raw, x, (300, 768)), qgemm.matmul(int(qt), raw, g, (300, 768))))
-    finally:
-        numba.set_num_threads(before)
     for a, b in outs[1:]:
         np.testing.assert_array_equal(a.view(np.uint32), outs[0][0].view(np.uint32))
         np.testing.assert_array_equal(b.view(np.uint32), outs[0][1].view(np.uint32))

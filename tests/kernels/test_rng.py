@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from kernels import rng
+from pipeline.threads import numba_threads
 
 # Golden values: never regenerate these; a change here breaks every checkpoint.
 GOLDEN_AT = {
@@ -91,9 +92,8 @@ def test_thread_count_independent():
         pytest.skip("needs 2 numba threads")
     outs = []
     for n in (1, 2):
-        numba.set_num_threads(n)
-        outs.append(rng.gaussian(5, (300_001,)))
-    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        with numba_threads(n):
+            outs.append(rng.gaussian(5, (300_001,)))
     assert np.array_equal(outs[0], outs[1])
 
 

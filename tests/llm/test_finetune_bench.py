@@ -9,12 +9,16 @@ from pipeline.bench import finetune as bench
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_bench_rows_on_the_tiny_fixture():
+def _rows(*flags):
+    """bench.run on the tiny committed fixture at sequence 16, one step, with `flags`."""
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
-    args = p.parse_args(["--model", os.path.join(ROOT, "tests", "fixtures", "qwen3-mini-q8_0.gguf"),
-                         "--seq", "16", "--steps", "1", "--threads", "0", "--no-torch", "--no-trainers"])
-    rows = bench.run(args)
+    return bench.run(p.parse_args(["--model", os.path.join(ROOT, "tests", "fixtures", "qwen3-mini-q8_0.gguf"),
+                                   "--seq", "16", "--steps", "1", *flags]))
+
+
+def test_bench_rows_on_the_tiny_fixture():
+    rows = _rows("--threads", "0", "--no-torch", "--no-trainers")
     assert [r["case"] for r in rows] == ["step/in-process"]
     assert all(r["ms"] > 0 and r["peak_rss_mb"] > 0 and r["supervised_tok_s"] > 0 for r in rows)
 
@@ -22,22 +26,14 @@ def test_bench_rows_on_the_tiny_fixture():
 @pytest.mark.parity
 @pytest.mark.needs("torch")
 def test_bench_torch_baseline_and_cpu_times_on_the_tiny_fixture():
-    p = argparse.ArgumentParser()
-    bench.add_arguments(p)
-    args = p.parse_args(["--model", os.path.join(ROOT, "tests", "fixtures", "qwen3-mini-q8_0.gguf"),
-                         "--seq", "16", "--steps", "1", "--threads", "0", "--no-trainers"])
-    rows = bench.run(args)
+    rows = _rows("--threads", "0", "--no-trainers")
     for r in rows:
         assert r["baselines"]["torch_f32"] > 0 and r["baseline_cpu_ms"]["torch_f32"] > 0 and r["cpu_ms"] > 0
         assert "CPU" in r["notes"]
 
 
 def test_trainers_row_reports_each_trainer_processes_own_peak_rss():
-    p = argparse.ArgumentParser()
-    bench.add_arguments(p)
-    args = p.parse_args(["--model", os.path.join(ROOT, "tests", "fixtures", "qwen3-mini-q8_0.gguf"),
-                         "--seq", "16", "--steps", "1", "--threads", "2", "--no-torch"])
-    rows = bench.run(args)
+    rows = _rows("--threads", "2", "--no-torch")
     pool_row = rows[-1]
     assert pool_row["case"] == "window accum2/trainers 2"
     # a live child's peak is not in RUSAGE_CHILDREN: the workers send their own VmHWM

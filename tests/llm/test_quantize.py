@@ -2,7 +2,6 @@
 import ctypes
 from pathlib import Path
 
-import numba
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -10,6 +9,7 @@ from gguf.quants import dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from kernels.quantize import BLOCK, quantize, to_bf16_bits, to_f16
+from pipeline.threads import numba_threads
 
 GOLDENS = Path(__file__).resolve().parent.parent / "goldens" / "quant" / "quant_goldens.npz"
 QTYPES = {"q8_0": QT.Q8_0, "q4_k": QT.Q4_K, "q5_k": QT.Q5_K, "q6_k": QT.Q6_K}
@@ -78,14 +78,10 @@ def test_decoded_values_are_close_to_the_input(qtype, rel_rmse):
 @pytest.mark.parametrize("qtype", list(QTYPES))
 def test_bytes_do_not_depend_on_thread_count(qtype):
     x = np.random.default_rng(5).standard_normal((300, 256)).astype(np.float32)  # > 1 chunk of blocks
-    before = numba.get_num_threads()
-    try:
-        numba.set_num_threads(1)
+    with numba_threads(1):
         one = quantize(x, qtype)
-        numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    with numba_threads(2):
         two = quantize(x, qtype)
-    finally:
-        numba.set_num_threads(before)
     np.testing.assert_array_equal(one, two)
 
 

@@ -89,11 +89,10 @@ def matmul_t(qtype: int, raw, x: np.ndarray, shape) -> np.ndarray:
     return matmul_t_many([(qtype, raw, shape)], x)[0]
 
 
-def matmul_t_many(weights, x: np.ndarray, also=()) -> list:
+def matmul_t_many(weights, x: np.ndarray) -> list:
     """[x @ W.T for (qtype, raw, shape) in weights] (weights sharing an input: q/k/v, gate/up),
     all tiles in one dispatch so the threads stay busy to the end. Each output is the same
-    as matmul_t's for that weight alone. `also`: independent zero-argument jobs (a LoRA
-    adapter's thin products) queued after the tiles, where they fill the dispatch's tail."""
+    as matmul_t's for that weight alone."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     # For up to ~200 rows OpenBLAS runs W @ xT (both operands contiguous, no transpose flags)
     # faster than x @ W.T, even counting the copy of the [rows, N] result back into place
@@ -127,20 +126,17 @@ def matmul_t_many(weights, x: np.ndarray, also=()) -> list:
         else:
             gemm(x, w.T, out[:, r0:r1])
 
-    _run_with(len(tiles), tile, also)
+    run_tiles(len(tiles), tile)
     return outs
 
 
-def matmul(qtype: int, raw, g: np.ndarray, shape, also=()) -> np.ndarray:
-    """g [N, n_out] f32 @ W -> [N, n_in] f32 (the input gradient of a frozen linear layer);
-    `also` as for matmul_t_many."""
+def matmul(qtype: int, raw, g: np.ndarray, shape) -> np.ndarray:
+    """g [N, n_out] f32 @ W -> [N, n_in] f32 (the input gradient of a frozen linear layer)."""
     n_out, n_in = shape
     g = np.ascontiguousarray(g, dtype=np.float32)
     if g.ndim != 2 or g.shape[1] != n_out:
         raise ValueError(f"qgemm.matmul: g must be [N, {n_out}] for W {tuple(shape)}, got {g.shape}")
     if qtype == F32:
-        for job in also:
-            job()
         return g @ np.asarray(raw, np.float32)
     raw = _check_raw(qtype, raw, shape)
     kernel, unit, _ = dequant.TILE_KERNELS[qtype]
@@ -153,11 +149,5 @@ def matmul(qtype: int, raw, g: np.ndarray, shape, also=()) -> np.ndarray:
         kernel(raw, w, dequant.HALF_TO_FLOAT, c0 // unit, (c1 + unit - 1) // unit)
         gemm(g, w, out[:, c0:c1])
 
-    _run_with((n_in + cols - 1) // cols, tile, also)
+    run_tiles((n_in + cols - 1) // cols, tile)
     return out
-
-
-def _run_with(n_tiles, tile, also):
-    """tile(i) for i < n_tiles, then the jobs in `also`, as one dispatch."""
-    also = list(also)
-    run_tiles(n_tiles + len(also), lambda i: tile(i) if i < n_tiles else also[i - n_tiles]())

@@ -78,16 +78,12 @@ class Frozen:
             return matmul_nt(x2, self._dense)
         return self.weight.matmul_t(x2)
 
-    def matmul(self, g2, also=()):
+    def matmul(self, g2):
         """g2 [N, out] -> g2 @ W [N, in]: the input gradient of x @ W.T (a quantized
-        weight is dequantized tile by tile inside the GEMM, never as a whole).
-        `also`: independent jobs run in the same thread dispatch (or after it)."""
+        weight is dequantized tile by tile inside the GEMM, never as a whole)."""
         if self._dense is not None:
-            out = matmul_nn(g2, self._dense)
-            for job in also:
-                job()
-            return out
-        return self.weight.matmul(g2, also=also)
+            return matmul_nn(g2, self._dense)
+        return self.weight.matmul(g2)
 
     def rows(self, ids):
         """Dense f32 rows W[ids] (embedding lookup) without dequantizing the whole table."""
@@ -102,59 +98,35 @@ def adapted_linears(x, ws, adapters=None):
     adapters: per weight None or (LoraAdapter, dropout seed). Each output is ONE node,
     y = x @ W.T + scale * dropout(x) @ A.T @ B.T, with parents (x, A, B) (or x alone):
     W is a constant, so only x and the adapter receive gradients. Quantized weights
-    share one tile dispatch to the threads, and the adapters' thin products ride in it
-    as extra jobs (forward, and backward beside g @ W), filling the dispatch's tail
-    instead of running alone afterwards. The grouping never changes the bits."""
+    share one tile dispatch to the threads (the same bits as one call per weight)."""
     adapters = list(adapters) if adapters is not None else [None] * len(ws)
     lead = x.shape[:-1]
     x2 = np.ascontiguousarray(x.data, dtype=np.float32).reshape(-1, ws[0].shape[1])
-    deltas = [None] * len(ws)
-
-    def delta_job(j):
-        adapter, seed = adapters[j]
-        keep = keep_mask_or_none(seed, x2.shape, adapter.dropout)  # here: the mask kernels are not for pool threads
-
-        def job():
-            deltas[j] = lora_forward(x2, adapter.lora_a.data, adapter.lora_b.data, adapter.scale, keep)
-        return job
-
-    jobs = [delta_job(j) for j in range(len(ws)) if adapters[j] is not None]
     if all(w._dense is None and isinstance(w.weight, FrozenWeight) for w in ws):
-        ys = matmul_t_many([w.weight for w in ws], x2, also=jobs)
+        ys = matmul_t_many([w.weight for w in ws], x2)
     else:
         ys = [w.matmul_t(x2) for w in ws]
-        for job in jobs:
-            job()
-    return [_adapted_node(x, x2, w, y, adapter, delta, lead)
-            for w, y, adapter, delta in zip(ws, ys, adapters, deltas)]
+    return [_adapted_node(x, x2, w, y, adapter, lead) for w, y, adapter in zip(ws, ys, adapters)]
 
 
-def _adapted_node(x, x2, w, y, adapter, delta, lead):
+def _adapted_node(x, x2, w, y, adapter, lead):
     n_out = w.shape[0]
     if adapter is None:
         return Tensor.make(y.reshape(*lead, n_out), (x,),
                            lambda g: (w.matmul(g.reshape(-1, n_out)).reshape(x.shape),), "frozen_linear")
     ad, seed = adapter
     a, b = ad.lora_a, ad.lora_b
-    d, h = delta
+    d, h = lora_forward(x2, a.data, b.data, ad.scale, keep_mask_or_none(seed, x2.shape, ad.dropout))
     y += d  # y is this call's own product array: the bits of y + d
 
     def backward(g):
         g2 = np.ascontiguousarray(g, dtype=np.float32).reshape(-1, n_out)
         keep = keep_mask_or_none(seed, x2.shape, ad.dropout)  # regenerated from its seed, never stored
-        lora = []
-
-        def job():
-            lora.extend(lora_backward(g2, x2, h, a.data, b.data, ad.scale, keep,
-                                      x.requires_grad, a.requires_grad, b.requires_grad))
-        gx = None
+        gx, ga, gb = lora_backward(g2, x2, h, a.data, b.data, ad.scale, keep,
+                                   x.requires_grad, a.requires_grad, b.requires_grad)
         if x.requires_grad:
-            gx = w.matmul(g2, also=[job])
-            gx += lora[0]
-            gx = gx.reshape(x.shape)
-        else:
-            job()
-        return gx, lora[1], lora[2]
+            gx = (w.matmul(g2) + gx).reshape(x.shape)  # frozen part first: the order of the sum
+        return gx, ga, gb
 
     return Tensor.make(y.reshape(*lead, n_out), (x, a, b), backward, "adapted_linear")
 

@@ -104,43 +104,36 @@ class FrozenWeight:
             y = qgemm.matmul_t(int(self.format.qtype), self.raw, x2, self.shape)
         return y.reshape(*np.shape(x)[:-1], self.shape[0])
 
-    def matmul(self, g, also=()):
+    def matmul(self, g):
         """g [..., n_out] f32 -> g @ W [..., n_in] f32: the input gradient of x @ W.T.
 
         Tiled (kernels/qgemm.py): W is dequantized a few columns at a time into a
-        per-thread buffer, never as a whole; bitwise independent of the thread count.
-        `also`: independent jobs run in the same thread dispatch (qgemm.matmul)."""
+        per-thread buffer, never as a whole; bitwise independent of the thread count."""
         import numpy as np
         from kernels import qgemm
         g2 = np.asarray(g, dtype=np.float32).reshape(-1, self.shape[0])
-        y = qgemm.matmul(int(self.format.qtype), self.raw, g2, self.shape, also=also)
+        y = qgemm.matmul(int(self.format.qtype), self.raw, g2, self.shape)
         return y.reshape(*np.shape(g)[:-1], self.shape[1])
 
     def __repr__(self):
         return f"FrozenWeight({self.name!r}, {self.format.name}, {self.shape})"
 
 
-def matmul_t_many(weights: list, x, also=()) -> list:
+def matmul_t_many(weights: list, x) -> list:
     """[w.matmul_t(x) for w in weights], for weights that share their input (q/k/v, gate/up),
     in one dispatch to the threads: the tiled GEMM for many rows of x (kernels/qgemm.py),
     the fused matvec for a few rows through block or 16-bit weights (dequant.matvec_many).
-    The results equal the one-by-one calls bit for bit. `also`: independent jobs that ride
-    in the tiled dispatch (elsewhere they run on the caller, after the products)."""
+    The results equal the one-by-one calls bit for bit."""
     import numpy as np
     from kernels import dequant, qgemm
     x2 = np.asarray(x, dtype=np.float32).reshape(-1, weights[0].shape[1])
     few = x2.shape[0] <= FrozenWeight.FUSED_MAX_ROWS
     if any(w.llama_numerics or w.shape[1] != x2.shape[1] or (few and w.format.qtype == QT.F32) for w in weights):
-        ys = [w.matmul_t(x) for w in weights]
-        for job in also:
-            job()
-        return ys
+        return [w.matmul_t(x) for w in weights]
     if few:
         ys = dequant.matvec_many([(int(w.format.qtype), w.raw) for w in weights], x2)
-        for job in also:
-            job()
     else:
-        ys = qgemm.matmul_t_many([(int(w.format.qtype), w.raw, w.shape) for w in weights], x2, also=also)
+        ys = qgemm.matmul_t_many([(int(w.format.qtype), w.raw, w.shape) for w in weights], x2)
     return [y.reshape(*np.shape(x)[:-1], w.shape[0]) for w, y in zip(weights, ys)]
 
 

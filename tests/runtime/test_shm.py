@@ -87,8 +87,11 @@ CHILD = textwrap.dedent("""
 
 @pytest.mark.parametrize("how", ["sigterm", "sigint", "fatal"])
 def test_child_unlinks_on_sigterm_ctrl_c_and_fatal_error(run_id, how):
+    # A shell without job control starts background jobs with SIGINT ignored, and children inherit that: the
+    # child gets Ctrl-C's default disposition (KeyboardInterrupt) whatever shell started pytest.
     p = subprocess.Popen([sys.executable, "-c", CHILD, run_id, how], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert p.stdout.readline().strip() == b"ready"
     if how != "fatal":
         assert len(shm.run_segments(run_id)) == 1

@@ -74,10 +74,10 @@ def test_fused_matches_composed(rand, chunk_rows, reduction):
             loss = ag.cross_entropy(ag.linear(x, w), labels, reduction=reduction, label_smoothing=0.05)
         loss.backward(up)
         res.append((loss.data, x.grad, w.grad))
+    # No bitwise claim: the fused path multiplies only the supervised rows, and a BLAS may pick another kernel
+    # (another summation order) for another row count -- OpenBLAS does, one ulp apart on this shape.
     for a, b in zip(*res):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    if chunk_rows is None:  # one GEMM on both paths: identical logits, bitwise-equal loss
-        np.testing.assert_array_equal(res[0][0], res[1][0])
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

@@ -466,7 +466,8 @@ def matmul_nt(a, b):
     a = _check_gemm("matmul_nt", a, b, 1, 1)
     m, n = a.shape[0], b.shape[0]
     if 2 * m * n * a.shape[1] < TILED_MIN_FLOPS:
-        return a @ b.T
+        with single_thread_blas():
+            return a @ b.T
     width = _tile_width(n)
     out = np.empty((m, n), np.float32)
 
@@ -483,7 +484,8 @@ def matmul_nn(a, b):
     a = _check_gemm("matmul_nn", a, b, 1, 0)
     m, n = a.shape[0], b.shape[1]
     if 2 * m * n * a.shape[1] < TILED_MIN_FLOPS:
-        return a @ b
+        with single_thread_blas():
+            return a @ b
     width = _tile_width(n)
     out = np.empty((m, n), np.float32)
 

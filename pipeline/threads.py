@@ -4,26 +4,35 @@ Each worker process calls `pin_threads(n)` first thing, so N workers on an
 N-core machine do not oversubscribe the cores. The environment variables only
 take effect before numpy/numba load their thread pools, so `pin_threads` both
 sets them (for children) and limits the already-loaded pools.
+
+`n` is the number of compute threads: numba's and the kernel pool's
+(kernels/workpool.py), which split work on grids fixed by the shapes, so the
+bits never depend on n. BLAS is always held at ONE thread: multi-threaded
+OpenBLAS sums in a thread-count-dependent order (on AMD EPYC a 384x512 float32
+product differs in the last bits between 1 and 2 threads), and the big
+products run as single-threaded BLAS tiles on our own threads instead.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 
-_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
-        "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS", "NUMBA_NUM_THREADS")
+_ENV = ("OMP_NUM_THREADS", "NUMEXPR_NUM_THREADS", "NUMBA_NUM_THREADS")
+_BLAS_ENV = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
 
 
 def pin_env(n: int, env=None):
-    """Return (or update) an environment dict with every thread knob set to n."""
+    """Return (or update) an environment dict with every compute-thread knob set to n (BLAS's to 1)."""
     env = os.environ if env is None else env
     for k in _ENV:
         env[k] = str(int(n))
+    for k in _BLAS_ENV:
+        env[k] = "1"
     return env
 
 
 def pin_threads(n: int):
-    """Limit BLAS and numba to n threads in this process (and its children).
+    """numba (and the kernel pool) at n threads, BLAS at one, in this process (and its children).
 
     NUMBA_NUM_THREADS is only written before numba is imported: numba reads it
     once, and changing it afterwards makes its next compile fail. After import,
@@ -36,11 +45,11 @@ def pin_threads(n: int):
     for k in _ENV:
         if k != "NUMBA_NUM_THREADS" or not numba_loaded:
             os.environ[k] = str(n)
-    try:
-        from threadpoolctl import threadpool_limits
-        threadpool_limits(n)
-    except ImportError:  # pragma: no cover - threadpoolctl is a dependency
-        pass
+    for k in _BLAS_ENV:
+        os.environ[k] = "1"
+    from threadpoolctl import threadpool_limits
+    threadpool_limits(1, user_api="blas")
+    threadpool_limits(n, user_api="openmp")
     import numba
     numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
     return n

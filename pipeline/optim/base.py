@@ -19,6 +19,7 @@ import math
 import ml_dtypes
 import numpy as np
 
+from kernels.workpool import single_thread_blas
 from pipeline.autograd.tensor import Tensor
 from pipeline.errors import ConfigMismatchError, DTypeMismatchError, UserError
 
@@ -238,15 +239,19 @@ class Optimizer:
         return g
 
     def step(self):
-        """Update every registered parameter that has a gradient (others are skipped)."""
-        for slot in self.slots:
-            g = self._grad(slot)
-            if g is None:
-                continue
-            w = slot.weights()
-            slot.step += 1
-            self._update(slot, w.reshape(-1), g.reshape(-1))
-            slot.publish()
+        """Update every registered parameter that has a gradient (others are skipped).
+
+        BLAS is held at one thread for the step (the updates' products are tiled on our own threads where
+        they are big): multi-threaded BLAS may sum in a thread-count-dependent order."""
+        with single_thread_blas():
+            for slot in self.slots:
+                g = self._grad(slot)
+                if g is None:
+                    continue
+                w = slot.weights()
+                slot.step += 1
+                self._update(slot, w.reshape(-1), g.reshape(-1))
+                slot.publish()
 
     def _update(self, slot, w, g):
         """Apply one step to slot: w (float32 [n], in place), g (float32 [n])."""

@@ -16,8 +16,11 @@ embeddings and output heads are 2-D but must not be orthogonalized: register
 them with `add_fallback_param`.
 
 Trade-off: the reference runs Newton-Schulz in bf16 on GPU; we run it in
-float32 through BLAS (numpy matmul), which is exact enough to pin goldens to
-1e-6 but costs ~5 GEMMs of the matrix size per step.
+float32 through the tiled GEMMs of kernels/nn (single-threaded BLAS per tile on
+a grid fixed by the shape, so the bits do not depend on the thread count:
+multi-threaded OpenBLAS does not promise that, and on AMD EPYC it measurably
+differs), exact enough to pin goldens to 1e-6 but ~5 GEMMs of the matrix size
+per step.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import math
 import numpy as np
 
 from kernels import optim as K
+from kernels.nn import matmul_nn, matmul_nt
 
 from .adamw import AdamW
 from .base import Optimizer, OptimizerConfigError, check_range, f32, new_state, state_dtype_name
@@ -43,9 +47,9 @@ def newton_schulz5(G, steps=5):
     norm = np.float32(math.sqrt(K.sum_squares(X)))
     X = X / (norm + np.float32(1e-7))
     for _ in range(steps):
-        A = X @ X.T
-        B = b * A + (c * A) @ A  # the reference's operator order: c * A @ A == (c*A) @ A
-        X = a * X + B @ X
+        A = matmul_nt(X, X)
+        B = b * A + matmul_nn(c * A, A)  # the reference's operator order: c * A @ A == (c*A) @ A
+        X = a * X + matmul_nn(B, X)
     return X.T if tall else X
 
 

@@ -16,11 +16,8 @@ from pipeline.train.trainer_state import TrainerState
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 REPLAY = """
 import sys
-from threadpoolctl import threadpool_limits
-import numba
-threads = int(sys.argv[3])
-threadpool_limits(threads)
-numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+from pipeline.threads import pin_threads
+pin_threads(int(sys.argv[3]))  # the project's thread knob: numba and kernel-pool threads (BLAS held at one)
 from pipeline.autograd import Tensor
 from pipeline.models.spirals import SpiralsMLP, make_spirals
 from pipeline.train.checkpoint import load_checkpoint, step_dir
@@ -66,7 +63,7 @@ def test_the_gate_catches_a_broken_resume(tmp_path, name, sabotage):
 
 @pytest.mark.parametrize("name", ["groups"])
 def test_resume_in_another_process_with_two_threads_is_bit_exact(tmp_path, name):
-    """The checkpoint carries everything: a new interpreter (2 BLAS/numba threads) replays the same bits."""
+    """The checkpoint carries everything: a new interpreter with 2 compute threads replays the same bits."""
     run_recipe(RECIPES[name], tmp_path, steps=20)
     run = tmp_path / name
     subprocess.run([sys.executable, "-c", REPLAY, name, str(run), "2"], cwd=ROOT, check=True, timeout=300)

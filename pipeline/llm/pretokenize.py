@@ -43,17 +43,24 @@ DEEPSEEK_LLM_REGEXES = (
     "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
     "\\p{N}+",
 )
-DEEPSEEK_CODER_REGEXES = ("[\r\n]", "\\s?\\p{L}+", "\\s?\\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", "\\p{N}")
+DEEPSEEK_CODER_REGEXES = ("[\r\n]", "\\s?\\p{L}+", "\\s?\\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
+                          "\\p{N}")
 FALCON_REGEXES = ("[\\p{P}\\$\\+<=>\\^~\\|`]+", GPT2_REGEX, "[0-9][0-9][0-9]")
 
-# The original regexes of the models' tokenizer.json (what a Unicode regex engine would run), for tests and
-# for training fixture vocabularies with Hugging Face `tokenizers`.
+# What a Unicode regex engine (Hugging Face `tokenizers`' Split, Oniguruma) runs to cut text the same way, for
+# tests and for training fixture vocabularies: the models' tokenizer.json originals where llama.cpp rewrote
+# them (as scanners, or GPT-2's without its final |\s+), llama.cpp's own lists where it runs them as regexes.
+_GPT2_ORIGINAL = GPT2_REGEX + r"|\s+"
 REFERENCE_REGEXES = {
-    "gpt-2": GPT2_REGEX,
+    "gpt-2": (_GPT2_ORIGINAL,),
     "llama-bpe": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                  r"|\s*[\r\n]+|\s+(?!\S)|\s+"),
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+",),
     "qwen2": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-              r"|\s*[\r\n]+|\s+(?!\S)|\s+"),
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+",),
+    "starcoder": (r"\p{N}", _GPT2_ORIGINAL),   # StarCoder's Digits(individual_digits) + GPT-2's ByteLevel regex
+    "deepseek-llm": DEEPSEEK_LLM_REGEXES,
+    "deepseek-coder": DEEPSEEK_CODER_REGEXES,
+    "falcon": FALCON_REGEXES,
 }
 
 
@@ -113,8 +120,8 @@ def _contraction(s: str, pos: int, fold_case: bool) -> int:
     if s[pos] != "'" or pos + 1 >= n:
         return 0
     nxt = s[pos + 1:pos + 3]
-    if fold_case:
-        nxt = nxt.lower() if nxt.isascii() else nxt
+    if fold_case:   # per character; no non-ASCII character lowercases to one of these ASCII letters
+        nxt = "".join(c.lower() if c.isascii() else c for c in nxt)
     if nxt[:1] in ("s", "t", "m", "d"):
         return 2
     return 3 if pos + 2 < n and nxt in ("re", "ve", "ll") else 0

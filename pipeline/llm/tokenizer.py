@@ -23,7 +23,7 @@ from ..errors import UserError
 from .pretokenize import PRE_TOKENIZERS, REFERENCE_REGEXES
 
 # the Qwen2 tokenizer.json split regex (what tools/make_tiny_qwen3.py trains its fixture vocabularies with)
-QWEN2_PATTERN = REFERENCE_REGEXES["qwen2"]
+QWEN2_PATTERN = REFERENCE_REGEXES["qwen2"][0]
 
 # GGUF token types (gguf.TokenType)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -31,6 +31,65 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 BPE, SPM = "gpt2", "llama"   # tokenizer.ggml.model values
 MODELS = {BPE: "byte-level BPE", SPM: "SentencePiece"}
 SPM_SPACE = "\u2581"
+_C_SPACE = " \t\n\v\f\r"   # C's isspace, what llama.cpp strips next to special tokens
+
+# llama.cpp corrects token types by their text when it loads a vocabulary (llama_vocab::impl::load), which
+# decides what is cut out and when: a special id the GGUF does not give is looked up among these texts and
+# that token becomes CONTROL; end-of-generation texts always become CONTROL; a few become USER_DEFINED.
+_DETECTED_BY_TEXT = {
+    "tokenizer.ggml.eot_token_id": ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                                    "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]",
+                                    "<\uff5cend\u2581of\u2581sentence\uff5c>", "<end_of_utterance>"),
+    "tokenizer.ggml.eom_token_id": ("<|eom_id|>",),
+    "tokenizer.ggml.fim_pre_token_id": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>",
+                                        "<\uff5cfim\u2581begin\uff5c>", "<PRE>", "\u2581<PRE>", "<|code_prefix|>",
+                                        "<|prefix|>"),
+    "tokenizer.ggml.fim_suf_token_id": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>",
+                                        "<SUF>", "\u2581<SUF>", "<|code_suffix|>", "<|suffix|>"),
+    "tokenizer.ggml.fim_mid_token_id": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>",
+                                        "<MID>", "\u2581<MID>", "<|code_middle|>", "<|middle|>"),
+    "tokenizer.ggml.fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "tokenizer.ggml.fim_rep_token_id": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "tokenizer.ggml.fim_sep_token_id": ("<|file_sep|>",),
+}
+# the GGUF keys llama.cpp also reads for three of them (deprecated names)
+_DEPRECATED_KEYS = {"tokenizer.ggml.fim_pre_token_id": "tokenizer.ggml.prefix_token_id",
+                    "tokenizer.ggml.fim_suf_token_id": "tokenizer.ggml.suffix_token_id",
+                    "tokenizer.ggml.fim_mid_token_id": "tokenizer.ggml.middle_token_id"}
+_END_OF_GENERATION = frozenset((
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~["))
+_ALWAYS_USER_DEFINED = frozenset(("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"))
+
+
+def llama_cpp_token_types(md: dict, tokens: list[str], types: list[int]) -> tuple[list[int], set[int]]:
+    """The token types llama.cpp tokenizes with, and the ids whose following whitespace it strips (RSTRIP).
+
+    Where several tokens carry texts of one detected id, llama.cpp takes the first in its hash map's order;
+    we take the lowest id (it matters only when that token was not CONTROL already)."""
+    types = list(types)
+    ids = {}
+    for i, text in enumerate(tokens):
+        ids.setdefault(text, []).append(i)
+    last_id = {text: found[-1] for text, found in ids.items()}   # llama.cpp's text -> id keeps the last one
+    for key, texts in _DETECTED_BY_TEXT.items():
+        if key in md or _DEPRECATED_KEYS.get(key) in md:
+            continue
+        found = sorted(last_id[t] for t in texts if t in last_id)
+        if found:
+            types[found[0]] = CONTROL
+    for text in _END_OF_GENERATION & last_id.keys():
+        types[last_id[text]] = CONTROL
+    for text in _ALWAYS_USER_DEFINED & last_id.keys():
+        types[last_id[text]] = USER_DEFINED
+    rstrip = set()
+    name = str(md.get("general.name", "")).lower()
+    if "phi-3" in name or "phi3" in name:   # llama.cpp: Phi-3's special tokens eat the whitespace after them
+        rstrip = {i for i, t in enumerate(types) if t in (CONTROL, USER_DEFINED, UNKNOWN)}
+        rstrip |= {last_id[t] for t in ("</s>",) if t in last_id}
+        rstrip -= {last_id[t] for t in ("<unk>", "<s>", "<|endoftext|>") if t in last_id}
+    return types, rstrip
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -64,7 +123,7 @@ class Tokenizer:
 
     def __init__(self, tokens: list[str], types: list[int], merges: list[str], *, bos_id=None, eos_id=None,
                  eot_id=None, pad_id=None, add_bos=False, add_eos=False, model=BPE, pre="qwen2", scores=None,
-                 add_space_prefix=None, source="<tokenizer>"):
+                 add_space_prefix=None, rstrip_ids=(), source="<tokenizer>"):
         if model not in MODELS:
             raise UserError(f"{source}: tokenizer model '{model}' is not supported (supported: "
                             + ", ".join(f"'{m}' ({name})" for m, name in MODELS.items()) + ")")
@@ -75,6 +134,7 @@ class Tokenizer:
         # llama.cpp: only SentencePiece prepends the space when encoding; any model strips it when decoding
         self.add_space_prefix = (model == SPM) if add_space_prefix is None else bool(add_space_prefix)
         self.vocab = {t: i for i, t in enumerate(self.tokens)}   # a repeated text maps to its last id
+        self.rstrip_ids = set(rstrip_ids)
         self.special_ids = {i for i, t in enumerate(self.types) if t in (CONTROL, USER_DEFINED)}
         # the texts cut out before tokenizing, longest first (ties by id: llama.cpp's std::sort leaves them
         # in an unspecified order)
@@ -108,6 +168,7 @@ class Tokenizer:
                             "pass token ids instead of text")
         tokens = md["tokenizer.ggml.tokens"]
         types = md.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))
+        types, rstrip = llama_cpp_token_types(md, tokens, types)
         merges, pre, scores = [], None, None
         if model == BPE:
             pre = md.get("tokenizer.ggml.pre", "default")
@@ -127,7 +188,8 @@ class Tokenizer:
                    pad_id=md.get("tokenizer.ggml.padding_token_id"),
                    add_bos=bool(md.get("tokenizer.ggml.add_bos_token", default_bos)),
                    add_eos=bool(md.get("tokenizer.ggml.add_eos_token", False)), model=model, pre=pre,
-                   scores=scores, add_space_prefix=md.get("tokenizer.ggml.add_space_prefix"), source=str(path))
+                   scores=scores, add_space_prefix=md.get("tokenizer.ggml.add_space_prefix"), rstrip_ids=rstrip,
+                   source=str(path))
 
     # --- encoding -------------------------------------------------------------
     def encode(self, text: str, *, special: bool = True, add_bos: bool | None = None,
@@ -169,6 +231,8 @@ class Tokenizer:
                 for k, part in enumerate(parts):
                     if k:
                         out.append(tid)
+                        if tid in self.rstrip_ids:
+                            part = part.lstrip(_C_SPACE)
                     if part:
                         out.append(part)
             pieces = out

@@ -1,32 +1,100 @@
-"""The byte-level BPE tokenizer of a GGUF (tokenizer.ggml.model "gpt2", qwen2 pre-tokenizer).
+"""The tokenizer of a GGUF, with llama.cpp's ids: byte-level BPE ("gpt2") and SentencePiece ("llama").
 
-Trade-off: Hugging Face `tokenizers` does the heavy lifting (regex split,
-byte-level mapping, merge application in Rust), built from the GGUF's token
-list and merges; this module only reproduces llama.cpp's rules around it so the
-ids are llama.cpp's ids: no Unicode normalisation, special tokens split out
-before BPE (CONTROL tokens only when `special=True`, USER_DEFINED ones always),
-BOS prepended only when the GGUF says so. Decoding maps the byte-level
-characters back to bytes ourselves, so a stream of tokens can be decoded
-incrementally without splitting UTF-8 sequences.
+What llama.cpp (src/llama-vocab.cpp) does, and so what this does:
+- Special tokens are cut out first: CONTROL and UNKNOWN tokens only when `special=True`, USER_DEFINED ones
+  always, longest text first, each one's occurrences left to right (llama.cpp's tokenizer_st_partition).
+- Byte-level BPE: the text between special tokens is split by the GGUF's pre-tokenizer
+  (`tokenizer.ggml.pre`, see pretokenize.py), each word mapped to GPT-2's byte characters and merged by rank.
+  Hugging Face `tokenizers` applies the merges (Rust); the split is ours, because llama.cpp's differs from
+  the tokenizer.json regexes in details that change ids. No Unicode normalisation.
+- SentencePiece (llm_tokenizer_spm): spaces become U+2581, a space is prepended to the text at the start and
+  after every special token (when `tokenizer.ggml.add_space_prefix`, default true), then the adjacent pair of
+  pieces whose concatenation is the highest-scoring token is merged, repeatedly; a character left without a
+  token becomes its UTF-8 bytes' <0xNN> tokens (byte fallback).
+- BOS / EOS are added as the GGUF says (tokenizer.ggml.add_bos_token / add_eos_token), else llama.cpp's default
+  for the model (SentencePiece and Llama 3: BOS; others: nothing).
+Decoding maps tokens back to bytes, so a stream of tokens decodes incrementally without splitting UTF-8.
 """
 from __future__ import annotations
 
+import heapq
 
 from ..errors import UserError
+from .pretokenize import PRE_TOKENIZERS, REFERENCE_REGEXES
 
-# llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2 split pattern (same as Qwen2's tokenizer.json)
-QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# the Qwen2 tokenizer.json split regex (what tools/make_tiny_qwen3.py trains its fixture vocabularies with)
+QWEN2_PATTERN = REFERENCE_REGEXES["qwen2"][0]
 
 # GGUF token types (gguf.TokenType)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
-SUPPORTED_PRE = {"qwen2"}
+BPE, SPM = "gpt2", "llama"   # tokenizer.ggml.model values
+MODELS = {BPE: "byte-level BPE", SPM: "SentencePiece"}
+SPM_SPACE = "\u2581"
+_C_SPACE = " \t\n\v\f\r"   # C's isspace, what llama.cpp strips next to special tokens
+
+# llama.cpp corrects token types by their text when it loads a vocabulary (llama_vocab::impl::load), which
+# decides what is cut out and when: a special id the GGUF does not give is looked up among these texts and
+# that token becomes CONTROL; end-of-generation texts always become CONTROL; a few become USER_DEFINED.
+_DETECTED_BY_TEXT = {
+    "tokenizer.ggml.eot_token_id": ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                                    "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]",
+                                    "<\uff5cend\u2581of\u2581sentence\uff5c>", "<end_of_utterance>"),
+    "tokenizer.ggml.eom_token_id": ("<|eom_id|>",),
+    "tokenizer.ggml.fim_pre_token_id": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>",
+                                        "<\uff5cfim\u2581begin\uff5c>", "<PRE>", "\u2581<PRE>", "<|code_prefix|>",
+                                        "<|prefix|>"),
+    "tokenizer.ggml.fim_suf_token_id": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>",
+                                        "<SUF>", "\u2581<SUF>", "<|code_suffix|>", "<|suffix|>"),
+    "tokenizer.ggml.fim_mid_token_id": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>",
+                                        "<MID>", "\u2581<MID>", "<|code_middle|>", "<|middle|>"),
+    "tokenizer.ggml.fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "tokenizer.ggml.fim_rep_token_id": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "tokenizer.ggml.fim_sep_token_id": ("<|file_sep|>",),
+}
+# the GGUF keys llama.cpp also reads for three of them (deprecated names)
+_DEPRECATED_KEYS = {"tokenizer.ggml.fim_pre_token_id": "tokenizer.ggml.prefix_token_id",
+                    "tokenizer.ggml.fim_suf_token_id": "tokenizer.ggml.suffix_token_id",
+                    "tokenizer.ggml.fim_mid_token_id": "tokenizer.ggml.middle_token_id"}
+_END_OF_GENERATION = frozenset((
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~["))
+_ALWAYS_USER_DEFINED = frozenset(("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"))
+
+
+def llama_cpp_token_types(md: dict, tokens: list[str], types: list[int]) -> tuple[list[int], set[int]]:
+    """The token types llama.cpp tokenizes with, and the ids whose following whitespace it strips (RSTRIP).
+
+    Where several tokens carry texts of one detected id, llama.cpp takes the first in its hash map's order;
+    we take the lowest id (it matters only when that token was not CONTROL already)."""
+    types = list(types)
+    ids = {}
+    for i, text in enumerate(tokens):
+        ids.setdefault(text, []).append(i)
+    last_id = {text: found[-1] for text, found in ids.items()}   # llama.cpp's text -> id keeps the last one
+    for key, texts in _DETECTED_BY_TEXT.items():
+        if key in md or _DEPRECATED_KEYS.get(key) in md:
+            continue
+        found = sorted(last_id[t] for t in texts if t in last_id)
+        if found:
+            types[found[0]] = CONTROL
+    for text in _END_OF_GENERATION & last_id.keys():
+        types[last_id[text]] = CONTROL
+    for text in _ALWAYS_USER_DEFINED & last_id.keys():
+        types[last_id[text]] = USER_DEFINED
+    rstrip = set()
+    name = str(md.get("general.name", "")).lower()
+    if "phi-3" in name or "phi3" in name:   # llama.cpp: Phi-3's special tokens eat the whitespace after them
+        rstrip = {i for i, t in enumerate(types) if t in (CONTROL, USER_DEFINED, UNKNOWN)}
+        rstrip |= {last_id[t] for t in ("</s>",) if t in last_id}
+        rstrip -= {last_id[t] for t in ("<unk>", "<s>", "<|endoftext|>") if t in last_id}
+    return types, rstrip
 
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -40,16 +108,52 @@ def _bytes_to_unicode() -> dict[int, str]:
 BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
 
 
+def _byte_token_value(text: str) -> int | None:
+    """0xNN for a '<0xNN>' token text, else None."""
+    if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+        try:
+            return int(text[3:5], 16)
+        except ValueError:
+            return None
+    return None
+
+
 class Tokenizer:
     """encode(text) -> ids, decode(ids) -> text, plus the special ids (bos/eos/eot)."""
 
     def __init__(self, tokens: list[str], types: list[int], merges: list[str], *, bos_id=None, eos_id=None,
-                 eot_id=None, pad_id=None, add_bos=False, source="<tokenizer>"):
+                 eot_id=None, pad_id=None, add_bos=False, add_eos=False, model=BPE, pre="qwen2", scores=None,
+                 add_space_prefix=None, rstrip_ids=(), source="<tokenizer>"):
+        if model not in MODELS:
+            raise UserError(f"{source}: tokenizer model '{model}' is not supported (supported: "
+                            + ", ".join(f"'{m}' ({name})" for m, name in MODELS.items()) + ")")
         self.tokens, self.types, self.merges, self.source = list(tokens), list(types), list(merges), source
-        self.bos_id, self.eos_id, self.eot_id, self.pad_id, self.add_bos = bos_id, eos_id, eot_id, pad_id, add_bos
-        self.vocab = {t: i for i, t in enumerate(self.tokens)}
+        self.model = model
+        self.bos_id, self.eos_id, self.eot_id, self.pad_id = bos_id, eos_id, eot_id, pad_id
+        self.add_bos, self.add_eos = add_bos, add_eos
+        # llama.cpp: only SentencePiece prepends the space when encoding; any model strips it when decoding
+        self.add_space_prefix = (model == SPM) if add_space_prefix is None else bool(add_space_prefix)
+        self.vocab = {t: i for i, t in enumerate(self.tokens)}   # a repeated text maps to its last id
+        self.rstrip_ids = set(rstrip_ids)
         self.special_ids = {i for i, t in enumerate(self.types) if t in (CONTROL, USER_DEFINED)}
-        self._hf = {}  # special=True/False -> tokenizers.Tokenizer
+        # the texts cut out before tokenizing, longest first (ties by id: llama.cpp's std::sort leaves them
+        # in an unspecified order)
+        cut = [i for i, t in enumerate(self.types) if t in (CONTROL, USER_DEFINED, UNKNOWN)]
+        self._cut_order = sorted(cut, key=lambda i: (-len(self.tokens[i].encode()), i))
+        if model == BPE:
+            if pre not in PRE_TOKENIZERS:
+                raise UserError(f"{source}: pre-tokenizer '{pre}' is not supported (supported: "
+                                f"{', '.join(sorted(PRE_TOKENIZERS))})")
+            self.pre, self._pre = pre, PRE_TOKENIZERS[pre]
+            self._hf = None
+        else:
+            self.pre, self._pre = None, None
+            self.scores = list(scores) if scores is not None else [0.0] * len(self.tokens)
+            self._byte_ids = {}
+            for i, text in enumerate(self.tokens):
+                value = _byte_token_value(text)
+                if value is not None:
+                    self._byte_ids.setdefault(value, self.vocab[text])
 
     @property
     def n_vocab(self) -> int:
@@ -62,63 +166,169 @@ class Tokenizer:
         if model is None or "tokenizer.ggml.tokens" not in md:
             raise UserError(f"{path}: the GGUF has no tokenizer (tokenizer.ggml.model/tokens missing); "
                             "pass token ids instead of text")
-        if model != "gpt2":
-            raise UserError(f"{path}: tokenizer model '{model}' is not supported (only byte-level BPE 'gpt2')")
-        pre = md.get("tokenizer.ggml.pre", "default")
-        if pre not in SUPPORTED_PRE:
-            raise UserError(f"{path}: pre-tokenizer '{pre}' is not supported (supported: {sorted(SUPPORTED_PRE)})")
         tokens = md["tokenizer.ggml.tokens"]
         types = md.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))
-        merges = md.get("tokenizer.ggml.merges")
-        if not merges:
-            raise UserError(f"{path}: tokenizer.ggml.merges is missing; a BPE tokenizer needs its merges")
-        eos = md.get("tokenizer.ggml.eos_token_id")
+        types, rstrip = llama_cpp_token_types(md, tokens, types)
+        merges, pre, scores = [], None, None
+        if model == BPE:
+            pre = md.get("tokenizer.ggml.pre", "default")
+            merges = md.get("tokenizer.ggml.merges")
+            if not merges:
+                raise UserError(f"{path}: tokenizer.ggml.merges is missing; a BPE tokenizer needs its merges")
+        elif model == SPM:
+            scores = md.get("tokenizer.ggml.scores")
         eot = md.get("tokenizer.ggml.eot_token_id")
         if eot is None and "<|im_end|>" in tokens:
             eot = tokens.index("<|im_end|>")
-        return cls(tokens, types, merges, bos_id=md.get("tokenizer.ggml.bos_token_id"), eos_id=eos, eot_id=eot,
+        default_bos = model == SPM or (pre in PRE_TOKENIZERS and PRE_TOKENIZERS[pre].add_bos)
+        # llama.cpp's default ids when the GGUF names none (SentencePiece: <s> = 1, </s> = 2)
+        spm_default = {"bos": 1, "eos": 2} if model == SPM else {}
+        return cls(tokens, types, merges, bos_id=md.get("tokenizer.ggml.bos_token_id", spm_default.get("bos")),
+                   eos_id=md.get("tokenizer.ggml.eos_token_id", spm_default.get("eos")), eot_id=eot,
                    pad_id=md.get("tokenizer.ggml.padding_token_id"),
-                   add_bos=bool(md.get("tokenizer.ggml.add_bos_token", False)), source=str(path))
+                   add_bos=bool(md.get("tokenizer.ggml.add_bos_token", default_bos)),
+                   add_eos=bool(md.get("tokenizer.ggml.add_eos_token", False)), model=model, pre=pre,
+                   scores=scores, add_space_prefix=md.get("tokenizer.ggml.add_space_prefix"), rstrip_ids=rstrip,
+                   source=str(path))
 
     # --- encoding -------------------------------------------------------------
-    def _backend(self, special: bool):
-        if special not in self._hf:
-            from tokenizers import AddedToken, Regex, models, pre_tokenizers
-            from tokenizers import Tokenizer as HFTokenizer
-            merges = [tuple(m.split(" ", 1)) for m in self.merges]
-            tok = HFTokenizer(models.BPE(vocab=self.vocab, merges=merges, ignore_merges=False))
-            tok.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ])
-            split_types = (CONTROL, USER_DEFINED) if special else (USER_DEFINED,)
-            added = [AddedToken(t, special=True, normalized=False) for t, ty in zip(self.tokens, self.types)
-                     if ty in split_types]
-            tok.add_special_tokens(added)
-            self._hf[special] = tok
-        return self._hf[special]
-
-    def encode(self, text: str, *, special: bool = True, add_bos: bool | None = None) -> list[int]:
-        """Token ids of text. special=True parses control tokens like <|im_start|> (llama.cpp parse_special)."""
-        ids = self._backend(special).encode(text, add_special_tokens=False).ids if text else []
+    def encode(self, text: str, *, special: bool = True, add_bos: bool | None = None,
+               add_eos: bool | None = None) -> list[int]:
+        """Token ids of text. special=True parses control tokens like <|im_start|> (llama.cpp parse_special);
+        add_bos / add_eos default to the GGUF's rule."""
+        ids = []
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
-            ids = [self.bos_id] + ids
+            ids.append(self.bos_id)
+        after_special = True   # SentencePiece: the text at the start and after a special token gets a space
+        for piece in self._partition(text, special):
+            if isinstance(piece, int):
+                ids.append(piece)
+                after_special = True
+            elif self.model == BPE:
+                ids += self._encode_bpe(piece)
+            else:
+                ids += self._encode_spm((" " if self.add_space_prefix and after_special else "") + piece)
+                after_special = False
+        if (self.add_eos if add_eos is None else add_eos) and self.eos_id is not None:
+            ids.append(self.eos_id)
         return ids
+
+    def _partition(self, text: str, special: bool) -> list:
+        """text -> [str | special token id]: llama.cpp's tokenizer_st_partition."""
+        pieces = [text] if text else []
+        for tid in self._cut_order:
+            if not special and self.types[tid] in (CONTROL, UNKNOWN):
+                continue
+            cut = self.tokens[tid]
+            if cut not in text:
+                continue
+            out = []
+            for piece in pieces:
+                if isinstance(piece, int) or cut not in piece:
+                    out.append(piece)
+                    continue
+                parts = piece.split(cut)
+                for k, part in enumerate(parts):
+                    if k:
+                        out.append(tid)
+                        if tid in self.rstrip_ids:
+                            part = part.lstrip(_C_SPACE)
+                    if part:
+                        out.append(part)
+            pieces = out
+        return pieces
+
+    def _bpe_backend(self):
+        if self._hf is None:
+            from tokenizers import Tokenizer as HFTokenizer
+            from tokenizers import models, pre_tokenizers
+            pairs = []
+            for m in self.merges:   # llama.cpp splits a merge at its first space after the first character
+                cut = m.find(" ", 1)
+                if cut > 0:
+                    pairs.append((m[:cut], m[cut + 1:]))
+            tok = HFTokenizer(models.BPE(vocab=self.vocab, merges=pairs, ignore_merges=self._pre.ignore_merges))
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+            self._hf = tok
+        return self._hf
+
+    def _encode_bpe(self, text: str) -> list[int]:
+        words = self._pre.split(text)
+        return self._bpe_backend().encode(words, is_pretokenized=True, add_special_tokens=False).ids
+
+    def _encode_spm(self, text: str) -> list[int]:
+        """llm_tokenizer_spm: merge the best-scoring adjacent pair until none is a token; bytes for the rest."""
+        text = text.replace(" ", SPM_SPACE)
+        pieces = list(text)             # one symbol per character; merged symbols become "" on the right
+        nxt = list(range(1, len(pieces))) + [-1]
+        prev = list(range(-1, len(pieces) - 1))
+        heap = []
+
+        def offer(left, right):
+            if left >= 0 and right >= 0:
+                joined = pieces[left] + pieces[right]
+                tid = self.vocab.get(joined)
+                if tid is not None:   # highest score first, then leftmost
+                    heapq.heappush(heap, (-self.scores[tid], left, right, len(joined)))
+
+        for i in range(1, len(pieces)):
+            offer(i - 1, i)
+        while heap:
+            _, left, right, size = heapq.heappop(heap)
+            if not pieces[left] or not pieces[right] or len(pieces[left]) + len(pieces[right]) != size:
+                continue   # one side already merged elsewhere
+            pieces[left] += pieces[right]
+            pieces[right] = ""
+            nxt[left] = nxt[right]
+            if nxt[right] >= 0:
+                prev[nxt[right]] = left
+            offer(prev[left], left)
+            offer(left, nxt[left])
+        ids, i = [], 0
+        while i >= 0 and pieces:
+            tid = self.vocab.get(pieces[i])
+            if tid is not None:
+                ids.append(tid)
+            else:
+                ids += [self._byte_token(b) for b in pieces[i].encode()]
+            i = nxt[i]
+        return ids
+
+    def _byte_token(self, value: int) -> int:
+        tid = self._byte_ids.get(value)
+        if tid is None:
+            tid = self.vocab.get(chr(value)) if value < 0x80 else None
+        if tid is None:
+            raise UserError(f"{self.source}: the vocabulary has no token for byte 0x{value:02X} "
+                            f"(no <0x{value:02X}> byte-fallback token)")
+        return tid
 
     # --- decoding -------------------------------------------------------------
     def token_bytes(self, token_id: int, *, special: bool = False) -> bytes:
-        """The bytes a token stands for; control tokens give b'' unless special=True."""
+        """The bytes a token stands for (llama.cpp's token_to_piece); control tokens give b'' unless special."""
         if not 0 <= token_id < self.n_vocab:
             raise UserError(f"{self.source}: token id {token_id} is outside the vocabulary (0..{self.n_vocab - 1})")
         text, ty = self.tokens[token_id], self.types[token_id]
-        if ty == CONTROL:
+        if ty in (CONTROL, UNKNOWN):
             return text.encode() if special else b""
-        if ty in (USER_DEFINED, UNUSED):
+        if ty == USER_DEFINED:
             return text.encode()
+        if ty == BYTE:
+            value = _byte_token_value(text)
+            return bytes([value]) if value is not None else b""
+        if ty != NORMAL:
+            return b""
+        if self.model == SPM:
+            return text.replace(SPM_SPACE, " ").encode()
         return bytes(BYTE_DECODER.get(c, 0x3F) for c in text)
 
     def decode(self, ids, *, special: bool = False) -> str:
-        return b"".join(self.token_bytes(int(i), special=special) for i in ids).decode("utf-8", errors="replace")
+        """The text of a whole sequence; like llama.cpp's detokenize, the first token loses the space that
+        add_space_prefix put in front of it (without llama.cpp's optional clean-up of spaces)."""
+        pieces = [self.token_bytes(int(i), special=special) for i in ids]
+        if pieces and self.add_space_prefix and pieces[0].startswith(b" "):
+            pieces[0] = pieces[0][1:]
+        return b"".join(pieces).decode("utf-8", errors="replace")
 
     def stream(self, *, special: bool = False) -> "StreamDecoder":
         return StreamDecoder(self, special)
@@ -127,7 +337,8 @@ class Tokenizer:
         return token_id in (self.eos_id, self.eot_id)
 
     def __repr__(self):
-        return f"Tokenizer({self.n_vocab} tokens, {len(self.merges)} merges, from {self.source})"
+        kind = f"{MODELS[self.model]}, pre-tokenizer {self.pre}" if self.model == BPE else MODELS[self.model]
+        return f"Tokenizer({self.n_vocab} tokens, {kind}, from {self.source})"
 
 
 class StreamDecoder:
@@ -153,9 +364,4 @@ class StreamDecoder:
         return text
 
 
-def tokenizer_json(tok: Tokenizer) -> str:
-    """The tokenizer as a Hugging Face tokenizer.json string (for inspection and export)."""
-    return tok._backend(True).to_str()
-
-
-__all__ = ["Tokenizer", "StreamDecoder", "QWEN2_PATTERN", "tokenizer_json"]
+__all__ = ["Tokenizer", "StreamDecoder", "QWEN2_PATTERN"]

@@ -37,7 +37,7 @@ _NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.i
 U32, STRING, ARRAY, U64 = 4, 8, 9, 10
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
-MAX_ELEMENTS = 2**63 - 1  # a tensor's element count must fit ggml's int64 ne
+MAX_ELEMENTS = 2**63 - 1  # a tensor's elements must fit ggml's int64 ne, its bytes numpy's intp
 # The fewest bytes one entry can take, to bound a count by the bytes left before looping over it.
 _MIN_KV_BYTES = 8 + 4 + 1             # key length, value type, a 1-byte value
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, n_dims (0), type, offset
@@ -169,9 +169,11 @@ class GGUFFile:
             if name in tensors:
                 raise _Malformed(f"{where} appears twice")
             type_name, block, size = _block_geometry(where, ttype)
+            # Even beside a zero dim (no elements), numpy refuses dims whose product or bytes pass int64.
+            extent = math.prod(d or 1 for d in dims)
+            if extent > MAX_ELEMENTS or -(-extent // block) * size > MAX_ELEMENTS:
+                raise _Malformed(f"{where} has dims {dims}: more than 2^63 - 1 elements or bytes")
             n = math.prod(dims)
-            if n > MAX_ELEMENTS:
-                raise _Malformed(f"{where} has dims {dims}: {n} elements, more than 2^63 - 1")
             row = dims[0] if dims else 1
             if row % block:
                 raise _Malformed(f"{where} has rows of {row} elements (ne[0]), "

@@ -55,14 +55,15 @@ class TrainerState:
         for name, kind in (("step", int), ("accum_steps", int)):
             value = getattr(self, name)
             if not isinstance(value, kind) or isinstance(value, bool):
-                raise CheckpointError(f"{source}: field {name!r} must be an integer, got {value!r}")
+                raise CheckpointError(f"{source}: field {name!r} must be an integer, got {brief(value)}")
         if not 0 <= self.step < 2**63:
             raise CheckpointError(f"{source}: field 'step' must be >= 0 and < 2^63, got {self.step}")
         if not 1 <= self.accum_steps < 2**63:
             raise CheckpointError(f"{source}: field 'accum_steps' must be >= 1 and < 2^63, got {self.accum_steps}")
         for name in ("seeds", "loader", "schedule", "config"):
             if not isinstance(getattr(self, name), dict):
-                raise CheckpointError(f"{source}: field {name!r} must be a JSON object, got {getattr(self, name)!r}")
+                value = getattr(self, name)
+                raise CheckpointError(f"{source}: field {name!r} must be a JSON object, got {brief(value)}")
         for key, seed in self.seeds.items():
             # the counter RNG (kernels/rng.py) takes a seed as a uint64
             if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:

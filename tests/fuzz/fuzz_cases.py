@@ -62,6 +62,58 @@ def small_gguf() -> bytes:
     return gguf_bytes(kvs, tensors, data)
 
 
+_WIDTHS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def gguf_fields(data: bytes) -> list[tuple[int, int]]:
+    """(offset, width) of every integer field of a VALID GGUF's header: counts, lengths, value and tensor
+    types, scalar values, dims, offsets. Overwriting one of them is how most malformed files are malformed."""
+    fields, pos = [], 4
+
+    def field(width):
+        nonlocal pos
+        fields.append((pos, width))
+        pos += width
+        return int.from_bytes(data[pos - width:pos], "little")
+
+    def skip_string():
+        nonlocal pos
+        length = field(8)  # (read before `pos +=` loads pos)
+        pos += length
+
+    def skip_value(vtype):
+        if vtype == STRING:
+            skip_string()
+        elif vtype == ARRAY:
+            etype, count = field(4), field(8)
+            for _ in range(count):
+                skip_value(etype)
+        else:
+            field(_WIDTHS[vtype])
+
+    field(4)
+    n_tensors, n_kv = field(8), field(8)
+    for _ in range(n_kv):
+        skip_string()
+        skip_value(field(4))
+    for _ in range(n_tensors):
+        skip_string()
+        for _ in range(field(4)):
+            field(8)
+        field(4)
+        field(8)
+    return fields
+
+
+def set_fields(data: bytes, fields, edits) -> bytes:
+    """Overwrite fields[i] (offset, width) with value % 2^(8 width), for each (i, value) in edits."""
+    buf = bytearray(data)
+    for i, value in edits:
+        offset, width = fields[i % len(fields)]
+        buf[offset:offset + width] = (value % 2 ** (8 * width)).to_bytes(width, "little")
+    return bytes(buf)
+
+
 def small_safetensors(path) -> bytes:
     """A valid state-dict file (f32, bf16, i64 and an empty tensor) written by save_state_dict."""
     import ml_dtypes

@@ -131,7 +131,30 @@ def test_header_length_is_bounded_by_the_file(files):
     assert issubclass(SafetensorsError, CheckpointError)
 
 
-# --- property tests --------------------------------------------------------------------------------
+# --- systematic and property tests ---------------------------------------------------------------
+
+def edit_fields(header, edits):
+    header = json.loads(json.dumps(header))
+    for name, field, value in edits:
+        if field is None or not isinstance(header.get(name), dict):
+            header[name] = value
+        else:
+            header[name][field] = value
+    return header
+
+
+HOSTILE = [None, True, 0, -1, 1.5, 2**63, 2**64, -2**64, "", "F32", [], {}, [2**64], [-1], [True], [1.5], ["F32"],
+           [0, 2**64], [2**64, 0], [0] * 40, [[0, 24]], {"dtype": "F32"}, "[" * 50]
+
+
+def test_every_field_at_every_hostile_value(files):
+    """Systematic, not sampled: each field of each entry (and each whole entry, and the metadata) replaced by
+    each hostile JSON value in turn."""
+    for name in [*files[2], "new"]:
+        for field in ("dtype", "shape", "data_offsets", None):
+            for value in HOSTILE:
+                read_or_refuse(files[0], file_bytes(edit_fields(files[2], [(name, field, value)]), files[3]))
+
 
 values = st.one_of(st.sampled_from(EDGE_VALUES), st.integers(0, 2**64 - 1))
 byte_edits = st.lists(st.tuples(st.sampled_from(MUTATIONS), st.integers(0, 400), values), min_size=1, max_size=4)
@@ -144,16 +167,6 @@ json_values = st.recursive(
 field_edits = st.lists(st.tuples(st.sampled_from(["w", "b", "step", "empty", "__metadata__", "new"]),
                                  st.sampled_from(["dtype", "shape", "data_offsets", None]), json_values),
                        min_size=1, max_size=3)
-
-
-def edit_fields(header, edits):
-    header = json.loads(json.dumps(header))
-    for name, field, value in edits:
-        if field is None or not isinstance(header.get(name), dict):
-            header[name] = value
-        else:
-            header[name][field] = value
-    return header
 
 
 @QUICK

@@ -19,3 +19,11 @@ class ConfigMismatchError(CheckpointError):
 
 class DTypeMismatchError(CheckpointError):
     """A stored tensor's dtype differs from the configured one (never silently converted)."""
+
+
+class GGUFError(UserError):
+    """A GGUF file is malformed (truncated, inconsistent header, bad tensor table): names the file and field."""
+
+
+class SafetensorsError(CheckpointError):
+    """A safetensors file is malformed (header, dtype, shape or offsets): names the file and tensor."""

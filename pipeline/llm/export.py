@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from gguf.gguf_writer import GGUFValue
 from pipeline.errors import CheckpointError, UserError
 from pipeline.train.checkpoint import latest_checkpoint, read_sentinel
 from pipeline.train.state_dict import atomic_write_bytes, read_safetensors, save_state_dict
+from pipeline.untrusted import brief
 
 from .gguf_write import DENSE, GGUFTensor, encode, read_gguf, write_gguf
 
@@ -38,7 +40,7 @@ GGUF_TENSOR = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
                "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
 PEFT_MODULE = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
                "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
-_NAME = re.compile(r"^layers\.(\d+)\.([a-z]+)\.lora_([ab])$")
+_NAME = re.compile(r"^layers\.(\d{1,9})\.([a-z]+)\.lora_([ab])$")  # bounded: int() refuses 4300+ digits
 
 QUANTIZED_BASE_REFUSAL = (
     "merging into a quantized base would dequantize -> merge -> re-encode and compound the quantization error, "
@@ -147,8 +149,9 @@ def resolve_alpha(alpha, adapters: Adapters) -> float:
             raise UserError(f"{source}: alpha must be a number, got {alpha!r}") from None
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise UserError(f"{source}: alpha must be a number, got {type(alpha).__name__} {alpha!r}")
-    if not math.isfinite(alpha) or alpha <= 0:
-        raise UserError(f"{source}: alpha must be a positive finite number, got {alpha!r}")
+    too_big = isinstance(alpha, int) and abs(alpha) > sys.float_info.max  # math.isfinite would raise OverflowError
+    if too_big or not math.isfinite(alpha) or alpha <= 0:
+        raise UserError(f"{source}: alpha must be a positive finite number, got {brief(alpha)}")
     return float(alpha)
 
 

@@ -24,9 +24,11 @@ import json
 import numpy as np
 
 from ..errors import CheckpointError, ConfigMismatchError, DTypeMismatchError
+from ..untrusted import brief, parse_json
 from .state_dict import read_safetensors, save_state_dict
 
 FORMAT = "fucina.optimizer_state/1"
+_MAX_STATE_DEPTH = 64  # an OptimizerSet of Muons with fallbacks nests a handful of levels
 _TENSOR_REF = "__tensor__"
 
 
@@ -56,8 +58,9 @@ def _join(value, tensors, source):
     if isinstance(value, dict):
         if set(value) == {_TENSOR_REF}:
             name = value[_TENSOR_REF]
-            if name not in tensors:
-                raise CheckpointError(f"{source}: state refers to tensor {name!r}, which is not in the file")
+            if not isinstance(name, str) or name not in tensors:
+                raise CheckpointError(f"{source}: state refers to tensor {brief(name)}, which is not in the file "
+                                      "(or is referred to twice)")
             return tensors.pop(name)
         return {key: _join(v, tensors, source) for key, v in value.items()}
     if isinstance(value, list):
@@ -97,15 +100,14 @@ def read_optimizer(path) -> dict:
     tensors, meta = read_safetensors(path)
     if meta.get("format") != FORMAT or "state" not in meta:
         raise CheckpointError(f"{path}: not a Fucina optimizer state file (metadata 'format' is {meta.get('format')!r})")
-    try:
-        skeleton = json.loads(meta["state"])
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: corrupt optimizer state metadata ({e})") from None
+    # bounded nesting: _join recurses once per level, as the decoder does
+    skeleton = parse_json(meta["state"], f"{path}: corrupt optimizer state metadata", CheckpointError,
+                          max_depth=_MAX_STATE_DEPTH)
     state = _join(skeleton, tensors, str(path))
     if tensors:
         raise CheckpointError(f"{path}: tensors not referenced by the optimizer state: {', '.join(sorted(tensors))}")
-    if not isinstance(state, dict) or "type" not in state:
-        raise CheckpointError(f"{path}: corrupt optimizer state metadata (no 'type')")
+    if not isinstance(state, dict) or not isinstance(state.get("type"), str):
+        raise CheckpointError(f"{path}: corrupt optimizer state metadata (field 'type' is not a string)")
     return state
 
 
@@ -134,5 +136,5 @@ def load_optimizer(path, opt) -> None:
         opt.load_state_dict(state)
     except CheckpointError as e:
         raise type(e)(f"{path}: {e}") from None
-    except (KeyError, ValueError, TypeError) as e:  # a state the optimizer could not even parse
+    except (KeyError, ValueError, TypeError, AttributeError, IndexError) as e:  # a state it could not even parse
         raise CheckpointError(f"{path}: optimizer state does not fit {type(opt).__name__} ({type(e).__name__}: {e})") from None

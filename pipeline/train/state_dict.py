@@ -18,6 +18,7 @@ into a target of another dtype is an error, never a silent conversion.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import zlib
@@ -28,7 +29,8 @@ import ml_dtypes
 import numpy as np
 
 from ..autograd import Tensor, named_parameters
-from ..errors import CheckpointError, DTypeMismatchError
+from ..errors import CheckpointError, DTypeMismatchError, SafetensorsError
+from ..untrusted import brief, parse_json
 
 # safetensors dtype tag <-> numpy dtype (bf16 through ml_dtypes).
 DTYPES = {
@@ -48,6 +50,11 @@ DTYPES = {
 }
 _TAGS = {dt: tag for tag, dt in DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors spec's own header limit
+# A header is {name: {"dtype", "shape": [...], "data_offsets": [...]}}: three levels deep; the rest is slack.
+_MAX_HEADER_DEPTH = 8
+_ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
+_MAX_DIMS = 32  # numpy 1.26's limit on an array's dimensions
+_MAX_ARRAY_BYTES = 2**63 - 1  # numpy's index type (intp) bounds an array's size in bytes
 # safetensors has no checksum; ours goes in the metadata (JSON {name: crc32})
 # so a flipped data byte is caught. Files from other tools simply lack it.
 CRC_KEY = "fucina.crc32"
@@ -156,12 +163,47 @@ def save_state_dict(path, tensors, metadata: dict[str, str] | None = None) -> No
     atomic_write(path, write)
 
 
+def _is_index(value) -> bool:
+    """A non-negative JSON integer (JSON true/false parse as bool, a subclass of int: refused)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _entry_layout(where, entry, data_len):
+    """One header entry -> (dtype, shape, begin, end), every field checked before it is used."""
+    if not isinstance(entry, dict) or not _ENTRY_FIELDS <= entry.keys():
+        raise SafetensorsError(
+            f"{where}: corrupt header entry {brief(entry)} (needs {', '.join(sorted(_ENTRY_FIELDS))})")
+    tag, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not (isinstance(tag, str) and tag in DTYPES):
+        raise SafetensorsError(f"{where}: field 'dtype' is {brief(tag)}, not one of {', '.join(DTYPES)}")
+    if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(_is_index(d) for d in shape)):
+        raise SafetensorsError(f"{where}: field 'shape' is {brief(shape)}, not a list of at most {_MAX_DIMS} "
+                               "non-negative integers")
+    dtype = DTYPES[tag]
+    # Python integers: no overflow. A zero dim makes the product 0, yet numpy refuses dims whose non-zero
+    # product overflows its index type, so that product is bounded too.
+    if math.prod(d for d in shape if d) * dtype.itemsize > _MAX_ARRAY_BYTES:
+        raise SafetensorsError(f"{where}: field 'shape' {brief(shape)} is too large for an array")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_index(o) for o in offsets)):
+        raise SafetensorsError(f"{where}: field 'data_offsets' is {brief(offsets)}, not [begin, end]")
+    begin, end = offsets
+    if end - begin != nbytes:
+        raise SafetensorsError(f"{where}: data offsets [{begin}, {end}] do not fit {tag}{shape} ({nbytes} bytes)")
+    if end > data_len:
+        raise SafetensorsError(f"{where}: truncated file (tensor data ends at byte {end}, file data has {data_len})")
+    return dtype, shape, begin, end
+
+
 def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Read and fully validate a safetensors file -> ({name: array}, metadata).
 
-    Any defect (missing, truncated, bad header, unknown dtype, offsets that do
-    not match the shape, CRC mismatch) raises CheckpointError naming the file
-    (and tensor). The arrays are writable views into one buffer holding the file.
+    Any defect (missing, truncated, a header length past the file, a header
+    that is not JSON or nests too deep, an unknown dtype, a shape that is not
+    a list of non-negative integers, offsets that do not match the shape or
+    overlap, a CRC mismatch) raises SafetensorsError naming the file (and the
+    tensor and field). The arrays are writable views into one buffer holding
+    the file.
     """
     path = Path(path)
     try:
@@ -172,57 +214,45 @@ def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
     blob = blob[:got]  # a file that shrank while we read it
     if len(blob) < 8:
-        raise CheckpointError(f"{path}: truncated safetensors file ({len(blob)} bytes, no header)")
+        raise SafetensorsError(f"{path}: truncated safetensors file ({len(blob)} bytes, no header)")
     (header_len,) = struct.unpack("<Q", blob[:8].tobytes())
     if header_len > _MAX_HEADER or 8 + header_len > len(blob):
-        raise CheckpointError(
+        raise SafetensorsError(
             f"{path}: truncated or corrupt safetensors file (header claims {header_len} bytes, file has {len(blob) - 8})")
     try:
-        header = json.loads(blob[8:8 + header_len].tobytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+        text = blob[8:8 + header_len].tobytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SafetensorsError(f"{path}: corrupt safetensors header ({e})") from None
+    header = parse_json(text, f"{path}: corrupt safetensors header", SafetensorsError, max_depth=_MAX_HEADER_DEPTH)
     if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
-    metadata = header.pop("__metadata__", None) or {}
+        raise SafetensorsError(f"{path}: corrupt safetensors header (not a JSON object)")
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise CheckpointError(f"{path}: corrupt safetensors metadata (must map str -> str)")
-    try:
-        crcs = json.loads(metadata.pop(CRC_KEY, "{}"))
-    except json.JSONDecodeError:
-        crcs = None
+        raise SafetensorsError(f"{path}: corrupt safetensors metadata (must map str -> str)")
+    crcs = parse_json(metadata.pop(CRC_KEY, "{}"), f"{path}: corrupt safetensors metadata {CRC_KEY!r}",
+                      SafetensorsError, max_depth=1)
     if not isinstance(crcs, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors metadata ({CRC_KEY})")
+        raise SafetensorsError(f"{path}: corrupt safetensors metadata ({CRC_KEY})")
     body = blob[8 + header_len:]
     tensors, spans = {}, []
     for name, entry in header.items():
         where = f"{path}: tensor {name!r}"
-        try:
-            tag, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            raise CheckpointError(f"{where}: corrupt header entry {entry!r}") from None
-        if tag not in DTYPES:
-            raise CheckpointError(f"{where}: unsupported dtype {tag!r}")
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-            raise CheckpointError(f"{where}: corrupt shape {shape!r}")
-        dtype = DTYPES[tag]
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end) or end - begin != nbytes:
-            raise CheckpointError(f"{where}: data offsets [{begin}, {end}] do not fit {tag}{shape} ({nbytes} bytes)")
-        if end > len(body):
-            raise CheckpointError(f"{where}: truncated file (tensor data ends at byte {end}, file data has {len(body)})")
+        dtype, shape, begin, end = _entry_layout(where, entry, len(body))
         if name in crcs and zlib.crc32(body[begin:end]) != crcs[name]:
-            raise CheckpointError(f"{where}: corrupt data (CRC32 mismatch)")
+            raise SafetensorsError(f"{where}: corrupt data (CRC32 mismatch)")
         tensors[name] = body[begin:end].view(dtype).reshape(shape)  # a writable view: no copy
         spans.append((begin, end, name))
     # The spec's layout: tensors tile the data exactly, no gaps, no overlaps (so no two views alias).
     covered = 0
     for begin, end, name in sorted(spans):
         if begin != covered:
-            raise CheckpointError(f"{path}: tensor {name!r}: data offsets [{begin}, {end}] "
-                                  f"{'overlap the previous tensor' if begin < covered else 'leave a gap'}")
+            raise SafetensorsError(f"{path}: tensor {name!r}: data offsets [{begin}, {end}] "
+                                   f"{'overlap the previous tensor' if begin < covered else 'leave a gap'}")
         covered = end
     if covered != len(body):
-        raise CheckpointError(f"{path}: corrupt safetensors file ({len(body) - covered} stray bytes after the tensor data)")
+        raise SafetensorsError(
+            f"{path}: corrupt safetensors file ({len(body) - covered} stray bytes after the tensor data)")
     return tensors, metadata
 
 

@@ -20,8 +20,10 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from ..errors import CheckpointError
+from ..untrusted import brief, parse_json
 
 FORMAT = "fucina.trainer_state/1"
+MAX_DEPTH = 64  # the free-form dicts (config, loader, ...) nest a few levels; deeper is not ours
 
 
 @dataclass
@@ -53,17 +55,19 @@ class TrainerState:
         for name, kind in (("step", int), ("accum_steps", int)):
             value = getattr(self, name)
             if not isinstance(value, kind) or isinstance(value, bool):
-                raise CheckpointError(f"{source}: field {name!r} must be an integer, got {value!r}")
-        if self.step < 0:
-            raise CheckpointError(f"{source}: field 'step' must be >= 0, got {self.step}")
-        if self.accum_steps < 1:
-            raise CheckpointError(f"{source}: field 'accum_steps' must be >= 1, got {self.accum_steps}")
+                raise CheckpointError(f"{source}: field {name!r} must be an integer, got {brief(value)}")
+        if not 0 <= self.step < 2**63:
+            raise CheckpointError(f"{source}: field 'step' must be >= 0 and < 2^63, got {self.step}")
+        if not 1 <= self.accum_steps < 2**63:
+            raise CheckpointError(f"{source}: field 'accum_steps' must be >= 1 and < 2^63, got {self.accum_steps}")
         for name in ("seeds", "loader", "schedule", "config"):
             if not isinstance(getattr(self, name), dict):
-                raise CheckpointError(f"{source}: field {name!r} must be a JSON object, got {getattr(self, name)!r}")
+                value = getattr(self, name)
+                raise CheckpointError(f"{source}: field {name!r} must be a JSON object, got {brief(value)}")
         for key, seed in self.seeds.items():
-            if not isinstance(seed, int) or isinstance(seed, bool):
-                raise CheckpointError(f"{source}: seed {key!r} must be an integer, got {seed!r}")
+            # the counter RNG (kernels/rng.py) takes a seed as a uint64
+            if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:
+                raise CheckpointError(f"{source}: seed {key!r} must be an integer in [0, 2^64), got {brief(seed)}")
 
     def require_boundary(self, source: str = "checkpoint") -> None:
         """Refuse a state in the middle of an accumulation window."""
@@ -80,10 +84,7 @@ class TrainerState:
 
     @classmethod
     def from_json(cls, text: str, source: str = "trainer_state.json") -> "TrainerState":
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{source}: not valid JSON ({e})") from None
+        raw = parse_json(text, source, CheckpointError, max_depth=MAX_DEPTH)
         if not isinstance(raw, dict):
             raise CheckpointError(f"{source}: expected a JSON object")
         if raw.get("format") != FORMAT:

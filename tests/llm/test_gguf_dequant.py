@@ -123,3 +123,49 @@ def test_kernels_work_in_a_forked_child_after_the_parent_used_threads():
     finally:
         numba.set_num_threads(prev)
     np.testing.assert_array_equal(parent, child)
+
+
+# --- llama.cpp-quantized models in the new formats ------------------------------
+
+LLAMA_KINDS = {"Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0", "Q5_1": "Q5_1", "Q2_K": "Q2_K", "Q3_K_M": "Q3_K",
+               "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS"}  # llama.cpp ftype -> the format it is mostly made of
+
+
+@pytest.fixture(scope="module")
+def llama_f32_model(tmp_path_factory):
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import make_tiny_qwen3 as mk
+    return mk.write_gguf(tmp_path_factory.mktemp("fmt") / "untied-f32.gguf", mk.SHAPES["untied"], seed=11)
+
+
+@pytest.mark.parity
+@pytest.mark.needs("llama_cpp")
+@pytest.mark.parametrize("ftype", list(LLAMA_KINDS))
+def test_llama_cpp_quantized_model_reads_exactly_and_matches_its_logits(llama_f32_model, tmp_path, ftype):
+    """llama_model_quantize writes the model in `ftype`: every block tensor dequantizes element-exact
+    against gguf-py, and our logits (llama-numerics mode) match llama.cpp's within test_parity_llama's
+    bounds for rounded activations, greedy text equal up to a near-tie of llama.cpp's own logits."""
+    import ctypes
+
+    import llama_cpp
+    from test_parity_llama import TEXT, check_relative, compare, near_tie_at_divergence
+
+    from pipeline.llm.tokenizer import Tokenizer
+    path = tmp_path / f"{ftype}.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    assert llama_cpp.llama_model_quantize(str(llama_f32_model).encode(), str(path).encode(), ctypes.byref(params)) == 0
+    gg, seen = GGUFFile(path), set()
+    for name in gg.tensor_names:
+        w = gg.weight(name)
+        if w.format.quantized:
+            seen.add(w.format.name)
+            np.testing.assert_array_equal(w.dequantize(), quants.dequantize(np.asarray(w.raw), w.format.qtype),
+                                          err_msg=name)
+    assert LLAMA_KINDS[ftype] in seen, seen
+    ref, ours, theirs, greedy = compare(path, ftype)
+    check_relative(ref, ours)
+    if greedy != theirs:
+        ids = Tokenizer.from_gguf(gg).encode(TEXT)
+        assert near_tie_at_divergence(path, ids, greedy, theirs, ftype, 2 * np.abs(ref - ours).max())

@@ -69,7 +69,7 @@ def test_f16_ragged_columns(small_tiles):
     np.testing.assert_allclose(qgemm.matmul_t(int(QT.F16), raw, x, (70, 100)), x @ w.T, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.BF16], ids=lambda q: q.name)
+@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.BF16, QT.Q5_0, QT.Q2_K, QT.IQ4_XS], ids=lambda q: q.name)
 def test_bitwise_across_thread_counts(qt, small_tiles):
     raw, _ = weight(qt, 300, 768, seed=4)
     r = np.random.default_rng(5)

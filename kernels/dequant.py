@@ -23,12 +23,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .qblocks import store_bf16, store_f16, store_q4_0, store_q4_k, store_q5_k, store_q6_k, store_q8_0
+from .qblocks import (store_bf16, store_f16, store_iq4_nl, store_iq4_xs, store_q2_k, store_q3_k, store_q4_0,
+                      store_q4_1, store_q4_k, store_q5_0, store_q5_1, store_q5_k, store_q6_k, store_q8_0)
 from .workpool import run_dynamic, split_range
 
 # qtype ids (gguf GGMLQuantizationType) handled here
-F32, F16, Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 8, 12, 13, 14, 30
-_BLOCK = {Q4_0: (32, 18), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16 = 0, 1, 2, 3, 6, 7, 8, 30
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 10, 11, 12, 13, 14, 20, 23
 ROW_CHUNK = 16  # fewest rows worth a thread of their own
 
 HALF_TO_FLOAT = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
@@ -61,6 +62,57 @@ def _dq_q4_0(raw, out, lut, b0, b1):
 
 
 @njit(cache=True, nogil=True)
+def _dq_q4_1(raw, out, lut, b0, b1):
+    for r in range(raw.shape[0]):
+        b, y = raw[r], out[r]
+        for blk in range(b0, b1):
+            o = blk * 20
+            store_q4_1(y, b, o, (blk - b0) * 32, _half(lut, b, o), _half(lut, b, o + 2))
+
+
+@njit(cache=True, nogil=True)
+def _dq_q5_0(raw, out, lut, b0, b1):
+    for r in range(raw.shape[0]):
+        b, y = raw[r], out[r]
+        for blk in range(b0, b1):
+            store_q5_0(y, b, blk * 22, (blk - b0) * 32, _half(lut, b, blk * 22))
+
+
+@njit(cache=True, nogil=True)
+def _dq_q5_1(raw, out, lut, b0, b1):
+    for r in range(raw.shape[0]):
+        b, y = raw[r], out[r]
+        for blk in range(b0, b1):
+            o = blk * 24
+            store_q5_1(y, b, o, (blk - b0) * 32, _half(lut, b, o), _half(lut, b, o + 2))
+
+
+@njit(cache=True, nogil=True)
+def _dq_iq4_nl(raw, out, lut, b0, b1):
+    for r in range(raw.shape[0]):
+        b, y = raw[r], out[r]
+        for blk in range(b0, b1):
+            store_iq4_nl(y, b, blk * 18, (blk - b0) * 32, _half(lut, b, blk * 18))
+
+
+@njit(cache=True, nogil=True)
+def _dq_q2_k(raw, out, lut, b0, b1):
+    for r in range(raw.shape[0]):
+        b, y = raw[r], out[r]
+        for blk in range(b0, b1):
+            o = blk * 84
+            store_q2_k(y, b, o, (blk - b0) * 256, _half(lut, b, o + 80), _half(lut, b, o + 82))
+
+
+@njit(cache=True, nogil=True)
+def _dq_q3_k(raw, out, lut, b0, b1):
+    for r in range(raw.shape[0]):
+        b, y = raw[r], out[r]
+        for blk in range(b0, b1):
+            store_q3_k(y, b, blk * 110, (blk - b0) * 256, _half(lut, b, blk * 110 + 108))
+
+
+@njit(cache=True, nogil=True)
 def _dq_q4_k(raw, out, lut, b0, b1):
     for r in range(raw.shape[0]):
         b, y = raw[r], out[r]
@@ -84,6 +136,14 @@ def _dq_q6_k(raw, out, lut, b0, b1):
         b, y = raw[r], out[r]
         for blk in range(b0, b1):
             store_q6_k(y, b, blk * 210, (blk - b0) * 256, _half(lut, b, blk * 210 + 208))
+
+
+@njit(cache=True, nogil=True)
+def _dq_iq4_xs(raw, out, lut, b0, b1):
+    for r in range(raw.shape[0]):
+        b, y = raw[r], out[r]
+        for blk in range(b0, b1):
+            store_iq4_xs(y, b, blk * 136, (blk - b0) * 256, _half(lut, b, blk * 136))
 
 
 @njit(cache=True, nogil=True)
@@ -112,8 +172,13 @@ def _dq_bf16(raw, out, lut, b0, b1):
 
 
 # qtype -> (tile kernel, elements per block, bytes per block); F16/BF16 tiles count 32 columns
-TILE_KERNELS = {Q8_0: (_dq_q8_0, 32, 34), Q4_0: (_dq_q4_0, 32, 18), Q4_K: (_dq_q4_k, 256, 144),
-                Q5_K: (_dq_q5_k, 256, 176), Q6_K: (_dq_q6_k, 256, 210), F16: (_dq_f16, 32, 64), BF16: (_dq_bf16, 32, 64)}
+TILE_KERNELS = {Q8_0: (_dq_q8_0, 32, 34), Q4_0: (_dq_q4_0, 32, 18), Q4_1: (_dq_q4_1, 32, 20),
+                Q5_0: (_dq_q5_0, 32, 22), Q5_1: (_dq_q5_1, 32, 24), IQ4_NL: (_dq_iq4_nl, 32, 18),
+                Q2_K: (_dq_q2_k, 256, 84), Q3_K: (_dq_q3_k, 256, 110), Q4_K: (_dq_q4_k, 256, 144),
+                Q5_K: (_dq_q5_k, 256, 176), Q6_K: (_dq_q6_k, 256, 210), IQ4_XS: (_dq_iq4_xs, 256, 136),
+                F16: (_dq_f16, 32, 64), BF16: (_dq_bf16, 32, 64)}
+# the block formats: qtype -> (elements per block, bytes per block)
+_BLOCK = {qtype: (block, size) for qtype, (_, block, size) in TILE_KERNELS.items() if qtype not in (F16, BF16)}
 
 
 def matvec_half(raw: np.ndarray, x: np.ndarray, bf16: bool = False) -> np.ndarray:

@@ -170,12 +170,133 @@ def _w_q8_0(h, scalars):
     return [h.b.fmul(h.b.sitofp(h.vload(1, o_arg(h), _VB, 2), _VF), h.splat(scalars[0], _VF))]
 
 
-def _w_q4_0(h, scalars):
-    """The Q4_0 block at b[o:]: d * (q - 8); lanes 0..15 the low nibbles of b[o+2:o+18], 16..31 the high."""
+def _nibbles(h, off):
+    """<32 x i8> of the 16 bytes at b[o+off:]: lanes 0..15 their low nibbles, 16..31 their high ones
+    (the element order of every 32-weight block format: Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL, IQ4_XS sub-blocks)."""
     v16b = ir.VectorType(_I8, 16)
-    raw = h.vload(1, o_arg(h), v16b, 2)
-    q = h.b.shuffle_vector(h.bits(raw, 0, 0xF), h.bits(raw, 4, 0xF), ir.Constant(ir.VectorType(_I32, LANES), list(range(32))))
+    raw = h.vload(1, o_arg(h), v16b, off)
+    return h.b.shuffle_vector(h.bits(raw, 0, 0xF), h.bits(raw, 4, 0xF), ir.Constant(ir.VectorType(_I32, LANES), list(range(32))))
+
+
+def _high_bits(h, off):
+    """<32 x i8>: lane l is bit l of the little-endian 32-bit word at b[o+off:], moved to bit 4 (Q5_0/Q5_1's qh)."""
+    v4 = h.vload(1, o_arg(h), ir.VectorType(_I8, 4), off)
+    spread = h.b.shuffle_vector(v4, ir.Constant(v4.type, ir.Undefined),
+                                ir.Constant(ir.VectorType(_I32, LANES), [l // 8 for l in range(LANES)]))
+    bit = h.b.and_(h.b.lshr(spread, ir.Constant(_VB, [l % 8 for l in range(LANES)])), h.bytes_const(1))
+    return h.b.shl(bit, h.bytes_const(4))
+
+
+def _w_q4_0(h, scalars):
+    """The Q4_0 block at b[o:]: d * (q - 8), q the nibbles of b[o+2:o+18]."""
+    q = _nibbles(h, 2)
     return [h.b.fmul(h.splat(scalars[0], _VF), h.b.sitofp(h.b.sub(q, h.bytes_const(8)), _VF))]
+
+
+def _w_q4_1(h, scalars):
+    """The Q4_1 block at b[o:]: (d * q) + m, q the nibbles of b[o+4:o+20]; d, m given."""
+    d, m = scalars
+    q = _nibbles(h, 4)
+    return [h.b.fadd(h.b.fmul(h.splat(d, _VF), h.b.uitofp(q, _VF)), h.splat(m, _VF))]
+
+
+def _w_q5_0(h, scalars):
+    """The Q5_0 block at b[o:]: d * (q - 16), q = nibbles of b[o+6:o+22] | bit l of the word at o+2 as bit 4."""
+    q = h.b.or_(_nibbles(h, 6), _high_bits(h, 2))
+    return [h.b.fmul(h.splat(scalars[0], _VF), h.b.sitofp(h.b.sub(q, h.bytes_const(16)), _VF))]
+
+
+def _w_q5_1(h, scalars):
+    """The Q5_1 block at b[o:]: (d * q) + m, q = nibbles of b[o+8:o+24] | bit l of the word at o+4 as bit 4."""
+    d, m = scalars
+    q = h.b.or_(_nibbles(h, 8), _high_bits(h, 4))
+    return [h.b.fadd(h.b.fmul(h.splat(d, _VF), h.b.uitofp(q, _VF)), h.splat(m, _VF))]
+
+
+def _pair_lanes(h, v16, g):
+    """Lanes 0..15 element g of the <16 x float> v16, lanes 16..31 element g + 1 (two 16-weight sub-blocks)."""
+    return h.b.shuffle_vector(v16, ir.Constant(v16.type, ir.Undefined),
+                              ir.Constant(ir.VectorType(_I32, LANES), [g] * 16 + [g + 1] * 16))
+
+
+def _w_q2_k(h, scalars):
+    """The Q2_K block at b[o:]: (d * (sc & 15)) * q - dmin * (sc >> 4) per 16 weights, sc the bytes at o,
+    q 2-bit fields of the 64 bytes at o+16 (vector 4*half + s: bits 2s of b[o+16+32*half+l])."""
+    d, dmin = scalars
+    v16b, v16f = ir.VectorType(_I8, 16), ir.VectorType(_F32, 16)
+    h.prefetch_block(84)
+    sc = h.vload(1, o_arg(h), v16b, 0)
+    dl = h.b.fmul(h.splat(d, v16f), h.b.uitofp(h.bits(sc, 0, 0xF), v16f))
+    ml = h.b.fmul(h.splat(dmin, v16f), h.b.uitofp(h.bits(sc, 4, 0xF), v16f))
+    out = []
+    for half in range(2):
+        raw = h.vload(1, o_arg(h), _VB, 16 + 32 * half)
+        for s in range(4):
+            g = (half * 4 + s) * 2
+            q = h.b.uitofp(h.bits(raw, 2 * s, 3), _VF)
+            out.append(h.b.fsub(h.b.fmul(_pair_lanes(h, dl, g), q), _pair_lanes(h, ml, g)))
+    return out
+
+
+def _w_q3_k(h, scalars):
+    """The Q3_K block at b[o:]: (d * (s - 32)) * (ql - 4 * !hbit) per 16 weights; ql 2-bit fields of the 64
+    bytes at o+32 (as Q2_K), hbit j of the 32 hmask bytes at o for vector j, the 16 6-bit s packed at o+96."""
+    v8b, v16f = ir.VectorType(_I8, 8), ir.VectorType(_F32, 16)
+    v16b, v16i = ir.VectorType(_I8, 16), ir.VectorType(_I32, 16)
+    h.prefetch_block(110)
+    lo = h.vload(1, o_arg(h), v8b, 96)  # 8 + 4 loads: the block ends at o+110, a 16-byte load would not
+    hi = h.vload(1, o_arg(h), ir.VectorType(_I8, 4), 104)
+    low = h.b.shuffle_vector(lo, ir.Constant(v8b, ir.Undefined), ir.Constant(v16i, list(range(8)) * 2))
+    low = h.b.and_(h.b.lshr(low, ir.Constant(v16b, [0] * 8 + [4] * 8)), ir.Constant(v16b, [0xF] * 16))
+    high = h.b.shuffle_vector(hi, ir.Constant(hi.type, ir.Undefined), ir.Constant(v16i, [0, 1, 2, 3] * 4))
+    high = h.b.and_(h.b.lshr(high, ir.Constant(v16b, [0] * 4 + [2] * 4 + [4] * 4 + [6] * 4)), ir.Constant(v16b, [3] * 16))
+    s = h.b.sub(h.b.or_(low, h.b.shl(high, ir.Constant(v16b, [4] * 16))), ir.Constant(v16b, [32] * 16))
+    dl = h.b.fmul(h.splat(scalars[0], v16f), h.b.sitofp(s, v16f))
+    hmask = h.vload(1, o_arg(h), _VB, 0)
+    out = []
+    for half in range(2):
+        raw = h.vload(1, o_arg(h), _VB, 32 + 32 * half)
+        for t in range(4):
+            j = half * 4 + t
+            minus = h.b.shl(h.b.xor(h.bits(hmask, j, 1), h.bytes_const(1)), h.bytes_const(2))
+            q = h.b.sitofp(h.b.sub(h.bits(raw, 2 * t, 3), minus), _VF)
+            out.append(h.b.fmul(_pair_lanes(h, dl, 2 * j), q))
+    return out
+
+
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml's kvalues_iq4nl
+
+
+def _iq4_values(h, q):
+    """IQ4_VALUES[q] as f32 for a <32 x i8> of nibbles: a tree of selects on q's four bits (portable IR,
+    no gather or byte-shuffle intrinsic), then exact int8 -> f32."""
+    level = [ir.Constant(_VB, [v] * LANES) for v in IQ4_VALUES]
+    for bit in range(4):
+        take_odd = h.b.icmp_unsigned("!=", h.b.and_(q, h.bytes_const(1 << bit)), h.bytes_const(0))
+        level = [h.b.select(take_odd, level[2 * i + 1], level[2 * i]) for i in range(len(level) // 2)]
+    return h.b.sitofp(level[0], _VF)
+
+
+def _w_iq4_nl(h, scalars):
+    """The IQ4_NL block at b[o:]: d * IQ4_VALUES[q], q the nibbles of b[o+2:o+18]."""
+    return [h.b.fmul(h.splat(scalars[0], _VF), _iq4_values(h, _nibbles(h, 2)))]
+
+
+def _w_iq4_xs(h, scalars):
+    """The IQ4_XS block at b[o:]: (d * (s_j - 32)) * IQ4_VALUES[q] per 32 weights, q the nibbles of the 16
+    bytes at o+8+16j, s_j = 4 bits of the bytes at o+4 | 2 bits of the 16-bit word at o+2 as bits 4..5."""
+    v8b, v8f, v8i = ir.VectorType(_I8, 8), ir.VectorType(_F32, 8), ir.VectorType(_I32, 8)
+    v8s = ir.VectorType(ir.IntType(16), 8)
+    h.prefetch_block(136)
+    sl = h.vload(1, o_arg(h), ir.VectorType(_I8, 4), 4)
+    low = h.b.shuffle_vector(sl, ir.Constant(sl.type, ir.Undefined), ir.Constant(v8i, [0, 0, 1, 1, 2, 2, 3, 3]))
+    low = h.b.and_(h.b.lshr(low, ir.Constant(v8b, [0, 4] * 4)), ir.Constant(v8b, [0xF] * 8))
+    sh = h.splat(h.b.load(h.b.bitcast(h.b.gep(h.ptrs[1], [h.b.add(o_arg(h), ir.Constant(_I64, 2))]),
+                                      ir.IntType(16).as_pointer()), align=1), v8s)
+    high = h.b.trunc(h.b.and_(h.b.lshr(sh, ir.Constant(v8s, [2 * j for j in range(8)])), ir.Constant(v8s, [3] * 8)), v8b)
+    s = h.b.sub(h.b.or_(low, h.b.shl(high, ir.Constant(v8b, [4] * 8))), ir.Constant(v8b, [32] * 8))
+    dl = h.b.fmul(h.splat(scalars[0], v8f), h.b.sitofp(s, v8f))
+    return [h.b.fmul(_lane(h, dl, j), _iq4_values(h, _nibbles(h, 8 + 16 * j))) for j in range(8)]
 
 
 def _w_f16(h, scalars):
@@ -221,6 +342,41 @@ def dot_q4_0(typingctx, acc, b, o, x, xo, d):
 
 
 @intrinsic
+def dot_q4_1(typingctx, acc, b, o, x, xo, d, m):
+    return _dot(types.void(acc, b, o, x, xo, d, m), _w_q4_1, 2)
+
+
+@intrinsic
+def dot_q5_0(typingctx, acc, b, o, x, xo, d):
+    return _dot(types.void(acc, b, o, x, xo, d), _w_q5_0, 1)
+
+
+@intrinsic
+def dot_q5_1(typingctx, acc, b, o, x, xo, d, m):
+    return _dot(types.void(acc, b, o, x, xo, d, m), _w_q5_1, 2)
+
+
+@intrinsic
+def dot_q2_k(typingctx, acc, b, o, x, xo, d, dmin):
+    return _dot(types.void(acc, b, o, x, xo, d, dmin), _w_q2_k, 2)
+
+
+@intrinsic
+def dot_q3_k(typingctx, acc, b, o, x, xo, d):
+    return _dot(types.void(acc, b, o, x, xo, d), _w_q3_k, 1)
+
+
+@intrinsic
+def dot_iq4_nl(typingctx, acc, b, o, x, xo, d):
+    return _dot(types.void(acc, b, o, x, xo, d), _w_iq4_nl, 1)
+
+
+@intrinsic
+def dot_iq4_xs(typingctx, acc, b, o, x, xo, d):
+    return _dot(types.void(acc, b, o, x, xo, d), _w_iq4_xs, 1)
+
+
+@intrinsic
 def dot_f16(typingctx, acc, b, o, x, xo):
     return _dot(types.void(acc, b, o, x, xo), _w_f16, 0)
 
@@ -263,6 +419,41 @@ def store_q8_0(typingctx, y, b, o, yo, d):
 @intrinsic
 def store_q4_0(typingctx, y, b, o, yo, d):
     return _store(types.void(y, b, o, yo, d), _w_q4_0, 1)
+
+
+@intrinsic
+def store_q4_1(typingctx, y, b, o, yo, d, m):
+    return _store(types.void(y, b, o, yo, d, m), _w_q4_1, 2)
+
+
+@intrinsic
+def store_q5_0(typingctx, y, b, o, yo, d):
+    return _store(types.void(y, b, o, yo, d), _w_q5_0, 1)
+
+
+@intrinsic
+def store_q5_1(typingctx, y, b, o, yo, d, m):
+    return _store(types.void(y, b, o, yo, d, m), _w_q5_1, 2)
+
+
+@intrinsic
+def store_q2_k(typingctx, y, b, o, yo, d, dmin):
+    return _store(types.void(y, b, o, yo, d, dmin), _w_q2_k, 2)
+
+
+@intrinsic
+def store_q3_k(typingctx, y, b, o, yo, d):
+    return _store(types.void(y, b, o, yo, d), _w_q3_k, 1)
+
+
+@intrinsic
+def store_iq4_nl(typingctx, y, b, o, yo, d):
+    return _store(types.void(y, b, o, yo, d), _w_iq4_nl, 1)
+
+
+@intrinsic
+def store_iq4_xs(typingctx, y, b, o, yo, d):
+    return _store(types.void(y, b, o, yo, d), _w_iq4_xs, 1)
 
 
 @intrinsic

@@ -14,8 +14,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .dequant import BF16, F16, HALF_TO_FLOAT, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, _half
-from .qblocks import LANES, _lane_sum, dot_bf16, dot_f16, dot_q4_0, dot_q4_k, dot_q5_k, dot_q6_k, dot_q8_0
+from .dequant import (BF16, F16, HALF_TO_FLOAT, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K,
+                      Q6_K, Q8_0, _half)
+from .qblocks import (LANES, _lane_sum, dot_bf16, dot_f16, dot_iq4_nl, dot_iq4_xs, dot_q2_k, dot_q3_k, dot_q4_0,
+                      dot_q4_1, dot_q4_k, dot_q5_0, dot_q5_1, dot_q5_k, dot_q6_k, dot_q8_0)
 
 
 @njit(cache=True, nogil=True)
@@ -91,6 +93,104 @@ def _mv_q4_0(raw, x, out, lut, r0, r1):
 
 
 @njit(cache=True, nogil=True)
+def _mv_q4_1(raw, x, out, lut, r0, r1):
+    """Rows r0..r1: raw uint8 [n_rows, row_bytes] Q4_1, x f32 [m, n_cols] -> out f32 [m, n_rows]."""
+    acc = np.empty(LANES, np.float32)
+    for r in range(r0, r1):
+        b = raw[r]
+        for i in range(x.shape[0]):
+            xi = x[i]
+            acc[:] = 0.0
+            for blk in range(xi.shape[0] // 32):
+                dot_q4_1(acc, b, blk * 20, xi, blk * 32, _half(lut, b, blk * 20), _half(lut, b, blk * 20 + 2))
+            out[i, r] = _lane_sum(acc)
+
+
+@njit(cache=True, nogil=True)
+def _mv_q5_0(raw, x, out, lut, r0, r1):
+    """Rows r0..r1: raw uint8 [n_rows, row_bytes] Q5_0, x f32 [m, n_cols] -> out f32 [m, n_rows]."""
+    acc = np.empty(LANES, np.float32)
+    for r in range(r0, r1):
+        b = raw[r]
+        for i in range(x.shape[0]):
+            xi = x[i]
+            acc[:] = 0.0
+            for blk in range(xi.shape[0] // 32):
+                dot_q5_0(acc, b, blk * 22, xi, blk * 32, _half(lut, b, blk * 22))
+            out[i, r] = _lane_sum(acc)
+
+
+@njit(cache=True, nogil=True)
+def _mv_q5_1(raw, x, out, lut, r0, r1):
+    """Rows r0..r1: raw uint8 [n_rows, row_bytes] Q5_1, x f32 [m, n_cols] -> out f32 [m, n_rows]."""
+    acc = np.empty(LANES, np.float32)
+    for r in range(r0, r1):
+        b = raw[r]
+        for i in range(x.shape[0]):
+            xi = x[i]
+            acc[:] = 0.0
+            for blk in range(xi.shape[0] // 32):
+                dot_q5_1(acc, b, blk * 24, xi, blk * 32, _half(lut, b, blk * 24), _half(lut, b, blk * 24 + 2))
+            out[i, r] = _lane_sum(acc)
+
+
+@njit(cache=True, nogil=True)
+def _mv_iq4_nl(raw, x, out, lut, r0, r1):
+    """Rows r0..r1: raw uint8 [n_rows, row_bytes] IQ4_NL, x f32 [m, n_cols] -> out f32 [m, n_rows]."""
+    acc = np.empty(LANES, np.float32)
+    for r in range(r0, r1):
+        b = raw[r]
+        for i in range(x.shape[0]):
+            xi = x[i]
+            acc[:] = 0.0
+            for blk in range(xi.shape[0] // 32):
+                dot_iq4_nl(acc, b, blk * 18, xi, blk * 32, _half(lut, b, blk * 18))
+            out[i, r] = _lane_sum(acc)
+
+
+@njit(cache=True, nogil=True)
+def _mv_q2_k(raw, x, out, lut, r0, r1):
+    """Rows r0..r1: raw uint8 [n_rows, row_bytes] Q2_K, x f32 [m, n_cols] -> out f32 [m, n_rows]."""
+    acc = np.empty(LANES, np.float32)
+    for r in range(r0, r1):
+        b = raw[r]
+        for i in range(x.shape[0]):
+            xi = x[i]
+            acc[:] = 0.0
+            for blk in range(xi.shape[0] // 256):
+                dot_q2_k(acc, b, blk * 84, xi, blk * 256, _half(lut, b, blk * 84 + 80), _half(lut, b, blk * 84 + 82))
+            out[i, r] = _lane_sum(acc)
+
+
+@njit(cache=True, nogil=True)
+def _mv_q3_k(raw, x, out, lut, r0, r1):
+    """Rows r0..r1: raw uint8 [n_rows, row_bytes] Q3_K, x f32 [m, n_cols] -> out f32 [m, n_rows]."""
+    acc = np.empty(LANES, np.float32)
+    for r in range(r0, r1):
+        b = raw[r]
+        for i in range(x.shape[0]):
+            xi = x[i]
+            acc[:] = 0.0
+            for blk in range(xi.shape[0] // 256):
+                dot_q3_k(acc, b, blk * 110, xi, blk * 256, _half(lut, b, blk * 110 + 108))
+            out[i, r] = _lane_sum(acc)
+
+
+@njit(cache=True, nogil=True)
+def _mv_iq4_xs(raw, x, out, lut, r0, r1):
+    """Rows r0..r1: raw uint8 [n_rows, row_bytes] IQ4_XS, x f32 [m, n_cols] -> out f32 [m, n_rows]."""
+    acc = np.empty(LANES, np.float32)
+    for r in range(r0, r1):
+        b = raw[r]
+        for i in range(x.shape[0]):
+            xi = x[i]
+            acc[:] = 0.0
+            for blk in range(xi.shape[0] // 256):
+                dot_iq4_xs(acc, b, blk * 136, xi, blk * 256, _half(lut, b, blk * 136))
+            out[i, r] = _lane_sum(acc)
+
+
+@njit(cache=True, nogil=True)
 def _mv_f16(raw, x, out, lut, r0, r1):
     """Rows r0..r1: raw uint16 [n_rows, n_cols] f16 bits, x f32 [m, n_cols] -> out f32 [m, n_rows].
     Columns past the last whole 32-group are added after the lanes, in order."""
@@ -130,7 +230,9 @@ def _mv_bf16(raw, x, out, lut, r0, r1):
             out[i, r] = total
 
 
-MATVEC = {Q4_K: _mv_q4_k, Q5_K: _mv_q5_k, Q6_K: _mv_q6_k, Q8_0: _mv_q8_0, Q4_0: _mv_q4_0, F16: _mv_f16, BF16: _mv_bf16}
+MATVEC = {Q4_0: _mv_q4_0, Q4_1: _mv_q4_1, Q5_0: _mv_q5_0, Q5_1: _mv_q5_1, Q8_0: _mv_q8_0, IQ4_NL: _mv_iq4_nl,
+          Q2_K: _mv_q2_k, Q3_K: _mv_q3_k, Q4_K: _mv_q4_k, Q5_K: _mv_q5_k, Q6_K: _mv_q6_k, IQ4_XS: _mv_iq4_xs,
+          F16: _mv_f16, BF16: _mv_bf16}
 
 
 def matvec_range(qtype: int, raw: np.ndarray, x: np.ndarray, out: np.ndarray, r0: int, r1: int):

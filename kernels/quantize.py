@@ -1,4 +1,4 @@
-"""ggml block quantizers (Q8_0, Q4_K, Q5_K, Q6_K) and F16/BF16 rounding, byte-exact.
+"""ggml block quantizers (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and F16/BF16 rounding, byte-exact.
 
 Trade-off: these encoders follow llama.cpp's *reference* quantizers (the path
 `llama_model_quantize` takes when no importance matrix is given) operation for
@@ -8,7 +8,11 @@ so a file exported here is indistinguishable from one llama-quantize wrote.
 Every arithmetic step is therefore pinned to float32 explicitly (numba would
 otherwise widen `int * float32` to float64 and change the last bits).
 
-Block layouts (little-endian, fp16 = IEEE half):
+Block layouts (little-endian, fp16 = IEEE half; a "nibble" row holds values j and j+16 of a 32-block):
+    Q4_0  32 values  18 B: d fp16 | qs u8[16] nibbles            x = d * (q - 8)
+    Q4_1  32 values  20 B: d fp16 | m fp16 | qs u8[16]           x = d * q + m
+    Q5_0  32 values  22 B: d fp16 | qh u32 (bit 4 of q) | qs[16] x = d * (q - 16)
+    Q5_1  32 values  24 B: d fp16 | m fp16 | qh u32 | qs[16]     x = d * q + m
     Q8_0  32 values  34 B: d fp16 | qs int8[32]                 x = d * q
     Q4_K 256 values 144 B: d fp16 | dmin fp16 | scales u8[12] | qs u8[128]
     Q5_K 256 values 176 B: d fp16 | dmin fp16 | scales u8[12] | qh u8[32] | qs u8[128]
@@ -27,7 +31,8 @@ QK_K = 256
 CHUNK = 64  # blocks per parallel work item (fixed: independent of thread count)
 
 # qtype -> (values per block, bytes per block)
-BLOCK = {"q8_0": (32, 34), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}
+BLOCK = {"q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "q8_0": (32, 34),
+         "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}
 
 _F0 = np.float32(0.0)
 _F1 = np.float32(1.0)
@@ -35,6 +40,7 @@ _MAGIC = np.float32(12582912.0)  # 1.5 * 2**23: adding it rounds a float32 to an
 _TWO23 = np.float32(8388608.0)
 _TWO24 = np.float32(16777216.0)
 _GROUP_MAX_EPS = np.float32(1e-15)
+_FLT_MAX = np.float32(3.4028234663852886e38)
 
 
 # ---------------------------------------------------------------- scalar helpers
@@ -66,6 +72,19 @@ def _roundf(x):
     if abs(np.float32(x - t)) >= np.float32(0.5):
         t = np.float32(t + (_F1 if x > 0 else -_F1))
     return t
+
+
+@njit(cache=True, inline="always")
+def _c_int8(v):
+    """C's (int8_t)(float) as x86 compilers emit it: truncate toward zero to int32 (cvttss2si; NaN,
+    infinities and values beyond int32 give 0x80000000), keep the low byte. ggml's legacy quantizers
+    convert this way; only an infinite or NaN scaled value (a block of magnitudes below ~2e-38,
+    whose 1/d overflows) ever leaves the int8 range."""
+    if v > -2147483649.0 and v < 2147483648.0:
+        low = np.int64(np.trunc(np.float64(v))) & 0xFF
+    else:
+        low = 0
+    return low - 256 if low > 127 else low
 
 
 @njit(cache=True, inline="always")
@@ -263,6 +282,106 @@ def _q8_0(x, out):
 
 
 @njit(cache=True)
+def _legacy_block(x, off, out, pos, nbits, affine):
+    """One 32-value Q4_0/Q5_0 block (affine False) or Q4_1/Q5_1 block (affine True) of x[off:] into
+    out[pos:], operation for operation as ggml's quantize_row_q{4,5}_{0,1}_ref.
+
+    Symmetric: d = max / -2**(nbits-1) with max the value of largest magnitude, q = (int8)(x/d + 2**(nbits-1)
+    + 0.5) capped at 2**nbits - 1. Affine: d = (max - min) / (2**nbits - 1), m = min, q = (int8)((x - min)/d
+    + 0.5), capped at 15 for Q4_1 only (Q5_1's reference has no cap)."""
+    top = (1 << nbits) - 1
+    head = pos + 2  # past d
+    if affine:
+        lo = _FLT_MAX
+        hi = -_FLT_MAX
+        for j in range(32):
+            v = x[off + j]
+            if v < lo:
+                lo = v
+            if v > hi:
+                hi = v
+        d = np.float32(np.float32(hi - lo) / np.float32(top))
+        shift = lo
+        bias = np.float32(0.5)
+        _put_f16(out, head, lo)
+        head += 2
+    else:
+        amax = _F0
+        hi = _F0
+        for j in range(32):
+            v = x[off + j]
+            if amax < abs(v):
+                amax = abs(v)
+                hi = v
+        d = np.float32(hi / np.float32(-(1 << (nbits - 1))))
+        shift = _F0
+        bias = np.float32((1 << (nbits - 1)) + 0.5)
+    inv = np.float32(_F1 / d) if d != 0 else _F0
+    _put_f16(out, pos, d)
+    capped = not (affine and nbits == 5)
+    qs = head + (4 if nbits == 5 else 0)
+    qh = 0
+    for j in range(16):
+        q0 = _legacy_level(x[off + j], shift, inv, bias, affine, capped, top)
+        q1 = _legacy_level(x[off + j + 16], shift, inv, bias, affine, capped, top)
+        if nbits == 4:
+            out[qs + j] = (q0 | (q1 << 4)) & 0xFF
+        else:
+            out[qs + j] = (q0 & 0xF) | ((q1 & 0xF) << 4)
+            qh |= ((q0 & 0x10) >> 4) << j
+            qh |= ((q1 & 0x10) >> 4) << (j + 16)
+    if nbits == 5:
+        for k in range(4):
+            out[head + k] = (qh >> (8 * k)) & 0xFF
+
+
+@njit(cache=True, inline="always")
+def _legacy_level(v, shift, inv, bias, affine, capped, top):
+    """The stored byte of one value: (uint8) MIN(top, (int8)(scaled + bias)) (Q5_1: no MIN)."""
+    scaled = np.float32(np.float32(v - shift) * inv) if affine else np.float32(v * inv)
+    q = _c_int8(np.float32(scaled + bias))
+    if capped:
+        q = min(top, q)
+    return q & 0xFF
+
+
+@njit(cache=True, parallel=True)
+def _q4_0(x, out):
+    """x: float32[nb*32] -> out: uint8[nb*18]."""
+    nb = x.size // 32
+    for c in prange((nb + CHUNK - 1) // CHUNK):
+        for b in range(c * CHUNK, min(nb, (c + 1) * CHUNK)):
+            _legacy_block(x, b * 32, out, b * 18, 4, False)
+
+
+@njit(cache=True, parallel=True)
+def _q4_1(x, out):
+    """x: float32[nb*32] -> out: uint8[nb*20]."""
+    nb = x.size // 32
+    for c in prange((nb + CHUNK - 1) // CHUNK):
+        for b in range(c * CHUNK, min(nb, (c + 1) * CHUNK)):
+            _legacy_block(x, b * 32, out, b * 20, 4, True)
+
+
+@njit(cache=True, parallel=True)
+def _q5_0(x, out):
+    """x: float32[nb*32] -> out: uint8[nb*22]."""
+    nb = x.size // 32
+    for c in prange((nb + CHUNK - 1) // CHUNK):
+        for b in range(c * CHUNK, min(nb, (c + 1) * CHUNK)):
+            _legacy_block(x, b * 32, out, b * 22, 5, False)
+
+
+@njit(cache=True, parallel=True)
+def _q5_1(x, out):
+    """x: float32[nb*32] -> out: uint8[nb*24]."""
+    nb = x.size // 32
+    for c in prange((nb + CHUNK - 1) // CHUNK):
+        for b in range(c * CHUNK, min(nb, (c + 1) * CHUNK)):
+            _legacy_block(x, b * 32, out, b * 24, 5, True)
+
+
+@njit(cache=True)
 def _pack_k_scales(scales, mins, max_scale, max_min, out, pos):
     """Shared by Q4_K/Q5_K: 6-bit (scale, min) pairs into 12 bytes after d, dmin.
 
@@ -437,7 +556,8 @@ def _q6_k(x, out):
                 qh += 32
 
 
-_KERNELS = {"q8_0": _q8_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}
+_KERNELS = {"q4_0": _q4_0, "q4_1": _q4_1, "q5_0": _q5_0, "q5_1": _q5_1, "q8_0": _q8_0,
+            "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}
 
 
 # ---------------------------------------------------------------- public API
@@ -447,7 +567,7 @@ def quantize(x, qtype):
 
     Returns uint8 (..., n // block_values * block_bytes) — the layout gguf-py's
     writer takes for a quantized tensor. n must be a multiple of the block size
-    (32 for q8_0, 256 for the K-quants); values must be finite.
+    (32 for q4_0/q4_1/q5_0/q5_1/q8_0, 256 for the K-quants); values must be finite.
     """
     qtype = qtype.lower()
     if qtype not in _KERNELS:

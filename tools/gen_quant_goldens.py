@@ -1,14 +1,18 @@
-"""Golden bytes for the quantization encoders, made by llama.cpp's own quantizer.
+"""Golden bytes for the quantization encoders and golden type lists for the `_K_M` mixes, made by llama.cpp.
 
 Usage:  python tools/gen_quant_goldens.py [--out tests/goldens/quant]
 
 For each input case (random gaussian, real-looking small weights with
 outliers, rows and half-rows of zeros, huge outliers, subnormals, constant
-rows) it stores the float32 input and the bytes ggml writes for Q8_0, Q4_K,
-Q5_K, Q6_K (no importance matrix: the path `llama_model_quantize` takes), F16
-and BF16, calling `ggml_quantize_chunk` / `ggml_fp32_to_{fp16,bf16}_row` from
-the libggml-base that llama-cpp-python ships. Our encoders are never called
-here. The generating versions go into meta.json beside the data.
+rows) it stores the float32 input and the bytes ggml writes for Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (no importance matrix: the path
+`llama_model_quantize` takes), F16 and BF16, calling `ggml_quantize_chunk` /
+`ggml_fp32_to_{fp16,bf16}_row` from the libggml-base that llama-cpp-python
+ships (quant_goldens.npz). Then it writes tiny F32 Qwen3 GGUFs
+(tools/make_tiny_qwen3.py) in MIX_SHAPES, quantizes each with
+`llama_model_quantize` to Q4_K_M and Q5_K_M, and records every tensor's
+(name, shape, type) as llama.cpp chose it (mix_types.json). Our encoders and
+planner are never called here. The generating versions go into meta.json.
 """
 from __future__ import annotations
 
@@ -18,11 +22,13 @@ import json
 import os
 import platform
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
-GGML_TYPES = {"q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14}  # enum ggml_type
+GGML_TYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14}  # ggml_type
+MIX_FTYPES = ("Q4_K_M", "Q5_K_M")
 SEED = 20261129
 
 
@@ -84,13 +90,50 @@ def cases(rng) -> dict[str, np.ndarray]:
             "mixed": mixed, "constant": constant}
 
 
+def mix_shapes():
+    """make_tiny_qwen3 shapes whose row lengths reach every branch of the _M mixes: 8 and 9 layers (the
+    "more bits" pattern), ffn rows of 320 (K-quant fallbacks to Q5_0/Q5_1/Q8_0) and 336 (to F16), a
+    tied and an untied output, hidden 320 (output -> Q8_0)."""
+    from make_tiny_qwen3 import Shape
+    return {
+        "untied_ffn320": Shape(hidden=256, layers=8, heads=4, kv_heads=2, head_dim=64, ffn=320, tied=False),
+        "tied_ffn336": Shape(hidden=256, layers=8, heads=4, kv_heads=2, head_dim=64, ffn=336, tied=True),
+        "hidden320": Shape(hidden=320, layers=9, heads=5, kv_heads=1, head_dim=64, ffn=512, tied=False),
+    }
+
+
+def mix_types(workdir: Path) -> dict:
+    """{case: {"layers": n, "tensors": {ftype: [[name, shape, type], ...]}}} as llama_model_quantize writes them."""
+    import llama_cpp
+    from gguf import GGUFReader
+    from make_tiny_qwen3 import write_gguf
+
+    result = {}
+    for case, shape in mix_shapes().items():
+        src = write_gguf(workdir / f"{case}-f32.gguf", shape, seed=1)
+        per_ftype = {}
+        for ftype in MIX_FTYPES:
+            dst = workdir / f"{case}-{ftype}.gguf"
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+            params.nthread = 1
+            if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
+                raise RuntimeError(f"llama_model_quantize {case} -> {ftype} failed")
+            reader = GGUFReader(dst)
+            per_ftype[ftype] = [[t.name, [int(d) for d in reversed(t.shape.tolist())], t.tensor_type.name]
+                                for t in reader.tensors]
+        result[case] = {"layers": shape.layers, "tensors": per_ftype}
+    return result
+
+
 def versions() -> dict:
     import gguf
     import llama_cpp
 
     return {"llama_cpp_python": llama_cpp.__version__, "numpy": np.__version__,
             "gguf": getattr(gguf, "__version__", "0.19"), "python": platform.python_version(),
-            "oracle": "ggml_quantize_chunk / ggml_fp32_to_{fp16,bf16}_row in llama-cpp-python's libggml-base.so",
+            "oracle": "ggml_quantize_chunk / ggml_fp32_to_{fp16,bf16}_row in llama-cpp-python's libggml-base.so; "
+                      "llama_model_quantize for mix_types.json",
             "seed": SEED}
 
 
@@ -113,8 +156,12 @@ def main(argv=None):
         arrays[f"{case}/f16"] = ggml_half(lib, x, "fp16")
         arrays[f"{case}/bf16"] = ggml_half(lib, x, "bf16")
     np.savez_compressed(out / "quant_goldens.npz", **arrays)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    with tempfile.TemporaryDirectory() as work:
+        mixes = mix_types(Path(work))
+    (out / "mix_types.json").write_text(json.dumps(mixes, indent=1) + "\n")
     (out / "meta.json").write_text(json.dumps(versions(), indent=2, sort_keys=True) + "\n")
-    print(f"wrote {len(arrays)} arrays to {out}")
+    print(f"wrote {len(arrays)} arrays and {sum(len(c['tensors']) for c in mixes.values())} type lists to {out}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Writing GGUF files: verbatim re-emit, transcode (f32/f16/bf16/q8_0/q4_k/q5_k/q6_k), raw writes.
+"""Writing GGUF files: verbatim re-emit, transcode (f32/f16/bf16/q4_0/q4_1/q5_0/q5_1/q8_0/q4_k/q5_k/q6_k and
+the q4_k_m/q5_k_m mixes), raw writes.
 
 Trade-off: gguf-py's GGUFWriter does the framing (header, key/values, tensor
 table, aligned data), and we feed it raw bytes only: every key keeps its
@@ -12,7 +13,8 @@ Transcode follows llama-quantize's policy: only matrix weights (n_dims >= 2,
 name `*.weight`, no "norm" in the name) change type; 1-D tensors and norms keep
 theirs; a K-quant target on a row length that is not a multiple of 256 keeps
 the source type (reported); an already-quantized source tensor is re-emitted
-verbatim, never re-quantized. Files are written atomically (temp + fsync +
+verbatim, never re-quantized. The `_k_m` mixes take llama-quantize's per-tensor
+choice instead (pipeline/llm/quant_mix.py), shape fallbacks included. Files are written atomically (temp + fsync +
 rename): a failed export leaves nothing behind.
 """
 from __future__ import annotations
@@ -30,13 +32,17 @@ from gguf.gguf_writer import GGUFValue
 from kernels.quantize import quantize, to_bf16_bits, to_f16
 from pipeline.errors import UserError
 
+from .quant_mix import MIXES, mix_types
+
 DENSE = (QT.F32, QT.F16, QT.BF16)
-TARGETS = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0,
-           "q4_k": QT.Q4_K, "q5_k": QT.Q5_K, "q6_k": QT.Q6_K}
+TARGETS = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q4_0": QT.Q4_0, "q4_1": QT.Q4_1, "q5_0": QT.Q5_0,
+           "q5_1": QT.Q5_1, "q8_0": QT.Q8_0, "q4_k": QT.Q4_K, "q5_k": QT.Q5_K, "q6_k": QT.Q6_K, **MIXES}
 # general.file_type a llama-quantize run with the matching ftype writes
 FILE_TYPES = {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16, "bf16": LlamaFileType.MOSTLY_BF16,
-              "q8_0": LlamaFileType.MOSTLY_Q8_0, "q4_k": LlamaFileType.MOSTLY_Q4_K_S,
-              "q5_k": LlamaFileType.MOSTLY_Q5_K_S, "q6_k": LlamaFileType.MOSTLY_Q6_K}
+              "q4_0": LlamaFileType.MOSTLY_Q4_0, "q4_1": LlamaFileType.MOSTLY_Q4_1, "q5_0": LlamaFileType.MOSTLY_Q5_0,
+              "q5_1": LlamaFileType.MOSTLY_Q5_1, "q8_0": LlamaFileType.MOSTLY_Q8_0, "q4_k": LlamaFileType.MOSTLY_Q4_K_S,
+              "q5_k": LlamaFileType.MOSTLY_Q5_K_S, "q6_k": LlamaFileType.MOSTLY_Q6_K,
+              "q4_k_m": LlamaFileType.MOSTLY_Q4_K_M, "q5_k_m": LlamaFileType.MOSTLY_Q5_K_M}
 QUANTIZATION_VERSION = 2  # ggml's GGML_QNT_VERSION, written by llama-quantize into quantized files
 
 
@@ -213,8 +219,8 @@ def is_matrix_weight(t: GGUFTensor) -> bool:
     return len(t.shape) >= 2 and t.name.endswith(".weight") and "norm" not in t.name
 
 
-def plan_tensor(t: GGUFTensor, target: QT) -> tuple[QT, str]:
-    """(stored type in the output, reason) for one tensor under a transcode to `target`."""
+def plan_tensor(t: GGUFTensor, target: QT, why: str = "converted") -> tuple[QT, str]:
+    """(stored type in the output, reason) for one tensor under a transcode to `target` (`why` if converted)."""
     if not is_matrix_weight(t):
         return t.qtype, "kept: not a matrix weight (1-D, norm, or not *.weight)"
     if t.qtype == target:
@@ -225,7 +231,15 @@ def plan_tensor(t: GGUFTensor, target: QT) -> tuple[QT, str]:
     if t.shape[-1] % block != 0:
         return t.qtype, (f"kept {t.qtype.name}: row length {t.shape[-1]} is not a multiple of "
                          f"{block} required by {target.name}")
-    return target, "converted"
+    return target, why
+
+
+def _block_count(contents: GGUFContents) -> int:
+    """The model's layer count: `<arch>.block_count`, else the number of distinct blk.N prefixes."""
+    value = contents.metadata.get(f"{contents.architecture}.block_count")
+    if value is not None:
+        return int(value.value)
+    return len({t.name.split(".")[1] for t in contents.tensors if t.name.startswith("blk.")})
 
 
 def transcode(src, dst, dtype: str, log=None) -> list[tuple[str, str, str, str]]:
@@ -240,12 +254,16 @@ def transcode(src, dst, dtype: str, log=None) -> list[tuple[str, str, str, str]]
         if dtype.lower() not in TARGETS:
             raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(TARGETS)}")
         target = TARGETS[dtype.lower()]
+    mix = {}
+    if dtype is not None and dtype.lower() in MIXES:
+        matrices = [(t.name, t.shape[-1]) for t in contents.tensors if is_matrix_weight(t)]
+        mix = mix_types(matrices, dtype.lower(), _block_count(contents))
     rows, out = [], []
     for t in contents.tensors:
         if target is None:
             new, reason = t.qtype, "verbatim"
         else:
-            new, reason = plan_tensor(t, target)
+            new, reason = plan_tensor(t, *mix.get(t.name, (target, "converted")))
         if new != t.qtype:
             t = GGUFTensor(t.name, new, t.shape, encode(t.dense(), new))
         rows.append((t.name, contents.tensor(t.name).qtype.name, new.name, reason))

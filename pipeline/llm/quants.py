@@ -1,8 +1,10 @@
 """The GGML weight formats Fucina reads: one table, no logic.
 
-Trade-off: only the formats a Qwen3 GGUF actually ships with (F32/F16/BF16,
-Q8_0, Q4_0 and the K-quants Q4_K/Q5_K/Q6_K) get kernels; anything else is
-rejected at load time with the format's name instead of being half-supported.
+Trade-off: only the formats hub GGUFs of small dense models commonly ship in get
+kernels (F32/F16/BF16; Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; the K-quants Q2_K..Q6_K;
+IQ4_NL and IQ4_XS, which need no codebook tables); anything else (the IQ1-IQ3
+codebook formats, TQ, MXFP4) is rejected at load time with the format's name
+instead of being half-supported.
 Block sizes come from gguf-py's GGML_QUANT_SIZES so they can never drift from
 the file format.
 """
@@ -40,9 +42,16 @@ FORMATS: dict[QT, Format] = {
     QT.BF16: _fmt(QT.BF16, False),
     QT.Q8_0: _fmt(QT.Q8_0, True),
     QT.Q4_0: _fmt(QT.Q4_0, True),
+    QT.Q4_1: _fmt(QT.Q4_1, True),
+    QT.Q5_0: _fmt(QT.Q5_0, True),
+    QT.Q5_1: _fmt(QT.Q5_1, True),
+    QT.Q2_K: _fmt(QT.Q2_K, True),
+    QT.Q3_K: _fmt(QT.Q3_K, True),
     QT.Q4_K: _fmt(QT.Q4_K, True),
     QT.Q5_K: _fmt(QT.Q5_K, True),
     QT.Q6_K: _fmt(QT.Q6_K, True),
+    QT.IQ4_NL: _fmt(QT.IQ4_NL, True),
+    QT.IQ4_XS: _fmt(QT.IQ4_XS, True),
 }
 
 SUPPORTED_NAMES = ", ".join(f.name for f in FORMATS.values())
@@ -154,18 +163,20 @@ def weight_rows(w: FrozenWeight, ids):
 
 def llama_activation_roundtrip(qtype, x):
     """x as llama.cpp's CPU matmul sees it: activations are themselves quantized to the
-    weight type's dot-product partner (Q8_0 for Q8_0/Q4_0, Q8_K for K-quants, BF16 for
-    BF16) and dequantized here. Only for parity runs: it costs accuracy, not speed."""
+    weight type's dot-product partner (Q8_0 for Q8_0/Q4_0/Q5_0/IQ4_NL, Q8_1 for Q4_1/Q5_1,
+    Q8_K for the K-quants and IQ4_XS, BF16 for BF16) and dequantized here. Q8_1 rounds
+    like Q8_0; the fp16 rounding of its block sum (which multiplies the weights' min) is
+    not reproduced. Only for parity runs: it costs accuracy, not speed."""
     import numpy as np
     x = np.asarray(x, dtype=np.float32)
-    if qtype in (QT.Q8_0, QT.Q4_0):
+    if qtype in (QT.Q8_0, QT.Q4_0, QT.Q5_0, QT.IQ4_NL, QT.Q4_1, QT.Q5_1):
         blocks = x.reshape(-1, 32)
         d = (np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)).astype(np.float32)
         with np.errstate(divide="ignore"):
             inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
         q = np.rint(blocks * inv)  # x86 SIMD rounds half to even
         return (q * d.astype(np.float16).astype(np.float32)).reshape(x.shape)
-    if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
+    if qtype in (QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS):
         blocks = x.reshape(-1, 256)
         mx = blocks[np.arange(len(blocks)), np.abs(blocks).argmax(axis=1)]
         with np.errstate(divide="ignore"):

@@ -16,9 +16,9 @@ from kernels import dequant, qdot
 from pipeline.threads import numba_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "llm"))
-from test_gguf_dequant import random_blocks  # noqa: E402
+from test_gguf_dequant import SCALE_OFFSETS, random_blocks  # noqa: E402
 
-FORMATS = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0, QT.Q4_0]
+FORMATS = list(SCALE_OFFSETS)  # every block format
 
 
 def lane_reference(w: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -80,7 +80,7 @@ from gguf import GGMLQuantizationType as QT
 from kernels import dequant, qgemm
 x = np.random.default_rng(0).standard_normal((2, 512)).astype(np.float32)
 out = {}
-for qt in (QT.Q4_K, QT.Q6_K):
+for qt in (QT.Q4_K, QT.Q6_K, QT.IQ4_XS):
     raw = random_blocks(qt, 40, 512, seed=int(qt))
     out[qt.name + "_mv"] = dequant.matvec_rows(int(qt), raw, x)
     out[qt.name + "_dq"] = dequant.dequantize_rows(int(qt), raw, 512)
@@ -105,7 +105,7 @@ def test_cold_and_warm_numba_cache_give_identical_bits(tmp_path):
                            cwd=tree, env=env, capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
         outs.append(np.load(path))
-    assert sorted(outs[0].files) == sorted(outs[1].files) and len(outs[0].files) == 6
+    assert sorted(outs[0].files) == sorted(outs[1].files) and len(outs[0].files) == 9
     for key in outs[0].files:
         np.testing.assert_array_equal(outs[0][key].view(np.uint32), outs[1][key].view(np.uint32), err_msg=key)
 

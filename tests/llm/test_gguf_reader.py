@@ -82,14 +82,14 @@ def test_other_architecture_and_moe(tmp_path):
 
 
 def test_unsupported_quant_type(tmp_path):
-    q = gguf.quants.quantize(np.ones((4, 32), np.float32), gguf.GGMLQuantizationType.Q5_0)
+    q = gguf.quants.quantize(np.ones((4, 256), np.float32), gguf.GGMLQuantizationType.TQ2_0)
     wr = gguf.GGUFWriter(str(tmp_path / "q5.gguf"), arch="qwen3")
-    wr.add_tensor("w", q, raw_dtype=gguf.GGMLQuantizationType.Q5_0)
+    wr.add_tensor("w", q, raw_dtype=gguf.GGMLQuantizationType.TQ2_0)
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
     wr.write_tensors_to_file()
     wr.close()
-    with pytest.raises(UserError, match="'w' has type Q5_0, which Fucina cannot read"):
+    with pytest.raises(UserError, match="'w' has type TQ2_0, which Fucina cannot read"):
         GGUFFile(tmp_path / "q5.gguf").weight("w")
 
 

@@ -12,7 +12,9 @@ from kernels.quantize import BLOCK, quantize, to_bf16_bits, to_f16
 from pipeline.threads import numba_threads
 
 GOLDENS = Path(__file__).resolve().parent.parent / "goldens" / "quant" / "quant_goldens.npz"
-QTYPES = {"q8_0": QT.Q8_0, "q4_k": QT.Q4_K, "q5_k": QT.Q5_K, "q6_k": QT.Q6_K}
+QTYPES = {"q4_0": QT.Q4_0, "q4_1": QT.Q4_1, "q5_0": QT.Q5_0, "q5_1": QT.Q5_1, "q8_0": QT.Q8_0,
+          "q4_k": QT.Q4_K, "q5_k": QT.Q5_K, "q6_k": QT.Q6_K}
+LEGACY = ["q4_0", "q4_1", "q5_0", "q5_1"]
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +68,22 @@ def test_q8_0_matches_numpy_reference_and_gguf_py():
     np.testing.assert_array_equal(ours, gguf_quantize(x, QT.Q8_0))
 
 
-@pytest.mark.parametrize("qtype,rel_rmse", [("q8_0", 0.01), ("q4_k", 0.12), ("q5_k", 0.06), ("q6_k", 0.03)])
+@pytest.mark.parametrize("qtype", LEGACY)
+def test_legacy_encoders_match_gguf_py_numpy_ports(goldens, qtype):
+    """gguf-py's numpy ports of quantize_row_q{4,5}_{0,1}_ref are a second oracle: they give llama.cpp's
+    bytes on every golden case (subnormal blocks whose 1/d overflows included), and ours on fresh data."""
+    for case in _cases(goldens):
+        with np.errstate(all="ignore"):
+            ported = gguf_quantize(goldens[f"{case}/input"], QTYPES[qtype])
+        np.testing.assert_array_equal(ported, goldens[f"{case}/{qtype}"], err_msg=case)
+    x = np.random.default_rng(6).standard_normal((16, 512)).astype(np.float32) * 3
+    x[3, :32] = 0
+    x[5, 32:64] = 1.5
+    np.testing.assert_array_equal(quantize(x, qtype), gguf_quantize(x, QTYPES[qtype]))
+
+
+@pytest.mark.parametrize("qtype,rel_rmse", [("q4_0", 0.1), ("q4_1", 0.09), ("q5_0", 0.05), ("q5_1", 0.045),
+                                            ("q8_0", 0.01), ("q4_k", 0.12), ("q5_k", 0.06), ("q6_k", 0.03)])
 def test_decoded_values_are_close_to_the_input(qtype, rel_rmse):
     x = np.random.default_rng(4).standard_normal((16, 512)).astype(np.float32)
     y = dequantize(quantize(x, qtype), QTYPES[qtype]).reshape(x.shape)
@@ -133,7 +150,8 @@ def test_fresh_random_data_matches_ggml_quantize_chunk(qtype):
 @pytest.mark.parity
 @pytest.mark.needs("llama_cpp")
 @pytest.mark.parametrize("ftype,expect", [("Q8_0", {"Q8_0"}), ("Q4_K_S", {"Q4_K", "Q5_K", "Q6_K"}),
-                                          ("Q5_K_S", {"Q5_K", "Q6_K"}), ("Q6_K", {"Q6_K"})])
+                                          ("Q5_K_S", {"Q5_K", "Q6_K"}), ("Q6_K", {"Q6_K"}), ("Q4_0", {"Q4_0", "Q6_K"}),
+                                          ("Q4_1", {"Q4_1"}), ("Q5_0", {"Q5_0"}), ("Q5_1", {"Q5_1"})])
 def test_llama_model_quantize_tensors_equal_our_encoding(tmp_path, ftype, expect):
     """Quantize a tiny Qwen3 with llama.cpp; every tensor it encoded must equal our bytes for its type."""
     import llama_cpp

@@ -11,13 +11,22 @@ from pipeline.runtime.transport import DealerSocket, ipc_endpoints
 M = 4
 
 
+RUN_ID = "testrun"
+
+
+def desc(role, what, owner):
+    """A segment descriptor as that role would publish it."""
+    return {"segment": f"fucina-{RUN_ID}-{role}-{what}", "tensors": [], "owner": owner}
+
+
 class Fake:
     """A mock worker: a DEALER that records the tasks it is sent."""
 
     def __init__(self, ep, role, name):
         self.id, self.role = name, role
-        self.sock = DealerSocket(ep.control, name)
-        self.sock.send("hello", role=role, worker=name, pid=0)
+        self.sock = DealerSocket(ep.control)
+        self.token = f"token-of-{name}"
+        self.sock.send("hello", role=role, worker=name, pid=0, token=self.token)
         self.inbox = []
         self.silent = False
 
@@ -38,6 +47,8 @@ class Fake:
         return got
 
     def send(self, kind, step=0, **fields):
+        if kind == "heartbeat":
+            fields.setdefault("token", self.token)
         self.sock.send(kind, step, worker=self.id, **fields)
 
 
@@ -47,15 +58,13 @@ def rig(tmp_path):
     job = job_cls(build(job_cls.Spec, {"steps": 3, "batch": 8, "micro_batches": M, "checkpoint_every": 0,
                                        "eval_every": 0}))
     ep = ipc_endpoints(str(tmp_path))
-    sched = Scheduler(job, str(tmp_path), "testrun", ep, trainers=2, log=lambda m: None, liveness_s=1.0)
+    sched = Scheduler(job, str(tmp_path), RUN_ID, ep, trainers=2, log=lambda m: None, liveness_s=1.0)
     fakes = {n: Fake(ep, r, n) for n, r in [("loader", "loader"), ("optimizer", "optimizer"),
                                               ("checkpointer", "checkpointer"), ("t1", "trainer"), ("t2", "trainer")]}
     yield sched, fakes
     for f in fakes.values():
         f.sock.close()
-    sched.metrics.close()
-    sched.router.close()
-    sched.pub.close()
+    sched.close()
 
 
 def spin(sched, fakes, seconds=0.3):
@@ -73,9 +82,7 @@ def spin(sched, fakes, seconds=0.3):
             if got[1] is not None:
                 sched.handle(*got)
             got = sched.router.recv(0)
-        for dead in sched.liveness.dead():
-            if dead in sched.peers:
-                sched.lost(dead, "test")
+        sched.check_peers()
         sched.pump()
 
 
@@ -83,12 +90,14 @@ def start(sched, fakes):
     spin(sched, fakes)
     (init,) = fakes["optimizer"].take("init")
     assert init["resume"] == "" and init["gen"] == 0
-    fakes["optimizer"].send("ready", 0, gen=0, params={"segment": "p"}, grads={"segment": "g"})
+    fakes["optimizer"].send("ready", 0, gen=0, params=desc("optimizer", "params", "optimizer"),
+                            grads=desc("optimizer", "grads", "optimizer"))
     spin(sched, fakes)
     loads = fakes["loader"].take("load")
     assert sorted((m["step"], m["k"]) for m in loads) == [(s, k) for s in (0, 1) for k in range(M)]
     for m in loads:
-        fakes["loader"].send("loaded", m["step"], gen=0, k=m["k"], slot=m["slot"], batch={"segment": "b"}, ms=0.1)
+        fakes["loader"].send("loaded", m["step"], gen=0, k=m["k"], slot=m["slot"], batch=desc("loader", "batches", "loader"),
+                             ms=0.1)
     spin(sched, fakes)
 
 
@@ -99,7 +108,7 @@ def test_step_loss_is_summed_in_micro_batch_order_not_arrival_order(rig):
     done = 0
     while done < M:
         tasks = fakes["t1"].take("grad") + fakes["t2"].take("grad")
-        assert all(t["step"] == 0 and t["params"] == {"segment": "p"} for t in tasks)
+        assert all(t["step"] == 0 and t["params"] == desc("optimizer", "params", "optimizer") for t in tasks)
         for t in sorted(tasks, key=lambda t: -t["k"]):  # results arrive highest k first
             fakes[_who(sched, t)].send("grad_done", 0, gen=0, k=t["k"], loss=losses[t["k"]], rows=2, ms=1)
             done += 1

@@ -83,6 +83,9 @@ DESC = ("a segment descriptor", _is_desc)
 TENSORS = ("a list of tensor specs", _is_tensors)
 RUN = ("a run description", _is_run)
 NUMS_BY_ROLE = ("a map of role -> number", _is_roles)
+INTS = ("a list of non-negative ints", lambda v: type(v) is list and all(_is_int(x) for x in v))
+NUMS = ("a list of numbers", lambda v: type(v) is list and all(_is_num(x) for x in v))
+OPT_NUMS = ("a list of numbers or nil", lambda v: v is None or NUMS[1](v))
 OPT_NUM = ("a number or nil", lambda v: v is None or _is_num(v))
 HEADER = {"v": INT, "step": INT, "seq": INT}
 
@@ -156,18 +159,24 @@ def parse(frame: bytes) -> dict:
         raise MessageError(f"a msgpack frame that is not a map: {type(msg).__name__}")
     kind = msg.get("kind")
     if type(kind) is not str or kind not in KINDS:  # a list or a map as kind is not even hashable
-        raise MessageError(f"a message of unknown kind {_short(kind)}")
+        raise MessageError(f"a message of unknown kind {short(kind)}")
     if msg.get("v") != SCHEMA_VERSION or type(msg.get("v")) is not int:
-        raise MessageError(f"a {kind!r} message with schema version {_short(msg.get('v'))} "
+        raise MessageError(f"a {kind!r} message with schema version {short(msg.get('v'))} "
                            f"(we speak {SCHEMA_VERSION})")
-    missing = [f for f in (*HEADER, *KINDS[kind]) if f not in msg]
+    check_fields(msg, {**HEADER, **KINDS[kind]}, OPTIONAL.get(kind, {}))
+    return msg
+
+
+def check_fields(msg: dict, required: dict, optional: dict, error=MessageError):
+    """Every required field present and every field of `required`/`optional` of its type, else `error`."""
+    kind = msg["kind"]
+    missing = [f for f in required if f not in msg]
     if missing:
-        raise MessageError(f"a {kind!r} message missing field(s) {missing}")
-    for fields in (HEADER, KINDS[kind], OPTIONAL.get(kind, {})):
+        raise error(f"a {kind!r} message missing field(s) {missing}")
+    for fields in (required, optional):
         for name, (what, ok) in fields.items():
             if name in msg and not ok(msg[name]):
-                raise MessageError(f"a {kind!r} message whose field {name!r} is not {what}: {_short(msg[name])}")
-    return msg
+                raise error(f"a {kind!r} message whose field {name!r} is not {what}: {short(msg[name])}")
 
 
 def decode(frame: bytes) -> dict | None:
@@ -179,7 +188,7 @@ def decode(frame: bytes) -> dict | None:
         return None
 
 
-def _short(value, limit=80) -> str:
+def short(value, limit=80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
 

@@ -30,6 +30,7 @@ import tempfile
 from dataclasses import dataclass
 
 import zmq
+from zmq.utils import z85
 
 from ..errors import UserError
 
@@ -119,7 +120,7 @@ def _read(path: str, fields: tuple[str, ...]) -> list[bytes]:
         if not isinstance(value, str) or len(value) != 40:  # a Z85-encoded 32-byte key
             raise UserError(f"{path}: field {name!r} is not a 40-character Z85 CURVE key")
         try:
-            zmq.utils.z85.decode(value)
+            z85.decode(value)
         except (ValueError, KeyError, TypeError):  # z85 rejects characters outside its alphabet this way
             raise UserError(f"{path}: field {name!r} is not valid Z85") from None
         out.append(value.encode())

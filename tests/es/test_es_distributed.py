@@ -15,6 +15,7 @@ import pytest
 from pipeline.es import protocol
 from pipeline.es.run import RunOptions, run_spirals
 from pipeline.es.spirals import SpiralsTask, params_sha256, spirals_config
+from pipeline.runtime import security
 from workers.es_member import Member
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,16 +93,22 @@ def test_killed_worker_does_not_change_the_result(reference):
     assert result["sha256"] == reference["sha256"]
 
 
-@pytest.mark.slow
-def test_two_workers_over_tcp_loopback(reference):
+def _tcp_run(tmp_path):
+    """A loopback endpoint, the run's keys, and the command a remote worker runs."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     endpoint = f"tcp://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "workers.es_member", "--connect", endpoint]
+    keys = security.create_run_keys(str(tmp_path))
+    return endpoint, keys, [sys.executable, "-m", "workers.es_member", "--connect", endpoint, "--key", keys[1]]
+
+
+@pytest.mark.slow
+def test_two_workers_over_tcp_loopback(reference, tmp_path):
+    endpoint, keys, cmd = _tcp_run(tmp_path)
     procs = [subprocess.Popen(cmd + ["--name", f"tcp{k}"], cwd=REPO) for k in range(2)]
     try:
-        result = run_spirals(_task(), RunOptions(remote_workers=2, bind=endpoint, max_iterations=ITERS))
+        result = run_spirals(_task(), RunOptions(remote_workers=2, bind=endpoint, keys=keys, max_iterations=ITERS))
     finally:
         for p in procs:
             try:
@@ -131,14 +138,10 @@ def test_es_spirals_reaches_full_accuracy_from_random_init():
 
 
 @pytest.mark.slow
-def test_silent_remote_worker_is_declared_dead_by_heartbeat(reference):
+def test_silent_remote_worker_is_declared_dead_by_heartbeat(reference, tmp_path):
     """A tcp worker the coordinator did not spawn (no process handle) dies: only the heartbeat
     liveness timeout can notice, and its members are re-evaluated by the survivor."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    endpoint = f"tcp://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "workers.es_member", "--connect", endpoint]
+    endpoint, keys, cmd = _tcp_run(tmp_path)
     procs = [subprocess.Popen(cmd + ["--name", f"hb{k}"], cwd=REPO) for k in range(2)]
     logs = []
 
@@ -147,8 +150,9 @@ def test_silent_remote_worker_is_declared_dead_by_heartbeat(reference):
             procs[1].kill()
 
     try:
-        result = run_spirals(_task(), RunOptions(remote_workers=2, bind=endpoint, max_iterations=ITERS, liveness=3.0,
-                                                 log=logs.append), on_iteration=kill_at_3)
+        opts = RunOptions(remote_workers=2, bind=endpoint, keys=keys, max_iterations=ITERS, liveness=3.0,
+                          log=logs.append)
+        result = run_spirals(_task(), opts, on_iteration=kill_at_3)
     finally:
         for p in procs:
             try:

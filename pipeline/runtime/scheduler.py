@@ -43,7 +43,7 @@ from .metrics import MetricsLog, plot_run
 from .ckpt import checkpoint_dir
 from .roles import checkpoint_due
 from .shm import run_prefix
-from .transport import LIVENESS_S, Liveness, Publisher, RouterSocket, ServerContext
+from .transport import LIVENESS_S, Liveness, Publisher, RouterSocket, ServerContext, process_exited
 
 SINGLETONS = ("loader", "optimizer", "checkpointer")
 START_GRACE_S = 120.0  # how long to wait for every requested trainer before starting with fewer
@@ -65,21 +65,6 @@ class Peer:
     local: bool = False         # its pid was a live process here at hello: watch it
     task: tuple | None = None   # (gen, step, k) for trainers, (step,) for the checkpointer
     born: float = field(default_factory=time.monotonic)
-
-
-def process_exited(pid: int) -> bool:
-    """True when no live process has this pid here (a zombie counts as exited)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # another user's process: alive
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[-1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
 
 
 class RunFailed(FucinaError):

@@ -206,6 +206,21 @@ class Liveness:
         return [w for w, t in self.last.items() if now - t > self.timeout_s]
 
 
+def process_exited(pid: int) -> bool:
+    """True when no live process has this pid here (a zombie counts as exited)."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # OverflowError: no pid is that large
+        return True
+    except PermissionError:  # another user's process: alive
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[-1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
 class HeartbeatThread(threading.Thread):
     """Worker side: beat every HEARTBEAT_S on a private socket; the scheduler echoes.
 

@@ -24,7 +24,7 @@ import sys
 import time
 import traceback
 
-from ..errors import FucinaError
+from ..errors import FucinaError, UserError
 from ..jobs import get_job
 from ..threads import pin_threads
 from ..jobs.spec import build
@@ -59,7 +59,7 @@ def client_key(args, endpoint: str):
         return None
     path = args.key or (args.run_dir and os.path.join(args.run_dir, security.CLIENT_FILE))
     if not path:
-        sys.exit(f"worker: {endpoint} is tcp:// (CURVE): give the run's worker.key with --key FILE")
+        raise UserError(f"{endpoint} is tcp:// (CURVE): give the run's worker.key with --key FILE")
     return security.load_client_key(path)
 
 

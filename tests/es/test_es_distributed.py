@@ -162,3 +162,55 @@ def test_silent_remote_worker_is_declared_dead_by_heartbeat(reference, tmp_path)
     assert any("hb1" in line and "silent for" in line for line in logs), logs
     assert result["replicas_checked"] == 1
     assert result["sha256"] == reference["sha256"]
+
+
+def test_coordinator_takes_rewards_only_for_assigned_members_once_and_center_only_when_asked():
+    from pipeline.es.coordinator import Coordinator, _Worker
+    coord = Coordinator(_task(population=8))
+    try:
+        a, b = _Worker(b"a", 1, "h"), _Worker(b"b", 2, "h")
+        coord.workers = {b"a": a, b"b": b}
+        a.outstanding, b.outstanding, b.center = {0, 1, 2, 3}, {4, 5, 6, 7}, True
+
+        def send(w, **fields):
+            coord._handle(w.ident, [protocol.encode("rewards", it=coord.it, **fields)])
+        send(a, members=[4, 5], rewards=[9.0, 9.0])           # b's members
+        send(a, members=[0, 1], rewards=[9.0, 9.0], center=[0.0, 1.0])  # a center it was not asked for
+        send(a, members=[0, 0], rewards=[9.0, 9.0])           # one member twice
+        send(a, members=[0, 1], rewards=[9.0])                # not one reward per member
+        coord._handle(b"stranger", [protocol.encode("rewards", it=coord.it, members=[6], rewards=[9.0])])
+        coord._handle(b"a", [b"\x81\xa4kind\x91\x01"])        # {"kind": [1]}: dropped, not raised
+        coord._handle(b"a", [protocol.encode("params", it=coord.it, sha256="x", slots=[]), b"raw"])  # never asked
+        assert coord._results == {} and coord._center is None and coord._params_reply is None
+        send(a, members=[0, 1], rewards=[1.0, 2.0])
+        send(a, members=[0], rewards=[5.0])                   # a second answer for a member
+        send(b, members=[4], rewards=[3.0], center=[0.5, 0.25])
+        assert coord._results == {0: 1.0, 1: 2.0, 4: 3.0} and coord._center == (0.5, 0.25)
+        assert a.outstanding == {2, 3} and b.outstanding == {5, 6, 7} and not b.center
+    finally:
+        coord.close()
+
+
+def _es_decode_raises_only_protocol_error(frame):
+    try:
+        msg = protocol.decode(frame)
+    except protocol.ProtocolError:
+        return
+    assert msg["kind"] in protocol.REQUIRED
+
+
+def _es_frames():
+    from wire_fuzz import frames
+    names = {f for fields in (*protocol.REQUIRED.values(), *protocol.OPTIONAL.values()) for f in fields}
+    return frames(protocol.REQUIRED, names, protocol.VERSION)
+
+
+def test_es_decode_raises_only_protocol_error_fuzz():
+    import wire_fuzz
+    wire_fuzz.run(wire_fuzz.QUICK, _es_frames(), _es_decode_raises_only_protocol_error)
+
+
+@pytest.mark.slow
+def test_es_decode_raises_only_protocol_error_long_fuzz():
+    import wire_fuzz
+    wire_fuzz.run(wire_fuzz.LONG, _es_frames(), _es_decode_raises_only_protocol_error)

@@ -1,6 +1,6 @@
 """es-member worker: a parameter replica that scores the ES members it is assigned.
 
-    python -m workers.es_member --connect tcp://HOST:PORT [--name NAME]
+    python -m workers.es_member --connect tcp://HOST:PORT --key worker.key [--name NAME]
 
 Trade-off: the worker keeps no state worth saving. It learns the run (task,
 ES config, parameters) from the coordinator's welcome, then per iteration
@@ -81,6 +81,8 @@ class Member:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m workers.es_member", description=__doc__.splitlines()[0])
     ap.add_argument("--connect", required=True, help="coordinator endpoint, e.g. tcp://10.0.0.5:5555 or ipc:///tmp/x")
+    ap.add_argument("--key", default=None, metavar="FILE",
+                    help="the run's worker.key (CURVE), required for a tcp:// coordinator")
     ap.add_argument("--name", default=None, help="worker identity (default: hostname-pid)")
     ap.add_argument("--threads", type=int, default=1, help="BLAS/numba threads in this worker (default 1)")
     ap.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats while idle")
@@ -92,13 +94,26 @@ def main(argv=None) -> int:
     pin_threads(args.threads)
     import zmq
 
+    from pipeline.errors import FucinaError
     from pipeline.es import protocol
+    from pipeline.runtime import security
 
+    key = None
+    if security.is_tcp(args.connect):
+        try:
+            if args.key is None:
+                raise FucinaError(f"{args.connect} is tcp:// (CURVE): give the run's worker.key with --key FILE")
+            key = security.load_client_key(args.key)
+        except FucinaError as e:
+            print(f"es_member: error: {e}", file=sys.stderr)
+            return 2
     name = args.name or f"{socket.gethostname()}-{os.getpid()}"
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, name.encode())
     sock.setsockopt(zmq.LINGER, 1000)
+    if key is not None:
+        security.secure_client(sock, key)
     sock.connect(args.connect)
     sock.send(protocol.encode("hello", worker=name, pid=os.getpid(), host=socket.gethostname()))
     member = Member()

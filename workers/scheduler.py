@@ -15,7 +15,8 @@ from pipeline.errors import FucinaError
 from pipeline.jobs import get_job
 from pipeline.jobs.spec import build, check_fields, load_toml
 from pipeline.runtime import ckpt
-from pipeline.runtime.scheduler import RunFailed, Scheduler
+from pipeline.runtime import security
+from pipeline.runtime.scheduler import ROLE_WAIT_S, RunFailed, Scheduler
 from pipeline.runtime.shm import exit_on_signals
 from pipeline.runtime.transport import ipc_endpoints, tcp_endpoints
 from pipeline.threads import pin_threads
@@ -35,6 +36,11 @@ def build_parser():
     p.add_argument("--host", default="127.0.0.1", help="interface to bind for tcp:// (loopback unless told otherwise)")
     p.add_argument("--threads", type=int, default=1, help="BLAS/numba threads (for the final evaluation)")
     p.add_argument("--liveness", type=float, default=5.0, help="seconds of silence before a worker is declared lost")
+    p.add_argument("--key", default=None, metavar="FILE",
+                   help="tcp:// only: the run's scheduler.key (default: make fresh keys, RUN_DIR/scheduler.key "
+                        "and RUN_DIR/worker.key, the file workers need)")
+    p.add_argument("--role-wait", type=float, default=ROLE_WAIT_S,
+                   help="seconds the run may lack a role (loader, optimizer, checkpointer, any trainer) before it fails")
     return p
 
 
@@ -57,12 +63,18 @@ def main(argv=None) -> int:
                               f"to continue that run, or choose another --run-dir")
         resume = ckpt.resolve(args.resume) if args.resume else None
         endpoints = tcp_endpoints(args.port, args.host) if args.port else ipc_endpoints(args.run_dir)
+        key, described = None, {}
+        if args.port:
+            key_path = args.key or security.create_run_keys(args.run_dir)[0]
+            key = security.load_server_key(key_path)
+            described["worker_key"] = os.path.join(os.path.abspath(os.path.dirname(key_path)), security.CLIENT_FILE)
         run_id = args.run_id or uuid.uuid4().hex[:10]
         with open(os.path.join(args.run_dir, "run.json"), "w") as fh:
             json.dump({"run_id": run_id, "job": job.name, "endpoints": endpoints.to_wire(), "scheduler_pid": os.getpid(),
-                       "trainers": args.trainers}, fh, indent=1)
+                       "trainers": args.trainers, **described}, fh, indent=1)
         sched = Scheduler(job, args.run_dir, run_id, endpoints, trainers=args.trainers, resume=resume,
-                          log=lambda m: print(m, file=sys.stderr, flush=True), liveness_s=args.liveness)
+                          log=lambda m: print(m, file=sys.stderr, flush=True), liveness_s=args.liveness, key=key,
+                          role_wait_s=args.role_wait)
         sched.serve()  # writes summary.json
     except RunFailed as e:
         print(f"scheduler: {e}", file=sys.stderr)

@@ -24,6 +24,9 @@ def add_arguments(p):
                    help="also wait for this many workers to connect to --bind (e.g. from other hosts)")
     p.add_argument("--bind", default=None,
                    help="coordinator endpoint, e.g. tcp://0.0.0.0:5555 (default: a private ipc:// socket)")
+    p.add_argument("--key-dir", default=None,
+                   help="tcp:// only: where this run's fresh CURVE keys go (default: --out, else a private temp dir); "
+                        "remote workers need its worker.key: --key DIR/worker.key")
     p.add_argument("--seed", type=int, default=0, help="ES noise seed (default 0)")
     p.add_argument("--model-seed", type=int, default=0, help="SpiralsMLP init seed (default 0)")
     p.add_argument("--data-seed", type=int, default=0, help="spirals data noise seed (default 0)")
@@ -74,6 +77,7 @@ def run(args) -> int:
     opts = RunOptions(workers=workers, remote_workers=args.remote_workers, bind=args.bind,
                       max_iterations=args.max_iterations, save_every=args.save_every, out=args.out,
                       resume=args.resume, progress_every=args.progress_every, liveness=args.liveness,
+                      key_dir=args.key_dir,
                       kill_worker_at=args.kill_worker_at, log=log)
     signal.signal(signal.SIGTERM, _terminate)  # SIGTERM unwinds like Ctrl-C: workers are shut down, sockets removed
     result = run_spirals(task, opts)

@@ -77,7 +77,7 @@ def run(args) -> int:
         from ..runtime.launch import Supervisor
         sup = Supervisor(args.job, to_dict(spec), run_dir, trainers=args.trainers, resume=args.resume,
                          threads=args.threads, port=args.port, host=args.host, liveness=args.liveness, quiet=quiet)
-        with _progress(spec.steps, quiet, sup.events_endpoint) as _:
+        with _progress(spec.steps, quiet, sup.events_endpoint, sup.client_key) as _:
             summary = sup.run()
     if args.json:
         print(json.dumps(summary))
@@ -93,8 +93,8 @@ class _progress:
 
     SHOWN = ("run_started", "checkpoint_committed", "checkpoint_retry", "worker_lost", "run_restarting")
 
-    def __init__(self, total, quiet, endpoint=None):
-        self.total, self.quiet, self.endpoint = total, quiet, endpoint
+    def __init__(self, total, quiet, endpoint=None, key=None):
+        self.total, self.quiet, self.endpoint, self.key = total, quiet, endpoint, key
         self.stop = None
 
     def __enter__(self):
@@ -124,7 +124,7 @@ class _progress:
         self.stop = threading.Event()
 
         def loop():
-            sub = Subscriber(self.endpoint)
+            sub = Subscriber(self.endpoint, key=self.key)
             try:
                 while not self.stop.is_set():
                     msg = sub.recv(200)

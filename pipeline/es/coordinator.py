@@ -20,16 +20,24 @@ exited) is declared dead and its outstanding members are re-evaluated by the
 survivors. Members are pure functions of (theta_t, member id), so the rewards,
 and hence the run's bits, do not depend on who evaluated them.
 
+Security: the default endpoint is an ipc:// socket in a private (0700) temp
+directory; a tcp:// endpoint speaks CURVE with the run's keys (the runtime's
+security.py), so only a peer holding worker.key can join, mid-run or not.
+Past the handshake a worker is trusted for nothing it was not asked: rewards
+count only for members assigned to that connection in this iteration, each
+once; a center score only when it was asked for one; parameters only in
+reply to a fetch. Anything else is logged and dropped.
+
 Self-contained ROUTER/DEALER transport (pipeline/runtime had not landed when
 this was written); protocol in pipeline/es/protocol.py.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,11 +45,14 @@ import numpy as np
 import zmq
 
 from ..errors import FucinaError
+from ..runtime import security
+from ..runtime.transport import ServerContext
 from ..threads import pin_env
 from . import protocol
 from .spirals import params_sha256
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+MAX_MESSAGE_BYTES = 64 << 20  # a params reply carries a replica; the spirals MLP is ~20 KB
 
 
 class CoordinatorError(FucinaError):
@@ -56,6 +67,7 @@ class _Worker:
         self.alive = True
         self.outstanding: set[int] = set()
         self.center = False  # asked to score theta itself this iteration
+        self.fetch = None  # None, or the frames flag of the fetch it was sent
         self.cpu_ms_this_iteration = 0.0
 
     @property
@@ -65,19 +77,29 @@ class _Worker:
 
 class Coordinator:
     def __init__(self, task, bind: str | None = None, heartbeat: float = 1.0, liveness: float = 10.0,
-                 log=None):
+                 log=None, keys: tuple[str, str] | None = None):
+        """keys: (scheduler.key, worker.key) paths, required for a tcp:// `bind`."""
         self.task = task
         self.trainer = task.trainer
         self.heartbeat, self.liveness = heartbeat, liveness
         self.log = log or (lambda msg: None)
-        self._ipc_path = None
+        self._private_dir = None
         if bind is None:
-            self._ipc_path = tempfile.mktemp(prefix="fucina-es-", suffix=".sock")
-            bind = f"ipc://{self._ipc_path}"
-        self.ctx = zmq.Context()
+            self._private_dir = security.private_tempdir("fucina-es-")
+            bind = f"ipc://{self._private_dir}/coordinator.sock"
+        server_key, self.client_key_file = None, None
+        if security.is_tcp(bind):
+            if keys is None:
+                raise CoordinatorError(f"{bind} is tcp:// and needs the run's CURVE keys (security.create_run_keys)")
+            server_key, self.client_key_file = security.load_server_key(keys[0]), keys[1]
+        self.server = ServerContext(server_key)
+        self.ctx = self.server.ctx
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        if server_key is not None:
+            security.secure_server(self.sock, server_key)
         self.sock.bind(bind)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.workers: dict[bytes, _Worker] = {}
@@ -101,6 +123,8 @@ class Coordinator:
             cmd = [sys.executable, "-m", "workers.es_member", "--connect", self.endpoint,
                    "--name", f"local{len(self.procs)}-{os.getpid()}", "--liveness", str(self.liveness),
                    "--heartbeat", str(self.heartbeat)]
+            if self.client_key_file:
+                cmd += ["--key", self.client_key_file]
             self.procs.append(subprocess.Popen(cmd, env=env, cwd=str(REPO_ROOT)))
 
     def live(self) -> list[_Worker]:
@@ -177,20 +201,41 @@ class Coordinator:
         if w is None or not w.alive:
             return  # a late message from a worker already written off
         w.last_seen = time.monotonic()
-        if kind == "rewards" and msg["it"] == self.it:
-            for m, r in zip(msg["members"], msg["rewards"]):
-                self._results.setdefault(int(m), float(r))
-                w.outstanding.discard(int(m))
-            if msg.get("center") is not None:
-                self._center = tuple(msg["center"])
-                w.center = False
-            w.cpu_ms_this_iteration += float(msg.get("cpu_ms", 0.0))
+        if kind == "rewards":
+            self._take_rewards(w, msg)
         elif kind == "params":
+            if w.fetch is None or msg["it"] != self.it:
+                self.log(f"dropped params from {w.name}: no fetch of iteration {msg['it']} is outstanding there")
+                return
             self._digests[ident] = msg["sha256"]
-            if len(frames) > 1:
+            if w.fetch and len(frames) > 1:
                 self._params_reply = (msg, frames[1:])
+            w.fetch = None
         elif kind == "failed":
             raise CoordinatorError(f"worker {w.name} failed: {msg['error']}")
+        elif kind != "heartbeat":
+            self.log(f"dropped a {kind!r} message from {w.name}: not one a worker sends")
+
+    def _take_rewards(self, w: _Worker, msg):
+        """Rewards count only for members assigned to this worker in this iteration, once; center only if asked."""
+        if msg["it"] != self.it:
+            return  # an earlier iteration's answer, overtaken by a re-assignment
+        members, rewards = msg["members"], msg["rewards"]
+        if len(members) != len(rewards) or not set(members) <= w.outstanding or len(set(members)) != len(members):
+            self.log(f"dropped rewards from {w.name} for members {members[:8]}: not (all) assigned to it, "
+                     f"or not one reward per member")
+            return
+        center = msg.get("center")
+        if center is not None and not w.center:
+            self.log(f"dropped rewards from {w.name}: a center score it was not asked for")
+            return
+        for m, r in zip(members, rewards):
+            self._results.setdefault(m, float(r))
+            w.outstanding.discard(m)
+        if center is not None:
+            self._center = tuple(center)
+            w.center = False
+        w.cpu_ms_this_iteration += float(msg.get("cpu_ms", 0.0))
 
     def _admit(self):
         """Welcome pending workers with the parameters at self.it (fetched from a live replica if needed)."""
@@ -257,7 +302,7 @@ class Coordinator:
         w = live[0]
         self._params_reply = None
         self._send(w, "fetch", it=self.it, catchup=self._catchup(w), frames=True)
-        w.applied_it = self.it
+        w.applied_it, w.fetch = self.it, True
         while self._params_reply is None:
             if not w.alive:
                 return self.sync_replica()
@@ -274,7 +319,7 @@ class Coordinator:
         live = self.live()
         for w in live:
             self._send(w, "fetch", it=self.it, catchup=self._catchup(w), frames=False)
-            w.applied_it = self.it
+            w.applied_it, w.fetch = self.it, False
         while any(w.alive and w.ident not in self._digests for w in live):
             self._poll(0.05)
         return {self.workers[i].name: d for i, d in self._digests.items()}
@@ -301,6 +346,6 @@ class Coordinator:
                 p.kill()
                 p.wait()
         self.sock.close(0)
-        self.ctx.term()
-        if self._ipc_path:
-            Path(self._ipc_path).unlink(missing_ok=True)
+        self.server.close()
+        if self._private_dir:
+            shutil.rmtree(self._private_dir, ignore_errors=True)

@@ -7,7 +7,9 @@ can send bytes, not code); tensors travel only in the rare state transfer
 (a joining worker, a checkpoint, the final digest) as raw frames after the
 header. Per iteration only (iteration, member ids) go out and float64
 rewards come back: every replica regenerates the noise and applies the same
-update itself.
+update itself. Every field is checked for its type on decode (the runtime's
+field predicates, pipeline/runtime/messages.py), so `decode` raises only
+ProtocolError; which members a reward may name is the coordinator's check.
 
     frame 0: msgpack {"kind": str, "v": VERSION, ...fields}
     frames 1..: raw little-endian slot bytes (kinds "welcome" and "params" only),
@@ -32,21 +34,29 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 
+from ..runtime.messages import (BOOL, INT, INTS, MAP, MAX_FRAME_BYTES, NUM, NUMS, OPT_NUMS, STR, MessageError,
+                                check_fields)
+
 VERSION = 1
+SLOTS = ("a list of [name, dtype, shape]",
+         lambda v: type(v) is list and all(type(s) is list and len(s) == 3 and STR[1](s[0]) and STR[1](s[1])
+                                           and INTS[1](s[2]) for s in v))
+CENTER = ("a [ce, accuracy] pair", lambda v: NUMS[1](v) and len(v) == 2)
 REQUIRED = {
-    "hello": ("worker", "pid", "host"),
-    "rewards": ("it", "members", "rewards"),
-    "params": ("it", "sha256", "slots"),
-    "heartbeat": (),
-    "failed": ("error",),
-    "welcome": ("run", "it", "slots"),
-    "iter": ("it", "catchup", "members", "center"),
-    "fetch": ("it", "catchup", "frames"),
-    "shutdown": ("reason",),
+    "hello": {"worker": STR, "pid": INT, "host": STR},
+    "rewards": {"it": INT, "members": INTS, "rewards": NUMS},
+    "params": {"it": INT, "sha256": STR, "slots": SLOTS},
+    "heartbeat": {},
+    "failed": {"error": STR},
+    "welcome": {"run": MAP, "it": INT, "slots": SLOTS},
+    "iter": {"it": INT, "catchup": OPT_NUMS, "members": INTS, "center": BOOL},
+    "fetch": {"it": INT, "catchup": OPT_NUMS, "frames": BOOL},
+    "shutdown": {"reason": STR},
 }
+OPTIONAL = {"rewards": {"center": CENTER, "cpu_ms": NUM}}
 
 
-class ProtocolError(ValueError):
+class ProtocolError(MessageError):
     """A frame that is not a message of this protocol version."""
 
 
@@ -58,17 +68,19 @@ def encode(kind: str, **fields) -> bytes:
 
 
 def decode(frame: bytes) -> dict:
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"a header frame of {len(frame)} bytes (the limit is {MAX_FRAME_BYTES})")
     try:
         msg = msgpack.unpackb(frame, raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several types for garbage input
+    except Exception as e:  # noqa: BLE001 - msgpack raises several types for garbage input
         raise ProtocolError(f"undecodable frame ({type(e).__name__}: {e})") from None
-    if not isinstance(msg, dict) or msg.get("kind") not in REQUIRED:
-        raise ProtocolError(f"unknown message kind {msg.get('kind') if isinstance(msg, dict) else type(msg).__name__!r}")
-    if msg.get("v") != VERSION:
-        raise ProtocolError(f"message {msg['kind']!r}: schema version {msg.get('v')!r}, expected {VERSION}")
-    missing = [f for f in REQUIRED[msg["kind"]] if f not in msg]
-    if missing:
-        raise ProtocolError(f"message {msg['kind']!r}: missing field(s) {missing}")
+    kind = msg.get("kind") if type(msg) is dict else None
+    if type(kind) is not str or kind not in REQUIRED:  # an unhashable kind must not reach the dict lookup
+        what = repr(kind)[:80] if type(msg) is dict else type(msg).__name__
+        raise ProtocolError(f"unknown message kind {what}")
+    if msg.get("v") != VERSION or type(msg.get("v")) is not int:
+        raise ProtocolError(f"message {kind!r}: schema version {repr(msg.get('v'))[:80]}, expected {VERSION}")
+    check_fields(msg, REQUIRED[kind], OPTIONAL.get(kind, {}), error=ProtocolError)
     return msg
 
 

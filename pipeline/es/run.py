@@ -13,6 +13,8 @@ is at 100% training accuracy or t == max_iterations; else apply the update
 """
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from ..runtime import security
 from ..train.checkpoint import latest_checkpoint, step_dir
 from .checkpoint import load_es_checkpoint, save_es_checkpoint
 from .coordinator import Coordinator
@@ -64,6 +67,8 @@ class RunOptions:
     resume: str | None = None
     progress_every: int = 0
     liveness: float = 10.0
+    keys: tuple[str, str] | None = None  # (scheduler.key, worker.key) for a tcp:// bind; made fresh when None
+    key_dir: str | None = None  # where fresh keys go (default: out, else a private temp dir)
     kill_worker_at: int | None = None  # fault injection: SIGKILL one local worker at this iteration
     log: object = None
     extra: dict = field(default_factory=dict)
@@ -85,11 +90,22 @@ def run_spirals(task: SpiralsTask, opts: RunOptions, on_iteration=None) -> dict:
         if opts.workers == 0 and opts.remote_workers == 0:
             backend = InProcess(task)
         else:
-            backend = Coordinator(task, bind=opts.bind, liveness=opts.liveness, log=log)
+            keys = opts.keys
+            if keys is None and opts.bind and security.is_tcp(opts.bind):  # fresh keys for this run
+                key_dir = opts.key_dir or opts.out
+                if key_dir:
+                    os.makedirs(key_dir, exist_ok=True)
+                else:  # workers read the key once, at start: the private dir goes with the run
+                    key_dir = security.private_tempdir("fucina-es-keys-")
+                    stack.callback(shutil.rmtree, key_dir, True)
+                keys = security.create_run_keys(key_dir)
+            backend = Coordinator(task, bind=opts.bind, liveness=opts.liveness, log=log, keys=keys)
             stack.callback(backend.close)
             backend.spawn_local(opts.workers)
             if opts.remote_workers:
-                log(f"waiting for {opts.remote_workers} remote worker(s) on {backend.endpoint}")
+                key_flag = f" --key {keys[1]}" if keys else ""
+                log(f"waiting for {opts.remote_workers} remote worker(s): python -m workers.es_member "
+                    f"--connect {backend.endpoint}{key_flag}")
             backend.wait_for_workers(opts.workers + opts.remote_workers)
         t0 = time.perf_counter()
         it = start

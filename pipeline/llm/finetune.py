@@ -499,6 +499,18 @@ class ProcessPool:
                 proc.terminate()
 
 
+def _death(exitcode) -> str:
+    """What a dead worker process's exit code says happened (a signal prints nothing of its own)."""
+    if exitcode is None:
+        return "it closed its pipe but is still running"
+    if exitcode < 0:
+        import signal
+        name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else f"signal {-exitcode}"
+        hint = " (the kernel's out-of-memory killer sends this; see dmesg)" if -exitcode == signal.SIGKILL else ""
+        return f"killed by {name}{hint}; it printed nothing"
+    return f"it exited with code {exitcode} (an exception in it prints its traceback above)"
+
+
 class TrainerPool(ProcessPool):
     """N trainer processes (spawned; the OS shares the mapped GGUF's pages between them).
 
@@ -523,7 +535,7 @@ class TrainerPool(ProcessPool):
                 answer = conn.recv()
             except (EOFError, OSError):
                 self.procs[j].join(timeout=5)
-                raise UserError(f"trainer process {j} died (exit code {self.procs[j].exitcode}); its error is printed above") from None
+                raise UserError(f"trainer process {j} died: {_death(self.procs[j].exitcode)}") from None
             answer, self.worker_peak_rss_mb[j] = answer
             for k, loss, grads in answer:
                 results[k] = (loss, grads)

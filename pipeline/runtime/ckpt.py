@@ -10,12 +10,15 @@ pipeline.train convention). `params_sha256` is the run's identity: the digest
 of every final parameter in name order, what the determinism tests compare.
 
 Trade-off: a thin adapter, not a second writer; a crash mid-save is handled by
-the protocol (sentinel last), a retry simply re-saves into the same directory.
+the protocol (sentinel last), a retry simply re-saves into the same directory
+- after removing the temp files (`.NAME.tmp-PID`) a killed writer left there,
+so a committed directory holds only its own files.
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +28,10 @@ from ..errors import CheckpointError
 from ..train import checkpoint as protocol
 from ..train.state_dict import load_state_dict
 from ..train.trainer_state import TrainerState
+from .transport import process_exited
 
 is_committed = protocol.is_committed
+_TEMP_FILE = re.compile(r"^\..+\.tmp-(\d+)$")  # state_dict.atomic_write's temp name
 
 
 def latest_checkpoint(run_dir) -> str | None:
@@ -70,6 +75,7 @@ def write_checkpoint(ckpt_dir, params: dict, optim_skeleton: dict, optim_tensors
     """Write one checkpoint from arrays; `on_file(name)` after the weights (fault-injection hook)."""
     model = {n: Tensor(a, requires_grad=True) for n, a in params.items()}
     ckpt_dir = Path(ckpt_dir)
+    remove_dead_writers_temp_files(ckpt_dir)
     if on_file is None:
         protocol.save_checkpoint(ckpt_dir, state, model=model, optimizer=_FrozenState(optim_skeleton, optim_tensors))
         return str(ckpt_dir)
@@ -83,6 +89,21 @@ def write_checkpoint(ckpt_dir, params: dict, optim_skeleton: dict, optim_tensors
     on_file("model.safetensors")
     protocol.save_checkpoint(ckpt_dir, state, model=model, optimizer=_FrozenState(optim_skeleton, optim_tensors))
     return str(ckpt_dir)
+
+
+def remove_dead_writers_temp_files(ckpt_dir: Path) -> list[str]:
+    """Unlink the temp files of writers that no longer run (a live writer's are left alone); -> names removed."""
+    removed = []
+    try:
+        names = os.listdir(ckpt_dir)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        match = _TEMP_FILE.match(name)
+        if match and process_exited(int(match.group(1))):
+            (ckpt_dir / name).unlink(missing_ok=True)
+            removed.append(name)
+    return removed
 
 
 def restore(ckpt_dir, named_tensors, optimizer) -> int:

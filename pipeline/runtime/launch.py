@@ -39,17 +39,23 @@ class Supervisor:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, self.env.get("PYTHONPATH")]))
         self.env["PYTHONUNBUFFERED"] = "1"
+        from . import security
         from .transport import ipc_endpoints, tcp_endpoints
         endpoints = tcp_endpoints(port, host) if port else ipc_endpoints(self.run_dir)
         self.events_endpoint = endpoints.events
+        self.client_key = None
         conn = ["--connect", endpoints.control]
+        if port:  # fresh keys for this run, before any process starts: nobody reads a stale one
+            server_key, client_key = security.create_run_keys(self.run_dir)
+            self.client_key = security.load_client_key(client_key)
+            conn += ["--key", client_key]
         sched = [sys.executable, "-m", "workers.scheduler", "--job", job_name, "--spec-json", json.dumps(spec),
                  "--run-dir", self.run_dir, "--run-id", self.run_id, "--trainers", str(trainers),
                  "--threads", str(threads), "--liveness", str(liveness)]
         if resume:
             sched += ["--resume", resume]
         if port:
-            sched += ["--port", str(port), "--host", host]
+            sched += ["--port", str(port), "--host", host, "--key", server_key]
         worker = lambda role: [sys.executable, "-m", f"workers.{role}", *conn, "--threads", str(threads)]  # noqa: E731
         self.commands = {"scheduler": sched, "loader": worker("loader"), "optimizer": worker("optimizer"),
                          "checkpointer": worker("checkpointer")}

@@ -14,12 +14,23 @@ task carries its gen and late results of an older gen are ignored. A lost
 trainer's task is simply re-queued (tasks are idempotent). A lost
 checkpointer's write is re-sent (the snapshot segment outlives it).
 
+A stranger cannot steer it: every result is matched to the connection the
+ROUTER reports (never to the `worker` field), and accepted only for the task
+that connection was assigned in this generation, with the segment names the
+run's roles create; anything else is logged and dropped. A second `hello` for
+a singleton role (loader, optimizer, checkpointer) waits in a queue until the
+incumbent is declared dead - it never displaces a live one. A role missing for
+`role_wait_s` fails the run with a message saying which, instead of hanging.
+A local worker whose process exits (its pid is gone) is declared dead at
+once, without waiting out the heartbeat liveness.
+
 Trade-off: one hub process sees every message (simple, auditable ordering) at
 the cost of one extra hop per task and a single point of failure - which is
 why every worker exits when the scheduler's heartbeats stop.
 """
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import time
@@ -31,10 +42,17 @@ from . import ckpt
 from .metrics import MetricsLog, plot_run
 from .ckpt import checkpoint_dir
 from .roles import checkpoint_due
-from .transport import LIVENESS_S, Liveness, Publisher, RouterSocket
+from .shm import run_prefix
+from .transport import LIVENESS_S, Liveness, Publisher, RouterSocket, ServerContext, process_exited
 
 SINGLETONS = ("loader", "optimizer", "checkpointer")
 START_GRACE_S = 120.0  # how long to wait for every requested trainer before starting with fewer
+ROLE_WAIT_S = 300.0    # how long a run may lack a role (a respawn under load takes seconds) before it fails
+PID_CHECK_S = 0.1      # how often the pids of local workers are checked
+# the results each role may send; anything else from it is dropped
+RESULTS = {"loaded": ("loader",), "grad_done": ("trainer",), "ready": ("optimizer",), "stepped": ("optimizer",),
+           "snapshot_ready": ("optimizer",), "committed": ("checkpointer",),
+           "failed": (*SINGLETONS, "trainer"), "bye": (*SINGLETONS, "trainer")}
 
 
 @dataclass
@@ -43,6 +61,8 @@ class Peer:
     role: str
     identity: bytes
     pid: int
+    token: str = ""             # the secret its heartbeats carry
+    local: bool = False         # its pid was a live process here at hello: watch it
     task: tuple | None = None   # (gen, step, k) for trainers, (step,) for the checkpointer
     born: float = field(default_factory=time.monotonic)
 
@@ -52,18 +72,25 @@ class RunFailed(FucinaError):
 
 
 class Scheduler:
-    def __init__(self, job, run_dir, run_id, endpoints, trainers=1, resume=None, log=print, liveness_s=LIVENESS_S):
+    def __init__(self, job, run_dir, run_id, endpoints, trainers=1, resume=None, log=print, liveness_s=LIVENESS_S,
+                 key=None, role_wait_s=ROLE_WAIT_S):
         self.job, self.run_dir, self.run_id, self.endpoints = job, run_dir, run_id, endpoints
         self.trainers_wanted, self.resume, self.log = trainers, resume, log
         self.M = job.micro_batches
-        self.router = RouterSocket(endpoints.control)
-        self.pub = Publisher(endpoints.events)
+        self.server = ServerContext(key)  # on tcp://, admits only the run's worker key
+        self.router = RouterSocket(endpoints.control, self.server.ctx, key)
+        self.pub = Publisher(endpoints.events, self.server.ctx, key)
         self.liveness = Liveness(liveness_s)
+        self.role_wait_s = role_wait_s
         self.metrics = MetricsLog(run_dir)
-        self.peers: dict[str, Peer] = {}
+        self.peers: dict[str, Peer] = {}          # worker id -> a peer that holds its role
+        self.by_identity: dict[bytes, Peer] = {}  # ROUTER identity -> peer (holding or queued)
+        self.queued: dict[str, list[Peer]] = {r: [] for r in SINGLETONS}  # waiting for the incumbent to die
+        self.missing_since: dict[str, float] = {}
+        self.last_pid_check = 0.0
         self.gen = 0
         self.ready = False           # optimizer has published parameters of version self.cur
-        self.init_sent = False
+        self.init_sent = None        # the optimizer that was sent this generation's init
         self.started = False
         self.cur = 0
         self.descs = {}              # params / grads / batch segment descriptors
@@ -113,9 +140,7 @@ class Scheduler:
                     if msg is not None:
                         self.handle(identity, msg)
                     got = self.router.recv(0)
-                for dead in self.liveness.dead():
-                    if dead in self.peers:
-                        self.lost(dead, "no heartbeat for %.1f s" % self.liveness.timeout_s)
+                self.check_peers()
                 self.pump()
             return self.summary
         finally:
@@ -123,47 +148,109 @@ class Scheduler:
             # SIGTERMs the rest; `fucina launch` does the same; unsupervised workers notice the
             # missing heartbeats). A worker leaving first would make honcho kill us mid-cleanup.
             time.sleep(0.1)  # let the last events leave
-            self.metrics.close()
-            self.router.close()
-            self.pub.close()
+            self.close()
+
+    def close(self):
+        self.metrics.close()
+        self.router.close()
+        self.pub.close()
+        self.server.close()
+
+    def check_peers(self):
+        """Declare dead the silent and the exited; fail the run when a role stays missing too long."""
+        for dead in self.liveness.dead():
+            self.lost(dead, "no heartbeat for %.1f s" % self.liveness.timeout_s)
+        now = time.monotonic()
+        if now - self.last_pid_check > PID_CHECK_S:
+            self.last_pid_check = now
+            for peer in [p for p in self.by_identity.values() if p.local and process_exited(p.pid)]:
+                self.lost(peer.id, f"its process {peer.pid} exited")
+        for role in (*SINGLETONS, "trainer"):
+            if self.role(role):
+                self.missing_since.pop(role, None)
+                continue
+            since = self.missing_since.setdefault(role, now)
+            if now - since > self.role_wait_s:
+                raise RunFailed(f"no {role} has been connected for {now - since:.0f} s (the run needs one; "
+                                f"`fucina launch` re-spawns lost workers, under honcho start one with "
+                                f"python -m workers.{role} --run-dir {self.run_dir})")
 
     def handle(self, identity: bytes, msg: dict):
-        kind, step = msg["kind"], msg["step"]
+        kind = msg["kind"]
         if kind == "heartbeat":
-            if msg["worker"] in self.peers:
-                self.liveness.beat(msg["worker"])
+            peer = self.by_identity_of(msg["worker"])
+            if peer is not None and hmac.compare_digest(peer.token, msg.get("token", "")):
+                self.liveness.beat(peer.id)
             self.router.send(identity, "heartbeat", worker="scheduler")
             return
         if kind == "hello":
             self.hello(identity, msg)
             return
-        peer = self.peers.get(msg.get("worker"))
-        if peer is None:  # a worker we already declared lost: tell it to go
+        peer = self.by_identity.get(identity)
+        if peer is None:  # a worker we already declared lost (or never welcomed): tell it to go
             if kind != "bye":
                 self.router.send(identity, "shutdown", reason="you were declared lost; start afresh", replace=True)
             return
-        self.liveness.beat(peer.id)
-        handler = getattr(self, f"on_{kind}", None)
-        if handler is None:
-            self.log(f"[scheduler] dropped a {kind!r} message from {peer.id} (not a result)")
+        if msg.get("worker") != peer.id or kind not in RESULTS or peer.role not in RESULTS[kind]:
+            self.log(f"[scheduler] dropped a {kind!r} message from {peer.id} ({peer.role}) claiming to be "
+                     f"{msg.get('worker')!r}: not a result this connection may send")
             return
-        handler(peer, msg)
+        if self.peers.get(peer.id) is not peer:  # queued behind a live incumbent: it holds no task
+            if kind in ("bye", "failed"):
+                self.drop_queued(peer, kind)
+            return
+        self.liveness.beat(peer.id)
+        getattr(self, f"on_{kind}")(peer, msg)
+
+    def by_identity_of(self, wid):
+        """The peer (holding or queued) named `wid`, or None."""
+        return next((p for p in self.by_identity.values() if p.id == wid), None)
 
     def hello(self, identity, msg):
         role, wid = msg["role"], msg["worker"]
-        if role not in (*SINGLETONS, "trainer"):
-            self.router.send(identity, "shutdown", reason=f"unknown role {role!r}")
+        known = self.by_identity.get(identity)
+        if known is not None:  # a second hello on one connection changes nothing
+            self.log(f"[scheduler] dropped a second hello from {known.id} ({known.role})")
             return
-        if role in SINGLETONS:
-            for old in self.role(role):
-                self.lost(old.id, "replaced by a new " + role)
-        peer = Peer(wid, role, identity, msg["pid"])
-        self.peers[wid] = peer
+        if self.by_identity_of(wid) is not None:
+            self.router.send(identity, "shutdown", reason=f"worker id {wid!r} is taken by a live connection")
+            self.log(f"[scheduler] refused a hello as {wid!r} ({role}): that id is taken by a live connection")
+            return
+        local = msg["pid"] > 0 and not process_exited(msg["pid"])
+        peer = Peer(wid, role, identity, msg["pid"], token=msg["token"], local=local)
+        self.by_identity[identity] = peer
         self.liveness.beat(wid)
-        self.send(peer, "welcome", worker=wid, run=self.run_description())
-        self.event("worker_joined", worker=wid, role=role, pid=msg["pid"])
+        if role in SINGLETONS and self.one(role) is not None:
+            self.queued[role].append(peer)
+            self.event("worker_queued", worker=wid, role=role, pid=msg["pid"], behind=self.one(role).id)
+            return
+        self.admit(peer)
+
+    def admit(self, peer):
+        self.peers[peer.id] = peer
+        self.liveness.beat(peer.id)
+        self.send(peer, "welcome", worker=peer.id, run=self.run_description())
+        self.event("worker_joined", worker=peer.id, role=peer.role, pid=peer.pid)
+
+    def drop_queued(self, peer, why):
+        self.queued[peer.role].remove(peer)
+        self.by_identity.pop(peer.identity, None)
+        self.liveness.forget(peer.id)
+        self.event("worker_lost", worker=peer.id, role=peer.role, reason=f"{why} while queued")
 
     # --- results -----------------------------------------------------------
+    # Each handler accepts a result only for the task its connection was assigned in this
+    # generation; `drop` logs the rest (late results of a lost generation land there too).
+    def drop(self, peer, msg, why):
+        self.log(f"[scheduler] dropped {msg['kind']!r} (step {msg['step']}) from {peer.id}: {why}")
+
+    def segment_name(self, role, what):
+        return f"{run_prefix(self.run_id)}{role}-{what}"
+
+    def owns(self, peer, desc, what) -> bool:
+        """A descriptor names the segment this peer's role creates, and the peer as its owner."""
+        return desc["segment"] == self.segment_name(peer.role, what) and desc["owner"] == peer.id
+
     def on_bye(self, peer, msg):
         if self.summary is None:
             self.lost(peer.id, "left")
@@ -173,31 +260,41 @@ class Scheduler:
         raise RunFailed(f"task failed on {peer.id}: {msg['error']}")
 
     def on_ready(self, peer, msg):
-        if msg["gen"] != self.gen:
-            return
+        if msg["gen"] != self.gen or self.init_sent != peer.id or self.ready:
+            return self.drop(peer, msg, "no init of this generation is outstanding there")
+        if msg["step"] > self.job.steps or not (self.owns(peer, msg["params"], "params")
+                                                and self.owns(peer, msg["grads"], "grads")):
+            return self.drop(peer, msg, "its step or segments are not this run's")
         self.cur, self.ready, self.optimizer_busy = msg["step"], True, False
         self.descs["params"], self.descs["grads"] = msg["params"], msg["grads"]
         self.last_step_t = time.monotonic()
         self.event("optimizer_ready", step=msg["step"], resume=msg.get("resume") or None, gen=self.gen)
 
     def on_loaded(self, peer, msg):
+        key = (msg["step"], msg["k"])
+        if msg["gen"] != self.gen or self.loads.get(key) != ("issued", peer.id):
+            return self.drop(peer, msg, "no such load is outstanding there")
+        if msg["slot"] != (msg["step"] % 2) * self.M + msg["k"] or not self.owns(peer, msg["batch"], "batches"):
+            return self.drop(peer, msg, "not the slot or segment it was asked to fill")
         self.role_ms["loader"] += msg["ms"]
-        if msg["gen"] == self.gen:
-            self.loads[(msg["step"], msg["k"])] = "done"
-            self.descs["batch"] = msg["batch"]
+        self.loads[key] = "done"
+        self.descs["batch"] = msg["batch"]
 
     def on_grad_done(self, peer, msg):
+        if peer.task != (msg["gen"], msg["step"], msg["k"]):
+            return self.drop(peer, msg, f"it was assigned {peer.task}, not {(msg['gen'], msg['step'], msg['k'])}")
         peer.task = None
-        if msg["gen"] != self.gen or msg["step"] != self.cur or msg.get("stale"):
-            if msg["gen"] == self.gen and msg["step"] == self.cur:
+        current = msg["gen"] == self.gen and msg["step"] == self.cur
+        if not current or msg.get("stale"):
+            if current:
                 self.grads.pop(msg["k"], None)  # re-queue
             return
         self.role_ms["trainer"] += msg["ms"]
         self.grads[msg["k"]] = ("done", msg["loss"], msg["rows"])
 
     def on_stepped(self, peer, msg):
-        if msg["gen"] != self.gen:
-            return
+        if msg["gen"] != self.gen or not self.optimizer_busy or msg["step"] != self.cur + 1:
+            return self.drop(peer, msg, "no such step is outstanding")
         self.role_ms["optimizer"] += msg["ms"]
         done = msg["step"]
         now = time.monotonic()
@@ -222,22 +319,36 @@ class Scheduler:
         self.send(optimizer, "snapshot", step, gen=self.gen)
 
     def on_snapshot_ready(self, peer, msg):
-        if msg["gen"] == self.gen:
-            self.writes_pending[msg["step"]] = {"segment": msg["segment"], "tensors": msg["tensors"],
-                                                "meta": msg["meta"], "dir": checkpoint_dir(os.path.abspath(self.run_dir), msg["step"])}
+        step = msg["step"]
+        if msg["gen"] != self.gen or (self.gen, step) not in self.snapshots_asked or step in self.writes_pending \
+                or step in self.writes_inflight:
+            return self.drop(peer, msg, "no such snapshot is outstanding")
+        if msg["segment"] != self.segment_name(peer.role, f"snapshot-{step}"):
+            return self.drop(peer, msg, f"segment {msg['segment']!r} is not this step's snapshot")
+        self.writes_pending[step] = {"segment": msg["segment"], "tensors": msg["tensors"], "meta": msg["meta"],
+                                     "dir": checkpoint_dir(os.path.abspath(self.run_dir), step)}
 
     def on_committed(self, peer, msg):
+        step = msg["step"]
+        if peer.task != (step,) or self.writes_inflight.get(step, (None,))[0] != peer.id:
+            return self.drop(peer, msg, "no such write is outstanding there")
         peer.task = None
-        self.writes_inflight.pop(msg["step"], None)
-        self.committed_steps.add(msg["step"])
-        self.event("checkpoint_committed", step=msg["step"], path=msg["path"], ms=round(msg["ms"], 1))
+        _, fields = self.writes_inflight.pop(step)
+        self.committed_steps.add(step)
+        self.event("checkpoint_committed", step=step, path=fields["dir"], ms=round(msg["ms"], 1))
 
     # --- faults ------------------------------------------------------------
     def lost(self, wid, why):
         peer = self.peers.pop(wid, None)
-        self.liveness.forget(wid)
         if peer is None:
+            queued = self.by_identity_of(wid)
+            if queued is not None:
+                self.drop_queued(queued, why)
             return
+        self.liveness.forget(wid)
+        self.by_identity.pop(peer.identity, None)
+        if why != "left":  # it may still be running (silent, not dead): tell it to make way
+            self.router.send(peer.identity, "shutdown", reason=f"declared lost: {why}", replace=True)
         self.event("worker_lost", worker=wid, role=peer.role, reason=why)
         if peer.role == "trainer":
             for k, v in list(self.grads.items()):
@@ -251,12 +362,15 @@ class Scheduler:
                     self.event("checkpoint_retry", step=step)
         else:
             self.restart_stateful(f"{peer.role} lost")
+        if peer.role in SINGLETONS and self.queued[peer.role]:
+            self.admit(self.queued[peer.role].pop(0))  # the first in line takes the role
 
     def restart_stateful(self, why):
         """Rewind to the last committed checkpoint under a new generation."""
         self.gen += 1
         self.restarts += 1
-        self.ready = self.init_sent = self.optimizer_busy = False
+        self.ready = self.optimizer_busy = False
+        self.init_sent = None
         self.loads, self.grads = {}, {}
         self.writes_pending = {}
         self.event("run_restarting", reason=why, gen=self.gen, resume=self.resume_point())
@@ -283,9 +397,9 @@ class Scheduler:
             self.started = True
             self.event("run_started", trainers=have["trainer"], steps=self.job.steps, micro_batches=self.M)
         optimizer = self.one("optimizer")
-        if optimizer and not self.init_sent:
+        if optimizer and self.init_sent is None:
             self.send(optimizer, "init", gen=self.gen, resume=self.resume_point())
-            self.init_sent = True
+            self.init_sent = optimizer.id
         if not self.ready:
             return
         if self.cur >= self.job.steps:
@@ -296,7 +410,7 @@ class Scheduler:
             for t in (self.cur, self.cur + 1):
                 for k in range(self.M if t < self.job.steps else 0):
                     if (t, k) not in self.loads:
-                        self.loads[(t, k)] = "issued"
+                        self.loads[(t, k)] = ("issued", loader.id)
                         self.send(loader, "load", t, gen=self.gen, k=k, slot=(t % 2) * self.M + k)
         trainers = self.role("trainer")
         if any(p.task is not None and p.task[0] != self.gen for p in trainers):

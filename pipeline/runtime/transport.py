@@ -1,13 +1,18 @@
 """ZeroMQ transport: ROUTER (scheduler) <-> DEALER (workers), PUB/SUB for metrics.
 
-Endpoints default to `ipc://` sockets inside the run directory (one host, no
-ports to collide). `tcp://` is available for several hosts; a tcp endpoint given
-as a bare port binds the loopback interface unless a host is named explicitly.
+Endpoints default to `ipc://` sockets in RUN_DIR/sockets/, a 0700 directory
+(only the run's user can connect). `tcp://` is available for several hosts; a
+tcp endpoint given as a bare port binds the loopback interface unless a host
+is named explicitly, and every tcp socket speaks CURVE with the run's keys
+(security.py): a peer without worker.key cannot complete the handshake.
 
-Each message is one frame of msgpack (messages.py); a DEALER's identity is its
-worker id, so the scheduler can address a worker by name. Heartbeats run on a
-separate DEALER socket owned by a background thread (ZeroMQ sockets are not
-thread-safe, and a worker busy in a long backward pass must keep beating).
+Each message is one frame of msgpack (messages.py). A DEALER does not choose
+its identity: the ROUTER assigns each connection one, so the scheduler can
+match a result to the connection that was assigned the task - a peer cannot
+speak under another's name. Heartbeats run on a separate DEALER socket owned
+by a background thread (ZeroMQ sockets are not thread-safe, and a worker busy
+in a long backward pass must keep beating); they carry a secret token the
+worker sent in its hello, so only that worker's heartbeats keep it alive.
 
 Trade-off: the scheduler is a single hub (star topology). Every result passes
 through it, which costs one hop per task (~0.1 ms on ipc) but makes the commit
@@ -24,10 +29,12 @@ from dataclasses import dataclass
 
 import zmq
 
-from . import messages
+from ..errors import UserError
+from . import messages, security
 
 log = logging.getLogger("fucina.transport")
 
+SOCKET_DIR = "sockets"   # RUN_DIR/sockets/: the binder makes it 0700
 HEARTBEAT_S = 0.25       # how often both sides beat
 LIVENESS_S = 5.0         # silence after which a peer is declared dead
 
@@ -42,8 +49,8 @@ class Endpoints:
 
 
 def ipc_endpoints(run_dir: str) -> Endpoints:
-    run_dir = os.path.abspath(run_dir)
-    ctl, ev = os.path.join(run_dir, "control.sock"), os.path.join(run_dir, "events.sock")
+    sockets = os.path.join(os.path.abspath(run_dir), SOCKET_DIR)
+    ctl, ev = os.path.join(sockets, "control.sock"), os.path.join(sockets, "events.sock")
     if len(ctl) > 100:  # sun_path limit is 108 bytes
         raise ValueError(f"transport: run directory path too long for an ipc:// socket ({len(ctl)} > 100 chars): "
                          f"{run_dir}; use a shorter --run-dir or --transport tcp")
@@ -57,23 +64,48 @@ def tcp_endpoints(port: int, host: str = "127.0.0.1") -> Endpoints:
 def _socket(ctx, kind):
     s = ctx.socket(kind)
     s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.MAXMSGSIZE, messages.MAX_FRAME_BYTES)  # a longer frame closes that connection unread
     return s
 
 
-class RouterSocket:
-    """The scheduler's control socket: receive (identity, message), send to identity."""
+def _bind(sock, endpoint: str, key):
+    """Bind a server socket: CURVE on tcp:// (required), a private socket directory on ipc://."""
+    if security.is_tcp(endpoint):
+        if key is None:
+            raise UserError(f"transport: {endpoint} is tcp:// and needs the run's CURVE key (scheduler.key)")
+        security.secure_server(sock, key)
+    elif endpoint.startswith("ipc://"):
+        directory = os.path.dirname(endpoint[len("ipc://"):])
+        if os.path.basename(directory) == SOCKET_DIR:  # ours: never chmod a directory the user named
+            security.private_dir(directory)
+    sock.bind(endpoint)
 
-    def __init__(self, endpoint: str, ctx=None):
+
+def _connect(sock, endpoint: str, key):
+    if security.is_tcp(endpoint):
+        if key is None:
+            raise UserError(f"transport: {endpoint} is tcp:// (CURVE): give the run's worker.key with --key FILE")
+        security.secure_client(sock, key)
+    sock.connect(endpoint)
+
+
+class RouterSocket:
+    """The scheduler's control socket: receive (identity, message), send to identity.
+
+    On tcp:// the caller must also run an authenticator on `ctx` (security.start_authenticator);
+    without one CURVE would admit any client that knows the server's public key."""
+
+    def __init__(self, endpoint: str, ctx=None, key=None):
         self.ctx = ctx or zmq.Context.instance()
         self.sock = _socket(self.ctx, zmq.ROUTER)
-        self.sock.bind(endpoint)
+        _bind(self.sock, endpoint, key)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def send(self, identity: bytes, kind: str, step: int = 0, **fields):
         self.sock.send_multipart([identity, messages.pack(kind, step, **fields)])
 
     def recv(self, timeout_ms: int):
-        """(identity, message) or None on timeout; undecodable frames are dropped (logged)."""
+        """(identity, message) or None on timeout; undecodable frames come back as (identity, None), logged."""
         if not self.sock.poll(timeout_ms):
             return None
         frames = self.sock.recv_multipart()
@@ -87,13 +119,12 @@ class RouterSocket:
 
 
 class DealerSocket:
-    """A worker's control socket, connected to the scheduler under its worker id."""
+    """A worker's control socket, connected to the scheduler (which assigns its identity)."""
 
-    def __init__(self, endpoint: str, identity: str, ctx=None):
+    def __init__(self, endpoint: str, ctx=None, key=None):
         self.ctx = ctx or zmq.Context.instance()
         self.sock = _socket(self.ctx, zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, identity.encode())
-        self.sock.connect(endpoint)
+        _connect(self.sock, endpoint, key)
 
     def send(self, kind: str, step: int = 0, **fields):
         self.sock.send(messages.pack(kind, step, **fields))
@@ -110,13 +141,13 @@ class DealerSocket:
 
 
 class Publisher:
-    """PUB socket for metrics and events: monitors attach and leave at will."""
+    """PUB socket for metrics and events: monitors attach and leave at will (on tcp://, with the key)."""
 
-    def __init__(self, endpoint: str, ctx=None):
+    def __init__(self, endpoint: str, ctx=None, key=None):
         self.ctx = ctx or zmq.Context.instance()
         self.sock = _socket(self.ctx, zmq.PUB)
         self.sock.setsockopt(zmq.SNDHWM, 10000)
-        self.sock.bind(endpoint)
+        _bind(self.sock, endpoint, key)
 
     def publish(self, kind: str, step: int = 0, **fields) -> dict:
         msg = messages.make(kind, step, **fields)
@@ -128,11 +159,11 @@ class Publisher:
 
 
 class Subscriber:
-    def __init__(self, endpoint: str, ctx=None):
+    def __init__(self, endpoint: str, ctx=None, key=None):
         self.ctx = ctx or zmq.Context.instance()
         self.sock = _socket(self.ctx, zmq.SUB)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sock.connect(endpoint)
+        _connect(self.sock, endpoint, key)
 
     def recv(self, timeout_ms: int):
         if not self.sock.poll(timeout_ms):
@@ -141,6 +172,20 @@ class Subscriber:
 
     def close(self):
         self.sock.close(0)
+
+
+class ServerContext:
+    """The binding side's own zmq.Context; on tcp:// its ZAP handler admits only the run's client key."""
+
+    def __init__(self, key=None):
+        self.ctx = zmq.Context()
+        self.key = key
+        self.auth = security.start_authenticator(self.ctx, key) if key is not None else None
+
+    def close(self):
+        if self.auth is not None:
+            self.auth.stop()
+        self.ctx.term()
 
 
 class Liveness:
@@ -161,6 +206,21 @@ class Liveness:
         return [w for w, t in self.last.items() if now - t > self.timeout_s]
 
 
+def process_exited(pid: int) -> bool:
+    """True when no live process has this pid here (a zombie counts as exited)."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # OverflowError: no pid is that large
+        return True
+    except PermissionError:  # another user's process: alive
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[-1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
 class HeartbeatThread(threading.Thread):
     """Worker side: beat every HEARTBEAT_S on a private socket; the scheduler echoes.
 
@@ -170,20 +230,21 @@ class HeartbeatThread(threading.Thread):
     Before the first answer the worker waits (the scheduler may start later).
     """
 
-    def __init__(self, endpoint: str, worker: str, timeout_s: float = LIVENESS_S, interval_s: float = HEARTBEAT_S):
+    def __init__(self, endpoint: str, worker: str, token: str, key=None, timeout_s: float = LIVENESS_S,
+                 interval_s: float = HEARTBEAT_S):
         super().__init__(name=f"heartbeat-{worker}", daemon=True)
-        self.endpoint, self.worker = endpoint, worker
+        self.endpoint, self.worker, self.token, self.key = endpoint, worker, token, key
         self.timeout_s, self.interval_s = timeout_s, interval_s
         self._stop = threading.Event()
         self.lost = False
 
     def run(self):
         ctx = zmq.Context.instance()
-        sock = DealerSocket(self.endpoint, f"{self.worker}#hb", ctx)
+        sock = DealerSocket(self.endpoint, ctx, self.key)
         last_heard = None
         try:
             while not self._stop.is_set():
-                sock.send("heartbeat", worker=self.worker)
+                sock.send("heartbeat", worker=self.worker, token=self.token)
                 deadline = time.monotonic() + self.interval_s
                 while (left := deadline - time.monotonic()) > 0:
                     msg = sock.recv(int(left * 1000) + 1)

@@ -18,14 +18,17 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
 import traceback
 
+from ..errors import FucinaError, UserError
 from ..jobs import get_job
 from ..threads import pin_threads
 from ..jobs.spec import build
+from . import security
 from .shm import Registry, exit_on_signals
 from .transport import DealerSocket, HeartbeatThread, ipc_endpoints
 
@@ -34,8 +37,10 @@ EXIT_REPLACED = 75  # EX_TEMPFAIL: the scheduler declared us lost; a supervisor 
 
 
 def worker_arguments(parser: argparse.ArgumentParser):
-    parser.add_argument("--run-dir", default=None, help="run directory (its control.sock is the default endpoint)")
+    parser.add_argument("--run-dir", default=None, help="run directory (its sockets/control.sock is the default endpoint)")
     parser.add_argument("--connect", default=None, help="scheduler control endpoint (ipc://... or tcp://host:port)")
+    parser.add_argument("--key", default=None, metavar="FILE",
+                        help="the run's worker.key, needed for tcp:// (default: RUN_DIR/worker.key with --run-dir)")
     parser.add_argument("--threads", type=int, default=1, help="BLAS/numba threads for this worker")
     parser.add_argument("--log-level", default="WARNING", help="logging level")
 
@@ -48,11 +53,21 @@ def control_endpoint(args) -> str:
     sys.exit("worker: give --run-dir DIR or --connect ENDPOINT")
 
 
+def client_key(args, endpoint: str):
+    """The CURVE client key for a tcp:// endpoint (None on ipc://)."""
+    if not security.is_tcp(endpoint):
+        return None
+    path = args.key or (args.run_dir and os.path.join(args.run_dir, security.CLIENT_FILE))
+    if not path:
+        raise UserError(f"{endpoint} is tcp:// (CURVE): give the run's worker.key with --key FILE")
+    return security.load_client_key(path)
+
+
 class Worker:
     role = "worker"
 
-    def __init__(self, endpoint: str, threads: int = 1):
-        self.endpoint, self.threads = endpoint, threads
+    def __init__(self, endpoint: str, threads: int = 1, key=None):
+        self.endpoint, self.threads, self.key = endpoint, threads, key
         self.id = f"{self.role}-{os.getpid()}"
         self.log = logging.getLogger(f"fucina.{self.role}")
         self.registry = None
@@ -66,11 +81,12 @@ class Worker:
     def main(self) -> int:
         exit_on_signals()
         pin_threads(self.threads)
-        self.sock = DealerSocket(self.endpoint, self.id)
+        self.sock = DealerSocket(self.endpoint, key=self.key)
         heartbeat = None
+        token = secrets.token_hex(16)  # only heartbeats carrying it keep this worker alive at the scheduler
         try:
-            self.sock.send("hello", role=self.role, worker=self.id, pid=os.getpid())
-            heartbeat = HeartbeatThread(self.endpoint, self.id)
+            self.sock.send("hello", role=self.role, worker=self.id, pid=os.getpid(), token=token)
+            heartbeat = HeartbeatThread(self.endpoint, self.id, token, self.key)
             heartbeat.start()
             welcome = self._await_welcome()
             self.run = welcome["run"]
@@ -142,4 +158,10 @@ def run_worker(cls, argv=None) -> int:
     worker_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return cls(control_endpoint(args), threads=args.threads).main()
+    endpoint = control_endpoint(args)
+    try:
+        key = client_key(args, endpoint)
+    except FucinaError as e:
+        print(f"{cls.role}: error: {e}", file=sys.stderr)
+        return 2
+    return cls(endpoint, threads=args.threads, key=key).main()

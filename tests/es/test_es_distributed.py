@@ -15,6 +15,7 @@ import pytest
 from pipeline.es import protocol
 from pipeline.es.run import RunOptions, run_spirals
 from pipeline.es.spirals import SpiralsTask, params_sha256, spirals_config
+from pipeline.runtime import security
 from workers.es_member import Member
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,16 +93,22 @@ def test_killed_worker_does_not_change_the_result(reference):
     assert result["sha256"] == reference["sha256"]
 
 
-@pytest.mark.slow
-def test_two_workers_over_tcp_loopback(reference):
+def _tcp_run(tmp_path):
+    """A loopback endpoint, the run's keys, and the command a remote worker runs."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     endpoint = f"tcp://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "workers.es_member", "--connect", endpoint]
+    keys = security.create_run_keys(str(tmp_path))
+    return endpoint, keys, [sys.executable, "-m", "workers.es_member", "--connect", endpoint, "--key", keys[1]]
+
+
+@pytest.mark.slow
+def test_two_workers_over_tcp_loopback(reference, tmp_path):
+    endpoint, keys, cmd = _tcp_run(tmp_path)
     procs = [subprocess.Popen(cmd + ["--name", f"tcp{k}"], cwd=REPO) for k in range(2)]
     try:
-        result = run_spirals(_task(), RunOptions(remote_workers=2, bind=endpoint, max_iterations=ITERS))
+        result = run_spirals(_task(), RunOptions(remote_workers=2, bind=endpoint, keys=keys, max_iterations=ITERS))
     finally:
         for p in procs:
             try:
@@ -131,14 +138,10 @@ def test_es_spirals_reaches_full_accuracy_from_random_init():
 
 
 @pytest.mark.slow
-def test_silent_remote_worker_is_declared_dead_by_heartbeat(reference):
+def test_silent_remote_worker_is_declared_dead_by_heartbeat(reference, tmp_path):
     """A tcp worker the coordinator did not spawn (no process handle) dies: only the heartbeat
     liveness timeout can notice, and its members are re-evaluated by the survivor."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    endpoint = f"tcp://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "workers.es_member", "--connect", endpoint]
+    endpoint, keys, cmd = _tcp_run(tmp_path)
     procs = [subprocess.Popen(cmd + ["--name", f"hb{k}"], cwd=REPO) for k in range(2)]
     logs = []
 
@@ -147,8 +150,9 @@ def test_silent_remote_worker_is_declared_dead_by_heartbeat(reference):
             procs[1].kill()
 
     try:
-        result = run_spirals(_task(), RunOptions(remote_workers=2, bind=endpoint, max_iterations=ITERS, liveness=3.0,
-                                                 log=logs.append), on_iteration=kill_at_3)
+        opts = RunOptions(remote_workers=2, bind=endpoint, keys=keys, max_iterations=ITERS, liveness=3.0,
+                          log=logs.append)
+        result = run_spirals(_task(), opts, on_iteration=kill_at_3)
     finally:
         for p in procs:
             try:
@@ -158,3 +162,55 @@ def test_silent_remote_worker_is_declared_dead_by_heartbeat(reference):
     assert any("hb1" in line and "silent for" in line for line in logs), logs
     assert result["replicas_checked"] == 1
     assert result["sha256"] == reference["sha256"]
+
+
+def test_coordinator_takes_rewards_only_for_assigned_members_once_and_center_only_when_asked():
+    from pipeline.es.coordinator import Coordinator, _Worker
+    coord = Coordinator(_task(population=8))
+    try:
+        a, b = _Worker(b"a", 1, "h"), _Worker(b"b", 2, "h")
+        coord.workers = {b"a": a, b"b": b}
+        a.outstanding, b.outstanding, b.center = {0, 1, 2, 3}, {4, 5, 6, 7}, True
+
+        def send(w, **fields):
+            coord._handle(w.ident, [protocol.encode("rewards", it=coord.it, **fields)])
+        send(a, members=[4, 5], rewards=[9.0, 9.0])           # b's members
+        send(a, members=[0, 1], rewards=[9.0, 9.0], center=[0.0, 1.0])  # a center it was not asked for
+        send(a, members=[0, 0], rewards=[9.0, 9.0])           # one member twice
+        send(a, members=[0, 1], rewards=[9.0])                # not one reward per member
+        coord._handle(b"stranger", [protocol.encode("rewards", it=coord.it, members=[6], rewards=[9.0])])
+        coord._handle(b"a", [b"\x81\xa4kind\x91\x01"])        # {"kind": [1]}: dropped, not raised
+        coord._handle(b"a", [protocol.encode("params", it=coord.it, sha256="x", slots=[]), b"raw"])  # never asked
+        assert coord._results == {} and coord._center is None and coord._params_reply is None
+        send(a, members=[0, 1], rewards=[1.0, 2.0])
+        send(a, members=[0], rewards=[5.0])                   # a second answer for a member
+        send(b, members=[4], rewards=[3.0], center=[0.5, 0.25])
+        assert coord._results == {0: 1.0, 1: 2.0, 4: 3.0} and coord._center == (0.5, 0.25)
+        assert a.outstanding == {2, 3} and b.outstanding == {5, 6, 7} and not b.center
+    finally:
+        coord.close()
+
+
+def _es_decode_raises_only_protocol_error(frame):
+    try:
+        msg = protocol.decode(frame)
+    except protocol.ProtocolError:
+        return
+    assert msg["kind"] in protocol.REQUIRED
+
+
+def _es_frames():
+    from wire_fuzz import frames
+    names = {f for fields in (*protocol.REQUIRED.values(), *protocol.OPTIONAL.values()) for f in fields}
+    return frames(protocol.REQUIRED, names, protocol.VERSION)
+
+
+def test_es_decode_raises_only_protocol_error_fuzz():
+    import wire_fuzz
+    wire_fuzz.run(wire_fuzz.QUICK, _es_frames(), _es_decode_raises_only_protocol_error)
+
+
+@pytest.mark.slow
+def test_es_decode_raises_only_protocol_error_long_fuzz():
+    import wire_fuzz
+    wire_fuzz.run(wire_fuzz.LONG, _es_frames(), _es_decode_raises_only_protocol_error)

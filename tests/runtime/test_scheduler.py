@@ -11,13 +11,22 @@ from pipeline.runtime.transport import DealerSocket, ipc_endpoints
 M = 4
 
 
+RUN_ID = "testrun"
+
+
+def desc(role, what, owner):
+    """A segment descriptor as that role would publish it."""
+    return {"segment": f"fucina-{RUN_ID}-{role}-{what}", "tensors": [], "owner": owner}
+
+
 class Fake:
     """A mock worker: a DEALER that records the tasks it is sent."""
 
-    def __init__(self, ep, role, name):
+    def __init__(self, ep, role, name, pid=0):
         self.id, self.role = name, role
-        self.sock = DealerSocket(ep.control, name)
-        self.sock.send("hello", role=role, worker=name, pid=0)
+        self.sock = DealerSocket(ep.control)
+        self.token = f"token-of-{name}"
+        self.sock.send("hello", role=role, worker=name, pid=pid, token=self.token)
         self.inbox = []
         self.silent = False
 
@@ -38,24 +47,28 @@ class Fake:
         return got
 
     def send(self, kind, step=0, **fields):
-        self.sock.send(kind, step, worker=self.id, **fields)
+        if kind == "heartbeat":
+            fields.setdefault("token", self.token)
+        fields.setdefault("worker", self.id)
+        self.sock.send(kind, step, **fields)
+
+
+def _job():
+    job_cls = get_job("spirals")
+    return job_cls(build(job_cls.Spec, {"steps": 3, "batch": 8, "micro_batches": M, "checkpoint_every": 0,
+                                        "eval_every": 0}))
 
 
 @pytest.fixture
 def rig(tmp_path):
-    job_cls = get_job("spirals")
-    job = job_cls(build(job_cls.Spec, {"steps": 3, "batch": 8, "micro_batches": M, "checkpoint_every": 0,
-                                       "eval_every": 0}))
     ep = ipc_endpoints(str(tmp_path))
-    sched = Scheduler(job, str(tmp_path), "testrun", ep, trainers=2, log=lambda m: None, liveness_s=1.0)
+    sched = Scheduler(_job(), str(tmp_path), RUN_ID, ep, trainers=2, log=lambda m: None, liveness_s=1.0)
     fakes = {n: Fake(ep, r, n) for n, r in [("loader", "loader"), ("optimizer", "optimizer"),
                                               ("checkpointer", "checkpointer"), ("t1", "trainer"), ("t2", "trainer")]}
     yield sched, fakes
     for f in fakes.values():
         f.sock.close()
-    sched.metrics.close()
-    sched.router.close()
-    sched.pub.close()
+    sched.close()
 
 
 def spin(sched, fakes, seconds=0.3):
@@ -73,9 +86,7 @@ def spin(sched, fakes, seconds=0.3):
             if got[1] is not None:
                 sched.handle(*got)
             got = sched.router.recv(0)
-        for dead in sched.liveness.dead():
-            if dead in sched.peers:
-                sched.lost(dead, "test")
+        sched.check_peers()
         sched.pump()
 
 
@@ -83,12 +94,14 @@ def start(sched, fakes):
     spin(sched, fakes)
     (init,) = fakes["optimizer"].take("init")
     assert init["resume"] == "" and init["gen"] == 0
-    fakes["optimizer"].send("ready", 0, gen=0, params={"segment": "p"}, grads={"segment": "g"})
+    fakes["optimizer"].send("ready", 0, gen=0, params=desc("optimizer", "params", "optimizer"),
+                            grads=desc("optimizer", "grads", "optimizer"))
     spin(sched, fakes)
     loads = fakes["loader"].take("load")
     assert sorted((m["step"], m["k"]) for m in loads) == [(s, k) for s in (0, 1) for k in range(M)]
     for m in loads:
-        fakes["loader"].send("loaded", m["step"], gen=0, k=m["k"], slot=m["slot"], batch={"segment": "b"}, ms=0.1)
+        fakes["loader"].send("loaded", m["step"], gen=0, k=m["k"], slot=m["slot"], batch=desc("loader", "batches", "loader"),
+                             ms=0.1)
     spin(sched, fakes)
 
 
@@ -99,7 +112,7 @@ def test_step_loss_is_summed_in_micro_batch_order_not_arrival_order(rig):
     done = 0
     while done < M:
         tasks = fakes["t1"].take("grad") + fakes["t2"].take("grad")
-        assert all(t["step"] == 0 and t["params"] == {"segment": "p"} for t in tasks)
+        assert all(t["step"] == 0 and t["params"] == desc("optimizer", "params", "optimizer") for t in tasks)
         for t in sorted(tasks, key=lambda t: -t["k"]):  # results arrive highest k first
             fakes[_who(sched, t)].send("grad_done", 0, gen=0, k=t["k"], loss=losses[t["k"]], rows=2, ms=1)
             done += 1
@@ -154,3 +167,114 @@ def test_a_failed_task_fails_the_run(rig):
     fakes["t1"].send("failed", 0, error="boom")
     with pytest.raises(RunFailed, match="boom"):
         spin(sched, fakes)
+
+
+class Stranger:
+    """A connection the scheduler never welcomed, speaking under other workers' names."""
+
+    def __init__(self, ep):
+        self.sock = DealerSocket(ep.control)
+
+    def send(self, kind, step=0, **fields):
+        self.sock.send(kind, step, **fields)
+
+    def told(self):
+        got = []
+        while (msg := self.sock.recv(50)) is not None:
+            got.append(msg and msg["kind"])
+        return got
+
+
+def test_forged_results_and_garbage_change_nothing(rig):
+    sched, fakes = rig
+    start(sched, fakes)
+    stranger = Stranger(ipc_endpoints(sched.run_dir))
+    try:
+        tasks = {_who(sched, t): t for t in fakes["t1"].take("grad") + fakes["t2"].take("grad")}
+        k1, k2 = tasks["t1"]["k"], tasks["t2"]["k"]
+        stranger.sock.sock.send(b"\xc1 garbage")
+        stranger.sock.sock.send(b"\x81\xa4kind\x91\x01")  # {"kind": [1]}: unhashable
+        stranger.send("grad_done", 0, worker="t1", gen=0, k=k1, loss=0.0, rows=2, ms=1)  # as t1, its task
+        stranger.send("stepped", 1, worker="optimizer", gen=0, lr=0.1, grad_norm=1.0, ms=1)
+        stranger.send("bye", worker="optimizer")
+        stranger.send("failed", worker="t1", error="forged")
+        fakes["t2"].send("grad_done", 0, gen=0, k=k1, loss=0.0, rows=2, ms=1)  # a real trainer, not its task
+        fakes["t2"].send("grad_done", 0, worker="t1", gen=0, k=k2, loss=0.0, rows=2, ms=1)  # its task, t1's name
+        spin(sched, fakes)
+        assert sched.grads[k1] == ("issued", "t1") and sched.grads[k2] == ("issued", "t2")
+        assert sched.cur == 0 and {"optimizer", "t1", "t2"} <= set(sched.peers)
+        assert "shutdown" in stranger.told()
+        for name, t in tasks.items():  # the real answers still count
+            fakes[name].send("grad_done", 0, gen=0, k=t["k"], loss=1.0, rows=2, ms=1)
+        spin(sched, fakes)
+        assert sched.grads[k1][0] == sched.grads[k2][0] == "done"
+    finally:
+        stranger.sock.close()
+
+
+def test_a_second_singleton_hello_waits_until_the_incumbent_is_lost(rig):
+    sched, fakes = rig
+    start(sched, fakes)
+    fakes["optimizer2"] = Fake(ipc_endpoints(sched.run_dir), "optimizer", "optimizer2")
+    spin(sched, fakes)
+    assert sched.one("optimizer").id == "optimizer" and "optimizer2" not in sched.peers
+    assert fakes["optimizer2"].take("welcome", wait_s=0.1) == []
+    fakes["optimizer"].silent = True
+    spin(sched, fakes, seconds=1.6)
+    assert sched.one("optimizer").id == "optimizer2" and sched.gen == 1
+    assert len(fakes["optimizer2"].take("welcome")) == 1
+    (init,) = fakes["optimizer2"].take("init")
+    assert init["gen"] == 1
+
+
+def test_heartbeats_without_the_workers_token_do_not_keep_it_alive(rig):
+    sched, fakes = rig
+    start(sched, fakes)
+    stranger = Stranger(ipc_endpoints(sched.run_dir))
+    try:
+        fakes["t1"].silent = True
+        for _ in range(16):
+            stranger.send("heartbeat", worker="t1", token="a guess")
+            spin(sched, fakes, seconds=0.1)
+        assert "t1" not in sched.peers
+    finally:
+        stranger.sock.close()
+
+
+def test_a_missing_role_fails_the_run_after_a_bounded_wait(tmp_path):
+    ep = ipc_endpoints(str(tmp_path))
+    sched = Scheduler(_job(), str(tmp_path), RUN_ID, ep, trainers=1, log=lambda m: None, role_wait_s=0.5)
+    fakes = {n: Fake(ep, r, n) for n, r in [("optimizer", "optimizer"), ("checkpointer", "checkpointer"),
+                                              ("t1", "trainer")]}
+    try:
+        with pytest.raises(RunFailed, match="no loader has been connected"):
+            spin(sched, fakes, seconds=5)
+    finally:
+        for f in fakes.values():
+            f.sock.close()
+        sched.close()
+
+
+def test_a_local_worker_whose_process_exits_is_lost_at_once(tmp_path):
+    import subprocess
+    import sys
+    ep = ipc_endpoints(str(tmp_path))
+    sched = Scheduler(_job(), str(tmp_path), RUN_ID, ep, trainers=2, log=lambda m: None, liveness_s=60.0)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    fakes = {n: Fake(ep, r, n) for n, r in [("loader", "loader"), ("optimizer", "optimizer"),
+                                              ("checkpointer", "checkpointer"), ("t1", "trainer")]}
+    fakes["t2"] = Fake(ep, "trainer", "t2", pid=proc.pid)
+    try:
+        start(sched, fakes)
+        assert "t2" in sched.peers
+        proc.kill()
+        proc.wait()
+        t0 = time.monotonic()
+        while "t2" in sched.peers and time.monotonic() - t0 < 5:
+            spin(sched, fakes, seconds=0.05)
+        assert "t2" not in sched.peers and time.monotonic() - t0 < 1.0  # not the 60 s liveness
+    finally:
+        proc.kill()
+        for f in fakes.values():
+            f.sock.close()
+        sched.close()

@@ -13,17 +13,17 @@ from pipeline.runtime import transport
 def test_router_dealer_round_trip_and_bad_frames(tmp_path):
     ep = transport.ipc_endpoints(str(tmp_path))
     router = transport.RouterSocket(ep.control)
-    dealer = transport.DealerSocket(ep.control, "trainer-1")
+    dealer = transport.DealerSocket(ep.control)
     try:
-        dealer.send("hello", role="trainer", worker="trainer-1", pid=1)
+        dealer.send("hello", role="trainer", worker="trainer-1", pid=1, token="t")
         identity, msg = router.recv(5000)
-        assert identity == b"trainer-1" and msg["kind"] == "hello"
+        assert identity[:1] == b"\x00" and msg["kind"] == "hello"  # the ROUTER named the connection, not the peer
         router.send(identity, "shutdown", reason="test")
         assert dealer.recv(5000)["reason"] == "test"
         dealer.sock.send(msgpack.packb({"kind": "warp", "v": 1, "step": 0, "seq": 0}))
         identity, msg = router.recv(5000)
         assert msg is None  # dropped, not raised
-        router.sock.send_multipart([b"trainer-1", b"\x00garbage"])
+        router.sock.send_multipart([identity, b"\x00garbage"])
         assert dealer.recv(5000) is False
     finally:
         dealer.close()
@@ -74,7 +74,7 @@ WORKER = textwrap.dedent("""
     from pipeline.runtime.shm import exit_on_signals
     from pipeline.runtime.transport import HeartbeatThread
     exit_on_signals()
-    hb = HeartbeatThread(sys.argv[1], "w", timeout_s=1.0, interval_s=0.05)
+    hb = HeartbeatThread(sys.argv[1], "w", "token", timeout_s=1.0, interval_s=0.05)
     hb.start()
     try:
         time.sleep(30)

@@ -52,6 +52,29 @@ def test_checkpointer_killed_mid_write_leaves_previous_checkpoint_latest(tmp_pat
     assert ckpt.latest_checkpoint(tmp_path).endswith("checkpoint-step-40")
 
 
+def test_a_killed_writers_temp_files_are_removed_before_the_directory_is_committed(tmp_path):
+    pin_threads(1)
+    job = get_job("spirals")(build(get_job("spirals").Spec, SPEC))
+    params = {n: a for n, a in job.init_params()}
+    skeleton = {"type": "adamw", "config": {}, "scalars": {}}
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a writer that was killed: its pid is no process now
+    directory = tmp_path / "checkpoint-step-20"
+    directory.mkdir()
+    (directory / f".model.safetensors.tmp-{gone.pid}").write_bytes(b"half a tensor")
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    live = directory / f".model.safetensors.tmp-{running.pid}"  # a writer still running: not ours to remove
+    live.write_bytes(b"")
+    try:
+        ckpt.write_checkpoint(str(directory), params, skeleton, {}, ckpt.trainer_state(job, 20))
+    finally:
+        running.kill()
+        running.wait()
+    assert ckpt.is_committed(str(directory))
+    assert sorted(os.listdir(directory)) == sorted(["model.safetensors", "optimizer.safetensors",
+                                                    "trainer_state.json", live.name])
+
+
 @pytest.mark.slow
 def test_killed_trainer_and_checkpointer_are_rerun_to_the_same_bits(tmp_path, reference):
     out = launch("spirals", tmp_path, "--trainers", "2", *FLAGS,

@@ -49,7 +49,7 @@ def test_monitor_prints_published_metrics_and_stops_at_run_finished(tmp_path):
 
 def test_endpoint_lookup(tmp_path):
     assert find_events_endpoint(connect="tcp://127.0.0.1:9") == "tcp://127.0.0.1:9"
-    assert find_events_endpoint(run_dir=str(tmp_path)) == f"ipc://{tmp_path}/events.sock"  # run not started yet
+    assert find_events_endpoint(run_dir=str(tmp_path)) == f"ipc://{tmp_path}/sockets/events.sock"  # not started
     (tmp_path / "run.json").write_text("{not json")
     with pytest.raises(UserError, match="unreadable"):
         find_events_endpoint(run_dir=str(tmp_path))

@@ -28,7 +28,8 @@ def test_worker_drops_bad_messages_and_exits_cleanly_on_shutdown(tmp_path):
         router.sock.send_multipart([identity, b"\xc1 not msgpack"])
         router.sock.send_multipart([identity, msgpack.packb({"kind": "teleport", "v": 1, "step": 0, "seq": 0})])
         router.sock.send_multipart([identity, msgpack.packb({"kind": "load", "v": 7, "step": 0, "seq": 0})])
-        router.send(identity, "grad", gen=0, k=0, slot=0, batch={}, params={}, grads={})  # not a loader task
+        empty = {"segment": "s", "tensors": [], "owner": "o"}
+        router.send(identity, "grad", gen=0, k=0, slot=0, batch=empty, params=empty, grads=empty)  # not a loader task
         router.send(identity, "load", 0, gen=0, k=1, slot=1)  # a real task still works afterwards
         loaded = None
         while loaded is None:

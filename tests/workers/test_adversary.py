@@ -1,0 +1,229 @@
+"""A stranger on the control plane: `fucina launch lm` and `fucina es-spirals` on tcp:// finish with the reference bits.
+
+The stranger holds the run's worker.key (it is past authentication, like a
+buggy or stale worker) and, for the whole run: sends garbage and the frame
+{"kind": [1]}, says hello as every singleton role, forges every result kind
+and bye/failed/heartbeats under the real workers' ids (learned from the event
+stream), and - for ES - joins mid-run, answers for members it was not
+assigned with an unrequested center, then goes silent. A peer without the key
+sends a hello too and is never heard. The runs must end with the same
+params_sha256 as in-process.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from helpers import LM, ROOT, env, events, launch, launch_cmd, wait_for
+from pipeline.es import protocol
+from pipeline.runtime import messages, security, transport
+
+M = int(LM[LM.index("--micro-batches") + 1])
+
+
+def _free_port_pair():
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free pair of loopback ports")
+
+
+def _run_json(run_dir):
+    try:
+        with open(os.path.join(run_dir, "run.json")) as fh:
+            info = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return info if "worker_key" in info else None
+
+
+class PipelineStranger(threading.Thread):
+    def __init__(self, run_dir):
+        super().__init__(daemon=True)
+        self.run_dir, self.stop, self.error = run_dir, threading.Event(), None
+        self.ids: dict[str, set] = {}
+
+    def run(self):
+        try:
+            self.attack()
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+
+    def attack(self):
+        info = wait_for(lambda: _run_json(self.run_dir), timeout=180)
+        key = security.load_client_key(info["worker_key"])
+        control, rid = info["endpoints"]["control"], info["run_id"]
+        ctx = zmq.Context()
+        listen = transport.Subscriber(info["endpoints"]["events"], ctx, key)
+        forger = transport.DealerSocket(control, ctx, key)
+        keyless = ctx.socket(zmq.DEALER)
+        keyless.setsockopt(zmq.LINGER, 0)
+        keyless.connect(control)
+        hellos, step, last_hello, n = [], 0, 0.0, 0
+        try:
+            while not self.stop.is_set():
+                while (msg := listen.recv(0)) is not None:
+                    if msg["kind"] == "metrics":
+                        step = msg["step"]
+                    elif msg["event"] == "worker_joined":
+                        self.ids.setdefault(msg["detail"]["role"], set()).add(msg["detail"]["worker"])
+                self.learn_ids_from_pids()
+                forger.sock.send(b"\xc1 garbage")
+                forger.sock.send(b"\x81\xa4kind\x91\x01")
+                self.forge(forger, rid, step)
+                keyless.send(messages.pack("hello", role="optimizer", worker="no-key", pid=1, token="t"))
+                if time.monotonic() - last_hello > 2:  # singleton hellos on fresh connections
+                    last_hello = time.monotonic()
+                    for role in ("optimizer", "loader", "checkpointer"):
+                        n += 1
+                        s = transport.DealerSocket(control, ctx, key)
+                        s.send("hello", role=role, worker=f"stranger-{n}", pid=os.getpid(), token="t")
+                        hellos.append(s)
+                time.sleep(0.05)
+        finally:
+            for s in [listen, forger, *hellos]:
+                s.close()
+            keyless.close(0)
+            ctx.term()
+
+    def learn_ids_from_pids(self):
+        """Worker ids are role-pid, and pids.json lists the pids (the events name them too, for late joiners)."""
+        try:
+            with open(os.path.join(self.run_dir, "pids.json")) as fh:
+                pids = json.load(fh)
+        except (OSError, ValueError):
+            return
+        for name, pid in pids.items():
+            role = name.split("-")[0]
+            if role != "scheduler":
+                self.ids.setdefault(role, set()).add(f"{role}-{pid}")
+
+    def forge(self, sock, rid, step):
+        seg = lambda role, what, owner: {"segment": f"fucina-{rid}-{role}-{what}", "tensors": [], "owner": owner}  # noqa: E731
+        for gen in (0, 1):
+            for t in self.ids.get("trainer", ()):
+                for k in range(M):
+                    sock.send("grad_done", step, worker=t, gen=gen, k=k, loss=0.0, rows=1, ms=0.0)
+                sock.send("heartbeat", worker=t, token="0" * 32)
+            for ld in self.ids.get("loader", ()):
+                for k in range(M):
+                    sock.send("loaded", step + 1, worker=ld, gen=gen, k=k, slot=((step + 1) % 2) * M + k,
+                              batch=seg("loader", "batches", ld), ms=0.0)
+            for o in self.ids.get("optimizer", ()):
+                sock.send("stepped", step + 1, worker=o, gen=gen, lr=1.0, grad_norm=0.0, ms=0.0)
+                sock.send("ready", step, worker=o, gen=gen, params=seg("optimizer", "params", o),
+                          grads=seg("optimizer", "grads", o))
+                sock.send("snapshot_ready", step, worker=o, gen=gen, segment=f"fucina-{rid}-loader-batches",
+                          tensors=[], meta={})
+                sock.send("bye", worker=o)
+            for c in self.ids.get("checkpointer", ()):
+                sock.send("committed", step, worker=c, path="/", ms=0.0)
+        for t in self.ids.get("trainer", ()):
+            sock.send("failed", worker=t, error="forged")
+
+
+@pytest.mark.slow
+def test_a_stranger_with_the_key_cannot_steer_a_tcp_lm_run(tmp_path):
+    reference = launch("lm", tmp_path / "ref", "--inprocess", *LM)
+    run_dir = tmp_path / "tcp"
+    stranger = PipelineStranger(str(run_dir))
+    stranger.start()
+    try:
+        out = launch("lm", run_dir, "--trainers", "2", "--port", str(_free_port_pair()), *LM, timeout=600)
+    finally:
+        stranger.stop.set()
+        stranger.join(30)
+    assert stranger.error is None, stranger.error
+    assert stranger.ids.get("trainer"), "the stranger never learned a worker id: it attacked nothing"
+    assert out["params_sha256"] == reference["params_sha256"]
+    assert out["restarts"] == 0
+    joined = {e["detail"]["worker"] for e in events(run_dir, "worker_joined")}
+    queued = {e["detail"]["worker"] for e in events(run_dir, "worker_queued")}
+    assert not any(w.startswith("stranger") or w == "no-key" for w in joined), joined
+    assert queued and all(w.startswith("stranger") for w in queued) and "no-key" not in queued
+    with open(run_dir / "workers.log") as fh:
+        log = fh.read()
+    assert "dropped" in log and "Traceback" not in log
+
+
+def _es_cmd(*flags):
+    return [sys.executable, "-m", "pipeline.cli", "es-spirals", "--population", "24", "--model-seed", "1",
+            "--max-iterations", "8", "--progress-every", "0", "--json", *flags]
+
+
+def _es_stranger(endpoint, key_file, stop, said):
+    key = wait_for(lambda: os.path.exists(key_file) and security.load_client_key(key_file), timeout=120)
+    ctx = zmq.Context()
+
+    def dealer(name, with_key=True):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.IDENTITY, name)
+        if with_key:
+            security.secure_client(s, key)
+        s.connect(endpoint)
+        return s
+    forger, joiner, keyless = dealer(b"stranger-a"), dealer(b"stranger-b"), dealer(b"no-key", with_key=False)
+    joiner.send(protocol.encode("hello", worker="stranger-b", pid=os.getpid(), host="elsewhere"))
+    keyless.send(protocol.encode("hello", worker="no-key", pid=1, host="elsewhere"))
+    try:
+        while not stop.is_set():
+            for it in range(10):
+                forger.send(b"\xc1 garbage")
+                forger.send(b"\x81\xa4kind\x91\x01")
+                forger.send(msgpack.packb({"kind": "rewards", "v": 1, "it": it, "members": ["x"], "rewards": [1]}))
+                forger.send(protocol.encode("rewards", it=it, members=list(range(24)), rewards=[9.0] * 24,
+                                            center=[0.0, 1.0]))
+                forger.send(protocol.encode("failed", error="forged"))
+            if joiner.poll(50):
+                frames = joiner.recv_multipart()
+                msg = protocol.decode(frames[0])
+                said.append(msg["kind"])
+                if msg["kind"] == "iter":  # answer for everyone else's members, with a center nobody asked for
+                    others = [m for m in range(24) if m not in msg["members"]]
+                    joiner.send(protocol.encode("rewards", it=msg["it"], members=others, rewards=[9.0] * len(others),
+                                                center=[0.0, 1.0]))
+                    joiner.close(0)  # then go silent: its own members are re-assigned when it is declared dead
+                    joiner = ctx.socket(zmq.DEALER)  # an unconnected stand-in, so the loop stays simple
+    finally:
+        for s in (forger, joiner, keyless):
+            s.close(0)
+        ctx.term()
+
+
+@pytest.mark.slow
+def test_a_stranger_with_the_key_cannot_steer_a_tcp_es_run(tmp_path):
+    ref = subprocess.run(_es_cmd("--inprocess"), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr
+    port = _free_port_pair()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    stop, said = threading.Event(), []
+    stranger = threading.Thread(target=_es_stranger, args=(endpoint, str(tmp_path / "worker.key"), stop, said),
+                                daemon=True)
+    stranger.start()
+    try:
+        out = subprocess.run(_es_cmd("--workers", "2", "--bind", endpoint, "--key-dir", str(tmp_path),
+                                     "--liveness", "3"), cwd=ROOT, env=env(), capture_output=True, text=True,
+                             timeout=600)
+    finally:
+        stop.set()
+        stranger.join(30)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "welcome" in said and "iter" in said, said  # it was admitted mid-run and assigned members
+    assert json.loads(out.stdout.strip().splitlines()[-1])["sha256"] == json.loads(ref.stdout.splitlines()[-1])["sha256"]
+    assert "dropped rewards from stranger-b" in out.stderr and "no-key" not in out.stderr
+    assert "stranger-b" in out.stderr and "declared dead" in out.stderr
+

@@ -272,3 +272,36 @@ def test_mutated_jsonl_only_raises_user_error(tmp_path, raw, fmt):
 @given(raw=mutated_jsonl() | st.binary(max_size=2048), fmt=st.sampled_from(("auto",) + sft.FORMATS))
 def test_mutated_jsonl_only_raises_user_error_long(tmp_path, raw, fmt):
     _only_user_errors(tmp_path, raw, fmt)
+
+
+# A template in the style of Qwen3's: earlier assistant turns are rendered without their reasoning block, the
+# turn after the last user message with it (empty here), and enable_thinking=false pre-fills an empty one.
+HISTORY_REWRITING = (
+    "{%- set ns = namespace(last_user=0) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and loop.index0 > ns.last_user %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}")
+
+
+def test_a_template_that_rewrites_earlier_turns(model):
+    """Spans are located in the rendering of the WHOLE conversation: turn 1 as the history shows it, the
+    last turn with the reasoning block the template gives it."""
+    tok, enc, fixture_template = model
+    tpl = ChatTemplate(HISTORY_REWRITING, stop_ids=fixture_template.stop_ids, stop_texts=fixture_template.stop_texts)
+    assert [(t, s) for t, s in sft.conversation_segments(tpl, MULTI_TURN) if s] == [
+        ("Ahoy!<|im_end|>", True), ("<think>\n\n</think>\n\nFair winds.<|im_end|>", True)]
+    sample = sft.encode_conversation(enc, tpl, MULTI_TURN)
+    full = enc.encode(tpl.render(MULTI_TURN, add_generation_prompt=False))
+    assert sample.inputs.tolist() == full[:-1]
+    # enable_thinking=False pre-fills a block the history of turn 1 does not have: refused, not mis-masked
+    with pytest.raises(UserError, match="renders the prompt of message 2 differently"):
+        sft.encode_conversation(enc, tpl, MULTI_TURN, sft.EncodeOptions(enable_thinking=False), where="d:1")
+    # ... while a single exchange is consistent with it
+    single = sft.encode_conversation(enc, tpl, MULTI_TURN[1:3], sft.EncodeOptions(enable_thinking=False))
+    assert single.n_valid == len(enc.encode("Ahoy!<|im_end|>"))

@@ -72,7 +72,7 @@ class Conversation:
     @property
     def instruction(self):
         """The first user turn: the held prompt of the BEFORE/AFTER answers."""
-        return next(content for role, content in self.turns if role == "user")
+        return next((content for role, content in self.turns if role == "user"), "")
 
 
 # The five-pair style transfer of the fine-tune demo: small enough to overfit
@@ -129,7 +129,7 @@ def _alpaca_record(obj, where, *_keys):
 def _turns(obj, where, list_key, role_key, content_key, roles):
     turns = obj.get(list_key)
     if not isinstance(turns, list) or not turns:
-        got = "missing" if list_key not in obj else f"a {type(turns).__name__}" if turns else "empty"
+        got = "missing" if list_key not in obj else "empty" if turns == [] else f"a {type(turns).__name__}"
         raise UserError(f"{where}: field '{list_key}' must be a non-empty list of turns, got {got}")
     out = []
     for i, turn in enumerate(turns):

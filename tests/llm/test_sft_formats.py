@@ -222,6 +222,29 @@ def test_cli_trains_on_messages_data(tmp_path):
     assert (out / "trainer_state.json").is_file()
 
 
+def _pirate_in(fmt):
+    for p in sft.PIRATE_PAIRS:
+        chat = [{"role": "user", "content": p.instruction}, {"role": "assistant", "content": p.response}]
+        yield {"instruction": {"instruction": p.instruction, "response": p.response},
+               "alpaca": {"instruction": p.instruction, "input": "", "output": p.response},
+               "messages": {"messages": chat},
+               "sharegpt": {"conversations": [{"from": {"user": "human", "assistant": "gpt"}[m["role"]],
+                                               "value": m["content"]} for m in chat]}}[fmt]
+
+
+def test_the_pirate_set_in_every_format_trains_the_same_bits(tmp_path, capsys):
+    """The same conversations in four formats are the same samples, so `fucina finetune` ends with the same
+    adapters as on the built-in set."""
+    from pipeline.cli import main
+    base = ["finetune", "--model", str(FIXTURE), "--steps", "1", "--max-new-tokens", "1", "--json"]  # 5 samples
+    assert main(base) == 0
+    reference = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["adapters_sha256"]
+    for fmt in sft.FORMATS:
+        data = _write(tmp_path, list(_pirate_in(fmt)), name=f"pirate-{fmt}.jsonl")
+        assert main(base + ["--data", str(data)]) == 0
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["adapters_sha256"] == reference, fmt
+
+
 # --- property tests: mutated JSONL gives records or UserError, never another exception ------------------
 SEEDS = [b'{"instruction": "a", "response": "b"}',
          b'{"instruction": "i", "input": "x", "output": "o"}',

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
+from functools import cached_property
 
 from ..errors import UserError
 
@@ -134,12 +135,13 @@ class ChatTemplate:
                                 f"({type(e).__name__}: {e})") from None
         return self._compiled
 
-    @property
+    @cached_property
     def has_thinking_switch(self) -> bool:
         """Whether the template reads `enable_thinking` (Qwen3's reasoning on/off)."""
         if not self.jinja_source:
             return False
         from jinja2 import meta
+        self._template()  # a template that does not parse is a named UserError here
         return "enable_thinking" in meta.find_undeclared_variables(_environment().parse(self.jinja_source))
 
     def render(self, messages, *, add_generation_prompt: bool = True, enable_thinking: bool | None = None) -> str:

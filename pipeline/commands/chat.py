@@ -1,4 +1,4 @@
-"""`fucina chat`: an interactive chat loop over a Qwen3 GGUF (ChatML, reasoning channel off)."""
+"""`fucina chat`: an interactive chat loop over a Qwen3 GGUF, prompted as llama.cpp's chat completion prompts."""
 import sys
 
 from .generate import add_sampling_arguments, apply_threads, sampling_from
@@ -37,7 +37,7 @@ def run(args, stdin=None, stdout=None):
         if not text.strip():
             continue
         history.append({"role": "user", "content": text})
-        ids = tok.encode(lm.template.render(history, think_off=not args.think), special=True)
+        ids = lm.encode_chat(history, enable_thinking=args.think)
         stream, reply = tok.stream(), []
         try:
             for token in generate(lm.model, ids, args.max_tokens, sampling, stop_ids=lm.stop_ids()):

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from ..errors import ConfigMismatchError, UserError
+from .finetune import add_data_arguments, load_data
 
 NAME = "es-finetune"
 HELP = "gradient-free ES fine-tune of LoRA adapters on a frozen (quantized) Qwen3 GGUF"
@@ -30,9 +31,7 @@ ES_DEFAULTS = {"sigma": 0.05, "alpha": 0.05, "population": 16, "antithetic": Tru
 
 def add_arguments(p):
     p.add_argument("--model", help="Qwen3 GGUF to fine-tune (e.g. the model.gguf `fucina launch lm` saves); required")
-    p.add_argument("--data", help="JSONL file of {instruction, response} objects (default: the built-in pirate pairs)")
-    p.add_argument("--instruction-key", default="instruction", help="JSONL key holding the instruction")
-    p.add_argument("--response-key", default="response", help="JSONL key holding the response")
+    add_data_arguments(p)
     p.add_argument("--shuffle", action="store_true", help="shuffled sample order (Fisher-Yates per epoch, seeded by --data-seed)")
     p.add_argument("--seed", type=int, default=42, help="run seed: the adapter init (A), the ES noise (unless --es-seed) and the data order (unless --data-seed)")
     p.add_argument("--es-seed", type=int, default=None, help="seed of the ES noise stream (default: derived from --seed, independent of the adapter init)")
@@ -134,9 +133,9 @@ def build(args, log):
     gg = open_gguf(args.model)
     model = Qwen3.from_gguf(gg)
     tokenizer = _load_tokenizer(gg)
-    encoder, template = sft.RawEncoder(tokenizer), sft.PromptTemplate(ChatTemplate.from_gguf(gg))
+    encoder, template = sft.RawEncoder(tokenizer), ChatTemplate.from_gguf(gg)
     if args.data:
-        pairs, source = sft.load_jsonl(args.data, args.instruction_key, args.response_key), args.data
+        pairs, source = load_data(args), args.data
     else:
         pairs, source = list(sft.PIRATE_PAIRS), "pirate pair"
     options = sft.EncodeOptions(seq_max=args.seq_max)

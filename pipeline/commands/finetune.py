@@ -24,9 +24,7 @@ DESCRIPTION = (HELP + ". With no --data it trains the built-in five-pair pirate 
 
 def add_arguments(p):
     p.add_argument("--model", help="Qwen3 GGUF to fine-tune (e.g. the model.gguf `fucina launch lm` saves); required")
-    p.add_argument("--data", help="JSONL file of {instruction, response} objects (default: the built-in pirate pairs)")
-    p.add_argument("--instruction-key", default="instruction", help="JSONL key holding the instruction")
-    p.add_argument("--response-key", default="response", help="JSONL key holding the response")
+    add_data_arguments(p)
     p.add_argument("--shuffle", action="store_true", help="shuffled sample order (Fisher-Yates per epoch, seeded by --data-seed)")
     p.add_argument("--seed", type=int, default=42, help="seed of the adapter init and dropout streams")
     p.add_argument("--data-seed", type=int, default=None, help="seed of the shuffled order (default: --seed)")
@@ -54,6 +52,25 @@ def add_arguments(p):
     p.add_argument("--max-new-tokens", type=int, default=48, help="length of the BEFORE/AFTER greedy answers (tokens; bytes on a byte-level model)")
     p.add_argument("--verify-grads", action="store_true", help="instead of training: zero-structure, grad-norm audit, Taylor and frozen-base checks; exit 1 on failure")
     p.add_argument("--json", action="store_true", help="print one JSON summary line on stdout (progress goes to stderr)")
+
+
+def add_data_arguments(p):
+    """The --data flags, shared with es-finetune."""
+    from ..llm.data import FORMATS, MAX_RECORD_BYTES
+    p.add_argument("--data", help="JSONL file of samples (default: the built-in pirate pairs); formats in --format")
+    p.add_argument("--format", choices=("auto",) + FORMATS, default="auto",
+                   help="the --data format: instruction/response pairs, alpaca (instruction, input, output), chat "
+                        "messages or ShareGPT conversations; auto = read from the first record's fields")
+    p.add_argument("--instruction-key", default="instruction", help="JSONL key holding the instruction (pairs)")
+    p.add_argument("--response-key", default="response", help="JSONL key holding the response (pairs)")
+    p.add_argument("--max-record-bytes", type=int, default=MAX_RECORD_BYTES, metavar="N",
+                   help="refuse a JSONL line over N bytes before parsing it")
+
+
+def load_data(args):
+    from ..llm.data import load_jsonl
+    return load_jsonl(args.data, args.instruction_key, args.response_key, format=args.format,
+                      max_record_bytes=args.max_record_bytes)
 
 
 def _targets(text):
@@ -94,9 +111,9 @@ def build(args, log):
     gg = open_gguf(args.model)
     model = Qwen3.from_gguf(gg)
     tokenizer = _load_tokenizer(gg)
-    encoder, template = sft.RawEncoder(tokenizer), sft.PromptTemplate(ChatTemplate.from_gguf(gg))
+    encoder, template = sft.RawEncoder(tokenizer), ChatTemplate.from_gguf(gg)
     if args.data:
-        pairs, source = sft.load_jsonl(args.data, args.instruction_key, args.response_key), args.data
+        pairs, source = load_data(args), args.data
     else:
         pairs, source = list(sft.PIRATE_PAIRS), "pirate pair"
     options = sft.EncodeOptions(seq_max=args.seq_max)
@@ -143,8 +160,7 @@ def _load_tokenizer(gg):
 def _answer(trainer, tokenizer, encoder, template, prompt, options, max_new):
     from ..llm.data import encode_prompt
     ids = encode_prompt(encoder, template, prompt, options)
-    stops = {i for i in (tokenizer.eos_id, tokenizer.eot_id) if i is not None}
-    return tokenizer.decode(trainer.generate(ids, max_new, stop_ids=stops))
+    return tokenizer.decode(trainer.generate(ids, max_new, stop_ids=template.stop_ids))
 
 
 def _bar(done, total, width=20):

@@ -1,4 +1,5 @@
 """`fucina generate`: stream a continuation of a prompt from a Qwen3 GGUF."""
+import argparse
 import sys
 import time
 
@@ -36,14 +37,17 @@ def add_sampling_arguments(parser):
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this probability mass (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    parser.add_argument("--think", action="store_true", help="with chat templates: leave Qwen3's reasoning channel on")
+    parser.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
+                        help="chat templates with a thinking switch (Qwen3): --think / --no-think set enable_thinking; "
+                             "unset, the template's default, as llama.cpp renders it")
     parser.add_argument("--system", default=None, help="optional system message for --chat")
     add_thread_arguments(parser)
 
 
 def add_arguments(parser):
     parser.add_argument("--prompt", required=True, help="prompt text")
-    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (ChatML)")
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap the prompt in the model's chat template (the GGUF's, else ChatML) as llama.cpp does")
     add_sampling_arguments(parser)
     parser.add_argument("--stats", action="store_true", help="print token counts and speed to stderr at the end")
 
@@ -59,7 +63,7 @@ def run(args):
         raise UserError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     apply_threads(args)
     lm = LoadedModel(args.model)
-    ids = lm.encode_prompt(args.prompt, chat=args.chat, system=args.system, think_off=not args.think)
+    ids = lm.encode_prompt(args.prompt, chat=args.chat, system=args.system, enable_thinking=args.think)
     stream = lm.tokenizer.stream()
     t0, n = time.perf_counter(), 0
     for token in generate(lm.model, ids, args.max_tokens, sampling_from(args), stop_ids=lm.stop_ids()):

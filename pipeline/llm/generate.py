@@ -97,18 +97,25 @@ class LoadedModel:
             raise self._tok_error
         return self.tokenizer
 
-    def encode_prompt(self, text: str, chat: bool = False, system: str | None = None, think_off: bool = True):
+    def encode_chat(self, messages, enable_thinking: bool | None = None):
+        """A conversation's prompt ids as llama.cpp's chat completion builds them: rendered with the
+        generation prompt, special tokens parsed, no BOS added (the template writes its own)."""
+        text = self.template.render(messages, enable_thinking=enable_thinking)
+        return self.require_tokenizer().encode(text, special=True, add_bos=False)
+
+    def encode_prompt(self, text: str, chat: bool = False, system: str | None = None,
+                      enable_thinking: bool | None = None):
         if not text:
             raise UserError("the prompt is empty")
-        tok = self.require_tokenizer()
         if chat:
             msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-            text = self.template.render(msgs, think_off=think_off)
-        ids = tok.encode(text, special=chat)
+            ids = self.encode_chat(msgs, enable_thinking)
+        else:
+            ids = self.require_tokenizer().encode(text, special=False)
         if not ids:
             raise UserError("the prompt encodes to zero tokens")
         return ids
 
     def stop_ids(self):
-        tok = self.tokenizer
-        return tuple(i for i in (tok.eos_id, tok.eot_id) if i is not None) if tok else ()
+        """llama.cpp's end-of-generation ids of the GGUF (eos, eot, eom, FIM and the end-of-turn texts)."""
+        return self.template.stop_ids

@@ -89,7 +89,7 @@ def test_search_b_keeps_a_at_its_init():
     from pipeline.llm.gguf import open_gguf
 
     gg = open_gguf(MODEL)
-    enc, tpl = sft.RawEncoder(_load_tokenizer(gg)), sft.PromptTemplate(ChatTemplate.from_gguf(gg))
+    enc, tpl = sft.RawEncoder(_load_tokenizer(gg)), ChatTemplate.from_gguf(gg)
     samples = sft.encode_all(enc, tpl, sft.PIRATE_PAIRS[:3])
     trainer = Trainer.from_gguf(MODEL, targets=("v",), rank=4, seed=3)
     a_init = {n: p.data.copy() for n, p in trainer.named_parameters() if n.endswith("lora_a")}
@@ -175,7 +175,7 @@ def test_checkpoint_exports_like_a_backprop_one(tmp_path, capsys):
     from pipeline.llm.finetune import Trainer
     from pipeline.llm.gguf import open_gguf
     gg = open_gguf(tmp_path / "merged.gguf")
-    samples = sft.encode_all(sft.RawEncoder(_load_tokenizer(gg)), sft.PromptTemplate(ChatTemplate.from_gguf(gg)),
+    samples = sft.encode_all(sft.RawEncoder(_load_tokenizer(gg)), ChatTemplate.from_gguf(gg),
                              sft.PIRATE_PAIRS)
     merged = batch_loss(Trainer.from_gguf(tmp_path / "merged.gguf"), samples)  # B = 0 adapters: the merged base alone
     assert s["final_loss"] != s["initial_loss"]

@@ -1,42 +1,60 @@
-"""Chat templates: the exact ChatML string, think on/off, and the GGUF jinja template."""
+"""Chat templates: the exact ChatML string, the GGUF jinja template as llama.cpp renders it, the thinking
+switch, bos/eos texts, and llama.cpp's end-of-generation set."""
 from pathlib import Path
 
 import pytest
 
 from pipeline.errors import UserError
-from pipeline.llm.chat import ChatTemplate, render_chatml, render_jinja
+from pipeline.llm.chat import ChatTemplate, end_of_generation_ids, render_chatml
 from pipeline.llm.gguf import GGUFFile
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Capital of France?"}]
+CHATML = ("<|im_start|>system\nYou are terse.<|im_end|>\n"
+          "<|im_start|>user\nCapital of France?<|im_end|>\n")
 
 
-def test_chatml_exact_string_think_off():
-    assert render_chatml(MSGS) == (
-        "<|im_start|>system\nYou are terse.<|im_end|>\n"
-        "<|im_start|>user\nCapital of France?<|im_end|>\n"
-        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+def test_chatml_exact_string():
+    assert render_chatml(MSGS) == CHATML + "<|im_start|>assistant\n"
+    assert render_chatml(MSGS, add_generation_prompt=False) == CHATML
 
 
-def test_chatml_think_on_and_no_generation_prompt():
-    assert render_chatml(MSGS[1:], think_off=False) == \
-        "<|im_start|>user\nCapital of France?<|im_end|>\n<|im_start|>assistant\n"
-    assert render_chatml(MSGS[1:], add_generation_prompt=False) == "<|im_start|>user\nCapital of France?<|im_end|>\n"
-
-
-def test_gguf_jinja_template_matches_chatml():
+def test_gguf_template_default_has_no_think_block_like_llama_cpp():
+    """llama-cpp-python passes no enable_thinking: a Qwen3-style template renders its default."""
     tpl = ChatTemplate.from_gguf(GGUFFile(FIXTURES / "qwen3-mini-f32.gguf"))
-    assert tpl.jinja_source
-    for think_off in (True, False):
-        assert tpl.render(MSGS, think_off=think_off) == render_chatml(MSGS, think_off=think_off)
-    assert ChatTemplate(None).render(MSGS) == render_chatml(MSGS)
+    assert tpl.jinja_source and tpl.has_thinking_switch
+    assert tpl.render(MSGS) == CHATML + "<|im_start|>assistant\n"
+    assert tpl.render(MSGS, enable_thinking=True) == CHATML + "<|im_start|>assistant\n"
+    assert tpl.render(MSGS, enable_thinking=False) == CHATML + "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+def test_thinking_switch_refused_where_the_template_has_none():
+    with pytest.raises(UserError, match="no thinking switch"):
+        ChatTemplate(None).render(MSGS, enable_thinking=False)
+    plain = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert not plain.has_thinking_switch and plain.render(MSGS) == "You are terse.Capital of France?"
+    with pytest.raises(UserError, match="no thinking switch"):
+        plain.render(MSGS, enable_thinking=True)
+
+
+def test_template_context_matches_llama_cpp_python():
+    """bos_token/eos_token texts, raise_exception, tojson without HTML escaping, {% generation %}, loop controls."""
+    tpl = ChatTemplate("{{ bos_token }}{% for m in messages %}{% if loop.first %}{% continue %}{% endif %}"
+                       "{% generation %}{{ m['content'] | tojson }}{% endgeneration %}{% endfor %}{{ eos_token }}"
+                       "{{ 'G' if add_generation_prompt }}", bos_token="<s>", eos_token="</s>")
+    assert tpl.render(MSGS + [{"role": "user", "content": "<&>"}]) == '<s>"Capital of France?""<&>"</s>G'
+    assert tpl.render(MSGS, add_generation_prompt=False).endswith("</s>")
 
 
 def test_jinja_errors_are_named():
-    with pytest.raises(UserError, match="cannot render"):
-        render_jinja("{% for x in %}", MSGS, source="t.gguf: tokenizer.chat_template")
+    with pytest.raises(UserError, match="t.gguf: tokenizer.chat_template: cannot parse"):
+        ChatTemplate("{% for x in %}", source="t.gguf: tokenizer.chat_template").render(MSGS)
     with pytest.raises(UserError, match="refused the conversation: no system"):
-        render_jinja("{{ raise_exception('no system') }}", MSGS)
+        ChatTemplate("{{ raise_exception('no system') }}").render(MSGS)
+    with pytest.raises(UserError, match=r"cannot render .*ZeroDivisionError"):
+        ChatTemplate("{{ 1 // 0 }}").render(MSGS)
+    with pytest.raises(UserError, match="cannot render"):  # the sandbox refuses attribute games
+        ChatTemplate("{{ ''.__class__.__mro__ }}").render(MSGS)
 
 
 def test_bad_messages():
@@ -44,3 +62,21 @@ def test_bad_messages():
         render_chatml([])
     with pytest.raises(UserError, match="message 0"):
         render_chatml([{"role": "robot", "content": "x"}])
+    with pytest.raises(UserError, match="message 1"):
+        ChatTemplate(None).render([MSGS[0], {"role": "user", "content": ["a list"]}])
+
+
+def test_end_of_generation_ids_follow_llama_cpp_rules():
+    tokens = ["a", "<|im_end|>", "<|endoftext|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<|im_start|>",
+              "</s>", "b"]
+    assert end_of_generation_ids({"tokenizer.ggml.tokens": tokens}) == {1, 2, 3, 4, 5, 7}
+    # metadata ids join the set; a FIM id named in the metadata replaces the text search for that kind
+    md = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.eos_token_id": 8, "tokenizer.ggml.eot_token_id": 0,
+          "tokenizer.ggml.fim_pad_token_id": 6, "tokenizer.ggml.eom_token_id": 99}
+    assert end_of_generation_ids(md) == {0, 1, 2, 4, 5, 6, 7, 8}
+
+
+def test_from_gguf_reads_token_texts_and_stops():
+    tpl = ChatTemplate.from_gguf(GGUFFile(FIXTURES / "qwen3-mini-f32.gguf"))
+    assert (tpl.bos_token, tpl.eos_token) == ("<|endoftext|>", "<|im_end|>")
+    assert tpl.stop_texts == {"<|endoftext|>", "<|im_end|>"} and len(tpl.stop_ids) == 2

@@ -1,4 +1,4 @@
-"""SFT data: JSONL parsing errors, separate encoding + shift + mask, loader contract."""
+"""SFT data: separate encoding + shift + mask on a stub tokenizer, JSONL errors, the loader contract."""
 import json
 import os
 
@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from pipeline.errors import UserError
-from pipeline.llm.data import (IGNORE_INDEX, PIRATE_PAIRS, EncodeOptions, Loader, Pair, encode_pair,
-                               epoch_permutation, load_jsonl, pairs_from_records)
+from pipeline.llm.chat import ChatTemplate
+from pipeline.llm.data import (IGNORE_INDEX, PIRATE_PAIRS, EncodeOptions, Loader, Pair, encode_all,
+                               encode_conversation, epoch_permutation, load_jsonl, pairs_from_records)
 
 GOLDENS = os.path.join(os.path.dirname(__file__), "..", "goldens", "lora")
 
@@ -35,66 +36,78 @@ class StubTokenizer:
         return ids
 
 
-class StubTemplate:
-    stop = "<|im_end|>"
-
-    def render_prompt(self, instruction, system=None, think_off=True):
-        sys_turn = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
-        think = "<think>\n\n</think>\n\n" if think_off else ""
-        return f"{sys_turn}<|im_start|>user\n{instruction}<|im_end|>\n<|im_start|>assistant\n{think}"
+TPL = ChatTemplate(None, stop_texts={"<|im_end|>"})  # built-in ChatML, <|im_end|> ends a turn
+TOK = StubTokenizer()
 
 
-TOK, TPL = StubTokenizer(), StubTemplate()
+def _prompt(instruction, system=None):
+    sys_turn = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
+    return f"{sys_turn}<|im_start|>user\n{instruction}<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_encode_pair_shift_and_mask():
-    pair = Pair("hi", "yo")
-    s = encode_pair(TOK, TPL, pair)
-    prompt = TOK.encode(TPL.render_prompt("hi"))
-    full = prompt + TOK.encode("yo") + [1001]
+    s = encode_all(TOK, TPL, [Pair("hi", "yo")])[0]
+    prompt = TOK.encode(_prompt("hi"))
+    full = prompt + TOK.encode("yo") + [1001] + [ord("\n")]  # the rendered turn ends "<|im_end|>\n"
     np.testing.assert_array_equal(s.inputs, full[:-1])
-    # labels: prompt predictions masked, then exactly the response + stop
+    # labels: prompt predictions masked, then exactly the response + end-of-turn; the newline after it is not
     assert (s.labels[: len(prompt) - 1] == IGNORE_INDEX).all()
-    np.testing.assert_array_equal(s.labels[len(prompt) - 1:], full[len(prompt):])
+    np.testing.assert_array_equal(s.labels[len(prompt) - 1: -1], full[len(prompt):-1])
+    assert s.labels[-1] == IGNORE_INDEX
     assert s.n_valid == 3 and s.n_prompt == len(prompt)
 
 
-def test_encode_pair_encodes_prompt_and_response_separately():
-    # the prompt ends with "a" (think off -> "\n\n" ends it, so use think_on + instruction trick)
-    class EndsWithA(StubTemplate):
-        def render_prompt(self, instruction, system=None, think_off=True):
-            return "xa"
-    s = encode_pair(TOK, EndsWithA(), Pair("q", "b!"))
-    # joined text would merge "a"+"b" into 999; separate encoding keeps the boundary
-    assert 999 not in s.inputs.tolist()
+def test_segments_are_encoded_separately():
+    # the prompt ends with "a", the response starts with "b": encoded jointly, BPE would merge "ab"
+    tpl = ChatTemplate("{% for m in messages %}{% if m.role == 'user' %}x{{ m.content }}{% else %}"
+                       "{{ m.content }}<|im_end|>{% endif %}{% endfor %}", stop_texts={"<|im_end|>"})
+    s = encode_conversation(TOK, tpl, Pair("a", "b!").messages())
+    assert TOK.MERGE not in s.inputs.tolist()
     assert s.inputs.tolist() == [ord("x"), ord("a"), ord("b"), ord("!")]
     assert s.labels.tolist() == [IGNORE_INDEX, ord("b"), ord("!"), 1001]
 
 
 def test_mask_prompt_off_and_custom_ignore_index():
-    s = encode_pair(TOK, TPL, Pair("hi", "yo"), EncodeOptions(mask_prompt=False))
+    s = encode_conversation(TOK, TPL, Pair("hi", "yo").messages(), EncodeOptions(mask_prompt=False))
     assert s.n_valid == len(s.labels)
-    s = encode_pair(TOK, TPL, Pair("hi", "yo"), EncodeOptions(ignore_index=-1))
-    assert (s.labels == -1).sum() == s.n_prompt - 1
+    s = encode_conversation(TOK, TPL, Pair("hi", "yo").messages(), EncodeOptions(ignore_index=-1))
+    assert (s.labels == -1).sum() == s.n_prompt - 1 + 1  # the prompt, and the newline after <|im_end|>
 
 
-def test_think_off_and_system_reach_the_rendering():
-    on = encode_pair(TOK, TPL, Pair("hi", "yo"), EncodeOptions(think_off=False))
-    off = encode_pair(TOK, TPL, Pair("hi", "yo"))
-    assert off.n_prompt - on.n_prompt == len("<think>\n\n</think>\n\n")
-    sys_ = encode_pair(TOK, TPL, Pair("hi", "yo"), EncodeOptions(system="be brief"))
-    assert sys_.n_prompt > off.n_prompt
+def test_system_option_adds_a_turn_only_where_there_is_none():
+    plain = encode_conversation(TOK, TPL, Pair("hi", "yo").messages())
+    with_sys = encode_conversation(TOK, TPL, Pair("hi", "yo").messages(), EncodeOptions(system="be brief"))
+    assert with_sys.n_prompt == len(TOK.encode(_prompt("hi", "be brief"))) > plain.n_prompt
+    own = [{"role": "system", "content": "S"}] + Pair("hi", "yo").messages()
+    assert encode_conversation(TOK, TPL, own, EncodeOptions(system="ignored")).n_prompt == \
+        len(TOK.encode(_prompt("hi", "S")))
 
 
 def test_seq_max_truncates_and_oversize_prompt_is_rejected():
-    n_prompt = len(TOK.encode(TPL.render_prompt("hi")))
-    s = encode_pair(TOK, TPL, Pair("hi", "a long response"), EncodeOptions(seq_max=n_prompt + 1))
+    n_prompt = len(TOK.encode(_prompt("hi")))
+    msgs = Pair("hi", "a long response").messages()
+    s = encode_conversation(TOK, TPL, msgs, EncodeOptions(seq_max=n_prompt + 1))
     assert len(s.inputs) == n_prompt + 1 and s.n_valid == 2
     # seq_max == n_prompt - 1 leaves exactly zero supervised positions
-    with pytest.raises(UserError, match=r"pair 3: sample too long.*seq_max"):
-        encode_pair(TOK, TPL, Pair("hi", "yo"), EncodeOptions(seq_max=n_prompt - 1), where="pair 3")
-    s = encode_pair(TOK, TPL, Pair("hi", "yo"), EncodeOptions(seq_max=n_prompt))
-    assert s.n_valid == 1
+    with pytest.raises(UserError, match=r"d.jsonl:3: sample too long.*seq_max"):
+        encode_conversation(TOK, TPL, msgs, EncodeOptions(seq_max=n_prompt - 1), where="d.jsonl:3")
+    assert encode_conversation(TOK, TPL, msgs, EncodeOptions(seq_max=n_prompt)).n_valid == 1
+
+
+def test_a_template_without_an_end_of_turn_token_is_refused():
+    tpl = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}", stop_texts={"<|im_end|>"})
+    with pytest.raises(UserError, match=r"s:1: .*closes assistant message 1 with none"):
+        encode_conversation(TOK, tpl, Pair("q", "a").messages(), where="s:1")
+
+
+def test_a_prompt_the_history_does_not_repeat_is_refused():
+    """A generation prompt that the rendered history does not contain (a think block pre-filled only for
+    generation): the assistant span cannot be located."""
+    tpl = ChatTemplate("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                       "{% if add_generation_prompt %}<|im_start|>assistant\n<think></think>{% endif %}",
+                       stop_texts={"<|im_end|>"})
+    with pytest.raises(UserError, match="renders the prompt of message 1 differently"):
+        encode_conversation(TOK, tpl, Pair("q", "a").messages())
 
 
 def test_pirate_dataset():
@@ -118,9 +131,10 @@ def test_jsonl_roundtrip_and_custom_keys(tmp_path):
 @pytest.mark.parametrize("text,match", [
     ('{"instruction": "a", "response": "b"}\n{"instruction": "a", "respo\n', r"d\.jsonl:2: malformed JSON"),
     ('{"instruction": "a", "response": "b"}\n\n[1, 2]\n', r"d\.jsonl:3: expected a JSON object"),
-    ('{"instruction": "a"}\n', r"d\.jsonl:1: missing key 'response'"),
-    ('{"instruction": "a", "response": 3}\n', r"d\.jsonl:1: key 'response' must be a string"),
-    ('\n\n', r"no pairs found"),
+    ('{"instruction": "a", "response": "b"}\n{"instruction": "a"}\n', r"d\.jsonl:2: missing field 'response'"),
+    ('{"instruction": "a", "response": 3}\n', r"d\.jsonl:1: field 'response' must be a string"),
+    ('{"prompt": "a", "completion": "b"}\n', r"d\.jsonl:1: cannot tell the data format.*'completion', 'prompt'"),
+    ('\n\n', r"no records found"),
 ])
 def test_jsonl_malformed_lines_name_the_line(tmp_path, text, match):
     with pytest.raises(UserError, match=match):
@@ -171,13 +185,3 @@ def test_loader_rejects_bad_config():
         Loader(3, "random")
     with pytest.raises(UserError, match="index"):
         Loader(3, index=4)
-
-
-def test_prompt_template_renders_through_the_chat_template():
-    from pipeline.llm.chat import ChatTemplate
-    from pipeline.llm.data import PromptTemplate
-    t = PromptTemplate(ChatTemplate())  # built-in ChatML
-    assert t.render_prompt("Hi?") == "<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-    assert t.render_prompt("Hi?", system="S", think_off=False) == (
-        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n")
-    assert t.stop == "<|im_end|>"

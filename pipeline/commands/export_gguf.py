@@ -9,6 +9,7 @@ design, so the final file has exactly one quantization in its history):
 """
 from __future__ import annotations
 
+from pipeline.commands._args import RawDescriptionHelpFormatter
 from pipeline.errors import UserError
 from pipeline.llm.export import load_adapters, merge, resolve_alpha, write_lora_gguf
 from pipeline.llm.gguf_write import TARGETS, transcode
@@ -21,9 +22,7 @@ DESCRIPTION = __doc__.split("\n", 1)[1].strip() + (
 
 
 def add_arguments(parser):
-    import argparse
-
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.formatter_class = RawDescriptionHelpFormatter
     parser.add_argument("--from-gguf", metavar="GGUF", help="source GGUF: the dense base to merge into, or the file to transcode")
     parser.add_argument("--adapters", metavar="DIR",
                         help="fine-tune checkpoint directory (adapters.safetensors + trainer_state.json)")

@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 
 
+from ._args import InputFile
 from ..errors import UserError
 
 NAME = "finetune"
@@ -23,8 +23,9 @@ DESCRIPTION = (HELP + ". With no --data it trains the built-in five-pair pirate 
 
 
 def add_arguments(p):
-    p.add_argument("--model", help="Qwen3 GGUF to fine-tune (e.g. the model.gguf `fucina launch lm` saves); required")
-    p.add_argument("--data", help="JSONL file of {instruction, response} objects (default: the built-in pirate pairs)")
+    p.add_argument("--model", required=True, type=InputFile("GGUF file"),
+                   help="Qwen3 GGUF to fine-tune (for a first run, the model.gguf `fucina launch lm` saves)")
+    p.add_argument("--data", type=InputFile("JSONL file"), help="JSONL file of {instruction, response} objects (default: the built-in pirate pairs)")
     p.add_argument("--instruction-key", default="instruction", help="JSONL key holding the instruction")
     p.add_argument("--response-key", default="response", help="JSONL key holding the response")
     p.add_argument("--shuffle", action="store_true", help="shuffled sample order (Fisher-Yates per epoch, seeded by --data-seed)")
@@ -61,10 +62,6 @@ def _targets(text):
 
 
 def _check_args(args):
-    if not args.model:
-        raise UserError("--model is required: a Qwen3 GGUF (for a first run, the model.gguf that `fucina launch lm` saves)")
-    if not Path(args.model).is_file():
-        raise UserError(f"--model {args.model}: no such file")
     for flag, value, low in (("--steps", args.steps, 0), ("--accum-steps", args.accum_steps, 1), ("--seq-max", args.seq_max, 1),
                              ("--trainers", args.trainers, 0), ("--save-every", args.save_every, 0), ("--max-new-tokens", args.max_new_tokens, 0)):
         if value < low:

@@ -21,9 +21,9 @@ def add_arguments(parser):
     sub = parser.add_subparsers(dest="job", metavar="JOB", required=True)
     for name in JOBS:
         job_cls = get_job(name)
-        p = sub.add_parser(name, help=(job_cls.__doc__ or name).strip().splitlines()[0],
-                           description=(job_cls.__module__ and sys.modules[job_cls.__module__].__doc__))
-        p.add_argument("--trainers", type=int, default=1, help="trainer processes (each one compute thread by default)")
+        doc = sys.modules[job_cls.__module__].__doc__
+        p = sub.add_parser(name, help=_summary(doc), description=doc, formatter_class=parser.formatter_class)
+        p.add_argument("--trainers", type=int, default=1, help="trainer processes (one compute thread each unless --threads)")
         p.add_argument("--inprocess", action="store_true", help="run every task inline in this process (same bits)")
         p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint dir or a run dir's latest checkpoint")
         p.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/<job>-<time>, or the resumed run's dir)")
@@ -35,6 +35,12 @@ def add_arguments(parser):
         p.add_argument("--json", action="store_true", help="print only a JSON summary (steps, final_loss, params_sha256, ...)")
         p.add_argument("--quiet", action="store_true", help="no live progress")
         add_flags(p, job_cls.Spec)
+
+
+def _summary(doc):
+    """A job module's docstring "`lm`: a small ... from scratch." -> "a small ... from scratch"."""
+    first = doc.strip().split("\n\n", 1)[0].replace("\n", " ")
+    return first.split(":", 1)[1].strip().rstrip(".") if first.startswith("`") else first
 
 
 def _run_dir(args):

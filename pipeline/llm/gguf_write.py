@@ -18,10 +18,12 @@ rename): a failed export leaves nothing behind.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT
@@ -228,11 +230,24 @@ def plan_tensor(t: GGUFTensor, target: QT) -> tuple[QT, str]:
     return target, "converted"
 
 
+def _nothing_to_convert(src, dtype, plans, tensors) -> str:
+    """Why a --dtype target converts no tensor of src, and which targets would."""
+    reasons = Counter(reason for *_, reason in plans)
+    would = [name for name, qtype in TARGETS.items()
+             if any(plan_tensor(t, qtype)[1] == "converted" for t in tensors)]
+    return (f"--dtype {dtype}: no tensor of {src} converts to {TARGETS[dtype.lower()].name} ("
+            + "; ".join(f"{n} {reason}" for reason, n in reasons.items()) + "); nothing written. "
+            + (f"Targets that convert this file: {', '.join(would)}" if would else "No target converts this file")
+            + "; without --dtype the file is copied verbatim")
+
+
 def transcode(src, dst, dtype: str, log=None) -> list[tuple[str, str, str, str]]:
     """Re-emit `src` to `dst` with matrix weights converted to `dtype`; None keeps everything verbatim.
 
     Returns one (name, from, to, reason) row per tensor; `log` (if given) is
-    called with a line for every tensor that did not get the target type.
+    called with a line for every tensor that did not get the target type. A
+    target that converts no tensor is refused (UserError) before anything is
+    written, so general.file_type never names a type the file does not hold.
     """
     contents = read_gguf(src)
     target = None
@@ -240,12 +255,11 @@ def transcode(src, dst, dtype: str, log=None) -> list[tuple[str, str, str, str]]
         if dtype.lower() not in TARGETS:
             raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(TARGETS)}")
         target = TARGETS[dtype.lower()]
+    plans = [(t, *((t.qtype, "verbatim") if target is None else plan_tensor(t, target))) for t in contents.tensors]
+    if target is not None and not any(reason == "converted" for *_, reason in plans):
+        raise UserError(_nothing_to_convert(src, dtype, plans, contents.tensors))
     rows, out = [], []
-    for t in contents.tensors:
-        if target is None:
-            new, reason = t.qtype, "verbatim"
-        else:
-            new, reason = plan_tensor(t, target)
+    for t, new, reason in plans:
         if new != t.qtype:
             t = GGUFTensor(t.name, new, t.shape, encode(t.dense(), new))
         rows.append((t.name, contents.tensor(t.name).qtype.name, new.name, reason))
@@ -253,7 +267,7 @@ def transcode(src, dst, dtype: str, log=None) -> list[tuple[str, str, str, str]]
             log(f"{t.name}: {reason}")
         out.append(t)
     metadata = dict(contents.metadata)
-    if target is not None:
+    if target is not None:  # the file holds the target type: the refusal above guarantees a conversion
         set_value(metadata, "general.file_type", int(FILE_TYPES[dtype.lower()]), GGUFValueType.UINT32)
         if target not in DENSE:
             set_value(metadata, "general.quantization_version", QUANTIZATION_VERSION, GGUFValueType.UINT32)

@@ -22,8 +22,9 @@ from .transport import Subscriber, ipc_endpoints
 
 
 def newest_run_dir() -> str:
-    """The run directory under ./runs whose run.json is the newest."""
-    candidates = sorted(glob.glob(os.path.join("runs", "*", "run.json")), key=os.path.getmtime)
+    """The run directory under ./runs whose run.json is the newest (by its own name, not a <job>-latest link)."""
+    candidates = sorted((p for p in glob.glob(os.path.join("runs", "*", "run.json"))
+                         if not os.path.islink(os.path.dirname(p))), key=os.path.getmtime)
     if not candidates:
         raise UserError("monitor: no run found under ./runs; give --run-dir DIR or --connect ENDPOINT")
     return os.path.dirname(candidates[-1])

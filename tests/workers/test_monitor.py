@@ -15,7 +15,7 @@ from helpers import ROOT, env
 from pipeline.errors import UserError
 from pipeline.runtime import transport
 from pipeline.runtime.metrics import MetricsLog, plot_run
-from pipeline.runtime.monitor import Watch, find_events_endpoint, live_view
+from pipeline.runtime.monitor import Watch, find_events_endpoint, live_view, newest_run_dir
 from workers import monitor
 
 
@@ -134,6 +134,14 @@ def test_no_run_under_runs_is_a_user_error(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError, match="no run found under ./runs"):
         monitor.watch(_args(None))
+
+
+def test_the_newest_run_is_named_by_its_dir_not_by_the_latest_link(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "lm-20261201-101500").mkdir(parents=True)
+    _run_json(tmp_path / "runs" / "lm-20261201-101500")
+    (tmp_path / "runs" / "lm-latest").symlink_to("lm-20261201-101500")
+    assert newest_run_dir() == os.path.join("runs", "lm-20261201-101500")
 
 
 def test_the_live_views_first_frame_has_no_none(tmp_path):

@@ -10,12 +10,13 @@ Procfile line that needs the venv's Python without naming it fails here as it fa
 
 Conventions a line's comment may carry: "(exit N)" - the status it must end with (else 0);
 "(another terminal)" - it runs beside the line before it, once that line's run has written its run.json.
-A page that starts with a fresh venv (`python3 -m venv .venv ...`) runs in a copy of the repository's files
+A page that makes a fresh venv (`python3 -m venv .venv ...`) runs in a copy of the repository's files
 instead, with no venv until that line makes one.
 
 Pages holding a long command (training runs, benchmarks, a fresh venv) run whole in the `slow` suite; the
-default suite runs each page's lines up to its first long one, and the documented honcho command. Never run: llama-cli (an interactive program outside Fucina),
-and the README's test-suite command, which is .ci/run's first step verbatim (checked here).
+default suite runs each page's lines up to its first long one, and the documented honcho command. Never run:
+llama-cli (an interactive program outside Fucina), and the README's test-suite command, which is .ci/run's
+first step verbatim (checked here).
 """
 import os
 import pathlib
@@ -32,7 +33,7 @@ PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 VENV_BIN = pathlib.Path(sys.prefix) / "bin"
 
-LONG = re.compile(r"(fucina|\.venv/bin/fucina) (launch lm|finetune|es-finetune|bench|spirals(?! --optimizer \S+ --steps))"
+LONG = re.compile(r"fucina (launch lm|finetune|es-finetune|bench|spirals(?! --optimizer \S+ --steps))"
                   r"|honcho_run\.sh lm|python3 -m venv")
 NEVER_RUN = re.compile(r"^llama-cli ")
 TEST_SUITE = re.compile(r"pytest")

@@ -14,8 +14,8 @@ import json
 import sys
 import time
 
-from ._args import InputFile
 from ..errors import ConfigMismatchError, UserError
+from ._args import InputFile
 
 NAME = "es-finetune"
 HELP = "gradient-free ES fine-tune of LoRA adapters on a frozen (quantized) Qwen3 GGUF"
@@ -31,7 +31,8 @@ ES_DEFAULTS = {"sigma": 0.05, "alpha": 0.05, "population": 16, "antithetic": Tru
 def add_arguments(p):
     p.add_argument("--model", required=True, type=InputFile("GGUF file"),
                    help="Qwen3 GGUF to fine-tune (for a first run, the model.gguf `fucina launch lm` saves)")
-    p.add_argument("--data", type=InputFile("JSONL file"), help="JSONL file of {instruction, response} objects (default: the built-in pirate pairs)")
+    p.add_argument("--data", type=InputFile("JSONL file"),
+                   help="JSONL file of {instruction, response} objects (default: the built-in pirate pairs)")
     p.add_argument("--instruction-key", default="instruction", help="JSONL key holding the instruction")
     p.add_argument("--response-key", default="response", help="JSONL key holding the response")
     p.add_argument("--shuffle", action="store_true", help="shuffled sample order (Fisher-Yates per epoch, seeded by --data-seed)")

@@ -12,9 +12,8 @@ import json
 import sys
 import time
 
-
-from ._args import InputFile
 from ..errors import UserError
+from ._args import InputFile
 
 NAME = "finetune"
 HELP = "LoRA fine-tune a frozen (quantized) Qwen3 GGUF on instruction/response pairs"
@@ -25,7 +24,8 @@ DESCRIPTION = (HELP + ". With no --data it trains the built-in five-pair pirate 
 def add_arguments(p):
     p.add_argument("--model", required=True, type=InputFile("GGUF file"),
                    help="Qwen3 GGUF to fine-tune (for a first run, the model.gguf `fucina launch lm` saves)")
-    p.add_argument("--data", type=InputFile("JSONL file"), help="JSONL file of {instruction, response} objects (default: the built-in pirate pairs)")
+    p.add_argument("--data", type=InputFile("JSONL file"),
+                   help="JSONL file of {instruction, response} objects (default: the built-in pirate pairs)")
     p.add_argument("--instruction-key", default="instruction", help="JSONL key holding the instruction")
     p.add_argument("--response-key", default="response", help="JSONL key holding the response")
     p.add_argument("--shuffle", action="store_true", help="shuffled sample order (Fisher-Yates per epoch, seeded by --data-seed)")

@@ -23,7 +23,8 @@ def add_arguments(parser):
         job_cls = get_job(name)
         doc = sys.modules[job_cls.__module__].__doc__
         p = sub.add_parser(name, help=_summary(doc), description=doc, formatter_class=parser.formatter_class)
-        p.add_argument("--trainers", type=int, default=1, help="trainer processes (one compute thread each unless --threads)")
+        p.add_argument("--trainers", type=int, default=1,
+                       help="trainer processes (one compute thread each unless --threads)")
         p.add_argument("--inprocess", action="store_true", help="run every task inline in this process (same bits)")
         p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint dir or a run dir's latest checkpoint")
         p.add_argument("--run-dir", metavar="DIR",

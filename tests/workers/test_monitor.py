@@ -46,7 +46,8 @@ def _publish_until_heard(pub, heard, steps_after=5):
 
 
 def _args(run_dir, **overrides):
-    values = dict(connect=None, run_dir=run_dir and str(run_dir), jsonl=False, wait=5.0, timeout=60.0, idle=None, follow=False)
+    values = dict(connect=None, run_dir=run_dir and str(run_dir), jsonl=False, wait=5.0, timeout=60.0, idle=None,
+                  follow=False)
     values.update(overrides)
     return argparse.Namespace(**values)
 

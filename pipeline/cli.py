@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import pkgutil
 import sys
 
 from . import commands
+from .commands._args import HelpFormatter, check_input_files
 from .errors import FucinaError
 
 
@@ -26,18 +28,37 @@ def build_parser():
         prog="fucina",
         description="Fucina: CPU-first training — autograd, optimizers, GGUF fine-tuning, ES, multiprocess pipeline.",
     )
+    parser.add_argument("--version", action="version", version=f"fucina {importlib.metadata.version('fucina')}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for mod in _command_modules():
         p = sub.add_parser(mod.NAME, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP),
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=HelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     return parser
 
 
+def _innermost_parser(parser, args):
+    """The parser of the (sub)subcommand that was chosen: `fucina launch lm` -> the `launch lm` parser."""
+    while True:
+        subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        chosen = getattr(args, subparsers[0].dest, None) if subparsers else None
+        if chosen is None:
+            return parser
+        parser = subparsers[0].choices[chosen]
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
     try:
+        args, unknown = parser.parse_known_args(argv)
+        chosen = _innermost_parser(parser, args)
+        if unknown:  # answered with the chosen subcommand's usage, not the top-level one
+            chosen.error(f"unrecognized arguments: {' '.join(unknown)}")
+    except SystemExit as done:  # --help, --version or a usage error, already printed: its status, for callers too
+        return done.code or 0
+    try:
+        check_input_files(chosen, args)
         return int(args._run(args) or 0)
     except FucinaError as e:
         print(f"fucina {args.command}: error: {e}", file=sys.stderr)

@@ -3,8 +3,8 @@
 A bench module defines NAME, HELP, add_arguments(parser) and
 run(args) -> list[dict] of result rows: {"case", "ms", "gbps"?, "baselines":
 {name: ms}, "notes"?, ...}. The shared driver prints a table of ms and ratios
-(ratio = baseline_ms / ms; above 1 means Fucina is faster) or, with --json, the
-one JSON shape of DESIGN.md section 7. Benchmarks are commands, never tests.
+(ratio = baseline_ms / ms; above 1 means Fucina is faster) or, with --json, one
+JSON document {"bench", "machine", "results": rows} (see `report`). Benchmarks are commands, never tests.
 """
 from __future__ import annotations
 

@@ -18,8 +18,9 @@ def _benches():
 def add_arguments(parser):
     sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
     for mod in _benches():
-        p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP)
-        p.add_argument("--json", action="store_true", help="print one JSON document (DESIGN.md section 7 shape)")
+        p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP, formatter_class=parser.formatter_class)
+        p.add_argument("--json", action="store_true",
+                       help='print one JSON document: {"bench", "machine", "results": [{"case", "ms", "baselines"}]}')
         mod.add_arguments(p)
         p.set_defaults(_bench=mod)
 

@@ -13,10 +13,10 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 from ..errors import ConfigMismatchError, UserError
 from .finetune import add_data_arguments, load_data
+from ._args import InputFile
 
 NAME = "es-finetune"
 HELP = "gradient-free ES fine-tune of LoRA adapters on a frozen (quantized) Qwen3 GGUF"
@@ -30,7 +30,8 @@ ES_DEFAULTS = {"sigma": 0.05, "alpha": 0.05, "population": 16, "antithetic": Tru
 
 
 def add_arguments(p):
-    p.add_argument("--model", help="Qwen3 GGUF to fine-tune (e.g. the model.gguf `fucina launch lm` saves); required")
+    p.add_argument("--model", required=True, type=InputFile("GGUF file"),
+                   help="Qwen3 GGUF to fine-tune (for a first run, the model.gguf `fucina launch lm` saves)")
     add_data_arguments(p)
     p.add_argument("--shuffle", action="store_true", help="shuffled sample order (Fisher-Yates per epoch, seeded by --data-seed)")
     p.add_argument("--seed", type=int, default=42, help="run seed: the adapter init (A), the ES noise (unless --es-seed) and the data order (unless --data-seed)")
@@ -69,10 +70,6 @@ def add_arguments(p):
 
 
 def _check_args(args):
-    if not args.model:
-        raise UserError("--model is required: a Qwen3 GGUF (for a first run, the model.gguf that `fucina launch lm` saves)")
-    if not Path(args.model).is_file():
-        raise UserError(f"--model {args.model}: no such file")
     for flag, value, low in (("--iterations", args.iterations, 0), ("--seq-max", args.seq_max, 1),
                              ("--save-every", args.save_every, 0), ("--max-new-tokens", args.max_new_tokens, 0),
                              ("--eval-samples", args.eval_samples, 1), ("--threads", args.threads, 0), ("--workers", args.workers, 0),

@@ -18,7 +18,7 @@ worker dies mid-run."""
 
 
 def add_arguments(p):
-    p.add_argument("--workers", type=int, default=1, help="local es-member worker processes (default 1)")
+    p.add_argument("--workers", type=int, default=1, help="local es-member worker processes")
     p.add_argument("--inprocess", action="store_true", help="score members in this process (no workers)")
     p.add_argument("--remote-workers", type=int, default=0,
                    help="also wait for this many workers to connect to --bind (e.g. from other hosts)")
@@ -27,18 +27,18 @@ def add_arguments(p):
     p.add_argument("--key-dir", default=None,
                    help="tcp:// only: where this run's fresh CURVE keys go (default: --out, else a private temp dir); "
                         "remote workers need its worker.key: --key DIR/worker.key")
-    p.add_argument("--seed", type=int, default=0, help="ES noise seed (default 0)")
-    p.add_argument("--model-seed", type=int, default=0, help="SpiralsMLP init seed (default 0)")
-    p.add_argument("--data-seed", type=int, default=0, help="spirals data noise seed (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="ES noise seed")
+    p.add_argument("--model-seed", type=int, default=0, help="SpiralsMLP init seed")
+    p.add_argument("--data-seed", type=int, default=0, help="spirals data noise seed")
     p.add_argument("--reward", choices=["nll", "acc"], default="nll",
-                   help="nll: -mean CE (default); acc: accuracy + 0.1*exp(-CE), bounded")
-    p.add_argument("--population", type=int, default=128, help="ES population (default 128)")
+                   help="nll: -mean CE; acc: accuracy + 0.1*exp(-CE), bounded")
+    p.add_argument("--population", type=int, default=128, help="ES population")
     p.add_argument("--sigma", type=float, default=None, help="perturbation scale (default: tuned, see docs/es.md)")
     p.add_argument("--alpha", type=float, default=None, help="step size (default: tuned, see docs/es.md)")
     p.add_argument("--no-antithetic", action="store_true", help="independent members instead of (+eps, -eps) pairs")
     p.add_argument("--shaping", choices=["z_score", "centered_ranks"], default="z_score",
-                   help="fitness shaping (default z_score)")
-    p.add_argument("--noise", choices=["iid", "correlated"], default="iid", help="noise scheme (default iid)")
+                   help="fitness shaping")
+    p.add_argument("--noise", choices=["iid", "correlated"], default="iid", help="noise scheme")
     p.add_argument("--max-iterations", type=int, default=None,
                    help="stop after this many iterations even if not converged (an absolute count)")
     p.add_argument("--out", default=None, help="run directory for checkpoint-step-N/ directories")

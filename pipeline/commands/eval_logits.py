@@ -5,6 +5,7 @@ import sys
 import numpy as np
 
 from ..errors import UserError
+from ._args import InputFile
 
 NAME = "eval-logits"
 HELP = "print the token ids and per-position logits of a text or id list (JSON with --json)"
@@ -13,7 +14,7 @@ DESCRIPTION = ("Run one forward pass of a Qwen3 GGUF over --text or --tokens and
 
 
 def add_arguments(parser):
-    parser.add_argument("--model", required=True, help="path to a Qwen3 GGUF file")
+    parser.add_argument("--model", required=True, type=InputFile("GGUF file"), help="path to a Qwen3 GGUF file")
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", help="text to tokenize (special tokens such as <|im_start|> are parsed)")
     src.add_argument("--tokens", help="comma-separated token ids, e.g. 1,2,3")

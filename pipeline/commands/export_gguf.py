@@ -9,9 +9,12 @@ design, so the final file has exactly one quantization in its history):
 """
 from __future__ import annotations
 
+from collections import Counter
+
+from pipeline.commands._args import RawDescriptionHelpFormatter
 from pipeline.errors import UserError
 from pipeline.llm.export import load_adapters, merge, resolve_alpha, write_lora_gguf
-from pipeline.llm.gguf_write import TARGETS, transcode
+from pipeline.llm.gguf_write import FILE_TYPES, TARGETS, transcode
 
 NAME = "export-gguf"
 HELP = "merge LoRA adapters into a dense GGUF, transcode/quantize a GGUF (llama.cpp byte-exact), or write a LoRA adapter GGUF"
@@ -21,9 +24,7 @@ DESCRIPTION = __doc__.split("\n", 1)[1].strip() + (
 
 
 def add_arguments(parser):
-    import argparse
-
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.formatter_class = RawDescriptionHelpFormatter
     parser.add_argument("--from-gguf", metavar="GGUF", help="source GGUF: the dense base to merge into, or the file to transcode")
     parser.add_argument("--adapters", metavar="DIR",
                         help="fine-tune checkpoint directory (adapters.safetensors + trainer_state.json)")
@@ -73,5 +74,11 @@ def run(args):
     print(f"export-gguf: transcode  {args.from_gguf} -> {args.out}  dtype={args.dtype or 'verbatim'}")
     rows = transcode(args.from_gguf, args.out, args.dtype, log=lambda line: print(f"  {line}"))
     converted = sum(1 for r in rows if r[1] != r[2])
-    print(f"wrote {args.out}: {len(rows)} tensors, {converted} converted")
+    if not args.dtype:
+        print(f"wrote {args.out}: {len(rows)} tensors, {converted} converted")
+        return 0
+    kept = Counter(reason for *_, reason in rows if reason != "converted")
+    print(f"wrote {args.out}: {converted} of {len(rows)} tensors converted to {TARGETS[args.dtype].name}"
+          + "".join(f"; {n} {reason}" for reason, n in kept.items())
+          + f"; general.file_type {FILE_TYPES[args.dtype].name}")
     return 0

@@ -11,10 +11,9 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
-
 
 from ..errors import UserError
+from ._args import InputFile
 
 NAME = "finetune"
 HELP = "LoRA fine-tune a frozen (quantized) Qwen3 GGUF on instruction/response pairs"
@@ -23,7 +22,8 @@ DESCRIPTION = (HELP + ". With no --data it trains the built-in five-pair pirate 
 
 
 def add_arguments(p):
-    p.add_argument("--model", help="Qwen3 GGUF to fine-tune (e.g. the model.gguf `fucina launch lm` saves); required")
+    p.add_argument("--model", required=True, type=InputFile("GGUF file"),
+                   help="Qwen3 GGUF to fine-tune (for a first run, the model.gguf `fucina launch lm` saves)")
     add_data_arguments(p)
     p.add_argument("--shuffle", action="store_true", help="shuffled sample order (Fisher-Yates per epoch, seeded by --data-seed)")
     p.add_argument("--seed", type=int, default=42, help="seed of the adapter init and dropout streams")
@@ -57,7 +57,8 @@ def add_arguments(p):
 def add_data_arguments(p):
     """The --data flags, shared with es-finetune."""
     from ..llm.data import FORMATS, MAX_RECORD_BYTES
-    p.add_argument("--data", help="JSONL file of samples (default: the built-in pirate pairs); formats in --format")
+    p.add_argument("--data", type=InputFile("JSONL file"),
+                   help="JSONL file of samples (default: the built-in pirate pairs); formats in --format")
     p.add_argument("--format", choices=("auto",) + FORMATS, default="auto",
                    help="the --data format: instruction/response pairs, alpaca (instruction, input, output), chat "
                         "messages or ShareGPT conversations; auto = read from the first record's fields")
@@ -78,10 +79,6 @@ def _targets(text):
 
 
 def _check_args(args):
-    if not args.model:
-        raise UserError("--model is required: a Qwen3 GGUF (for a first run, the model.gguf that `fucina launch lm` saves)")
-    if not Path(args.model).is_file():
-        raise UserError(f"--model {args.model}: no such file")
     for flag, value, low in (("--steps", args.steps, 0), ("--accum-steps", args.accum_steps, 1), ("--seq-max", args.seq_max, 1),
                              ("--trainers", args.trainers, 0), ("--save-every", args.save_every, 0), ("--max-new-tokens", args.max_new_tokens, 0)):
         if value < low:

@@ -4,6 +4,7 @@ import sys
 import time
 
 from ..errors import UserError
+from ._args import InputFile
 
 NAME = "generate"
 HELP = "generate text from a Qwen3 GGUF (streams tokens; greedy by default)"
@@ -31,12 +32,12 @@ def apply_threads(args):
 
 
 def add_sampling_arguments(parser):
-    parser.add_argument("--model", required=True, help="path to a Qwen3 GGUF file")
-    parser.add_argument("--max-tokens", type=int, default=128, help="maximum number of new tokens (default 128)")
+    parser.add_argument("--model", required=True, type=InputFile("GGUF file"), help="path to a Qwen3 GGUF file")
+    parser.add_argument("--max-tokens", type=int, default=128, help="maximum number of new tokens")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this probability mass (default 1)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this probability mass")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
                         help="chat templates with a thinking switch (Qwen3): --think / --no-think set enable_thinking; "
                              "unset, the template's default, as llama.cpp renders it")

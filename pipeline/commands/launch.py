@@ -21,12 +21,15 @@ def add_arguments(parser):
     sub = parser.add_subparsers(dest="job", metavar="JOB", required=True)
     for name in JOBS:
         job_cls = get_job(name)
-        p = sub.add_parser(name, help=(job_cls.__doc__ or name).strip().splitlines()[0],
-                           description=(job_cls.__module__ and sys.modules[job_cls.__module__].__doc__))
-        p.add_argument("--trainers", type=int, default=1, help="trainer processes (each one compute thread by default)")
+        doc = sys.modules[job_cls.__module__].__doc__
+        p = sub.add_parser(name, help=_summary(doc), description=doc, formatter_class=parser.formatter_class)
+        p.add_argument("--trainers", type=int, default=1,
+                       help="trainer processes (one compute thread each unless --threads)")
         p.add_argument("--inprocess", action="store_true", help="run every task inline in this process (same bits)")
         p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint dir or a run dir's latest checkpoint")
-        p.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/<job>-<time>, or the resumed run's dir)")
+        p.add_argument("--run-dir", metavar="DIR",
+                       help="run directory (default: runs/<job>-<time>, which runs/<job>-latest then points to; "
+                            "or the resumed run's dir)")
         p.add_argument("--threads", type=int, default=1, help="BLAS/numba threads per worker (and in-process)")
         p.add_argument("--port", type=int, default=None, help="use tcp://HOST:PORT (+1 for events) instead of ipc:// sockets")
         p.add_argument("--host", default="127.0.0.1", help="interface the tcp:// sockets bind (loopback unless told)")
@@ -35,6 +38,23 @@ def add_arguments(parser):
         p.add_argument("--json", action="store_true", help="print only a JSON summary (steps, final_loss, params_sha256, ...)")
         p.add_argument("--quiet", action="store_true", help="no live progress")
         add_flags(p, job_cls.Spec)
+
+
+def _summary(doc):
+    """A job module's docstring "`lm`: a small ... from scratch." -> "a small ... from scratch"."""
+    first = doc.strip().split("\n\n", 1)[0].replace("\n", " ")
+    return first.split(":", 1)[1].strip().rstrip(".") if first.startswith("`") else first
+
+
+def _point_latest(run_dir, job, say):
+    """Re-point the symlink runs/<job>-latest at a new default run dir, so commands can name the newest run."""
+    link = os.path.join(os.path.dirname(run_dir), f"{job}-latest")
+    if os.path.lexists(link) and not os.path.islink(link):
+        say(f"  {link} exists and is not a symlink: left alone")
+        return
+    tmp = f"{link}.{os.getpid()}.tmp"
+    os.symlink(os.path.basename(run_dir), tmp)
+    os.replace(tmp, link)  # atomic: a reader sees the old run or the new one, never no link
 
 
 def _run_dir(args):
@@ -61,6 +81,8 @@ def run(args) -> int:
     quiet = args.json or args.quiet
     say = (lambda m: None) if quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     say(f"fucina launch {args.job}: run dir {run_dir}")
+    if not (args.run_dir or args.resume):
+        _point_latest(run_dir, args.job, say)
     say(f"  spec {json.dumps(to_dict(spec))}")
     if args.inprocess:
         from ..runtime.inprocess import run_inprocess

@@ -20,10 +20,12 @@ rename): a failed export leaves nothing behind.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT
@@ -242,11 +244,24 @@ def _block_count(contents: GGUFContents) -> int:
     return len({t.name.split(".")[1] for t in contents.tensors if t.name.startswith("blk.")})
 
 
+def _nothing_to_convert(src, dtype, plans, tensors) -> str:
+    """Why a --dtype target converts no tensor of src, and which targets would."""
+    reasons = Counter(reason for *_, reason in plans)
+    would = [name for name, qtype in TARGETS.items()
+             if any(plan_tensor(t, qtype)[1] == "converted" for t in tensors)]
+    return (f"--dtype {dtype}: no tensor of {src} converts to {TARGETS[dtype.lower()].name} ("
+            + "; ".join(f"{n} {reason}" for reason, n in reasons.items()) + "); nothing written. "
+            + (f"Targets that convert this file: {', '.join(would)}" if would else "No target converts this file")
+            + "; without --dtype the file is copied verbatim")
+
+
 def transcode(src, dst, dtype: str, log=None) -> list[tuple[str, str, str, str]]:
     """Re-emit `src` to `dst` with matrix weights converted to `dtype`; None keeps everything verbatim.
 
     Returns one (name, from, to, reason) row per tensor; `log` (if given) is
-    called with a line for every tensor that did not get the target type.
+    called with a line for every tensor that did not get the target type. A
+    target that converts no tensor is refused (UserError) before anything is
+    written, so general.file_type never names a type the file does not hold.
     """
     contents = read_gguf(src)
     target = None
@@ -258,12 +273,12 @@ def transcode(src, dst, dtype: str, log=None) -> list[tuple[str, str, str, str]]
     if dtype is not None and dtype.lower() in MIXES:
         matrices = [(t.name, t.shape[-1]) for t in contents.tensors if is_matrix_weight(t)]
         mix = mix_types(matrices, dtype.lower(), _block_count(contents))
+    plans = [(t, *((t.qtype, "verbatim") if target is None else plan_tensor(t, *mix.get(t.name, (target, "converted")))))
+             for t in contents.tensors]
+    if target is not None and not any(new != t.qtype for t, new, _ in plans):
+        raise UserError(_nothing_to_convert(src, dtype, plans, contents.tensors))
     rows, out = [], []
-    for t in contents.tensors:
-        if target is None:
-            new, reason = t.qtype, "verbatim"
-        else:
-            new, reason = plan_tensor(t, *mix.get(t.name, (target, "converted")))
+    for t, new, reason in plans:
         if new != t.qtype:
             t = GGUFTensor(t.name, new, t.shape, encode(t.dense(), new))
         rows.append((t.name, contents.tensor(t.name).qtype.name, new.name, reason))
@@ -271,7 +286,7 @@ def transcode(src, dst, dtype: str, log=None) -> list[tuple[str, str, str, str]]
             log(f"{t.name}: {reason}")
         out.append(t)
     metadata = dict(contents.metadata)
-    if target is not None:
+    if target is not None:  # the file holds the target type: the refusal above guarantees a conversion
         set_value(metadata, "general.file_type", int(FILE_TYPES[dtype.lower()]), GGUFValueType.UINT32)
         if target not in DENSE:
             set_value(metadata, "general.quantization_version", QUANTIZATION_VERSION, GGUFValueType.UINT32)

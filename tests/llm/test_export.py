@@ -78,15 +78,21 @@ def test_k_quant_falls_back_to_source_type_on_rows_not_multiple_of_256(tmp_path)
     assert {new for name, _, new, _ in rows if "ffn_down" in name} == {"Q8_0"}
 
 
-def test_quantized_sources_are_re_emitted_verbatim_never_requantized(bases, tmp_path):
-    q4 = tmp_path / "q4.gguf"
-    transcode(bases["f32"], q4, "q4_k")
-    rows = transcode(q4, tmp_path / "q6.gguf", "q6_k")
-    assert all(new == old for _, old, new, _ in rows)
+def test_quantized_sources_are_re_emitted_verbatim_never_requantized(tmp_path):
+    src = write_tiny_qwen3(tmp_path / "odd.gguf", dtype="f16", ffn=320)  # ffn_down rows stay F16 under q5_k
+    q5 = tmp_path / "q5.gguf"
+    transcode(src, q5, "q5_k")
+    q8 = tmp_path / "q8.gguf"
+    rows = transcode(q5, q8, "q8_0")  # converts only the F16 ffn_down
+    assert {name for name, old, new, _ in rows if old != new} == {"blk.0.ffn_down.weight", "blk.1.ffn_down.weight"}
     assert any("re-emitted verbatim" in reason for *_, reason in rows)
-    a, b = read_gguf(q4), read_gguf(tmp_path / "q6.gguf")
+    a, b = read_gguf(q5), read_gguf(q8)
     for t in a.tensors:
-        np.testing.assert_array_equal(t.data, b.tensor(t.name).data)
+        if "ffn_down" not in t.name:
+            np.testing.assert_array_equal(t.data, b.tensor(t.name).data)
+    with pytest.raises(UserError, match="no tensor of .* converts to Q6_K .*already quantized \\(Q5_K\\)"):
+        transcode(q8, tmp_path / "q6.gguf", "q6_k")  # nothing left to convert
+    assert not (tmp_path / "q6.gguf").exists()
 
 
 def test_transcode_to_f32_widens_exactly(bases, tmp_path):

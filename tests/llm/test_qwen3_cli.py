@@ -53,7 +53,7 @@ def test_chat_loop_reads_turns_until_exit():
 
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--model", MINI, "--prompt", ""], "the prompt is empty"),
-    (["generate", "--model", "/nonexistent/m.gguf", "--prompt", "x"], "no such GGUF file"),
+    (["generate", "--model", "/nonexistent/m.gguf", "--prompt", "x"], "no such file"),
     (["generate", "--model", MINI, "--prompt", "x", "--max-tokens", "0"], "--max-tokens must be at least 1"),
     (["generate", "--model", MINI, "--prompt", "x " * 400], "the model's context is 256"),
     (["eval-logits", "--model", MINI, "--tokens", "1,a"], "comma-separated integers"),

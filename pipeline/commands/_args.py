@@ -1,0 +1,60 @@
+"""Argument helpers shared by the command modules: the help formatter and the input-file check.
+
+Not a command (the leading underscore keeps pipeline/cli.py's discovery away).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+from ..errors import UserError
+
+_MENTIONS_DEFAULT = re.compile(r"\bdefault", re.I)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default once: appended by argparse only when the help text does not state it
+    already, and never for an absent default (None), an off switch (False) or a required flag."""
+
+    def _get_help_string(self, action):
+        help_text = action.help or ""
+        absent = action.default is None or action.default is False or action.default == ""
+        if (absent or _MENTIONS_DEFAULT.search(help_text) or action.required
+                or action.default is argparse.SUPPRESS or not action.option_strings):
+            return help_text
+        return super()._get_help_string(action)
+
+
+class RawDescriptionHelpFormatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """HelpFormatter that keeps the description's own line breaks (a usage table in the description)."""
+
+
+class InputFile:
+    """The argparse type of a flag that names an existing regular file ("GGUF file", "JSONL file").
+
+    Parsing keeps the string; check_input_files tests the paths once parsing is done, so a wrong path is
+    one error line (a UserError, like every other bad input) rather than argparse's usage dump.
+    """
+
+    def __init__(self, what):
+        self.what = what
+
+    def __call__(self, path):
+        return path
+
+    def check(self, flag, path):
+        if os.path.isdir(path):
+            raise UserError(f"{flag} {path} is a directory, not a {self.what}")
+        if not os.path.exists(path):
+            raise UserError(f"{flag} {path}: no such file")
+        if not os.path.isfile(path):
+            raise UserError(f"{flag} {path} is not a regular file (expected a {self.what})")
+
+
+def check_input_files(parser, args):
+    """Raise UserError for the first InputFile flag of `parser` whose path is missing or not a file."""
+    for action in parser._actions:
+        path = getattr(args, action.dest, None)
+        if isinstance(action.type, InputFile) and path is not None:
+            action.type.check(action.option_strings[0], path)

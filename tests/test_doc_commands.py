@@ -1,0 +1,213 @@
+"""Every shell command in README.md and docs/*.md runs as written, so the documented commands cannot rot.
+
+A page's ```bash blocks run line by line (`bash -c`, in page order, stdin closed, one directory per page:
+a later block may use what an earlier one made) in a fresh directory laid out like the repository root a
+reader works in: `.venv` (the venv running these tests), `Procfile`, `scripts/`, and
+the input files the docs ask the reader to bring (M.gguf and model.gguf: a small Qwen3 GGUF; base-f16.gguf:
+an F16 one with 256-wide rows; pairs.jsonl). The venv is NOT activated: `fucina` resolves to
+.venv/bin/fucina (the docs' convention, stated in the README) and nothing else of the venv is on PATH, so a
+Procfile line that needs the venv's Python without naming it fails here as it fails for a reader.
+
+Conventions a line's comment may carry: "(exit N)" - the status it must end with (else 0);
+"(another terminal)" - it runs beside the line before it, once that line's run has written its run.json.
+A page that makes a fresh venv (`python3 -m venv .venv ...`) runs in a copy of the repository's files
+instead, with no venv until that line makes one.
+
+Pages holding a long command (training runs, benchmarks, a fresh venv) run whole in the `slow` suite; the
+default suite runs each page's lines up to its first long one, and the documented honcho command. Never run:
+llama-cli (an interactive program outside Fucina), and the README's test-suite command, which is .ci/run's
+first step verbatim (checked here).
+"""
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+VENV_BIN = pathlib.Path(sys.prefix) / "bin"
+
+LONG = re.compile(r"fucina (launch lm|finetune|es-finetune|bench|spirals(?! --optimizer \S+ --steps))"
+                  r"|honcho_run\.sh lm|python3 -m venv")
+NEVER_RUN = re.compile(r"^llama-cli ")
+TEST_SUITE = re.compile(r"pytest")
+PAIRS = [("Say hello.", "Ahoy, matey!"), ("Name a colour.", "Blue as the deep sea, arr."),
+         ("Count to three.", "One, two, three, me hearty."), ("What is rain?", "Water from the sky, matey."),
+         ("Greet a friend.", "Ahoy there, shipmate!"), ("Where is north?", "Where the star points, arr."),
+         ("Give me a number.", "Seven, like the seas."), ("Say goodbye.", "Fair winds, matey!")]
+
+
+def commands(body):
+    """The command lines of a bash block: comments and blank lines dropped, `\\` continuations joined."""
+    out, pending = [], ""
+    for line in body.splitlines():
+        if pending:
+            line = pending + " " + line.strip()
+            pending = ""
+        if line.rstrip().endswith("\\"):
+            pending = line.rstrip()[:-1]
+            continue
+        if line.strip() and not line.lstrip().startswith("#"):
+            out.append(line.strip())
+    return out
+
+
+def page_commands(page):
+    """The page's command lines to run, in order (the never-run ones left out)."""
+    return [c for lang, body in FENCE.findall(page.read_text()) if lang == "bash" for c in commands(body)
+            if not (TEST_SUITE.search(c) or NEVER_RUN.search(c))]
+
+
+PAGE_LINES = {page.name: lines for page in PAGES if (lines := page_commands(page))}
+
+
+def _comment(line):
+    m = re.search(r"\s#\s(.*)$", line)
+    return m.group(1) if m else ""
+
+
+def _expected_status(line):
+    m = re.search(r"\(exit (\d+)\)", _comment(line))
+    return int(m.group(1)) if m else 0
+
+
+def _sandbox(tmp_path, fresh_clone):
+    """A directory laid out like the repository root, and the environment of a shell with no venv active."""
+    if fresh_clone:  # the repository's files only (tracked or not ignored): no venv, no runs, nothing built
+        files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                               capture_output=True, check=True).stdout
+        for rel in filter(None, files.decode().split("\0")):
+            if (ROOT / rel).is_file():
+                (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / rel, tmp_path / rel)
+    else:
+        if not (VENV_BIN / "fucina").exists():
+            pytest.skip(f"the tests do not run from a venv holding fucina ({sys.prefix})")
+        (tmp_path / ".venv").symlink_to(sys.prefix)
+        for name in ("Procfile", "scripts"):
+            (tmp_path / name).symlink_to(ROOT / name)
+        (tmp_path / "bin").mkdir()
+        (tmp_path / "bin" / "fucina").symlink_to(VENV_BIN / "fucina")
+    path = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and not p.startswith(sys.prefix)]
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME", "PYTHON")}
+    env["PATH"] = os.pathsep.join([str(tmp_path / "bin")] + path)
+    return env
+
+
+def _inputs(tmp_path, lines):
+    """The files the docs ask the reader to bring, made for the lines that name them."""
+    text = " ".join(lines)
+    for name in ("M.gguf", "model.gguf"):
+        if re.search(rf"(?<![\w/-]){re.escape(name)}", text):
+            shutil.copy(ROOT / "tests" / "fixtures" / "qwen3-mini-f32.gguf", tmp_path / name)
+    if "base-f16.gguf" in text:
+        from test_export_fixtures import write_tiny_qwen3
+        write_tiny_qwen3(tmp_path / "base-f16.gguf", dtype="f16")
+    if "pairs.jsonl" in text:
+        import json
+        (tmp_path / "pairs.jsonl").write_text(
+            "".join(json.dumps({"instruction": q, "response": a}) + "\n" for q, a in PAIRS))
+
+
+def _start(line, cwd, env):
+    return subprocess.Popen(["bash", "-c", line], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc, line, timeout):
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"`{line}` still running after {timeout} s:\n{out[-3000:]}")
+    assert proc.returncode == _expected_status(line), \
+        f"`{line}` exited {proc.returncode}, expected {_expected_status(line)}:\n{out[-3000:]}"
+    return out
+
+
+def _wait_for_run_json(cwd, since, proc, timeout=900):
+    t_end = time.time() + timeout
+    while time.time() < t_end and proc.poll() is None:
+        if any(p.stat().st_mtime >= since for p in pathlib.Path(cwd).glob("runs/*/run.json")):
+            return
+        time.sleep(0.5)
+
+
+def run_block(tmp_path, lines, timeout=3600):
+    fresh = any(line.startswith("python3 -m venv") for line in lines)
+    env = _sandbox(tmp_path, fresh)
+    _inputs(tmp_path, lines)
+    outputs, i = {}, 0
+    while i < len(lines):
+        line, nxt = lines[i], lines[i + 1] if i + 1 < len(lines) else ""
+        started, proc = time.time(), _start(line, tmp_path, env)
+        if "(another terminal)" in _comment(nxt):
+            _wait_for_run_json(tmp_path, started, proc)
+            outputs[nxt] = _finish(_start(nxt, tmp_path, env), nxt, timeout)
+            i += 1
+        outputs[line] = _finish(proc, line, timeout)
+        i += 1
+    return outputs
+
+
+def _fast_prefix(lines):
+    prefix = []
+    for line in lines:
+        if LONG.search(line):
+            break
+        prefix.append(line)
+    return prefix
+
+
+@pytest.mark.parametrize("page", [name for name, lines in PAGE_LINES.items() if _fast_prefix(lines)])
+def test_documented_commands_up_to_the_first_long_one(page, tmp_path):
+    run_block(tmp_path, _fast_prefix(PAGE_LINES[page]))
+
+
+def test_the_procfile_runs_under_honcho_as_documented(tmp_path):
+    """As pipeline.md says, from the repository root with the venv not activated (the Procfile names its
+    Python): every role starts, the run finishes, the monitor line shows its steps."""
+    lines = [c for c in PAGE_LINES["pipeline.md"] if "honcho start" in c]
+    assert lines, "pipeline.md shows no honcho command"
+    out = run_block(tmp_path, lines, timeout=600)[lines[0]]
+    assert '"event": "run_finished"' in out and '"kind": "metrics"' in out, out[-3000:]
+    assert (tmp_path / "runs" / "p" / "summary.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", [name for name, lines in PAGE_LINES.items() if any(LONG.search(c) for c in lines)])
+def test_documented_commands_all_of_them(page, tmp_path):
+    lines = PAGE_LINES[page]
+    run_block(tmp_path, lines)
+    if any("runs/lm-latest" in line for line in lines):  # "latest" had two runs to choose from, and chose the newest
+        runs = sorted(p.name for p in (tmp_path / "runs").glob("lm-2*") if not p.is_symlink())  # lm-<time>
+        assert len(runs) >= 2 and os.readlink(tmp_path / "runs" / "lm-latest") == runs[-1]
+
+
+def test_the_readme_test_command_is_the_first_thing_ci_runs():
+    readme = [c for b in FENCE.findall((ROOT / "README.md").read_text()) if b[0] == "bash"
+              for c in commands(b[1]) if TEST_SUITE.search(c)]
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.lstrip().startswith("#")]
+    first_command = next(line for line in ci if line.startswith("python3 "))
+    assert readme == [first_command]
+
+
+def test_commands_outside_bash_blocks_are_marked_as_not_run():
+    """A block that is not bash (a synopsis, a transcript) must say so (```text), never look runnable."""
+    for page in PAGES:
+        for lang, body in FENCE.findall(page.read_text()):
+            if lang == "":
+                assert not re.search(r"^(fucina |\.venv/bin/|python -m |scripts/\S+\.sh)", body, re.M), \
+                    f"{page.name}: an unlabelled block holds commands; label it ```bash (run) or ```text:\n{body}"
+
+
+def test_every_page_with_commands_is_collected():
+    assert set(PAGE_LINES) >= {"README.md", "pipeline.md", "models.md", "finetune.md", "export.md", "spirals.md"}

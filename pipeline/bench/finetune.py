@@ -150,11 +150,11 @@ def _torch_step(model, sample, args):
 
 def run(args):
     from pipeline.llm.finetune import TrainerPool
-    from pipeline.models.qwen3 import Qwen3
+    from pipeline.models.registry import load_model
     from pipeline.threads import pin_threads
     if args.threads:
         pin_threads(args.threads)
-    model = Qwen3.from_gguf(args.model)
+    model = load_model(args.model)
     sample = _sample(model.config.vocab_size, args.seq)
     n_sup = sample.n_valid
     rows = []

@@ -2,7 +2,7 @@
 
 Marked slow (a 150-step fine-tune and several llama.cpp children) and parity
 (llama.cpp is the second server). The base is a tiny random F16 Qwen3 with
-a trained byte-level BPE, made by tools/make_tiny_qwen3.py.
+a trained byte-level BPE, made by tools/make_tiny_model.py.
 """
 import importlib.util
 import subprocess
@@ -55,7 +55,7 @@ def _llama(model, ids, tmp_path, lora=None):
 @pytest.mark.parity
 @pytest.mark.needs("llama_cpp")
 def test_finetune_merge_quantize_serve(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("make_tiny_qwen3", ROOT / "tools" / "make_tiny_qwen3.py")
+    spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "tools" / "make_tiny_model.py")
     tiny = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = tiny  # its dataclasses look their module up
     spec.loader.exec_module(tiny)

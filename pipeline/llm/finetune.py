@@ -390,9 +390,12 @@ class Session:
 
 
 def lora_config(trainer):
-    """The structural LoRA config stored in trainer_state.json (alpha: the export engineer needs it)."""
+    """The structural LoRA config stored in trainer_state.json (alpha, the model's architecture and
+    head counts: the exports need them)."""
+    c = trainer.config
     return {"rank": trainer.rank, "alpha": trainer.alpha, "dropout": trainer.dropout,
-            "targets": list(trainer.targets), "ignore_index": trainer.ignore_index}
+            "targets": list(trainer.targets), "ignore_index": trainer.ignore_index,
+            "arch": c.arch, "heads": c.heads, "kv_heads": c.kv_heads}
 
 
 def check_resume_config(stored, trainer, source):

@@ -67,6 +67,15 @@ class Family:
         if self.rope not in ("neox", "normal"):
             raise ValueError(f"family {self.name}: rope must be 'neox' or 'normal', got {self.rope!r}")
 
+    def hf_rows(self, target: str, rows: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
+        """An array over projection `target`'s output rows, from GGUF order to Hugging Face order.
+        A "normal"-RoPE family is stored with its q/k rows permuted from HF's half-rotation order
+        into adjacent pairs (convert_hf_to_gguf); this undoes that. Other rows are the same in both."""
+        if self.rope != "normal" or target not in ("q", "k"):
+            return rows
+        n_head = heads if target == "q" else kv_heads
+        return rows.reshape(n_head, -1, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
 
 @dataclass(frozen=True)
 class DecoderConfig:

@@ -1,7 +1,9 @@
-"""PEFT exports per family: a `fucina finetune` run on the tiny llama / qwen2 fixtures exported with
-`fucina export-peft` carries that family's Hugging Face module names (and, parity, loads into
-transformers' LlamaForCausalLM / Qwen2ForCausalLM built from the same GGUF weights, giving our
-adapted logits: llama's q/k adapter rows reordered from GGUF's permuted order into HF's)."""
+"""Exports per family, from a `fucina finetune` run on the tiny llama / qwen2 fixtures: the merged
+GGUF reloads as the adapted model; the llama.cpp adapter GGUF carries the base's architecture (and,
+parity, llama.cpp serving base + adapter gives our adapted logits); `fucina export-peft` uses the
+family's Hugging Face module names (and, parity, loads into transformers' LlamaForCausalLM /
+Qwen2ForCausalLM built from the same GGUF weights, giving our adapted logits: llama's q/k adapter
+rows reordered from GGUF's permuted order into HF's)."""
 import json
 from pathlib import Path
 
@@ -25,7 +27,53 @@ def run(request, tmp_path_factory):
     assert main(["finetune", "--model", str(model), "--steps", "3", "--targets", "q,k,v,o,gate,up,down",
                  "--save", str(out / "run"), "--max-new-tokens", "1"]) == 0
     assert main(["export-peft", "--adapters", str(out / "run"), "--out", str(out / "peft")]) == 0
+    assert main(["export-gguf", "--from-gguf", str(model), "--adapters", str(out / "run"),
+                 "--out", str(out / "merged.gguf")]) == 0
+    assert main(["export-gguf", "--adapters", str(out / "run"), "--base", str(model),
+                 "--lora-out", str(out / "adapter.gguf")]) == 0
     return arch, model, out
+
+
+def _adapted_logits(path, run_dir, ids):
+    """Our trainer over the base with the run's adapters: the reference every export must reproduce."""
+    from pipeline.llm.finetune import Trainer
+    from pipeline.train.state_dict import read_safetensors
+    state = json.loads((run_dir / "trainer_state.json").read_text())["config"]["lora"]
+    tr = Trainer.from_gguf(path, targets=tuple(state["targets"]), rank=state["rank"], alpha=state["alpha"])
+    tr.load_adapter_tensors(read_safetensors(run_dir / "adapters.safetensors")[0])
+    return tr.eval_logits(ids)
+
+
+def test_merged_gguf_is_the_adapted_model(run):
+    from pipeline.models.registry import load_model
+    arch, path, out = run
+    ids = np.arange(3, 23)
+    merged = load_model(out / "merged.gguf")
+    assert merged.config.arch == arch
+    want = _adapted_logits(path, out / "run", ids)
+    assert np.abs(want - load_model(path).infer(ids, all_logits=True)).max() > 1e-2 * np.abs(want).max()
+    # W + s B A rounded once to f32 vs the unmerged sum: ~1e-6 of the logit scale
+    np.testing.assert_allclose(merged.infer(ids, all_logits=True), want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+def test_adapter_gguf_names_the_base_architecture(run):
+    arch, _, out = run
+    gg = GGUFFile(out / "adapter.gguf")
+    assert (gg.architecture, gg.get("general.type"), gg.get("adapter.type")) == (arch, "adapter", "lora")
+    assert gg.has("blk.1.attn_q.weight.lora_a") and gg.has("blk.1.ffn_down.weight.lora_b")
+
+
+@pytest.mark.parity
+@pytest.mark.needs("llama_cpp")
+def test_llama_cpp_serves_merged_and_base_plus_adapter_as_our_adapted_model(run):
+    from test_export import _llama_logits
+    arch, path, out = run
+    ids = list(range(3, 23))
+    want = _adapted_logits(path, out / "run", np.array(ids))
+    scale = np.abs(want).max()
+    # llama.cpp sums in f32 in its own order (and adds the adapter's delta beside the base product): ~1e-6
+    np.testing.assert_allclose(_llama_logits(out / "merged.gguf", ids), want, rtol=0, atol=2e-5 * scale)
+    np.testing.assert_allclose(_llama_logits(path, ids, lora=out / "adapter.gguf"), want, rtol=0, atol=2e-5 * scale)
 
 
 def test_peft_names_are_the_familys(run):
@@ -94,8 +142,6 @@ def _hf_model(arch, path):
 def test_peft_export_in_transformers_gives_our_adapted_logits(run):
     import torch
     from peft import PeftModel
-    from pipeline.llm.finetune import Trainer
-    from pipeline.train.state_dict import read_safetensors
     arch, path, out = run
     ids = np.arange(3, 23)
     hf = _hf_model(arch, path)
@@ -104,10 +150,7 @@ def test_peft_export_in_transformers_gives_our_adapted_logits(run):
     tuned = PeftModel.from_pretrained(hf, out / "peft").eval()
     with torch.no_grad():
         theirs = tuned(torch.tensor(ids)[None]).logits[0].double().numpy()
-    state = json.loads((out / "run" / "trainer_state.json").read_text())["config"]["lora"]
-    tr = Trainer.from_gguf(path, targets=tuple(state["targets"]), rank=state["rank"], alpha=state["alpha"])
-    tr.load_adapter_tensors(read_safetensors(out / "run" / "adapters.safetensors")[0])
-    ours = tr.eval_logits(ids)
+    ours = _adapted_logits(path, out / "run", ids)
     scale = np.abs(theirs).max()
     assert np.abs(theirs - base).max() > 1e-2 * scale  # the adapters change the model
     # f32 on both sides, different summation orders through 2 layers: ~1e-6 of the logit scale

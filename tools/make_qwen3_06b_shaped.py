@@ -20,7 +20,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import make_tiny_qwen3 as tiny  # noqa: E402
+import make_tiny_model as tiny  # noqa: E402
 
 SHAPE_06B = tiny.Shape(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, ffn=3072, tied=True,
                        vocab=151936, context=40960)

@@ -553,13 +553,16 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5):
 
 
 # --- rotary embedding and attention ---------------------------------------------------
-def rope_tables(positions, head_dim, theta=10000.0, dtype=np.float32):
+def rope_tables(positions, head_dim, theta=10000.0, dtype=np.float32, freq_factors=None):
     """(cos, sin) of shape [*positions.shape, head_dim // 2] in `dtype`, angles
-    pos * theta^(-2j/head_dim) computed in float64 and rounded once."""
+    pos * theta^(-2j/head_dim) / freq_factors[j] computed in float64 and rounded once.
+    freq_factors (llama3-style RoPE scaling, a GGUF's rope_freqs.weight) default to 1."""
     if head_dim % 2:
         raise OpError(f"rope: head_dim must be even, got {head_dim}")
     pos = np.asarray(positions, dtype=np.float64)
     inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if freq_factors is not None:
+        inv_freq = inv_freq / np.asarray(freq_factors, dtype=np.float64)
     ang = pos[..., None] * inv_freq
     return np.cos(ang).astype(dtype), np.sin(ang).astype(dtype)
 
@@ -567,25 +570,36 @@ def rope_tables(positions, head_dim, theta=10000.0, dtype=np.float32):
 _ROPE_TABLES = {}  # (positions, head_dim, theta, dtype) -> (cos, sin): a training step asks for the same few
 
 
-def _cached_rope_tables(pos, head_dim, theta, dtype):
-    key = (pos.dtype.str, pos.shape, pos.tobytes(), head_dim, float(theta), np.dtype(dtype).str)
+def _cached_rope_tables(pos, head_dim, theta, dtype, freq_factors=None):
+    factors = None if freq_factors is None else np.asarray(freq_factors, dtype=np.float64)
+    key = (pos.dtype.str, pos.shape, pos.tobytes(), head_dim, float(theta), np.dtype(dtype).str,
+           None if factors is None else factors.tobytes())
     tables = _ROPE_TABLES.get(key)
     if tables is None:
         if len(_ROPE_TABLES) >= 32:
             _ROPE_TABLES.clear()
-        tables = _ROPE_TABLES[key] = rope_tables(pos, head_dim, theta, dtype)
+        tables = _ROPE_TABLES[key] = rope_tables(pos, head_dim, theta, dtype, factors)
         for t in tables:
             t.flags.writeable = False  # shared between calls
     return tables
 
 
-def rope(x, positions, theta=10000.0):
-    """Rotary position embedding, NeoX half-rotation layout.
+def rope(x, positions, theta=10000.0, freq_factors=None, interleaved=False):
+    """Rotary position embedding, NeoX half-rotation layout (or, interleaved=True,
+    the adjacent-pair layout llama.cpp calls "normal": pairs (x[2j], x[2j+1])).
 
-    x: [..., seq, heads, head_dim]; positions: integer array broadcastable to
-    x.shape[:-2] (usually [seq], or [batch, seq]). With h = head_dim // 2:
+    x: [..., seq, heads, head_dim]; positions: an array broadcastable to
+    x.shape[:-2] (usually [seq], or [batch, seq]; linear RoPE scaling passes
+    scaled, non-integer positions). With h = head_dim // 2:
     out[:h] = x1 cos - x2 sin, out[h:] = x2 cos + x1 sin.
+    freq_factors: see rope_tables.
     """
+    if interleaved:  # gather the pairs into halves, rotate as NeoX, scatter back: same arithmetic per pair
+        x = as_tensor(x)
+        d = x.shape[-1]
+        halves = reshape(transpose(reshape(x, *x.shape[:-1], d // 2, 2)), *x.shape)
+        rotated = rope(halves, positions, theta, freq_factors)
+        return reshape(transpose(reshape(rotated, *x.shape[:-1], 2, d // 2)), *x.shape)
     x = as_tensor(x)
     if x.ndim < 3:
         raise OpError(f"rope: x must be [..., seq, heads, head_dim], got shape {x.shape}")
@@ -595,7 +609,7 @@ def rope(x, positions, theta=10000.0):
     except ValueError:
         raise OpError(f"rope: positions shape {pos.shape} does not broadcast to {x.shape[:-2]} (x shape {x.shape})") from None
     X = _compute(x.data)
-    cos, sin = _cached_rope_tables(pos, x.shape[-1], theta, X.dtype)
+    cos, sin = _cached_rope_tables(pos, x.shape[-1], theta, X.dtype, freq_factors)
     if X.dtype == np.float32:  # one kernel pass each way; backward rotates by the negative angle
         from kernels.nn import rope_rotate
         rows = x.shape[:-2]

@@ -80,7 +80,7 @@ def _torch_step(model, sample, args):
         import torch
     except ImportError:
         return None
-    from pipeline.llm.finetune import Frozen
+    from pipeline.llm.finetune import TARGETS, Frozen
     if args.threads:
         torch.set_num_threads(args.threads)
     c = model.config
@@ -88,11 +88,15 @@ def _torch_step(model, sample, args):
     layers = []
     targets = set(args.targets.split(","))
     lora = []
+    vector = lambda v: torch.from_numpy(np.array(getattr(v, "data", v), np.float32))  # writable (the map is read-only)
     for b in model.blocks:
-        projs = {"q": b.attn.q, "k": b.attn.k, "v": b.attn.v, "o": b.attn.o, "gate": b.mlp.gate, "up": b.mlp.up, "down": b.mlp.down}
-        layer = {t: dense(p) for t, p in projs.items()}
+        layer = {t: dense(b.projection(t)) for t in TARGETS}
+        for t in TARGETS:
+            if b.projection(t).bias is not None:
+                layer["bias_" + t] = vector(b.projection(t).bias)
         for nm, v in (("attn_norm", b.attn_norm), ("ffn_norm", b.ffn_norm), ("q_norm", b.attn.q_norm), ("k_norm", b.attn.k_norm)):
-            layer[nm] = torch.from_numpy(np.array(v.data, np.float32))  # a writable copy (the GGUF map is read-only)
+            if v is not None:
+                layer[nm] = vector(v)
         for t in targets:
             out_dim, in_dim = layer[t].shape
             a = torch.empty(args.rank, in_dim).uniform_(-in_dim ** -0.5, in_dim ** -0.5).requires_grad_()
@@ -108,19 +112,30 @@ def _torch_step(model, sample, args):
     T = len(sample.inputs)
     ids = torch.from_numpy(sample.inputs)
     labels = torch.from_numpy(sample.labels)
-    pos = torch.arange(T, dtype=torch.float32)
+    pos = torch.arange(T, dtype=torch.float32) * c.rope_scale
     inv = c.rope_base ** (-torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
+    if model._rope_factors is not None:
+        inv = inv / vector(model._rope_factors)
     cos, sin = torch.cos(pos[:, None] * inv)[:, None], torch.sin(pos[:, None] * inv)[:, None]
+    interleaved = model.family.rope == "normal"
 
     def rms(x, w):
         return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + c.rms_eps) * w
 
     def rope(x):
+        if interleaved:  # pairs (x[2i], x[2i+1])
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).flatten(-2)
         h = c.head_dim // 2
         return torch.cat([x[..., :h] * cos - x[..., h:] * sin, x[..., h:] * cos + x[..., :h] * sin], -1)
 
+    def head_norm(x, L, name):
+        return rms(x, L[name]) if name in L else x
+
     def proj(x, layer, t):
         y = x @ layer[t].T
+        if "bias_" + t in layer:
+            y = y + layer["bias_" + t]
         if "lora_" + t in layer:
             a, bb = layer["lora_" + t]
             y = y + scale * (x @ a.T) @ bb.T
@@ -130,8 +145,8 @@ def _torch_step(model, sample, args):
         x = embed[ids]
         for L in layers:
             a = rms(x, L["attn_norm"])
-            q = rope(rms(proj(a, L, "q").view(T, c.heads, c.head_dim), L["q_norm"]))
-            k = rope(rms(proj(a, L, "k").view(T, c.kv_heads, c.head_dim), L["k_norm"]))
+            q = rope(head_norm(proj(a, L, "q").view(T, c.heads, c.head_dim), L, "q_norm"))
+            k = rope(head_norm(proj(a, L, "k").view(T, c.kv_heads, c.head_dim), L, "k_norm"))
             v = proj(a, L, "v").view(T, c.kv_heads, c.head_dim)
             o = torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
@@ -150,11 +165,11 @@ def _torch_step(model, sample, args):
 
 def run(args):
     from pipeline.llm.finetune import TrainerPool
-    from pipeline.models.qwen3 import Qwen3
+    from pipeline.models.registry import load_model
     from pipeline.threads import pin_threads
     if args.threads:
         pin_threads(args.threads)
-    model = Qwen3.from_gguf(args.model)
+    model = load_model(args.model)
     sample = _sample(model.config.vocab_size, args.seq)
     n_sup = sample.n_valid
     rows = []

@@ -42,12 +42,12 @@ def _prompt(n, vocab):
 def _ours(path, threads, decode_tokens, repeat, blas_threads=1):
     import numba
     from threadpoolctl import threadpool_limits
-    from ..models.qwen3 import Qwen3
+    from ..models.registry import load_model
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     with threadpool_limits(blas_threads, user_api="blas"):
         rss0 = peak_rss_mb()
         t0 = time.perf_counter()
-        model = Qwen3.from_gguf(path)
+        model = load_model(path)
         load_ms = (time.perf_counter() - t0) * 1e3
         vocab = model.config.vocab_size
         res = {"load_ms": load_ms, "weight_mb": model.weight_bytes / 2 ** 20}

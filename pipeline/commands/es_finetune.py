@@ -118,7 +118,7 @@ def build(args, log):
     from ..llm.chat import ChatTemplate
     from ..llm.finetune import Trainer, lora_config
     from ..llm.gguf import open_gguf
-    from ..models.qwen3 import Qwen3
+    from ..models.registry import load_model
     from ..train.checkpoint import read_sentinel
     from .finetune import _load_tokenizer, _targets
 
@@ -128,7 +128,7 @@ def build(args, log):
     if state is not None and isinstance(state.seeds.get("lora"), int):
         lora_seed = state.seeds["lora"]  # the adapter init (and so the AWD anchor) must be the checkpoint's
     gg = open_gguf(args.model)
-    model = Qwen3.from_gguf(gg)
+    model = load_model(gg)
     tokenizer = _load_tokenizer(gg)
     encoder, template = sft.RawEncoder(tokenizer), ChatTemplate.from_gguf(gg)
     if args.data:

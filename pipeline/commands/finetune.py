@@ -95,7 +95,7 @@ def build(args, log):
     from ..llm.finetune import Session, Trainer, TrainerPool, check_resume_config, lora_config
     from ..llm.chat import ChatTemplate
     from ..llm.gguf import open_gguf
-    from ..models.qwen3 import Qwen3
+    from ..models.registry import load_model
     from ..optim import AdamW
     from ..train.checkpoint import load_checkpoint, read_sentinel
 
@@ -106,7 +106,7 @@ def build(args, log):
         args.lr = float(state.schedule.get("lr", args.lr))
         args.warmup = int(state.schedule.get("warmup", args.warmup))
     gg = open_gguf(args.model)
-    model = Qwen3.from_gguf(gg)
+    model = load_model(gg)
     tokenizer = _load_tokenizer(gg)
     encoder, template = sft.RawEncoder(tokenizer), ChatTemplate.from_gguf(gg)
     if args.data:

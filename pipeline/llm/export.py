@@ -29,6 +29,7 @@ from gguf import GGUFValueType
 from gguf.gguf_writer import GGUFValue
 
 from pipeline.errors import CheckpointError, UserError
+from pipeline.models.decoder import PROJECTIONS as GGUF_TENSOR
 from pipeline.train.checkpoint import latest_checkpoint, read_sentinel
 from pipeline.train.state_dict import atomic_write_bytes, read_safetensors, save_state_dict
 from pipeline.untrusted import brief
@@ -36,10 +37,6 @@ from pipeline.untrusted import brief
 from .gguf_write import DENSE, GGUFTensor, encode, read_gguf, write_gguf
 
 ADAPTER_FILE = "adapters.safetensors"
-GGUF_TENSOR = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
-               "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
-PEFT_MODULE = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-               "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 _NAME = re.compile(r"^layers\.(\d{1,9})\.([a-z]+)\.lora_([ab])$")  # bounded: int() refuses 4300+ digits
 
 QUANTIZED_BASE_REFUSAL = (
@@ -84,6 +81,13 @@ class Adapters:
     @property
     def targets(self) -> list[str]:
         return sorted({p.target for p in self.pairs}, key=list(GGUF_TENSOR).index)
+
+    @property
+    def arch(self) -> str:
+        """The architecture the adapters were trained on (config.lora.arch; checkpoints older than
+        the field come from the time only qwen3 was supported)."""
+        lora = self.config.get("lora") if isinstance(self.config.get("lora"), dict) else {}
+        return str(lora.get("arch", "qwen3"))
 
 
 def load_adapters(directory) -> Adapters:
@@ -228,16 +232,26 @@ def write_lora_gguf(adapters: Adapters, alpha: float, base_path, out_path) -> Pa
 
 
 def write_peft(adapters: Adapters, alpha: float, out_dir, base_model: str = "") -> Path:
-    """A PEFT LoRA directory for Hugging Face Qwen3: adapter_config.json + adapter_model.safetensors."""
+    """A PEFT LoRA directory (adapter_config.json + adapter_model.safetensors) named by the Hugging Face
+    modules of the adapters' architecture (pipeline.models.registry)."""
+    from pipeline.models.registry import family
+    where = adapters.directory / "trainer_state.json"
+    fam = family(adapters.arch, f"{where}: config.lora.arch")
+    modules = dict(fam.hf_modules)
+    lora = adapters.config.get("lora") if isinstance(adapters.config.get("lora"), dict) else {}
+    heads, kv_heads = lora.get("heads"), lora.get("kv_heads")
+    if fam.rope == "normal" and not (isinstance(heads, int) and isinstance(kv_heads, int)):
+        raise UserError(f"{where}: config.lora.heads / kv_heads are missing; a {fam.name} model's q/k adapters "
+                        "need them to be reordered into Hugging Face rows (re-save the run with this version)")
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"--out {out_dir}: exists and is not a directory")
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for p in adapters.pairs:
-        prefix = f"base_model.model.model.layers.{p.layer}.{PEFT_MODULE[p.target]}"
+        prefix = f"base_model.model.model.layers.{p.layer}.{modules[p.target]}"
         tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(p.a, np.float32)
-        tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(p.b, np.float32)
+        tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(fam.hf_rows(p.target, p.b, heads, kv_heads), np.float32)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -245,7 +259,7 @@ def write_peft(adapters: Adapters, alpha: float, out_dir, base_model: str = "") 
         "r": adapters.rank,
         "lora_alpha": alpha,
         "lora_dropout": float((adapters.config.get("lora") or {}).get("dropout", 0.0) or 0.0),
-        "target_modules": [PEFT_MODULE[t].split(".")[1] for t in adapters.targets],
+        "target_modules": [modules[t].split(".")[1] for t in adapters.targets],
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,

@@ -1,13 +1,14 @@
-"""LoRA fine-tuning over a frozen GGUF Qwen3: the trainer's grad-capable forward.
+"""LoRA fine-tuning over a frozen GGUF model of any registered architecture.
 
-The forward mirrors `pipeline.models.qwen3.Qwen3.forward` op for op (RMSNorm,
-per-head q/k RMSNorm, NeoX RoPE, grouped causal attention, SwiGLU, tied or
-untied head), reads the weights through the model's projection seam, and adds
-LoRA deltas on the selected projections (q, k, v, o, gate, up, down;
-default q+v). Every base weight stays in its file format (quantized included)
-and enters the graph as a CONSTANT through `adapted_linears`: gradients flow to
-the f32 activations only, so the base never has a gradient to hold. The only
-parameters are the adapters' A/B, named `layers.<i>.<target>.lora_{a,b}`.
+The forward IS the model's own block (`pipeline.models.decoder.DecoderLM.block`:
+whatever its family does — q/k norms, RoPE layout, biases), with the trainer's
+`project` function in place of the model's projections: it reads each weight
+through the model's projection seam and adds LoRA deltas on the selected
+projections (q, k, v, o, gate, up, down; default q+v). Every base weight stays
+in its file format (quantized included) and enters the graph as a CONSTANT
+through `adapted_linears`: gradients flow to the f32 activations only, so the
+base never has a gradient to hold. The only parameters are the adapters' A/B,
+named `layers.<i>.<target>.lora_{a,b}`.
 
 Trade-off: a product with a quantized weight needs its dense values, so by
 default each frozen weight is dequantized per use, a few L2-sized tiles at a
@@ -40,11 +41,13 @@ from pipeline.autograd.tensor import Tensor, no_grad
 from pipeline.errors import UserError
 from pipeline.runtime.metrics import peak_rss_mb
 
+from pipeline.models.decoder import PROJECTIONS, swiglu  # noqa: F401 (swiglu: re-exported for its kernel tests)
+
 from .data import IGNORE_INDEX
 from .lora import LoraAdapter, keep_mask_or_none, lora_backward, lora_forward
 from .quants import FrozenWeight, matmul_t_many, weight_rows
 
-TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+TARGETS = tuple(PROJECTIONS)
 DEFAULT_TARGETS = ("q", "v")
 
 
@@ -55,6 +58,7 @@ class Frozen:
     file format), a `Linear` (its f32 parameter's data: trainable elsewhere,
     frozen here), a FrozenWeight, or a numpy array. `keep_dense` keeps an f32
     copy resident (~4 bytes per weight) instead of dequantizing tiles per use.
+    A projection's bias (None for most) is a constant too.
     """
 
     def __init__(self, proj, keep_dense=False):
@@ -62,6 +66,8 @@ class Frozen:
         if isinstance(w, Tensor):
             w = w.data
         self.weight = w
+        bias = getattr(proj, "bias", None)
+        self.bias = None if bias is None else _const(bias)
         self._dense = None
         if isinstance(w, np.ndarray):
             self._dense = np.ascontiguousarray(w, dtype=np.float32)
@@ -111,6 +117,8 @@ def adapted_linears(x, ws, adapters=None):
 
 def _adapted_node(x, x2, w, y, adapter, lead):
     n_out = w.shape[0]
+    if w.bias is not None:
+        y += w.bias  # y is this call's own product array
     if adapter is None:
         return Tensor.make(y.reshape(*lead, n_out), (x,),
                            lambda g: (w.matmul(g.reshape(-1, n_out)).reshape(x.shape),), "frozen_linear")
@@ -129,20 +137,6 @@ def _adapted_node(x, x2, w, y, adapter, lead):
         return gx, ga, gb
 
     return Tensor.make(y.reshape(*lead, n_out), (x, a, b), backward, "adapted_linear")
-
-
-def swiglu(gate, up):
-    """silu(gate) * up as one op: the bits of ops.silu then ops.mul, in one pass
-    each way with no [T, ffn] temporaries beyond the outputs."""
-    from kernels.nn import swiglu as swiglu_f32, swiglu_backward
-    a = np.ascontiguousarray(gate.data, dtype=np.float32)
-    b = np.ascontiguousarray(up.data, dtype=np.float32)
-
-    def backward(g):
-        ga, gb = swiglu_backward(np.ascontiguousarray(g, dtype=np.float32), a, b)
-        return (ga if gate.requires_grad else None, gb if up.requires_grad else None)
-
-    return Tensor.make(swiglu_f32(a, b), (gate, up), backward, "swiglu")
 
 
 def keep_freed_memory():
@@ -167,17 +161,12 @@ def _const(v):
     return np.asarray(v.data if isinstance(v, Tensor) else v, dtype=np.float32)
 
 
-def _proj_shape(c, target):
-    """[out, in] of a projection of config c."""
-    q, kv, h, f = c.heads * c.head_dim, c.kv_heads * c.head_dim, c.hidden, c.ffn
-    return {"q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q), "gate": (f, h), "up": (f, h), "down": (h, f)}[target]
-
-
 class Trainer(Module):
-    """LoRA adapters on the selected projections of a frozen Qwen3, and its losses.
+    """LoRA adapters on the selected projections of a frozen model, and its losses.
 
-    model: a `pipeline.models.qwen3.Qwen3` (its projection seam is read, never
-    written: every weight becomes a constant of this trainer's forward).
+    model: a `pipeline.models.decoder.DecoderLM` of any family, frozen (its
+    projection seam is read, never written: every weight becomes a constant of
+    this trainer's forward, which runs the model's own `block`).
     As a Module its only tensors are `layers[i][target].lora_{a,b}`, so
     named_parameters() yields exactly the checkpoint names
     "layers.<i>.<target>.lora_a" / ".lora_b".
@@ -189,14 +178,8 @@ class Trainer(Module):
         if bad or not targets:
             raise UserError(f"targets must be a non-empty subset of {','.join(TARGETS)}, got {','.join(targets) or '(none)'}")
         self._model, self.config = model, model.config
-        self._layers = []
-        for b in model.blocks:
-            projs = {"q": b.attn.q, "k": b.attn.k, "v": b.attn.v, "o": b.attn.o,
-                     "gate": b.mlp.gate, "up": b.mlp.up, "down": b.mlp.down}
-            layer = {t: Frozen(p) for t, p in projs.items()}
-            layer.update(attn_norm=_const(b.attn_norm), ffn_norm=_const(b.ffn_norm),
-                         q_norm=_const(b.attn.q_norm), k_norm=_const(b.attn.k_norm))
-            self._layers.append(layer)
+        self._base = model.with_constant_norms()  # its block never sends a gradient into the base
+        self._layers = [{t: Frozen(b.projection(t)) for t in TARGETS} for b in model.blocks]  # per layer: constants
         self._embed = Frozen(model.embed)
         self._out_norm = _const(model.out_norm)
         self._head = Frozen(model.output, keep_dense=True)  # used in full every step by the fused CE
@@ -211,7 +194,7 @@ class Trainer(Module):
         for i in range(self.config.layers):
             layer = {}
             for t in self.targets:
-                out_dim, in_dim = _proj_shape(self.config, t)
+                out_dim, in_dim = self.config.projection_shape(t)
                 a_seed = derive_seed(self._init_seed, i * len(TARGETS) + TARGETS.index(t))
                 layer[t] = LoraAdapter(in_dim, out_dim, rank, alpha, dropout, a_seed, prefix=f"layers.{i}.{t}")
             self.layers.append(layer)
@@ -219,8 +202,8 @@ class Trainer(Module):
     @classmethod
     def from_gguf(cls, path, **kwargs):
         """A trainer over the frozen GGUF at `path` (weights memory-mapped, quantized stays quantized)."""
-        from pipeline.models.qwen3 import Qwen3
-        return cls(Qwen3.from_gguf(path), **kwargs)
+        from pipeline.models.registry import load_model
+        return cls(load_model(path), **kwargs)
 
     @property
     def model(self):
@@ -242,24 +225,6 @@ class Trainer(Module):
                     for t in targets]
         return adapted_linears(x, [self._layers[i][t] for t in targets], adapters)
 
-    def _layer(self, h, i, step):
-        """One decoder block on h [T, hidden]."""
-        c, w = self.config, self._layers[i]
-        T = h.shape[0]
-        pos = np.arange(T)
-        a = ops.rms_norm(h, w["attn_norm"], c.rms_eps)
-        q, k, v = self._projs(a, i, ("q", "k", "v"), step)
-        q = ops.reshape(q, (1, T, c.heads, c.head_dim))
-        k = ops.reshape(k, (1, T, c.kv_heads, c.head_dim))
-        v = ops.reshape(v, (1, T, c.kv_heads, c.head_dim))
-        q = ops.rope(ops.rms_norm(q, w["q_norm"], c.rms_eps), pos, c.rope_base)
-        k = ops.rope(ops.rms_norm(k, w["k_norm"], c.rms_eps), pos, c.rope_base)
-        att = ops.reshape(ops.attention(q, k, v, causal=True), (T, c.heads * c.head_dim))
-        h = h + self._projs(att, i, ("o",), step)[0]
-        m = ops.rms_norm(h, w["ffn_norm"], c.rms_eps)
-        f = swiglu(*self._projs(m, i, ("gate", "up"), step))
-        return h + self._projs(f, i, ("down",), step)[0]
-
     def hidden(self, tokens, step=None):
         """Final-normed hidden states [T, hidden]; step None = eval (no dropout)."""
         tokens = np.asarray(tokens)
@@ -267,13 +232,19 @@ class Trainer(Module):
             raise UserError(f"tokens must be a non-empty 1-D integer sequence, got shape {tokens.shape} dtype {tokens.dtype}")
         if tokens.min() < 0 or tokens.max() >= self.config.vocab_size:
             raise UserError(f"token ids must be in [0, {self.config.vocab_size}), got range [{tokens.min()}, {tokens.max()}]")
-        h = Tensor(self._embed.rows(tokens.astype(np.int64)))
-        for i in range(self.config.layers):
+        c, n = self.config, tokens.size
+        pos = np.arange(n)
+
+        def project(i, targets, x):
+            return self._projs(x, i, targets, step)
+
+        h = Tensor(self._embed.rows(tokens.astype(np.int64)).reshape(1, n, c.hidden))  # the block's [batch, seq, hidden]
+        for i in range(c.layers):
             if self.checkpoint_layers and step is not None:
-                h = ops.checkpoint(lambda x, i=i: self._layer(x, i, step), h)
+                h = ops.checkpoint(lambda x, i=i: self._base.block(i, x, pos, project), h)
             else:
-                h = self._layer(h, i, step)
-        return ops.rms_norm(h, self._out_norm, self.config.rms_eps)
+                h = self._base.block(i, h, pos, project)
+        return ops.rms_norm(ops.reshape(h, n, c.hidden), self._out_norm, c.rms_eps)
 
     def loss(self, tokens, labels, reduction="mean", loss_scale=None):
         """Cross-entropy of next-token labels (ignore_index masked); advances the step counter.
@@ -419,9 +390,12 @@ class Session:
 
 
 def lora_config(trainer):
-    """The structural LoRA config stored in trainer_state.json (alpha: the export engineer needs it)."""
+    """The structural LoRA config stored in trainer_state.json (alpha, the model's architecture and
+    head counts: the exports need them)."""
+    c = trainer.config
     return {"rank": trainer.rank, "alpha": trainer.alpha, "dropout": trainer.dropout,
-            "targets": list(trainer.targets), "ignore_index": trainer.ignore_index}
+            "targets": list(trainer.targets), "ignore_index": trainer.ignore_index,
+            "arch": c.arch, "heads": c.heads, "kv_heads": c.kv_heads}
 
 
 def check_resume_config(stored, trainer, source):

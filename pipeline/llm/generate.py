@@ -82,9 +82,9 @@ class LoadedModel:
         from .chat import ChatTemplate
         from .gguf import GGUFFile
         from .tokenizer import Tokenizer
-        from ..models.qwen3 import Qwen3
+        from ..models.registry import load_model
         self.gguf = GGUFFile(path)
-        self.model = Qwen3.from_gguf(self.gguf, llama_numerics=llama_numerics)
+        self.model = load_model(self.gguf, llama_numerics=llama_numerics)
         self._tok_error = None
         try:
             self.tokenizer = Tokenizer.from_gguf(self.gguf)

@@ -1,1 +1,1 @@
-"""Models built from the autograd ops: the spirals MLP (and, later, the Qwen3 family)."""
+"""Models built from the autograd ops: the spirals MLP and the dense decoder families (registry.py)."""

@@ -1,8 +1,8 @@
 """The whole loop, end to end: fine-tune -> merge -> quantize (q4_k) -> serve in Fucina and llama.cpp.
 
 Marked slow (a 150-step fine-tune and several llama.cpp children) and parity
-(llama.cpp is the second server). The base is a tiny random F16 Qwen3 with
-a trained byte-level BPE, made by tools/make_tiny_qwen3.py.
+(llama.cpp is the second server). The base is a tiny random F16 model of each
+registered architecture with a trained byte-level BPE, made by tools/make_tiny_model.py.
 """
 import importlib.util
 import subprocess
@@ -54,17 +54,18 @@ def _llama(model, ids, tmp_path, lora=None):
 @pytest.mark.slow
 @pytest.mark.parity
 @pytest.mark.needs("llama_cpp")
-def test_finetune_merge_quantize_serve(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("make_tiny_qwen3", ROOT / "tools" / "make_tiny_qwen3.py")
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
+def test_finetune_merge_quantize_serve(tmp_path, capsys, arch):
+    spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "tools" / "make_tiny_model.py")
     tiny = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = tiny  # its dataclasses look their module up
     spec.loader.exec_module(tiny)
     from pipeline.llm.chat import render_chatml
     from pipeline.llm.gguf import open_gguf
     from pipeline.llm.tokenizer import Tokenizer
-    from pipeline.models.qwen3 import Qwen3
+    from pipeline.models.registry import load_model
 
-    base = tiny.write_gguf(tmp_path / "base-f16.gguf", tiny.SHAPES["tied"], seed=0, dtype="F16")
+    base = tiny.write_gguf(tmp_path / "base-f16.gguf", tiny.SHAPES["tied"], seed=0, dtype="F16", arch=arch)
     run, merged, final, adapter = (tmp_path / "run", tmp_path / "merged-f16.gguf", tmp_path / "tuned-q4_k.gguf",
                                    tmp_path / "adapter.gguf")
     # 1. fine-tune  2. merge  3. quantize  (+ the adapter GGUF route)
@@ -84,7 +85,7 @@ def test_finetune_merge_quantize_serve(tmp_path, capsys):
 
     # 4b. Fucina serves the same file: top-1 identical at every prompt position, and `fucina generate` answers in style
     # (llama_numerics: round activations as llama.cpp's q4_k kernels do, so near-ties at untrained positions agree)
-    ours = Qwen3.from_gguf(final, llama_numerics=True).infer(np.asarray(ids), all_logits=True)
+    ours = load_model(final, llama_numerics=True).infer(np.asarray(ids), all_logits=True)
     np.testing.assert_array_equal(ours.argmax(-1), q_logits.argmax(-1))
     assert fucina(["generate", "--model", str(final), "--chat", "--prompt", PROMPT, "--max-tokens", "16"]) == 0
     answer = capsys.readouterr().out.strip()

@@ -9,11 +9,11 @@ from pipeline.bench import finetune as bench
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _rows(*flags):
-    """bench.run on the tiny committed fixture at sequence 16, one step, with `flags`."""
+def _rows(*flags, fixture="qwen3-mini-q8_0.gguf"):
+    """bench.run on a tiny committed fixture at sequence 16, one step, with `flags`."""
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
-    return bench.run(p.parse_args(["--model", os.path.join(ROOT, "tests", "fixtures", "qwen3-mini-q8_0.gguf"),
+    return bench.run(p.parse_args(["--model", os.path.join(ROOT, "tests", "fixtures", fixture),
                                    "--seq", "16", "--steps", "1", *flags]))
 
 
@@ -25,8 +25,9 @@ def test_bench_rows_on_the_tiny_fixture():
 
 @pytest.mark.parity
 @pytest.mark.needs("torch")
-def test_bench_torch_baseline_and_cpu_times_on_the_tiny_fixture():
-    rows = _rows("--threads", "0", "--no-trainers")
+@pytest.mark.parametrize("fixture", ["qwen3-mini-q8_0.gguf", "llama-mini-f32.gguf", "qwen2-mini-f32.gguf"])
+def test_bench_torch_baseline_and_cpu_times_on_the_tiny_fixture(fixture):
+    rows = _rows("--threads", "0", "--no-trainers", fixture=fixture)
     for r in rows:
         assert r["baselines"]["torch_f32"] > 0 and r["baseline_cpu_ms"]["torch_f32"] > 0 and r["cpu_ms"] > 0
         assert "CPU" in r["notes"]

@@ -10,7 +10,8 @@ from pipeline.autograd import Tensor
 from pipeline.errors import UserError
 from pipeline.autograd import parameter
 from pipeline.llm.finetune import TARGETS, Trainer
-from pipeline.models.qwen3 import MLP, Attention, Block, FrozenLinear, Linear, Qwen3, Qwen3Config
+from pipeline.models.decoder import MLP, Attention, Block, FrozenLinear, Linear
+from pipeline.models.qwen3 import Qwen3, Qwen3Config
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "goldens", "lora", "trainer_golden.npz")
 CFG = Qwen3Config(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, ffn=48)

@@ -1,6 +1,6 @@
 """Parity with llama.cpp (llama-cpp-python as the oracle): logits per position, greedy text, token ids.
 
-Fixtures: tools/make_tiny_qwen3.py shapes (tied/untied head, 2-4 layers, head
+Fixtures: tools/make_tiny_model.py shapes (tied/untied head, 2-4 layers, head
 counts 4/8 with 2/2/1 kv heads, head_dim 64/32/128, rows of 256) written in
 F32/F16/BF16 by gguf-py and quantized by llama.cpp's own quantizer. Bounds:
 F32/F16 max |diff| <= 1e-3 with an f32 KV cache in llama.cpp; BF16 and block
@@ -23,7 +23,7 @@ from pipeline.llm.tokenizer import Tokenizer
 from pipeline.models.qwen3 import Qwen3
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import make_tiny_qwen3 as mk  # noqa: E402
+import make_tiny_model as mk  # noqa: E402
 
 pytestmark = [pytest.mark.parity, pytest.mark.needs("llama_cpp")]
 

@@ -149,8 +149,9 @@ def test_bad_inputs():
 
 
 def test_inference_norm_and_rope_kernels_match_numpy():
-    """The numba _rms / _norm_rope against the plain numpy formulas they replace."""
-    from pipeline.models.qwen3 import _norm_rope, _rms, _rope_table
+    """The numba _rms / _norm_rope against the plain numpy formulas they replace (both RoPE layouts)."""
+    from pipeline.autograd import ops
+    from pipeline.models.decoder import _norm_rope, _rms
     r = np.random.default_rng(0)
     x = r.standard_normal((5, 3, 64)).astype(np.float32) * 3
     w = r.standard_normal(64).astype(np.float32)
@@ -158,17 +159,23 @@ def test_inference_norm_and_rope_kernels_match_numpy():
     def rms(a):
         return a * (1.0 / np.sqrt(np.mean(np.square(a.astype(np.float64)), axis=-1, keepdims=True) + 1e-6)) * w
 
+    def neox(n):
+        return np.concatenate([n[..., :32] * cos - n[..., 32:] * sin, n[..., 32:] * cos + n[..., :32] * sin], axis=-1)
+
     np.testing.assert_allclose(_rms(x, w, 1e-6), rms(x), rtol=1e-5, atol=1e-5)
-    cos, sin = _rope_table(np.arange(7, 12), 64, 1e6)
-    n = rms(x)
-    ref = np.concatenate([n[..., :32] * cos - n[..., 32:] * sin, n[..., 32:] * cos + n[..., :32] * sin], axis=-1)
-    np.testing.assert_allclose(_norm_rope(x, w, 1e-6, cos, sin), ref, rtol=1e-5, atol=1e-5)
+    cos, sin = (a[:, None, :] for a in ops.rope_tables(np.arange(7, 12), 64, 1e6))
+    np.testing.assert_allclose(_norm_rope(x, Tensor(w), 1e-6, cos, sin, False), neox(rms(x)), rtol=1e-5, atol=1e-5)
+    # interleaved ("normal") layout, no norm: pair (x[2i], x[2i+1]) rotates like NeoX's (x[i], x[i + 32])
+    halves = np.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+    ref = np.empty_like(x)
+    ref[..., 0::2], ref[..., 1::2] = neox(halves)[..., :32], neox(halves)[..., 32:]
+    np.testing.assert_allclose(_norm_rope(x, None, 1e-6, cos, sin, True), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_inference_attention_chunks_and_threads():
     """Chunked causal GQA attention: equal to a plain softmax reference, bitwise across thread counts."""
     import numba
-    from pipeline.models import qwen3
+    from pipeline.models import decoder as qwen3
     r = np.random.default_rng(1)
     t, pos0 = qwen3.ATTEND_CHUNK + 37, 9
     q = r.standard_normal((t, 8, 32)).astype(np.float32)

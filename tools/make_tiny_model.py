@@ -1,8 +1,14 @@
-"""Build tiny random Qwen3 GGUFs (fixtures for tests, docs and llama.cpp parity).
+"""Build tiny random GGUFs of every registered architecture (fixtures for tests, docs and llama.cpp parity).
 
 Usage:
-  python tools/make_tiny_qwen3.py --out tests/fixtures            # the committed fixtures
-  python tools/make_tiny_qwen3.py --out /tmp/q --shape wide --dtype F16
+  python tools/make_tiny_model.py --out tests/fixtures            # the committed fixtures
+  python tools/make_tiny_model.py --out /tmp/q --arch llama --shape wide --dtype F16
+
+Each file is laid out the way llama.cpp's convert_hf_to_gguf.py writes that
+architecture: qwen3 with per-head q/k norms; qwen2 with q/k/v biases; llama
+with its Q/K rows permuted from the Hugging Face half-rotation order into the
+adjacent-pair order llama.cpp's "normal" RoPE expects, optional biases, and
+(shape "llama3") the rope_freqs.weight frequency factors of Llama 3 RoPE scaling.
 
 The tokenizer is a byte-level BPE trained (deterministically) with Hugging Face
 `tokenizers` on a small built-in corpus and stored the way llama.cpp expects it
@@ -42,6 +48,8 @@ class Shape:
     vocab: int = 512
     context: int = 256
     rope_base: float = 1_000_000.0
+    biases: tuple = ()          # llama: projections given a bias (qwen2 always has q/k/v biases)
+    llama3_rope: bool = False   # llama: write rope_freqs.weight (Llama 3.1 scaling, factor 8)
 
 
 SHAPES = {
@@ -51,7 +59,15 @@ SHAPES = {
     "tied": Shape(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, ffn=512, tied=True),
     "untied": Shape(hidden=256, layers=3, heads=8, kv_heads=2, head_dim=32, ffn=256, tied=False, rope_base=10_000.0),
     "wide": Shape(hidden=256, layers=4, heads=4, kv_heads=1, head_dim=128, ffn=256, tied=False),
+    # llama only: Llama 3 RoPE scaling factors, and every optional bias
+    "llama3": Shape(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, ffn=512, tied=True, rope_base=500_000.0,
+                    llama3_rope=True),
+    "biased": Shape(hidden=256, layers=2, heads=4, kv_heads=4, head_dim=64, ffn=256, tied=False, rope_base=10_000.0,
+                    biases=("q", "k", "v", "o", "gate", "up", "down")),
 }
+ARCHS = ("llama", "qwen2", "qwen3")
+BIAS_TENSORS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
+                "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
 
 SPECIAL_TOKENS = [  # (text, llama.cpp token type)
     ("<|endoftext|>", gguf.TokenType.CONTROL),
@@ -121,28 +137,62 @@ def _matrix(seed: int, name_index: int, rows: int, cols: int, std: float) -> np.
     return rng.gaussian(rng.derive_seed(seed, name_index), (rows, cols)) * np.float32(std)
 
 
-def make_weights(shape: Shape, seed: int) -> dict[str, np.ndarray]:
-    """name -> f32 array, numpy order [rows=n_out, cols=n_in]."""
+def hf_to_gguf_qk_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf's Llama Q/K permutation: within each head, rows in HF's half-rotation
+    order (x[i], x[i + d/2]) become adjacent pairs (x[2i], x[2i+1]) for llama.cpp's normal RoPE."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_factors(head_dim: int, base: float, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                        original_context=8192) -> np.ndarray:
+    """The frequency divisors Llama 3.1's rope_scaling implies (what convert_hf_to_gguf stores as
+    rope_freqs.weight): 1 for short wavelengths, `factor` for long ones, a smooth ramp between."""
+    freqs = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    ramp = 1.0 / ((1.0 - smooth) / factor + smooth)
+    out = np.where(wavelen < original_context / high_freq_factor, 1.0,
+                   np.where(wavelen > original_context / low_freq_factor, factor, ramp))
+    return out.astype(np.float32)
+
+
+def make_weights(shape: Shape, seed: int, arch: str = "qwen3") -> dict[str, np.ndarray]:
+    """name -> f32 array, numpy order [rows=n_out, cols=n_in], laid out as convert_hf_to_gguf writes `arch`."""
     w, k = {}, iter(range(10_000))
     h, qd, kvd = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    biases = {"llama": shape.biases, "qwen2": ("q", "k", "v"), "qwen3": ()}[arch]
 
     def norm(n):  # RMSNorm gains near 1 so activations keep a useful scale
         return 1.0 + 0.1 * rng.gaussian(rng.derive_seed(seed, next(k)), (n,))
 
+    def bias(n):
+        return 0.1 * rng.gaussian(rng.derive_seed(seed, next(k)), (n,))
+
     w["token_embd.weight"] = _matrix(seed, next(k), shape.vocab, h, 1.0)
+    if arch == "llama" and shape.llama3_rope:
+        w["rope_freqs.weight"] = llama3_rope_factors(shape.head_dim, shape.rope_base)
     for i in range(shape.layers):
         p = f"blk.{i}."
         w[p + "attn_norm.weight"] = norm(h)
         w[p + "attn_q.weight"] = _matrix(seed, next(k), qd, h, h ** -0.5)
         w[p + "attn_k.weight"] = _matrix(seed, next(k), kvd, h, h ** -0.5)
         w[p + "attn_v.weight"] = _matrix(seed, next(k), kvd, h, h ** -0.5)
-        w[p + "attn_q_norm.weight"] = norm(shape.head_dim)
-        w[p + "attn_k_norm.weight"] = norm(shape.head_dim)
+        if arch == "qwen3":
+            w[p + "attn_q_norm.weight"] = norm(shape.head_dim)
+            w[p + "attn_k_norm.weight"] = norm(shape.head_dim)
         w[p + "attn_output.weight"] = _matrix(seed, next(k), h, qd, qd ** -0.5)
         w[p + "ffn_norm.weight"] = norm(h)
         w[p + "ffn_gate.weight"] = _matrix(seed, next(k), shape.ffn, h, h ** -0.5)
         w[p + "ffn_up.weight"] = _matrix(seed, next(k), shape.ffn, h, h ** -0.5)
         w[p + "ffn_down.weight"] = _matrix(seed, next(k), h, shape.ffn, shape.ffn ** -0.5)
+        for t in biases:
+            w[p + BIAS_TENSORS[t] + ".bias"] = bias(w[p + BIAS_TENSORS[t] + ".weight"].shape[0])
+        if arch == "llama":  # the random matrices stand for HF's; store them as the converter does
+            for t, n_head in (("q", shape.heads), ("k", shape.kv_heads)):
+                for kind in ("weight", "bias"):
+                    name = p + BIAS_TENSORS[t] + "." + kind
+                    if name in w:
+                        w[name] = hf_to_gguf_qk_rows(w[name], n_head)
     w["output_norm.weight"] = norm(h)
     if not shape.tied:
         w["output.weight"] = _matrix(seed, next(k), shape.vocab, h, 1.0)
@@ -151,15 +201,15 @@ def make_weights(shape: Shape, seed: int) -> dict[str, np.ndarray]:
 
 def versions() -> str:
     import tokenizers
-    return f"fucina tools/make_tiny_qwen3.py; gguf-py {gguf.__version__ if hasattr(gguf, '__version__') else '0.19'}; tokenizers {tokenizers.__version__}; numpy {np.__version__}"
+    return f"fucina tools/make_tiny_model.py; gguf-py {gguf.__version__ if hasattr(gguf, '__version__') else '0.19'}; tokenizers {tokenizers.__version__}; numpy {np.__version__}"
 
 
 def write_gguf(path, shape: Shape, seed: int = 0, dtype: str = "F32", name: str = "tiny-qwen3",
-               weights: dict | None = None, vocab=None):
-    """Write one Qwen3 GGUF. dtype: F32, F16 or BF16 for the matrices (norms stay F32)."""
+               weights: dict | None = None, vocab=None, arch: str = "qwen3"):
+    """Write one GGUF of `arch`. dtype: F32, F16 or BF16 for the matrices (norms, biases stay F32)."""
     tokens, types, merges = vocab or train_vocab(shape.vocab)
-    weights = weights if weights is not None else make_weights(shape, seed)
-    wr = gguf.GGUFWriter(str(path), arch="qwen3")
+    weights = weights if weights is not None else make_weights(shape, seed, arch)
+    wr = gguf.GGUFWriter(str(path), arch=arch)
     wr.add_name(name)
     wr.add_description(versions())
     wr.add_context_length(shape.context)
@@ -171,7 +221,10 @@ def write_gguf(path, shape: Shape, seed: int = 0, dtype: str = "F32", name: str 
     wr.add_key_length(shape.head_dim)
     wr.add_value_length(shape.head_dim)
     wr.add_rope_freq_base(shape.rope_base)
-    wr.add_layer_norm_rms_eps(1e-6)
+    if arch == "llama":  # convert_hf_to_gguf's LlamaModel also records these
+        wr.add_vocab_size(shape.vocab)
+        wr.add_rope_dimension_count(shape.head_dim)
+    wr.add_layer_norm_rms_eps(1e-5 if arch == "llama" else 1e-6)
     wr.add_file_type({"F32": 0, "F16": 1, "BF16": 32}[dtype])
     wr.add_tokenizer_model("gpt2")
     wr.add_tokenizer_pre("qwen2")
@@ -217,6 +270,7 @@ def quantize_with_llama(src, dst, kind: str):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--arch", choices=ARCHS, default="qwen3", help="architecture of --shape (default qwen3)")
     ap.add_argument("--shape", choices=sorted(SHAPES), help="one shape (default: the committed fixture set)")
     ap.add_argument("--dtype", default="F32", help="F32, F16, BF16, or a llama.cpp quant (Q8_0, Q4_K_S, Q5_K_M, Q6_K)")
     ap.add_argument("--seed", type=int, default=0, help="weight seed")
@@ -224,20 +278,26 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.shape:
-        jobs = [(args.shape, args.dtype)]
+        jobs = [(args.arch, args.shape, args.dtype)]
     else:  # the committed fixtures (each well under 1 MB)
-        jobs = [("mini", "F32"), ("mini", "Q8_0"), ("tied", "Q4_K_S")]
-    for shape_name, dtype in jobs:
-        shape = SHAPES[shape_name]
-        dst = out / f"qwen3-{shape_name}-{dtype.lower()}.gguf"
-        if dtype in LLAMA_FTYPES:
-            src = out / f".qwen3-{shape_name}-f32.tmp.gguf"
-            write_gguf(src, shape, args.seed, "F32", name=f"qwen3-{shape_name}")
-            quantize_with_llama(src, dst, dtype)
-            os.remove(src)
-        else:
-            write_gguf(dst, shape, args.seed, dtype, name=f"qwen3-{shape_name}")
-        print(f"{dst}  {dst.stat().st_size / 1e3:.0f} kB")
+        jobs = [("qwen3", "mini", "F32"), ("qwen3", "mini", "Q8_0"), ("qwen3", "tied", "Q4_K_S"),
+                ("llama", "mini", "F32"), ("qwen2", "mini", "F32")]
+    for arch, shape_name, dtype in jobs:
+        print(f"{make(out, arch, shape_name, dtype, args.seed)}")
+
+
+def make(out, arch: str, shape_name: str, dtype: str = "F32", seed: int = 0) -> Path:
+    """out/<arch>-<shape>-<dtype>.gguf (a llama.cpp quant type is made by llama.cpp's quantizer from F32)."""
+    shape, out = SHAPES[shape_name], Path(out)
+    dst = out / f"{arch}-{shape_name}-{dtype.lower()}.gguf"
+    if dtype in LLAMA_FTYPES:
+        src = out / f".{arch}-{shape_name}-f32.tmp.gguf"
+        write_gguf(src, shape, seed, "F32", name=f"{arch}-{shape_name}", arch=arch)
+        quantize_with_llama(src, dst, dtype)
+        os.remove(src)
+    else:
+        write_gguf(dst, shape, seed, dtype, name=f"{arch}-{shape_name}", arch=arch)
+    return dst
 
 
 if __name__ == "__main__":

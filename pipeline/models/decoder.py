@@ -1,0 +1,633 @@
+"""The dense decoder-only transformer that llama.cpp's llama, qwen2 and qwen3 graphs share.
+
+    x = embed(ids)
+    per layer:  h = rms_norm(x) ; q,k,v = q(h),k(h),v(h)            (+ bias where the file has one)
+                q,k = rms_norm per head (families with qk_norm) ; RoPE (NeoX or "normal" pair layout)
+                x = x + o(causal_gqa_attention(q, k, v))
+                h = rms_norm(x) ; x = x + down(silu(gate(h)) * up(h))
+    logits = output(rms_norm(x))            (output = token_embd when tied)
+
+What differs between architectures is a `Family` (pipeline/models/<arch>.py),
+found through pipeline/models/registry.py: the RoPE layout, per-head q/k norms,
+which projection biases exist, llama3 RoPE frequency factors, the defaults of
+its GGUF metadata and its Hugging Face module names.
+
+Trade-off: one block definition (`DecoderLM.block`) written with the autograd
+ops serves both from-scratch training (`forward`) and LoRA training
+(`pipeline.llm.finetune.Trainer`, which passes its own `project` function), and
+one no-grad numpy path with a KV cache (`infer`) serves generation, where frozen
+quantized weights are consumed by a fused dequant-matvec (decode) or dequant +
+BLAS (prefill). Tests pin the two paths to each other and to llama.cpp.
+
+The projection seam (for LoRA and friends): every linear map is an object
+stored on the layer — `layer.attn.q/k/v/o`, `layer.mlp.gate/up/down`, and
+`model.output` — with (usually a Module subclass, so its parameters are found by named_parameters)
+    __call__(x: Tensor) -> Tensor      the differentiable path (training)
+    infer(x: ndarray) -> ndarray       optional fast no-grad path (generation)
+    in_features, out_features, bias (None or a vector added after the product)
+Replace one (`layer.attn.q = MyAdapter(layer.attn.q)`) and both paths use
+it; a replacement without `infer` is called under no_grad in the inference
+path. `FrozenLinear` wraps a GGUF weight (a constant: no gradient, stays in its
+file format); `Linear` holds a trainable f32 parameter [out, in].
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from numba import njit
+
+from kernels import rng, workpool
+from ..autograd import Module, Tensor, no_grad, ops, parameter
+from ..errors import UserError
+from ..llm.quants import FrozenWeight, matmul_t_many, weight_rows
+
+# the projections LoRA can adapt, in canonical order -> their llama.cpp tensor names (blk.<i>.<name>.weight)
+PROJECTIONS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
+               "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
+# Hugging Face module paths of the same projections (LlamaForCausalLM, Qwen2/Qwen3ForCausalLM alike)
+HF_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+              "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture: how its GGUF differs from the shared dense decoder."""
+    name: str                          # general.architecture
+    rope: str                          # "neox": rotate halves; "normal": rotate adjacent pairs (llama.cpp's names)
+    qk_norm: bool = False              # per-head RMSNorm of q and k before RoPE
+    required_biases: tuple = ()        # projections whose .bias tensor the file must have
+    optional_biases: tuple = ()        # projections whose .bias tensor is used when present
+    rope_freqs: bool = False           # rope_freqs.weight (llama3 RoPE scaling) used when present
+    default_rope_base: float = 10_000.0
+    default_rms_eps: float = 1e-5
+    hf_modules: tuple = tuple(HF_MODULES.items())  # (target, module path) for PEFT exports
+
+    def __post_init__(self):
+        if self.rope not in ("neox", "normal"):
+            raise ValueError(f"family {self.name}: rope must be 'neox' or 'normal', got {self.rope!r}")
+
+    def hf_rows(self, target: str, rows: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
+        """An array over projection `target`'s output rows, from GGUF order to Hugging Face order.
+        A "normal"-RoPE family is stored with its q/k rows permuted from HF's half-rotation order
+        into adjacent pairs (convert_hf_to_gguf); this undoes that. Other rows are the same in both."""
+        if self.rope != "normal" or target not in ("q", "k"):
+            return rows
+        n_head = heads if target == "q" else kv_heads
+        return rows.reshape(n_head, -1, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    vocab_size: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    context_length: int = 4096
+    rope_base: float = 1_000_000.0
+    rms_eps: float = 1e-6
+    tied_output: bool = True
+    arch: str = "qwen3"                # the registered family (pipeline/models/registry.py)
+    biases: tuple = ()                 # projections that carry a bias (every layer alike)
+    rope_scale: float = 1.0            # linear RoPE scaling: positions are multiplied by it (llama.cpp freq_scale)
+
+    def __post_init__(self):
+        if self.heads % self.kv_heads:
+            raise UserError(f"{self.arch}: heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if self.head_dim % 2:
+            raise UserError(f"{self.arch}: head_dim ({self.head_dim}) must be even for RoPE")
+        bad = [b for b in self.biases if b not in PROJECTIONS]
+        if bad:
+            raise UserError(f"{self.arch}: unknown projection bias {bad}; projections are {', '.join(PROJECTIONS)}")
+
+    @property
+    def family(self) -> Family:
+        from .registry import family
+        return family(self.arch)
+
+    @classmethod
+    def from_gguf(cls, gg) -> "DecoderConfig":
+        """The config of a GGUF of a registered architecture (its `{arch}.*` metadata keys)."""
+        from .registry import family_of
+        fam = family_of(gg)
+        a = fam.name
+        if gg.get(f"{a}.expert_count", 0):
+            raise UserError(f"{gg.path}: this '{a}' model is a mixture of experts ({a}.expert_count = "
+                            f"{gg.get(f'{a}.expert_count')}); only dense models are supported")
+        heads = int(gg.require(f"{a}.attention.head_count"))
+        hidden = int(gg.require(f"{a}.embedding_length"))
+        head_dim = int(gg.get(f"{a}.attention.key_length", hidden // heads))
+        value_dim = int(gg.get(f"{a}.attention.value_length", head_dim))
+        rope_dims = int(gg.get(f"{a}.rope.dimension_count", head_dim))
+        if value_dim != head_dim or rope_dims != head_dim:
+            raise UserError(f"{gg.path}: key_length {head_dim}, value_length {value_dim} and rope.dimension_count "
+                            f"{rope_dims} differ; only models that rotate the whole head are supported")
+        scaling = str(gg.get(f"{a}.rope.scaling.type", "none"))
+        if scaling not in ("none", "linear"):
+            raise UserError(f"{gg.path}: {a}.rope.scaling.type '{scaling}' is not supported (supported: none, linear; "
+                            "llama3 scaling is read from the rope_freqs.weight tensor)")
+        factor = float(gg.get(f"{a}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
+        biases = tuple(p for p in PROJECTIONS if p in fam.required_biases
+                       or (p in fam.optional_biases and gg.has(f"blk.0.{PROJECTIONS[p]}.bias")))
+        return cls(
+            vocab_size=int(gg.weight("token_embd.weight").shape[0]),
+            hidden=hidden,
+            layers=int(gg.require(f"{a}.block_count")),
+            heads=heads,
+            kv_heads=int(gg.get(f"{a}.attention.head_count_kv", heads)),
+            head_dim=head_dim,
+            ffn=int(gg.require(f"{a}.feed_forward_length")),
+            context_length=int(gg.get(f"{a}.context_length", 4096)),
+            rope_base=float(gg.get(f"{a}.rope.freq_base", fam.default_rope_base)),
+            rms_eps=float(gg.get(f"{a}.attention.layer_norm_rms_epsilon", fam.default_rms_eps)),
+            tied_output=not gg.has("output.weight"),
+            arch=a,
+            biases=biases,
+            rope_scale=1.0 / factor if factor else 1.0,
+        )
+
+    def projection_shape(self, target: str) -> tuple:
+        """[out, in] of projection `target`."""
+        q, kv, h, f = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden, self.ffn
+        return {"q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q), "gate": (f, h), "up": (f, h), "down": (h, f)}[target]
+
+
+# --- projections (the seam) ---------------------------------------------------
+class FrozenLinear(Module):
+    """y = x @ W.T (+ b) with W a frozen GGUF weight (any supported format). No gradient to W or b."""
+
+    def __init__(self, weight: FrozenWeight, bias: np.ndarray | None = None):
+        self.weight = weight
+        self.bias = bias
+        self.out_features, self.in_features = weight.shape
+
+    def infer(self, x: np.ndarray) -> np.ndarray:
+        y = self.weight.matmul_t(x)
+        if self.bias is not None:
+            y += self.bias
+        return y
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = ops.as_tensor(x)
+        w = self.weight
+
+        def backward(g):  # dx = g @ W, dequantized tile by tile inside the GEMM (never resident in f32)
+            return w.matmul(np.asarray(g, np.float32).reshape(-1, w.shape[0])).reshape(x.shape),
+
+        return Tensor.make(self.infer(x.data), (x,), backward, "frozen_linear")
+
+
+class Linear(Module):
+    """y = x @ W.T (+ b) with W a trainable f32 parameter [out, in] (b a trainable vector or None)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None):
+        self.weight = weight
+        self.bias = bias
+        self.out_features, self.in_features = weight.shape
+
+    def infer(self, x: np.ndarray) -> np.ndarray:
+        y = np.asarray(x, np.float32) @ self.weight.data.T
+        return y + self.bias.data if self.bias is not None else y
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+
+def _infer(proj, x: np.ndarray) -> np.ndarray:
+    if hasattr(proj, "infer"):
+        return proj.infer(x)
+    with no_grad():
+        return proj(Tensor(x)).data
+
+
+def _infer_many(projs, x: np.ndarray) -> list:
+    """Projections of one input (q/k/v, gate/up): plain frozen weights share one thread dispatch."""
+    if all(type(p) is FrozenLinear for p in projs):
+        ys = matmul_t_many([p.weight for p in projs], x)
+        for p, y in zip(projs, ys):
+            if p.bias is not None:
+                y += p.bias
+        return ys
+    return [_infer(p, x) for p in projs]
+
+
+def swiglu(gate, up):
+    """silu(gate) * up as one op: the bits of ops.silu then ops.mul, in one pass
+    each way with no [T, ffn] temporaries beyond the outputs."""
+    from kernels.nn import swiglu as swiglu_f32, swiglu_backward
+    a = np.ascontiguousarray(gate.data, dtype=np.float32)
+    b = np.ascontiguousarray(up.data, dtype=np.float32)
+
+    def backward(g):
+        ga, gb = swiglu_backward(np.ascontiguousarray(g, dtype=np.float32), a, b)
+        return (ga if gate.requires_grad else None, gb if up.requires_grad else None)
+
+    return Tensor.make(swiglu_f32(a, b), (gate, up), backward, "swiglu")
+
+
+# --- the model ---------------------------------------------------------------
+class Attention(Module):
+    def __init__(self, q, k, v, o, q_norm: Tensor | None = None, k_norm: Tensor | None = None):
+        self.q, self.k, self.v, self.o, self.q_norm, self.k_norm = q, k, v, o, q_norm, k_norm
+
+
+class MLP(Module):
+    def __init__(self, gate, up, down):
+        self.gate, self.up, self.down = gate, up, down
+
+
+class Block(Module):
+    def __init__(self, attn_norm: Tensor, attn: Attention, ffn_norm: Tensor, mlp: MLP):
+        self.attn_norm, self.attn, self.ffn_norm, self.mlp = attn_norm, attn, ffn_norm, mlp
+
+    def projection(self, target: str):
+        return getattr(self.attn if target in ("q", "k", "v", "o") else self.mlp, target)
+
+
+class KVCache:
+    """Per-layer f32 keys/values [capacity, kv_heads, head_dim]; grows by doubling."""
+
+    def __init__(self, config: DecoderConfig, capacity: int = 256):
+        shape = (capacity, config.kv_heads, config.head_dim)
+        self.k = [np.zeros(shape, np.float32) for _ in range(config.layers)]
+        self.v = [np.zeros(shape, np.float32) for _ in range(config.layers)]
+        self.length = 0
+
+    def store(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray):
+        end = pos + k.shape[0]
+        if end > self.k[layer].shape[0]:
+            grow = max(end, 2 * self.k[layer].shape[0])
+            for store in (self.k, self.v):
+                old = store[layer]
+                store[layer] = np.zeros((grow,) + old.shape[1:], np.float32)
+                store[layer][: old.shape[0]] = old
+        self.k[layer][pos:end], self.v[layer][pos:end] = k, v
+        return self.k[layer][:end], self.v[layer][:end]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.k + self.v)
+
+
+class DecoderLM(Module):
+    """A dense decoder of a registered family. Build with `from_gguf(path)` or `init_random(config, seed)`."""
+
+    def __init__(self, config: DecoderConfig, embed, blocks: list[Block], out_norm: Tensor, output,
+                 rope_factors: np.ndarray | None = None):
+        self.config = config
+        self.family = config.family
+        self.embed = embed          # Tensor [vocab, hidden] (trainable) or FrozenWeight
+        self.blocks = blocks
+        self.out_norm = out_norm
+        self.output = output        # a projection; for a tied head it shares `embed`
+        self._rope_factors = rope_factors  # [head_dim/2] f32 frequency divisors (rope_freqs.weight) or None
+
+    # --- construction -------------------------------------------------------------
+    @classmethod
+    def from_gguf(cls, path_or_file, trainable: bool = False, llama_numerics: bool = False) -> "DecoderLM":
+        """Load a GGUF of any registered architecture. Weights stay in the file's format (memory-mapped), frozen.
+
+        trainable=True instead dequantizes every weight into f32 parameters (full fine-tune).
+        llama_numerics=True rounds each matmul's activations the way llama.cpp's CPU
+        kernels do (Q8_0/Q8_K/BF16), for tight parity checks; the default keeps them f32.
+        """
+        from ..llm.gguf import GGUFFile
+        gg = path_or_file if isinstance(path_or_file, GGUFFile) else GGUFFile(path_or_file)
+        cfg = DecoderConfig.from_gguf(gg)
+        fam = cfg.family
+        _check_shapes(gg, cfg)
+
+        def vec(name):
+            return Tensor(gg.vector(name), requires_grad=trainable, name=name)
+
+        def proj(name, bias_name=None):
+            w = gg.weight(name)
+            w.llama_numerics = llama_numerics
+            if trainable:
+                return Linear(parameter(w.dequantize(), name), vec(bias_name) if bias_name else None)
+            return FrozenLinear(w, gg.vector(bias_name) if bias_name else None)
+
+        blocks = []
+        for i in range(cfg.layers):
+            p = f"blk.{i}."
+            ps = {t: proj(p + n + ".weight", p + n + ".bias" if t in cfg.biases else None)
+                  for t, n in PROJECTIONS.items()}
+            norms = (vec(p + "attn_q_norm.weight"), vec(p + "attn_k_norm.weight")) if fam.qk_norm else ()
+            attn = Attention(ps["q"], ps["k"], ps["v"], ps["o"], *norms)
+            blocks.append(Block(vec(p + "attn_norm.weight"), attn, vec(p + "ffn_norm.weight"),
+                                MLP(ps["gate"], ps["up"], ps["down"])))
+        if trainable:
+            embed = parameter(gg.weight("token_embd.weight").dequantize(), "token_embd.weight")
+            output = Linear(embed) if cfg.tied_output else proj("output.weight")
+        else:
+            embed = gg.weight("token_embd.weight")
+            embed.llama_numerics = llama_numerics
+            output = FrozenLinear(embed) if cfg.tied_output else proj("output.weight")
+        factors = gg.vector("rope_freqs.weight") if fam.rope_freqs and gg.has("rope_freqs.weight") else None
+        model = cls(cfg, embed, blocks, vec("output_norm.weight"), output, factors)
+        model._source = gg
+        return model
+
+    @classmethod
+    def init_random(cls, config: DecoderConfig, seed: int = 0) -> "DecoderLM":
+        """Random f32 parameters (requires_grad=True) from the counter RNG: a pure function of (config, seed)."""
+        c, counter = config, iter(range(1 << 30))
+
+        def mat(name, n_out, n_in):
+            w = rng.gaussian(rng.derive_seed(seed, next(counter)), (n_out, n_in)) * np.float32(n_in ** -0.5)
+            return Linear(parameter(w.astype(np.float32), name))
+
+        def ones(name, n):
+            return parameter(np.ones(n, np.float32), name)
+
+        embed = parameter((rng.gaussian(rng.derive_seed(seed, next(counter)), (c.vocab_size, c.hidden))).astype(np.float32),
+                          "token_embd.weight")
+        blocks = []
+        for i in range(c.layers):
+            p = f"blk.{i}."
+            ps = {t: mat(p + n + ".weight", *c.projection_shape(t)) for t, n in PROJECTIONS.items()}
+            for t in c.biases:
+                ps[t].bias = parameter(np.zeros(ps[t].out_features, np.float32), p + PROJECTIONS[t] + ".bias")
+            norms = ((ones(p + "attn_q_norm.weight", c.head_dim), ones(p + "attn_k_norm.weight", c.head_dim))
+                     if c.family.qk_norm else ())
+            attn = Attention(ps["q"], ps["k"], ps["v"], ps["o"], *norms)
+            blocks.append(Block(ones(p + "attn_norm.weight", c.hidden), attn, ones(p + "ffn_norm.weight", c.hidden),
+                                MLP(ps["gate"], ps["up"], ps["down"])))
+        output = Linear(embed) if c.tied_output else mat("output.weight", c.vocab_size, c.hidden)
+        return cls(c, embed, blocks, ones("output_norm.weight", c.hidden), output)
+
+    def with_constant_norms(self) -> "DecoderLM":
+        """The same model (projections shared) with every norm vector a plain f32 array, so a
+        graph through its block sends no gradient into the base, whatever requires grad here."""
+        const = lambda v: None if v is None else np.asarray(v.data if isinstance(v, Tensor) else v, np.float32)
+        blocks = [Block(const(b.attn_norm), Attention(b.attn.q, b.attn.k, b.attn.v, b.attn.o, const(b.attn.q_norm),
+                                                      const(b.attn.k_norm)), const(b.ffn_norm), b.mlp)
+                  for b in self.blocks]
+        return type(self)(self.config, self.embed, blocks, const(self.out_norm), self.output, self._rope_factors)
+
+    def named_weights(self) -> dict[str, object]:
+        """GGUF tensor name -> Tensor, FrozenWeight or f32 array (for export and inspection)."""
+        out = {"token_embd.weight": self.embed, "output_norm.weight": self.out_norm}
+        if self._rope_factors is not None:
+            out["rope_freqs.weight"] = self._rope_factors
+        for i, b in enumerate(self.blocks):
+            p = f"blk.{i}."
+            out[p + "attn_norm.weight"], out[p + "ffn_norm.weight"] = b.attn_norm, b.ffn_norm
+            if self.family.qk_norm:
+                out[p + "attn_q_norm.weight"], out[p + "attn_k_norm.weight"] = b.attn.q_norm, b.attn.k_norm
+            for t, n in PROJECTIONS.items():
+                proj = b.projection(t)
+                out[p + n + ".weight"] = getattr(proj, "weight", proj)
+                if getattr(proj, "bias", None) is not None:
+                    out[p + n + ".bias"] = proj.bias
+        if not self.config.tied_output:
+            out["output.weight"] = getattr(self.output, "weight", self.output)
+        return out
+
+    # --- the block (training: the autograd ops) -----------------------------------
+    def _seam(self, i: int, targets, x: Tensor) -> list:
+        blk = self.blocks[i]
+        return [blk.projection(t)(x) for t in targets]
+
+    def rope(self, x: Tensor, positions) -> Tensor:
+        """The family's RoPE on x [..., seq, heads, head_dim] (positions [seq] or [batch, seq])."""
+        c = self.config
+        pos = np.asarray(positions) if c.rope_scale == 1.0 else np.asarray(positions, np.float64) * c.rope_scale
+        return ops.rope(x, pos, c.rope_base, self._rope_factors, interleaved=self.family.rope == "normal")
+
+    def block(self, i: int, x: Tensor, positions, project=None) -> Tensor:
+        """Decoder block i on x [batch, seq, hidden]. project(i, targets, h) -> the projections `targets`
+        of layer i on their shared input h (default: the model's own seam); the LoRA trainer passes its
+        adapted products here, so training and fine-tuning run this one definition."""
+        c, blk, project = self.config, self.blocks[i], project or self._seam
+        b, t = x.shape[0], x.shape[1]
+        h = ops.rms_norm(x, blk.attn_norm, c.rms_eps)
+        q, k, v = project(i, ("q", "k", "v"), h)
+        q = ops.reshape(q, b, t, c.heads, c.head_dim)
+        k = ops.reshape(k, b, t, c.kv_heads, c.head_dim)
+        v = ops.reshape(v, b, t, c.kv_heads, c.head_dim)
+        if self.family.qk_norm:
+            q, k = ops.rms_norm(q, blk.attn.q_norm, c.rms_eps), ops.rms_norm(k, blk.attn.k_norm, c.rms_eps)
+        q, k = self.rope(q, positions), self.rope(k, positions)
+        a = ops.attention(q, k, v, causal=True)
+        x = x + project(i, ("o",), ops.reshape(a, b, t, c.heads * c.head_dim))[0]
+        h = ops.rms_norm(x, blk.ffn_norm, c.rms_eps)
+        return x + project(i, ("down",), swiglu(*project(i, ("gate", "up"), h)))[0]
+
+    def _embed_tensor(self, ids: np.ndarray) -> Tensor:
+        if isinstance(self.embed, Tensor):
+            return ops.embedding(ids, self.embed)
+        return Tensor(weight_rows(self.embed, ids).reshape(*ids.shape, self.config.hidden))
+
+    def forward(self, ids, positions=None) -> Tensor:
+        """Logits [*ids.shape, vocab] through the autograd ops. ids: [seq] or [batch, seq]."""
+        c = self.config
+        ids = self._check_ids(ids)
+        single = ids.ndim == 1
+        ids2 = ids[None] if single else ids
+        t = ids2.shape[1]
+        pos = np.arange(t) if positions is None else np.asarray(positions)
+        x = self._embed_tensor(ids2)
+        for i in range(c.layers):
+            x = self.block(i, x, pos)
+        logits = self.output(ops.rms_norm(x, self.out_norm, c.rms_eps))
+        return ops.reshape(logits, t, c.vocab_size) if single else logits
+
+    # --- no-grad inference with a KV cache ----------------------------------------
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        return KVCache(self.config, capacity)
+
+    def infer(self, ids, cache: KVCache | None = None, all_logits: bool = False) -> np.ndarray:
+        """Append ids at cache.length; return logits of the last position [vocab] (all_logits: [seq, vocab])."""
+        c = self.config
+        ids = self._check_ids(ids)
+        if ids.ndim != 1:
+            raise UserError(f"{c.arch}.infer: ids must be one sequence [seq], got shape {ids.shape}")
+        cache = cache if cache is not None else self.new_cache(len(ids))
+        pos0, t = cache.length, len(ids)
+        if pos0 + t > c.context_length:
+            raise UserError(f"context of {pos0 + t} tokens exceeds the model's context length {c.context_length}")
+        pos = np.arange(pos0, pos0 + t, dtype=np.float64) * c.rope_scale
+        cos, sin = (a[:, None, :] for a in ops.rope_tables(pos, c.head_dim, c.rope_base, np.float32, self._rope_factors))
+        interleaved = self.family.rope == "normal"
+        x = (self.embed.data[ids] if isinstance(self.embed, Tensor) else weight_rows(self.embed, ids)).astype(np.float32)
+        for li, blk in enumerate(self.blocks):
+            h = _rms(x, blk.attn_norm.data, c.rms_eps)
+            q, k, v = _infer_many((blk.attn.q, blk.attn.k, blk.attn.v), h)
+            q, k, v = (q.reshape(t, c.heads, c.head_dim), k.reshape(t, c.kv_heads, c.head_dim),
+                       v.reshape(t, c.kv_heads, c.head_dim))
+            q = _norm_rope(q, blk.attn.q_norm, c.rms_eps, cos, sin, interleaved)
+            k = _norm_rope(k, blk.attn.k_norm, c.rms_eps, cos, sin, interleaved)
+            keys, values = cache.store(li, pos0, k, v)
+            x = x + _infer(blk.attn.o, _attend(q, keys, values, pos0))
+            h = _rms(x, blk.ffn_norm.data, c.rms_eps)
+            g, u = _infer_many((blk.mlp.gate, blk.mlp.up), h)
+            x = x + _infer(blk.mlp.down, _silu_mul(g, u))
+        cache.length = pos0 + t
+        x = _rms(x if all_logits else x[-1:], self.out_norm.data, c.rms_eps)
+        logits = _infer(self.output, x)
+        return logits if all_logits else logits[0]
+
+    def _check_ids(self, ids) -> np.ndarray:
+        ids = np.asarray(ids.data if isinstance(ids, Tensor) else ids)
+        arch = self.config.arch
+        if ids.size == 0:
+            raise UserError(f"{arch}: empty token sequence (give at least one token)")
+        if ids.dtype.kind not in "iu":
+            raise UserError(f"{arch}: token ids must be integers, got dtype {ids.dtype}")
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise UserError(f"{arch}: token id out of range [0, {self.config.vocab_size}): "
+                            f"got min {ids.min()}, max {ids.max()}")
+        return ids.astype(np.int64)
+
+    def config_dict(self) -> dict:
+        return asdict(self.config)
+
+    @property
+    def weight_bytes(self) -> int:
+        total = 0
+        for w in self.named_weights().values():
+            total += w.nbytes if isinstance(w, (FrozenWeight, np.ndarray)) else w.data.nbytes
+        return total  # a tied table is listed (and counted) once
+
+
+# --- numpy / numba kernels of the inference path ------------------------------
+def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) * w over the last axis (a numba loop: at decode sizes numpy's
+    per-call overhead cost more than the arithmetic)."""
+    x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+    out = np.empty_like(x2)
+    _rms_rows(x2, np.ascontiguousarray(w, dtype=np.float32), np.float32(eps), out)
+    return out.reshape(x.shape)
+
+
+@njit(cache=True, nogil=True)
+def _rms_rows(x, w, eps, out):
+    """out[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * w for x, out f32 [n, d], w f32 [d]."""
+    n, d = x.shape
+    for r in range(n):
+        ss = np.float32(0.0)
+        for i in range(d):
+            ss += x[r, i] * x[r, i]
+        inv = np.float32(1.0) / np.sqrt(ss / np.float32(d) + eps)
+        for i in range(d):
+            out[r, i] = x[r, i] * inv * w[i]
+
+
+def _norm_rope(x: np.ndarray, norm, eps: float, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
+    """Per-head RMSNorm (when norm is a weight Tensor, not None), then the rotation, of x
+    [seq, heads, head_dim] in one numba pass: pairs (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin),
+    a pair being (x[i], x[i + d/2]) (NeoX) or (x[2i], x[2i+1]) (interleaved); cos/sin [seq, 1, d/2]."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(x)
+    normed = norm is not None
+    w = np.ascontiguousarray(norm.data if normed else np.ones(x.shape[-1]), dtype=np.float32)
+    _norm_rope_heads(x, w, np.float32(eps), cos, sin, out, normed, interleaved)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _norm_rope_heads(x, w, eps, cos, sin, out, normed, interleaved):
+    """x, out f32 [t, heads, d]; w f32 [d]; cos, sin f32 [t, 1, d/2]."""
+    t, n_heads, d = x.shape
+    half = d // 2
+    for p in range(t):
+        for h in range(n_heads):
+            inv = np.float32(1.0)
+            if normed:
+                ss = np.float32(0.0)
+                for i in range(d):
+                    ss += x[p, h, i] * x[p, h, i]
+                inv = np.float32(1.0) / np.sqrt(ss / np.float32(d) + eps)
+            for i in range(half):
+                i1, i2 = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+                a, b = x[p, h, i1], x[p, h, i2]
+                if normed:
+                    a, b = a * inv * w[i1], b * inv * w[i2]
+                out[p, h, i1] = a * cos[p, 0, i] - b * sin[p, 0, i]
+                out[p, h, i2] = b * cos[p, 0, i] + a * sin[p, 0, i]
+
+
+def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int) -> np.ndarray:
+    """Causal grouped-query attention. q [t, H, D] at positions pos0.., k/v [s, KV, D] -> [t, H*D].
+
+    Queries go in chunks of ATTEND_CHUNK positions, each against only the keys it can see
+    (a prompt from an empty cache does ~5/8 of the full t x s work). A long prompt splits
+    the kv heads over the worker threads (numpy releases the GIL). Chunks depend on t only
+    and a head's arithmetic not on the split, so the result is the same for any thread count."""
+    t, n_h, d = q.shape
+    s, n_kv, _ = k.shape
+    g = n_h // n_kv
+    q4 = q.reshape(t, n_kv, g, d).transpose(1, 2, 0, 3)                    # [KV, g, t, D]
+    kt, vt = k.transpose(1, 2, 0), v.transpose(1, 0, 2)
+    out = np.empty((n_kv, g, t, d), np.float32)
+
+    def heads(h0, h1):
+        for c0 in range(0, t, ATTEND_CHUNK):
+            c1, n = min(t, c0 + ATTEND_CHUNK), h1 - h0
+            seen = pos0 + c1                                                # keys visible to the chunk's last row
+            qc = q4[h0:h1, :, c0:c1].reshape(n, g * (c1 - c0), d)
+            scores = (qc @ kt[h0:h1, :, :seen]) * np.float32(d ** -0.5)    # [h, g*c, seen]
+            if c1 - c0 > 1:  # adding a 0/-inf mask broadcasts; boolean-index assignment was ~5x slower
+                future = np.arange(seen)[None, :] > (pos0 + np.arange(c0, c1))[:, None]
+                scores.reshape(n, g, c1 - c0, seen)[...] += np.where(future, np.float32(-np.inf), np.float32(0.0))
+            scores -= scores.max(axis=-1, keepdims=True)
+            p = np.exp(scores, out=scores)
+            p /= p.sum(axis=-1, keepdims=True)
+            out[h0:h1, :, c0:c1] = (p @ vt[h0:h1, :seen]).reshape(n, g, c1 - c0, d)
+
+    parts = _worker_threads() if t * s * n_h >= ATTEND_SPLIT_WORK else 1
+    workpool.split_range(n_kv, min(parts, n_kv), heads)
+    return out.transpose(2, 0, 1, 3).reshape(t, n_h * d)
+
+
+def _silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """silu(g) * u = g / (1 + exp(-g)) * u, in place in g; a long prompt's rows are split over
+    the worker threads (elementwise, so the split cannot change a bit)."""
+    g = np.ascontiguousarray(g, dtype=np.float32)
+
+    def rows(r0, r1):
+        gr = g[r0:r1]
+        e = np.exp(-gr)
+        e += 1.0
+        np.divide(gr, e, out=gr)
+        gr *= u[r0:r1]
+
+    parts = _worker_threads() if g.size >= ATTEND_SPLIT_WORK else 1
+    workpool.split_range(len(g), parts, rows)
+    return g
+
+
+ATTEND_CHUNK = 64             # query positions per chunk
+ATTEND_SPLIT_WORK = 1 << 16  # score elements below which one thread is quicker than two
+
+
+def _worker_threads() -> int:
+    import numba
+    return numba.get_num_threads()
+
+
+def _check_shapes(gg, cfg: DecoderConfig):
+    """Every tensor the config implies must exist with the implied shape (named on mismatch)."""
+    want = {"token_embd.weight": (cfg.vocab_size, cfg.hidden), "output_norm.weight": (1, cfg.hidden)}
+    if not cfg.tied_output:
+        want["output.weight"] = (cfg.vocab_size, cfg.hidden)
+    if cfg.family.rope_freqs and gg.has("rope_freqs.weight"):
+        want["rope_freqs.weight"] = (1, cfg.head_dim // 2)
+    for i in range(cfg.layers):
+        p = f"blk.{i}."
+        want.update({p + "attn_norm.weight": (1, cfg.hidden), p + "ffn_norm.weight": (1, cfg.hidden)})
+        if cfg.family.qk_norm:
+            want.update({p + "attn_q_norm.weight": (1, cfg.head_dim), p + "attn_k_norm.weight": (1, cfg.head_dim)})
+        for t, n in PROJECTIONS.items():
+            shape = cfg.projection_shape(t)
+            want[p + n + ".weight"] = shape
+            if t in cfg.biases:
+                want[p + n + ".bias"] = (1, shape[0])
+    for name, shape in want.items():
+        got = gg.weight(name).shape
+        if got != shape:
+            raise UserError(f"{gg.path}: tensor '{name}' has shape {got}, the {cfg.arch} metadata implies {shape}")

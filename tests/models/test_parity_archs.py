@@ -1,0 +1,59 @@
+"""llama and qwen2 beside qwen3: logits and greedy continuations against llama.cpp (llama-cpp-python).
+
+Files: tools/make_tiny_model.py, laid out as convert_hf_to_gguf writes each architecture (llama's
+Q/K rows permuted; Llama 3 rope_freqs; every optional llama bias; qwen2's q/k/v biases), F32 from
+gguf-py and block formats from llama.cpp's own quantizer. Bounds: F32 per-position relative error
+<= 1e-4 (measured <= 1e-6: both sides sum in f32, in different orders); block formats as the
+qwen3 parity tests (tests/llm/test_parity_llama.py: check_relative, greedy equal or diverging only
+at a near-tie of llama.cpp's own logits).
+"""
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.llm.gguf import GGUFFile
+from pipeline.llm.tokenizer import Tokenizer
+from pipeline.models.registry import load_model
+from test_parity_llama import TEXT, check_relative, llama, near_tie_at_divergence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import make_tiny_model as mk  # noqa: E402
+
+pytestmark = [pytest.mark.parity, pytest.mark.needs("llama_cpp")]
+
+FAST = [("llama", "mini", "F32"), ("llama", "llama3", "F32"), ("llama", "biased", "F32"), ("qwen2", "untied", "F32"),
+        ("llama", "tied", "Q4_K_S"), ("qwen2", "tied", "Q8_0")]
+SLOW = [(a, s, k) for a in ("llama", "qwen2") for s in ("tied", "untied", "wide") for k in ("F32", "Q8_0", "Q4_K_S")
+        if (a, s, k) not in FAST] + [("llama", "llama3", "Q5_K_M"), ("llama", "biased", "Q8_0")]
+CASES = [pytest.param(*c, id="-".join(c)) for c in FAST] + [pytest.param(*c, id="-".join(c), marks=pytest.mark.slow)
+                                                            for c in SLOW]
+
+
+@pytest.mark.parametrize("arch,shape,kind", CASES)
+def test_logits_and_greedy_match_llama_cpp(tmp_path, arch, shape, kind):
+    path = mk.make(tmp_path, arch, shape, kind, seed=5)
+    quantized = kind != "F32"
+    model = load_model(path, llama_numerics=quantized)
+    assert model.config.arch == arch
+    ids = Tokenizer.from_gguf(GGUFFile(path)).encode(TEXT)
+    oracle = llama(path, quantized)
+    oracle.eval(ids)
+    ref = np.array(oracle.scores[: len(ids)], dtype=np.float32)
+    ours = model.infer(np.array(ids), all_logits=True)
+    oracle.reset()
+    theirs = [t for _, t in zip(range(24), oracle.generate(ids, temp=0.0, top_k=1))]
+    cache, greedy = model.new_cache(), []
+    logits = model.infer(np.array(ids), cache)
+    for _ in range(24):
+        greedy.append(int(np.argmax(logits)))
+        logits = model.infer(np.array(greedy[-1:]), cache)
+    if not quantized:
+        rows = np.linalg.norm(ref - ours, axis=1) / np.linalg.norm(ref, axis=1)
+        assert rows.max() <= 1e-4, f"max per-position relative error {rows.max():.3g}"
+        assert greedy == theirs
+        return
+    check_relative(ref, ours)
+    if greedy != theirs:
+        assert near_tie_at_divergence(path, ids, greedy, theirs, kind, 2 * np.abs(ref - ours).max())

@@ -164,7 +164,7 @@ def weight_rows(w: FrozenWeight, ids):
 def llama_activation_roundtrip(qtype, x):
     """x as llama.cpp's CPU matmul sees it: activations are themselves quantized to the
     weight type's dot-product partner (Q8_0 for Q8_0/Q4_0/Q5_0/IQ4_NL, Q8_1 for Q4_1/Q5_1,
-    Q8_K for the K-quants and IQ4_XS, BF16 for BF16) and dequantized here. Q8_1 rounds
+    Q8_K for the K-quants and IQ4_XS, BF16 for BF16, F16 for F16) and dequantized here. Q8_1 rounds
     like Q8_0; the fp16 rounding of its block sum (which multiplies the weights' min) is
     not reproduced. Only for parity runs: it costs accuracy, not speed."""
     import numpy as np
@@ -187,4 +187,6 @@ def llama_activation_roundtrip(qtype, x):
     if qtype == QT.BF16:
         b = x.view(np.uint32)
         return ((b + np.uint32(0x7FFF) + ((b >> 16) & 1)) >> 16 << 16).astype(np.uint32).view(np.float32)
+    if qtype == QT.F16:  # ggml's F16 vec_dot_type is F16: activations rounded to nearest half
+        return x.astype(np.float16).astype(np.float32)
     return x

@@ -3,8 +3,10 @@
 Fixtures: tools/make_tiny_model.py shapes (tied/untied head, 2-4 layers, head
 counts 4/8 with 2/2/1 kv heads, head_dim 64/32/128, rows of 256) written in
 F32/F16/BF16 by gguf-py and quantized by llama.cpp's own quantizer. Bounds:
-F32/F16 max |diff| <= 1e-3 with an f32 KV cache in llama.cpp; BF16 and block
-formats: per-position relative error median <= 2e-2 (max <= 3e-2) in
+F32 max |diff| <= 1e-3 with an f32 KV cache in llama.cpp; F16, BF16 and block
+formats (llama.cpp's CPU matmul rounds the activations to the weight type's dot
+partner: F16 for F16 weights, so on logits of ~100 a half-precision ulp of
+activations is ~3e-2 of logit): per-position relative error median <= 2e-2 (max <= 3e-2) in
 llama-numerics mode (our activations rounded like llama.cpp's CPU dot
 products); greedy 32-token continuations identical (for rounded-activation
 kinds: identical up to a divergence at a near-tie of llama.cpp's own logits).
@@ -105,8 +107,7 @@ def near_tie_at_divergence(path, ids, ours, theirs, kind, tol):
 
 
 def compare(path, kind):
-    quantized = kind not in ("F32", "F16")
-    model = Qwen3.from_gguf(path, llama_numerics=quantized)
+    model = Qwen3.from_gguf(path, llama_numerics=kind != "F32")
     ids = Tokenizer.from_gguf(GGUFFile(path)).encode(TEXT)
     oracle = llama(path, quantized=kind not in FLOAT_KINDS)
     oracle.eval(ids)
@@ -127,11 +128,11 @@ def test_logits_and_greedy_match_llama_cpp(files, shape, kind):
     path = files(shape, kind)
     ref, ours, theirs, greedy = compare(path, kind)
     diff = np.abs(ref - ours).max()
-    if kind in ("F32", "F16"):
+    if kind == "F32":
         assert diff <= 1e-3, f"max |logit diff| {diff:.3g}"
     else:
         check_relative(ref, ours)
-    if kind not in ("F32", "F16") and greedy != theirs:
+    if kind != "F32" and greedy != theirs:
         # Rounded/quantized activations make a one-step rounding flip in a K/V row persist for
         # every later position; a divergence is accepted only at a genuine near-tie of llama.cpp's own logits.
         ids = Tokenizer.from_gguf(GGUFFile(path)).encode(TEXT)

@@ -24,6 +24,7 @@ import numpy as np
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKET = bytes(sorted(set(range(256)) - set(b"[]{}")))
 _OPENERS = np.frombuffer(b"[{", np.uint8)
+_CHUNK = 1 << 20
 
 
 def nesting_depth(text: str) -> int:
@@ -37,10 +38,11 @@ def nesting_depth(text: str) -> int:
     if unterminated >= 0:
         outside = outside[:unterminated]
     brackets = np.frombuffer(outside.encode("utf-8", "surrogatepass").translate(None, _NOT_BRACKET), np.uint8)
-    if not len(brackets):
-        return 0
-    steps = np.where(np.isin(brackets, _OPENERS), 1, -1)
-    return max(0, int(np.cumsum(steps).max()))
+    depth = deepest = 0
+    for start in range(0, len(brackets), _CHUNK):  # chunks: a 100 MB header must not need 800 MB of sums
+        running = depth + np.cumsum(np.where(np.isin(brackets[start:start + _CHUNK], _OPENERS), 1, -1))
+        deepest, depth = max(deepest, int(running.max())), int(running[-1])
+    return deepest
 
 
 def _no_duplicate_keys(pairs):

@@ -15,6 +15,7 @@ from pipeline.errors import CheckpointError
 from pipeline.train.optimizer_state import read_optimizer
 from pipeline.train.state_dict import save_state_dict
 from pipeline.train.trainer_state import TrainerState
+from pipeline import untrusted
 from pipeline.untrusted import nesting_depth
 
 VALID = TrainerState(step=4, accum_steps=2, seeds={"init": 1, "data": 2}, loader={"epoch": 0, "index": [1, 2]},
@@ -78,10 +79,13 @@ def test_a_real_optimizer_state_round_trips_through_the_bounded_reader(tmp_path)
 
 
 @pytest.mark.parametrize("text,depth", [("", 0), ('{"a": [1, {"b": "[[[{"}]}', 3), ('["\\"]', 1),
-                                        ('"\\\\"[[[', 3), ('[["x', 2), ("]]][", 0)])
-def test_nesting_depth_skips_strings(text, depth):
+                                        ('"\\\\"[[[', 3), ('[["x', 2), ("]]][", 0),
+                                        ("[[]][[[[]]]]", 4), ('[[["]]]"[[[', 6)])
+def test_nesting_depth_skips_strings(text, depth, monkeypatch):
     """Brackets in strings do not count; nor, past an unterminated string or a stray ']', where the decoder
-    stops with its error, what it never reaches."""
+    stops with its error, what it never reaches. The same across chunk boundaries."""
+    assert nesting_depth(text) == depth
+    monkeypatch.setattr(untrusted, "_CHUNK", 2)
     assert nesting_depth(text) == depth
 
 

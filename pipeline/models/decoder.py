@@ -152,7 +152,8 @@ class DecoderConfig:
     def projection_shape(self, target: str) -> tuple:
         """[out, in] of projection `target`."""
         q, kv, h, f = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden, self.ffn
-        return {"q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q), "gate": (f, h), "up": (f, h), "down": (h, f)}[target]
+        shapes = {"q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q), "gate": (f, h), "up": (f, h), "down": (h, f)}
+        return shapes[target]
 
 
 # --- projections (the seam) ---------------------------------------------------
@@ -343,8 +344,8 @@ class DecoderLM(Module):
         def ones(name, n):
             return parameter(np.ones(n, np.float32), name)
 
-        embed = parameter((rng.gaussian(rng.derive_seed(seed, next(counter)), (c.vocab_size, c.hidden))).astype(np.float32),
-                          "token_embd.weight")
+        table = rng.gaussian(rng.derive_seed(seed, next(counter)), (c.vocab_size, c.hidden))
+        embed = parameter(table.astype(np.float32), "token_embd.weight")
         blocks = []
         for i in range(c.layers):
             p = f"blk.{i}."
@@ -451,9 +452,11 @@ class DecoderLM(Module):
         if pos0 + t > c.context_length:
             raise UserError(f"context of {pos0 + t} tokens exceeds the model's context length {c.context_length}")
         pos = np.arange(pos0, pos0 + t, dtype=np.float64) * c.rope_scale
-        cos, sin = (a[:, None, :] for a in ops.rope_tables(pos, c.head_dim, c.rope_base, np.float32, self._rope_factors))
+        tables = ops.rope_tables(pos, c.head_dim, c.rope_base, np.float32, self._rope_factors)
+        cos, sin = (a[:, None, :] for a in tables)
         interleaved = self.family.rope == "normal"
-        x = (self.embed.data[ids] if isinstance(self.embed, Tensor) else weight_rows(self.embed, ids)).astype(np.float32)
+        x = self.embed.data[ids] if isinstance(self.embed, Tensor) else weight_rows(self.embed, ids)
+        x = x.astype(np.float32)
         for li, blk in enumerate(self.blocks):
             h = _rms(x, blk.attn_norm.data, c.rms_eps)
             q, k, v = _infer_many((blk.attn.q, blk.attn.k, blk.attn.v), h)

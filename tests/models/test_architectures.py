@@ -16,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import make_tiny_model as mk  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-CASES = [("llama", "mini"), ("qwen2", "mini"), ("qwen3", "mini"), ("llama", "llama3"), ("llama", "biased")]
+CASES = [("llama", "mini"), ("qwen2", "mini"), ("qwen3", "mini"), ("llama", "llama3"), ("llama", "linear"),
+         ("llama", "biased")]
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,7 @@ def test_config_from_metadata(files, arch, shape):
     assert (c.arch, c.hidden, c.layers, c.heads, c.kv_heads, c.head_dim, c.ffn, c.tied_output) == \
         (arch, s.hidden, s.layers, s.heads, s.kv_heads, s.head_dim, s.ffn, s.tied)
     assert c.rope_base == s.rope_base
+    assert c.rope_scale == (1.0 / s.linear_rope if s.linear_rope else 1.0)
     want_biases = {"llama": s.biases, "qwen2": ("q", "k", "v"), "qwen3": ()}[arch]
     assert c.biases == tuple(want_biases)
     assert (m._rope_factors is not None) == (arch == "llama" and s.llama3_rope)
@@ -84,7 +86,8 @@ def _hf_reference(path, ids):
     inv = base ** (-np.arange(0, d, 2) / d)
     if has("rope_freqs.weight"):
         inv = inv / t("rope_freqs.weight").reshape(-1)
-    ang = np.arange(len(ids))[:, None] * inv[None]
+    positions = np.arange(len(ids)) / float(gg.get(f"{arch}.rope.scaling.factor", 1.0))  # linear scaling
+    ang = positions[:, None] * inv[None]
     cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
 
     def unpermute(w, n_head):  # inverse of convert_hf_to_gguf's LlamaModel.permute

@@ -59,6 +59,7 @@ class Family:
     required_biases: tuple = ()        # projections whose .bias tensor the file must have
     optional_biases: tuple = ()        # projections whose .bias tensor is used when present
     rope_freqs: bool = False           # rope_freqs.weight (llama3 RoPE scaling) used when present
+    q_width_is_hidden: bool = False    # llama.cpp builds q/o as [hidden, hidden]: heads * head_dim must be hidden
     default_rope_base: float = 10_000.0
     default_rms_eps: float = 1e-5
     hf_modules: tuple = tuple(HF_MODULES.items())  # (target, module path) for PEFT exports
@@ -125,6 +126,9 @@ class DecoderConfig:
         if value_dim != head_dim or rope_dims != head_dim:
             raise UserError(f"{gg.path}: key_length {head_dim}, value_length {value_dim} and rope.dimension_count "
                             f"{rope_dims} differ; only models that rotate the whole head are supported")
+        if fam.q_width_is_hidden and heads * head_dim != hidden:
+            raise UserError(f"{gg.path}: {a} needs heads x head_dim == embedding_length (llama.cpp builds its q and "
+                            f"output projections square), got {heads} x {head_dim} != {hidden}")
         scaling = str(gg.get(f"{a}.rope.scaling.type", "none"))
         if scaling not in ("none", "linear"):
             raise UserError(f"{gg.path}: {a}.rope.scaling.type '{scaling}' is not supported (supported: none, linear; "

@@ -157,3 +157,9 @@ def test_qwen2_requires_its_biases(tmp_path):
     p = mk.write_gguf(tmp_path / "nobias.gguf", mk.SHAPES["mini"], weights=w, arch="qwen2")
     with pytest.raises(UserError, match="nobias.gguf: tensor 'blk.1.attn_k.bias' is missing"):
         load_model(p)
+
+
+def test_qwen2_refuses_a_q_wider_than_hidden_as_llama_cpp_does(tmp_path):
+    p = mk.write_gguf(tmp_path / "wide.gguf", mk.SHAPES["wide"], arch="qwen2")
+    with pytest.raises(UserError, match=r"wide.gguf: qwen2 needs heads x head_dim == embedding_length .* 4 x 128 != 256"):
+        load_model(p)

@@ -618,7 +618,9 @@ def _worker_threads() -> int:
 
 
 def _check_shapes(gg, cfg: DecoderConfig):
-    """Every tensor the config implies must exist with the implied shape (named on mismatch)."""
+    """Every tensor the config implies must exist with the implied shape (named on mismatch), and
+    the file must hold no other: a tensor this family does not read (a fused attn_qkv, an output
+    bias, ...) would otherwise be silently ignored (llama.cpp refuses such files too)."""
     want = {"token_embd.weight": (cfg.vocab_size, cfg.hidden), "output_norm.weight": (1, cfg.hidden)}
     if not cfg.tied_output:
         want["output.weight"] = (cfg.vocab_size, cfg.hidden)
@@ -638,3 +640,8 @@ def _check_shapes(gg, cfg: DecoderConfig):
         got = gg.weight(name).shape
         if got != shape:
             raise UserError(f"{gg.path}: tensor '{name}' has shape {got}, the {cfg.arch} metadata implies {shape}")
+    extra = [n for n in gg.tensor_names if n not in want]
+    if extra:
+        more = f" (+{len(extra) - 3} more)" if len(extra) > 3 else ""
+        raise UserError(f"{gg.path}: tensor(s) {', '.join(extra[:3])}{more} are not part of a {cfg.arch} model as "
+                        "Fucina reads it (which biases a file has must be the same in every layer)")

@@ -163,3 +163,11 @@ def test_qwen2_refuses_a_q_wider_than_hidden_as_llama_cpp_does(tmp_path):
     p = mk.write_gguf(tmp_path / "wide.gguf", mk.SHAPES["wide"], arch="qwen2")
     with pytest.raises(UserError, match=r"wide.gguf: qwen2 needs heads x head_dim == embedding_length .* 4 x 128 != 256"):
         load_model(p)
+
+
+def test_a_tensor_the_family_does_not_read_is_refused(tmp_path):
+    w = mk.make_weights(mk.SHAPES["mini"], 0, "llama")
+    w["blk.1.ffn_up.bias"] = np.zeros(mk.SHAPES["mini"].ffn, np.float32)  # a bias in layer 1 only
+    p = mk.write_gguf(tmp_path / "odd.gguf", mk.SHAPES["mini"], weights=w, arch="llama")
+    with pytest.raises(UserError, match=r"odd.gguf: tensor\(s\) blk.1.ffn_up.bias are not part of a llama model"):
+        load_model(p)

@@ -50,6 +50,7 @@ class Shape:
     rope_base: float = 1_000_000.0
     biases: tuple = ()          # llama: projections given a bias (qwen2 always has q/k/v biases)
     llama3_rope: bool = False   # llama: write rope_freqs.weight (Llama 3.1 scaling, factor 8)
+    linear_rope: float = 0.0    # llama: linear RoPE scaling by this factor (llama.rope.scaling.*), 0 = none
 
 
 SHAPES = {
@@ -59,9 +60,11 @@ SHAPES = {
     "tied": Shape(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, ffn=512, tied=True),
     "untied": Shape(hidden=256, layers=3, heads=8, kv_heads=2, head_dim=32, ffn=256, tied=False, rope_base=10_000.0),
     "wide": Shape(hidden=256, layers=4, heads=4, kv_heads=1, head_dim=128, ffn=256, tied=False),
-    # llama only: Llama 3 RoPE scaling factors, and every optional bias
+    # llama only: Llama 3 RoPE scaling factors, linear RoPE scaling, and every optional bias
     "llama3": Shape(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, ffn=512, tied=True, rope_base=500_000.0,
                     llama3_rope=True),
+    "linear": Shape(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, ffn=256, tied=True, rope_base=10_000.0,
+                    linear_rope=4.0),
     "biased": Shape(hidden=256, layers=2, heads=4, kv_heads=4, head_dim=64, ffn=256, tied=False, rope_base=10_000.0,
                     biases=("q", "k", "v", "o", "gate", "up", "down")),
 }
@@ -224,6 +227,9 @@ def write_gguf(path, shape: Shape, seed: int = 0, dtype: str = "F32", name: str 
     if arch == "llama":  # convert_hf_to_gguf's LlamaModel also records these
         wr.add_vocab_size(shape.vocab)
         wr.add_rope_dimension_count(shape.head_dim)
+        if shape.linear_rope:
+            wr.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            wr.add_rope_scaling_factor(shape.linear_rope)
     wr.add_layer_norm_rms_eps(1e-5 if arch == "llama" else 1e-6)
     wr.add_file_type({"F32": 0, "F16": 1, "BF16": 32}[dtype])
     wr.add_tokenizer_model("gpt2")

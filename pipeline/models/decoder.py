@@ -59,6 +59,7 @@ class Family:
     required_biases: tuple = ()        # projections whose .bias tensor the file must have
     optional_biases: tuple = ()        # projections whose .bias tensor is used when present
     rope_freqs: bool = False           # rope_freqs.weight (llama3 RoPE scaling) used when present
+    q_width_is_hidden: bool = False    # llama.cpp builds q/o as [hidden, hidden]: heads * head_dim must be hidden
     default_rope_base: float = 10_000.0
     default_rms_eps: float = 1e-5
     hf_modules: tuple = tuple(HF_MODULES.items())  # (target, module path) for PEFT exports
@@ -125,6 +126,9 @@ class DecoderConfig:
         if value_dim != head_dim or rope_dims != head_dim:
             raise UserError(f"{gg.path}: key_length {head_dim}, value_length {value_dim} and rope.dimension_count "
                             f"{rope_dims} differ; only models that rotate the whole head are supported")
+        if fam.q_width_is_hidden and heads * head_dim != hidden:
+            raise UserError(f"{gg.path}: {a} needs heads x head_dim == embedding_length (llama.cpp builds its q and "
+                            f"output projections square), got {heads} x {head_dim} != {hidden}")
         scaling = str(gg.get(f"{a}.rope.scaling.type", "none"))
         if scaling not in ("none", "linear"):
             raise UserError(f"{gg.path}: {a}.rope.scaling.type '{scaling}' is not supported (supported: none, linear; "
@@ -152,7 +156,8 @@ class DecoderConfig:
     def projection_shape(self, target: str) -> tuple:
         """[out, in] of projection `target`."""
         q, kv, h, f = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden, self.ffn
-        return {"q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q), "gate": (f, h), "up": (f, h), "down": (h, f)}[target]
+        shapes = {"q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q), "gate": (f, h), "up": (f, h), "down": (h, f)}
+        return shapes[target]
 
 
 # --- projections (the seam) ---------------------------------------------------
@@ -343,8 +348,8 @@ class DecoderLM(Module):
         def ones(name, n):
             return parameter(np.ones(n, np.float32), name)
 
-        embed = parameter((rng.gaussian(rng.derive_seed(seed, next(counter)), (c.vocab_size, c.hidden))).astype(np.float32),
-                          "token_embd.weight")
+        table = rng.gaussian(rng.derive_seed(seed, next(counter)), (c.vocab_size, c.hidden))
+        embed = parameter(table.astype(np.float32), "token_embd.weight")
         blocks = []
         for i in range(c.layers):
             p = f"blk.{i}."
@@ -451,9 +456,11 @@ class DecoderLM(Module):
         if pos0 + t > c.context_length:
             raise UserError(f"context of {pos0 + t} tokens exceeds the model's context length {c.context_length}")
         pos = np.arange(pos0, pos0 + t, dtype=np.float64) * c.rope_scale
-        cos, sin = (a[:, None, :] for a in ops.rope_tables(pos, c.head_dim, c.rope_base, np.float32, self._rope_factors))
+        tables = ops.rope_tables(pos, c.head_dim, c.rope_base, np.float32, self._rope_factors)
+        cos, sin = (a[:, None, :] for a in tables)
         interleaved = self.family.rope == "normal"
-        x = (self.embed.data[ids] if isinstance(self.embed, Tensor) else weight_rows(self.embed, ids)).astype(np.float32)
+        x = self.embed.data[ids] if isinstance(self.embed, Tensor) else weight_rows(self.embed, ids)
+        x = x.astype(np.float32)
         for li, blk in enumerate(self.blocks):
             h = _rms(x, blk.attn_norm.data, c.rms_eps)
             q, k, v = _infer_many((blk.attn.q, blk.attn.k, blk.attn.v), h)
@@ -611,7 +618,9 @@ def _worker_threads() -> int:
 
 
 def _check_shapes(gg, cfg: DecoderConfig):
-    """Every tensor the config implies must exist with the implied shape (named on mismatch)."""
+    """Every tensor the config implies must exist with the implied shape (named on mismatch), and
+    the file must hold no other: a tensor this family does not read (a fused attn_qkv, an output
+    bias, ...) would otherwise be silently ignored (llama.cpp refuses such files too)."""
     want = {"token_embd.weight": (cfg.vocab_size, cfg.hidden), "output_norm.weight": (1, cfg.hidden)}
     if not cfg.tied_output:
         want["output.weight"] = (cfg.vocab_size, cfg.hidden)
@@ -631,3 +640,8 @@ def _check_shapes(gg, cfg: DecoderConfig):
         got = gg.weight(name).shape
         if got != shape:
             raise UserError(f"{gg.path}: tensor '{name}' has shape {got}, the {cfg.arch} metadata implies {shape}")
+    extra = [n for n in gg.tensor_names if n not in want]
+    if extra:
+        more = f" (+{len(extra) - 3} more)" if len(extra) > 3 else ""
+        raise UserError(f"{gg.path}: tensor(s) {', '.join(extra[:3])}{more} are not part of a {cfg.arch} model as "
+                        "Fucina reads it (which biases a file has must be the same in every layer)")

@@ -16,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import make_tiny_model as mk  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-CASES = [("llama", "mini"), ("qwen2", "mini"), ("qwen3", "mini"), ("llama", "llama3"), ("llama", "biased")]
+CASES = [("llama", "mini"), ("qwen2", "mini"), ("qwen3", "mini"), ("llama", "llama3"), ("llama", "linear"),
+         ("llama", "biased")]
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,7 @@ def test_config_from_metadata(files, arch, shape):
     assert (c.arch, c.hidden, c.layers, c.heads, c.kv_heads, c.head_dim, c.ffn, c.tied_output) == \
         (arch, s.hidden, s.layers, s.heads, s.kv_heads, s.head_dim, s.ffn, s.tied)
     assert c.rope_base == s.rope_base
+    assert c.rope_scale == (1.0 / s.linear_rope if s.linear_rope else 1.0)
     want_biases = {"llama": s.biases, "qwen2": ("q", "k", "v"), "qwen3": ()}[arch]
     assert c.biases == tuple(want_biases)
     assert (m._rope_factors is not None) == (arch == "llama" and s.llama3_rope)
@@ -84,7 +86,8 @@ def _hf_reference(path, ids):
     inv = base ** (-np.arange(0, d, 2) / d)
     if has("rope_freqs.weight"):
         inv = inv / t("rope_freqs.weight").reshape(-1)
-    ang = np.arange(len(ids))[:, None] * inv[None]
+    positions = np.arange(len(ids)) / float(gg.get(f"{arch}.rope.scaling.factor", 1.0))  # linear scaling
+    ang = positions[:, None] * inv[None]
     cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
 
     def unpermute(w, n_head):  # inverse of convert_hf_to_gguf's LlamaModel.permute
@@ -153,4 +156,18 @@ def test_qwen2_requires_its_biases(tmp_path):
     del w["blk.1.attn_k.bias"]
     p = mk.write_gguf(tmp_path / "nobias.gguf", mk.SHAPES["mini"], weights=w, arch="qwen2")
     with pytest.raises(UserError, match="nobias.gguf: tensor 'blk.1.attn_k.bias' is missing"):
+        load_model(p)
+
+
+def test_qwen2_refuses_a_q_wider_than_hidden_as_llama_cpp_does(tmp_path):
+    p = mk.write_gguf(tmp_path / "wide.gguf", mk.SHAPES["wide"], arch="qwen2")
+    with pytest.raises(UserError, match=r"wide.gguf: qwen2 needs heads x head_dim == embedding_length .* 4 x 128 != 256"):
+        load_model(p)
+
+
+def test_a_tensor_the_family_does_not_read_is_refused(tmp_path):
+    w = mk.make_weights(mk.SHAPES["mini"], 0, "llama")
+    w["blk.1.ffn_up.bias"] = np.zeros(mk.SHAPES["mini"].ffn, np.float32)  # a bias in layer 1 only
+    p = mk.write_gguf(tmp_path / "odd.gguf", mk.SHAPES["mini"], weights=w, arch="llama")
+    with pytest.raises(UserError, match=r"odd.gguf: tensor\(s\) blk.1.ffn_up.bias are not part of a llama model"):
         load_model(p)

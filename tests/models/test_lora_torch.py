@@ -1,7 +1,7 @@
 """LoRA on every projection of every architecture: loss and adapter gradients against a float64 torch
 replica written in the Hugging Face formulation (llama's q/k outputs un-permuted from
-convert_hf_to_gguf's row order and rotated by halves), so the trainer's seam, biases, RoPE layout
-and llama3 frequency factors are all checked against code that shares none of ours."""
+convert_hf_to_gguf's row order and rotated by halves), so the trainer's seam, biases, RoPE layout,
+llama3 frequency factors and linear RoPE scaling are checked against code that shares none of ours."""
 import sys
 from pathlib import Path
 
@@ -16,7 +16,8 @@ import make_tiny_model as mk  # noqa: E402
 
 pytestmark = [pytest.mark.parity, pytest.mark.needs("torch")]
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-CASES = [("llama", "mini"), ("qwen2", "mini"), ("qwen3", "mini"), ("llama", "llama3"), ("llama", "biased")]
+CASES = [("llama", "mini"), ("qwen2", "mini"), ("qwen3", "mini"), ("llama", "llama3"), ("llama", "linear"),
+         ("llama", "biased")]
 
 
 def _path(tmp_path, arch, shape):
@@ -34,7 +35,7 @@ def _torch_loss(model, adapters, scale, tokens, labels):
     inv = c.rope_base ** (-np.arange(0, d, 2) / d)
     if model._rope_factors is not None:
         inv = inv / np.asarray(model._rope_factors, np.float64)
-    ang = torch.tensor(np.arange(n)[:, None] * inv[None])
+    ang = torch.tensor((np.arange(n) * c.rope_scale)[:, None] * inv[None])
     cos, sin = torch.cos(ang)[:, None], torch.sin(ang)[:, None]
 
     def to_hf(y, n_head):  # output features from GGUF (adjacent-pair) order back to HF (half) order

@@ -175,7 +175,8 @@ def _nibbles(h, off):
     (the element order of every 32-weight block format: Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL, IQ4_XS sub-blocks)."""
     v16b = ir.VectorType(_I8, 16)
     raw = h.vload(1, o_arg(h), v16b, off)
-    return h.b.shuffle_vector(h.bits(raw, 0, 0xF), h.bits(raw, 4, 0xF), ir.Constant(ir.VectorType(_I32, LANES), list(range(32))))
+    both = ir.Constant(ir.VectorType(_I32, LANES), list(range(32)))
+    return h.b.shuffle_vector(h.bits(raw, 0, 0xF), h.bits(raw, 4, 0xF), both)
 
 
 def _high_bits(h, off):
@@ -249,7 +250,8 @@ def _w_q3_k(h, scalars):
     low = h.b.shuffle_vector(lo, ir.Constant(v8b, ir.Undefined), ir.Constant(v16i, list(range(8)) * 2))
     low = h.b.and_(h.b.lshr(low, ir.Constant(v16b, [0] * 8 + [4] * 8)), ir.Constant(v16b, [0xF] * 16))
     high = h.b.shuffle_vector(hi, ir.Constant(hi.type, ir.Undefined), ir.Constant(v16i, [0, 1, 2, 3] * 4))
-    high = h.b.and_(h.b.lshr(high, ir.Constant(v16b, [0] * 4 + [2] * 4 + [4] * 4 + [6] * 4)), ir.Constant(v16b, [3] * 16))
+    high = h.b.lshr(high, ir.Constant(v16b, [0] * 4 + [2] * 4 + [4] * 4 + [6] * 4))
+    high = h.b.and_(high, ir.Constant(v16b, [3] * 16))
     s = h.b.sub(h.b.or_(low, h.b.shl(high, ir.Constant(v16b, [4] * 16))), ir.Constant(v16b, [32] * 16))
     dl = h.b.fmul(h.splat(scalars[0], v16f), h.b.sitofp(s, v16f))
     hmask = h.vload(1, o_arg(h), _VB, 0)
@@ -293,7 +295,8 @@ def _w_iq4_xs(h, scalars):
     low = h.b.and_(h.b.lshr(low, ir.Constant(v8b, [0, 4] * 4)), ir.Constant(v8b, [0xF] * 8))
     sh = h.splat(h.b.load(h.b.bitcast(h.b.gep(h.ptrs[1], [h.b.add(o_arg(h), ir.Constant(_I64, 2))]),
                                       ir.IntType(16).as_pointer()), align=1), v8s)
-    high = h.b.trunc(h.b.and_(h.b.lshr(sh, ir.Constant(v8s, [2 * j for j in range(8)])), ir.Constant(v8s, [3] * 8)), v8b)
+    high = h.b.and_(h.b.lshr(sh, ir.Constant(v8s, [2 * j for j in range(8)])), ir.Constant(v8s, [3] * 8))
+    high = h.b.trunc(high, v8b)
     s = h.b.sub(h.b.or_(low, h.b.shl(high, ir.Constant(v8b, [4] * 8))), ir.Constant(v8b, [32] * 8))
     dl = h.b.fmul(h.splat(scalars[0], v8f), h.b.sitofp(s, v8f))
     return [h.b.fmul(_lane(h, dl, j), _iq4_values(h, _nibbles(h, 8 + 16 * j))) for j in range(8)]

@@ -103,7 +103,10 @@ class FrozenWeight:
         import numpy as np
         from kernels import dequant, qgemm
         x2 = np.asarray(x, dtype=np.float32).reshape(-1, self.shape[1])
+        correction = None
         if self.llama_numerics:
+            if self.format.qtype in (QT.Q4_1, QT.Q5_1):
+                correction = q8_1_min_correction(self.raw, x2, self.shape)
             x2 = llama_activation_roundtrip(self.format.qtype, x2)
         if self.format.quantized and x2.shape[0] <= self.FUSED_MAX_ROWS:
             y = dequant.matvec_rows(int(self.format.qtype), self.raw, x2)
@@ -111,6 +114,8 @@ class FrozenWeight:
             y = dequant.matvec_half(self.raw, x2, bf16=self.format.qtype == QT.BF16)
         else:
             y = qgemm.matmul_t(int(self.format.qtype), self.raw, x2, self.shape)
+        if correction is not None:
+            y += correction
         return y.reshape(*np.shape(x)[:-1], self.shape[0])
 
     def matmul(self, g):
@@ -161,21 +166,43 @@ def weight_rows(w: FrozenWeight, ids):
     return dequant.dequantize_rows(int(w.format.qtype), raw, w.shape[1])
 
 
+def _q8_blocks(x):
+    """x [N, n] f32 in ggml-cpu's Q8_0/Q8_1 activation blocks: (q [N, n/32, 32] integers as f32, d [N, n/32] f32)."""
+    import numpy as np
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = (np.abs(blocks).max(axis=-1) / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+    return np.rint(blocks * inv[..., None]), d  # x86 SIMD rounds half to even
+
+
+def q8_1_min_correction(raw, x, shape):
+    """What llama.cpp's Q4_1/Q5_1 dot product adds beyond dequantize-then-dot on the rounded activations:
+    it multiplies each weight block's min m by the activation block's stored sum s = fp16(d * sum q)
+    (Q8_1, with the unrounded d), where the dequantized product gives m * fp16(d) * sum q. Returns
+    sum_b m[r, b] * (s_b - fp16(d_b) * sum q_b) as f32 [N, n_out] (parity runs only)."""
+    import numpy as np
+    q, d = _q8_blocks(np.asarray(x, np.float32))
+    sums = q.sum(axis=-1, dtype=np.float32)
+    half = lambda v: v.astype(np.float16).astype(np.float32)
+    delta = half(d * sums) - half(d) * sums                       # [N, n_blocks]
+    n_out, n_in = shape
+    blocks = np.asarray(raw).reshape(n_out, n_in // 32, -1)
+    mins = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0].astype(np.float32)  # [n_out, n_blocks]
+    return (delta @ mins.T).astype(np.float32)
+
+
 def llama_activation_roundtrip(qtype, x):
     """x as llama.cpp's CPU matmul sees it: activations are themselves quantized to the
     weight type's dot-product partner (Q8_0 for Q8_0/Q4_0/Q5_0/IQ4_NL, Q8_1 for Q4_1/Q5_1,
-    Q8_K for the K-quants and IQ4_XS, BF16 for BF16, F16 for F16) and dequantized here. Q8_1 rounds
-    like Q8_0; the fp16 rounding of its block sum (which multiplies the weights' min) is
-    not reproduced. Only for parity runs: it costs accuracy, not speed."""
+    Q8_K for the K-quants and IQ4_XS, BF16 for BF16, F16 for F16) and dequantized here. Q8_1
+    rounds like Q8_0; its fp16 block sum is `q8_1_min_correction`'s job. Only for parity runs:
+    it costs accuracy, not speed."""
     import numpy as np
     x = np.asarray(x, dtype=np.float32)
     if qtype in (QT.Q8_0, QT.Q4_0, QT.Q5_0, QT.IQ4_NL, QT.Q4_1, QT.Q5_1):
-        blocks = x.reshape(-1, 32)
-        d = (np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)).astype(np.float32)
-        with np.errstate(divide="ignore"):
-            inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
-        q = np.rint(blocks * inv)  # x86 SIMD rounds half to even
-        return (q * d.astype(np.float16).astype(np.float32)).reshape(x.shape)
+        q, d = _q8_blocks(x.reshape(-1, x.shape[-1]))
+        return (q * d.astype(np.float16).astype(np.float32)[..., None]).reshape(x.shape)
     if qtype in (QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS):
         blocks = x.reshape(-1, 256)
         mx = blocks[np.arange(len(blocks)), np.abs(blocks).argmax(axis=1)]

@@ -169,3 +169,57 @@ def test_llama_cpp_quantized_model_reads_exactly_and_matches_its_logits(llama_f3
     if greedy != theirs:
         ids = Tokenizer.from_gguf(gg).encode(TEXT)
         assert near_tie_at_divergence(path, ids, greedy, theirs, ftype, 2 * np.abs(ref - ours).max())
+
+
+@pytest.mark.parity
+@pytest.mark.needs("llama_cpp")
+@pytest.mark.parametrize("qt", list(SCALE_OFFSETS), ids=lambda q: q.name)
+def test_llama_numerics_products_equal_ggml_cpu_vec_dot(qt):
+    """FrozenWeight.matmul_t in llama-numerics mode against ggml-cpu's own dot product: the activations
+    quantized by ggml's from_float of the weight type's partner (Q8_0/Q8_1/Q8_K), then its vec_dot. Equal
+    within float32 summation error: what is left of the parity gap is rounding ties, not arithmetic."""
+    import ctypes
+    import os
+
+    import llama_cpp
+
+    from pipeline.llm.quants import FORMATS, FrozenWeight
+
+    class Traits(ctypes.Structure):
+        _fields_ = [("from_float", ctypes.c_void_p), ("vec_dot", ctypes.c_void_p), ("vec_dot_type", ctypes.c_int),
+                    ("nrows", ctypes.c_int64)]
+
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-cpu.so"))
+    lib.ggml_cpu_init()
+    lib.ggml_get_type_traits_cpu.restype = ctypes.POINTER(Traits)
+    from_float = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+    vec_dot = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                               ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    traits = lib.ggml_get_type_traits_cpu(int(qt)).contents
+    partner = lib.ggml_get_type_traits_cpu(traits.vec_dot_type).contents
+    block, size = GGML_QUANT_SIZES[QT(traits.vec_dot_type)]
+
+    rows, n = 9, 512
+    rng = np.random.default_rng(13)
+    raw = random_blocks(qt, rows, n, seed=12)
+    if qt in (QT.Q4_1, QT.Q5_1):  # large block mins, so the Q8_1 block sum's fp16 rounding shows
+        from kernels.quantize import quantize
+        raw = quantize((10 + 0.5 * rng.random((rows, n))).astype(np.float32), qt.name.lower())
+    x = rng.standard_normal((6, n)).astype(np.float32)  # 6 rows: the tiled path
+    x[4:] = 64.0273  # constant blocks: fp16(d) * sum q = 2049.86 but ggml stores fp16(d * sum q) = 2048
+    fw = FrozenWeight(FORMATS[qt], raw, (rows, n), "w")
+    fw.llama_numerics = True
+    ours = np.concatenate([fw.matmul_t(x), fw.matmul_t(x[:2])])  # the tiled path, then the fused one
+    theirs = np.zeros((6, rows), np.float32)
+    for i in range(6):
+        xq = np.zeros(n // block * size, np.uint8)
+        from_float(partner.from_float)(x[i].ctypes.data, xq.ctypes.data, n)
+        for r in range(rows):
+            out = np.zeros(1, np.float32)
+            vec_dot(traits.vec_dot)(n, out.ctypes.data, 0, raw[r].ctypes.data, 0, xq.ctypes.data, 0, 1)
+            theirs[i, r] = out[0]
+    theirs = np.concatenate([theirs, theirs[:2]])
+    w = quants.dequantize(raw, qt).astype(np.float64)
+    u = 2.0 ** -24
+    bound = 2 * (n + 1) * u * (np.abs(np.concatenate([x, x[:2]])).astype(np.float64) @ np.abs(w).T) * 1.01
+    assert (np.abs(ours - theirs) <= bound).all(), np.abs(ours - theirs).max()

@@ -42,7 +42,8 @@ def test_plan_equals_llama_quantize_on_every_golden_model(golden, ftype):
 def test_more_bits_layers_and_visit_order():
     assert [i for i in range(8) if use_more_bits(i, 8)] == [0, 3, 6, 7]
     assert [i for i in range(24) if use_more_bits(i, 24)] == [0, 1, 2, 5, 8, 11, 14, 17, 20, 21, 22, 23]
-    names = ["output.weight", "blk.10.attn_v.weight", "blk.2.ffn_down.weight", "blk.2.attn_v.weight", "token_embd.weight"]
+    names = ["output.weight", "blk.10.attn_v.weight", "blk.2.ffn_down.weight", "blk.2.attn_v.weight",
+             "token_embd.weight"]
     assert visit_order(names) == ["output.weight", "token_embd.weight", "blk.2.attn_v.weight",
                                   "blk.2.ffn_down.weight", "blk.10.attn_v.weight"]
 
@@ -65,7 +66,8 @@ def test_transcode_writes_the_mix_with_our_encoders(golden, tmp_path):
 def test_mix_file_equals_llama_model_quantize_byte_for_byte(tmp_path, ftype):
     """Fresh data, tied output, ffn rows of 320: same types and same bytes as llama-quantize."""
     import llama_cpp
-    src = write_tiny_qwen3(tmp_path / "f32.gguf", layers=8, ffn=320, tied=True, seed=int(np.random.SeedSequence().entropy % 1000))
+    fresh = int(np.random.SeedSequence().entropy % 1000)  # new data every run: not a golden
+    src = write_tiny_qwen3(tmp_path / "f32.gguf", layers=8, ffn=320, tied=True, seed=fresh)
     ours, theirs = tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
     transcode(src, ours, FTYPES[ftype])
     params = llama_cpp.llama_model_quantize_default_params()
@@ -83,6 +85,7 @@ def test_export_gguf_offers_the_mixes_and_the_legacy_types(tmp_path, capsys):
     from pipeline.cli import main as fucina
     src = write_tiny_qwen3(tmp_path / "f32.gguf", layers=2)
     for dtype, expect in (("q5_k_m", {"Q5_K", "Q6_K"}), ("q4_1", {"Q4_1"})):
-        assert fucina(["export-gguf", "--from-gguf", str(src), "--dtype", dtype, "--out", str(tmp_path / "o.gguf")]) == 0
-        types = {t.qtype.name for t in read_gguf(tmp_path / "o.gguf").tensors if len(t.shape) == 2}
+        out = tmp_path / "o.gguf"
+        assert fucina(["export-gguf", "--from-gguf", str(src), "--dtype", dtype, "--out", str(out)]) == 0
+        types = {t.qtype.name for t in read_gguf(out).tensors if len(t.shape) == 2}
         assert types == expect, (dtype, types)

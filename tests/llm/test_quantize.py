@@ -118,6 +118,8 @@ def test_bad_input_is_refused_with_a_clear_message(bad, msg):
         quantize(bad, "q4_k")
     with pytest.raises(ValueError, match="unknown type"):
         quantize(np.zeros((1, 256), np.float32), "q3_k")
+    with pytest.raises(ValueError, match="not a multiple of 32"):
+        quantize(np.zeros((2, 48), np.float32), "q5_0")
 
 
 # --- live parity against llama.cpp's quantizer on fresh data -------------------

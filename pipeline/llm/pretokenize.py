@@ -25,6 +25,8 @@ LLAMA3_REGEX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_REGEX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN35_REGEX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 DEEPSEEK_LLM_REGEXES = (
     "[\r\n]",
     "\\s?[A-Za-z\xb5\xc0-\xd6\xd8-\xf6\xf8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373"
@@ -57,6 +59,8 @@ REFERENCE_REGEXES = {
                   r"|\s*[\r\n]+|\s+(?!\S)|\s+",),
     "qwen2": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
               r"|\s*[\r\n]+|\s+(?!\S)|\s+",),
+    "qwen35": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+",),
     "starcoder": (r"\p{N}", _GPT2_ORIGINAL),   # StarCoder's Digits(individual_digits) + GPT-2's ByteLevel regex
     "deepseek-llm": DEEPSEEK_LLM_REGEXES,
     "deepseek-coder": DEEPSEEK_CODER_REGEXES,
@@ -88,6 +92,7 @@ _LLAMA3 = PreTokenizer((LLAMA3_REGEX,), ignore_merges=True, add_bos=True)
 PRE_TOKENIZERS = {
     "gpt-2": _GPT2, "mpt": _GPT2,
     "qwen2": PreTokenizer((QWEN2_REGEX,)),
+    "qwen35": PreTokenizer((QWEN35_REGEX,)),
     "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3,
     "smollm": _STARCODER, "starcoder": _STARCODER, "refact": _STARCODER, "command-r": _STARCODER,
     "deepseek-llm": PreTokenizer(DEEPSEEK_LLM_REGEXES),
@@ -161,10 +166,13 @@ def split_gpt2(s: str) -> list[str]:
     return out
 
 
-def _split_llama3_like(s: str, max_digits: int) -> list[str]:
+def _split_llama3_like(s: str, max_digits: int, marks_are_letters: bool = False) -> list[str]:
     """Llama 3 (max_digits 3) and Qwen2 (1): (?i:contractions)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,max}|
-    ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"""
+    ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+. Qwen3.5 (marks_are_letters) reads \\p{L} as
+    [\\p{L}\\p{M}] throughout, as its scanner in llama.cpp does."""
     kinds, n, out, pos = [kind(c) for c in s], len(s), [], 0
+    if marks_are_letters:
+        kinds = [LETTER if k == OTHER and unicodedata.category(c)[0] == "M" else k for c, k in zip(s, kinds)]
     while pos < n:
         start, ch, k = pos, s[pos], kinds[pos]
         step = _contraction(s, pos, fold_case=True)
@@ -197,7 +205,12 @@ def split_qwen2(s: str) -> list[str]:
     return _split_llama3_like(s, 1)
 
 
-_SCANNERS = {GPT2_REGEX: split_gpt2, LLAMA3_REGEX: split_llama3, QWEN2_REGEX: split_qwen2}
+def split_qwen35(s: str) -> list[str]:
+    return _split_llama3_like(s, 1, marks_are_letters=True)
+
+
+_SCANNERS = {GPT2_REGEX: split_gpt2, LLAMA3_REGEX: split_llama3, QWEN2_REGEX: split_qwen2,
+             QWEN35_REGEX: split_qwen35}
 
 
 # --- the std::regex path, through the collapse ---------------------------------------------------------------
@@ -271,4 +284,4 @@ def _splitter(regex: str):
 
 
 __all__ = ["PreTokenizer", "PRE_TOKENIZERS", "REFERENCE_REGEXES", "kind", "split_gpt2", "split_llama3",
-           "split_qwen2"]
+           "split_qwen2", "split_qwen35"]

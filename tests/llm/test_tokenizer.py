@@ -96,10 +96,10 @@ import make_tokenizer_fixtures as vocab_tool  # noqa: E402
 
 VOCABS = FIXTURES / "tokenizers"
 # each llama.cpp name -> the reference regexes of its family
-REFERENCE_OF = {"gpt-2": "gpt-2", "mpt": "gpt-2", "qwen2": "qwen2", "llama-bpe": "llama-bpe", "llama3": "llama-bpe",
-                "llama-v3": "llama-bpe", "smollm": "starcoder", "starcoder": "starcoder", "refact": "starcoder",
-                "command-r": "starcoder", "deepseek-llm": "deepseek-llm", "deepseek-coder": "deepseek-coder",
-                "falcon": "falcon"}
+REFERENCE_OF = {"gpt-2": "gpt-2", "mpt": "gpt-2", "qwen2": "qwen2", "qwen35": "qwen35", "llama-bpe": "llama-bpe",
+                "llama3": "llama-bpe", "llama-v3": "llama-bpe", "smollm": "starcoder", "starcoder": "starcoder",
+                "refact": "starcoder", "command-r": "starcoder", "deepseek-llm": "deepseek-llm",
+                "deepseek-coder": "deepseek-coder", "falcon": "falcon"}
 TRICKY = [
     "", " ", "  ", "   Hello", "\t", "\n", "\n\n\n", "\t\n", " \n \n  x", "a  \t b\r\n\r\nc   ", "trailing   ",
     "3", "33", "333", "3333", "33333333", "1,234,567.89 -0.5e-10 v2 x86_64 ٣٤٥ ²³ Ⅻ",
@@ -284,9 +284,9 @@ def test_unsupported_model_and_pre_are_one_line(tmp_path):
     assert "\n" not in str(err.value)
     assert "bert.gguf: tokenizer model 'bert' is not supported (supported: 'gpt2'" in str(err.value)
     with pytest.raises(UserError) as err:
-        Tokenizer.from_gguf(_variant(tmp_path, "q35.gguf", "gpt2", pre="qwen35"))
+        Tokenizer.from_gguf(_variant(tmp_path, "glm.gguf", "gpt2", pre="chatglm-bpe"))
     assert "\n" not in str(err.value)
-    assert "pre-tokenizer 'qwen35' is not supported (supported: " in str(err.value)
+    assert "pre-tokenizer 'chatglm-bpe' is not supported (supported: " in str(err.value)
     for name in ("qwen2", "llama-bpe", "smollm", "gpt-2", "deepseek-llm", "starcoder"):
         assert name in str(err.value)
 

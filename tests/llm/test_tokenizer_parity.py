@@ -20,7 +20,7 @@ pytestmark = pytest.mark.parity
 SEPARATOR = "\n__ggml_vocab_test__\n"
 # vocabularies with .inp/.out whose model or pre-tokenizer we do not support (yet): the test checks they are
 # refused with the one-line error, so a silently wrong tokenizer cannot hide among the skips
-UNSUPPORTED = {"bert-bge", "gemma-4", "qwen35"}
+UNSUPPORTED = {"bert-bge", "gemma-4"}
 
 
 def _vocab_dir() -> Path:

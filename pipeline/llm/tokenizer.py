@@ -135,7 +135,6 @@ class Tokenizer:
         self.add_space_prefix = (model == SPM) if add_space_prefix is None else bool(add_space_prefix)
         self.vocab = {t: i for i, t in enumerate(self.tokens)}   # a repeated text maps to its last id
         self.rstrip_ids = set(rstrip_ids)
-        self.special_ids = {i for i, t in enumerate(self.types) if t in (CONTROL, USER_DEFINED)}
         # the texts cut out before tokenizing, longest first (ties by id: llama.cpp's std::sort leaves them
         # in an unspecified order)
         cut = [i for i, t in enumerate(self.types) if t in (CONTROL, USER_DEFINED, UNKNOWN)]

@@ -105,17 +105,32 @@ PRE_TOKENIZERS = {
 LETTER, NUMBER, SPACE, OTHER = "L", "N", "W", "O"
 WHITESPACE = frozenset(map(chr, [*range(0x09, 0x0E), 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B),
                                  0x2028, 0x2029, 0x202F, 0x205F, 0x3000]))
-_KIND: dict[str, str] = {}
+
+
+class _CharTable(dict):
+    """A str.translate table that classifies each character the first time it is seen (translate runs in C)."""
+
+    def __init__(self, classify):
+        super().__init__()
+        self.classify = classify
+
+    def __missing__(self, code: int) -> str:
+        value = self[code] = self.classify(chr(code))
+        return value
+
+
+def _kind(ch: str) -> str:
+    cat = unicodedata.category(ch)[0]
+    return SPACE if ch in WHITESPACE else LETTER if cat == "L" else NUMBER if cat == "N" else OTHER
+
+
+_KINDS = _CharTable(_kind)   # text.translate(_KINDS): one kind letter per character
+_KINDS_MARKS_AS_LETTERS = _CharTable(lambda ch: LETTER if unicodedata.category(ch)[0] == "M" else _kind(ch))
 
 
 def kind(ch: str) -> str:
     """LETTER (\\p{L}), NUMBER (\\p{N}), SPACE (White_Space) or OTHER: what llama.cpp's scanners test."""
-    k = _KIND.get(ch)
-    if k is None:
-        cat = unicodedata.category(ch)[0]
-        k = SPACE if ch in WHITESPACE else LETTER if cat == "L" else NUMBER if cat == "N" else OTHER
-        _KIND[ch] = k
-    return k
+    return _KINDS[ord(ch)]
 
 
 # --- llama.cpp's hand-written scanners -------------------------------------------------------------------------
@@ -148,7 +163,7 @@ def _whitespace_end(s: str, kinds: list[str], pos: int, newline_runs: bool) -> i
 
 def split_gpt2(s: str) -> list[str]:
     """GPT-2: 's|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+"""
-    kinds, n, out, pos = [kind(c) for c in s], len(s), [], 0
+    kinds, n, out, pos = s.translate(_KINDS), len(s), [], 0
     while pos < n:
         start = pos
         step = _contraction(s, pos, fold_case=False)
@@ -170,9 +185,7 @@ def _split_llama3_like(s: str, max_digits: int, marks_are_letters: bool = False)
     """Llama 3 (max_digits 3) and Qwen2 (1): (?i:contractions)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,max}|
     ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+. Qwen3.5 (marks_are_letters) reads \\p{L} as
     [\\p{L}\\p{M}] throughout, as its scanner in llama.cpp does."""
-    kinds, n, out, pos = [kind(c) for c in s], len(s), [], 0
-    if marks_are_letters:
-        kinds = [LETTER if k == OTHER and unicodedata.category(c)[0] == "M" else k for c, k in zip(s, kinds)]
+    kinds, n, out, pos = s.translate(_KINDS_MARKS_AS_LETTERS if marks_are_letters else _KINDS), len(s), [], 0
     while pos < n:
         start, ch, k = pos, s[pos], kinds[pos]
         step = _contraction(s, pos, fold_case=True)
@@ -218,15 +231,10 @@ _SCANNERS = {GPT2_REGEX: split_gpt2, LLAMA3_REGEX: split_llama3, QWEN2_REGEX: sp
 _CATEGORY_BYTE = {"N": "\xd1", "L": "\xd2", "P": "\xd3", "M": "\xd4", "S": "\xd5"}
 _CATEGORY_ASCII = {"N": "0-9", "L": "A-Za-z", "P": r"!-#%-*,-/:-;?-@\[-\]_{}", "M": "", "S": r"$+<->^`|~"}
 _PROPERTY = re.compile(r"\\p\{(L[ultmo]?|N|P|M|S)\}")
-_COLLAPSED: dict[str, str] = {}
-
-
-def _collapsed_char(ch: str) -> str:
-    c = _COLLAPSED.get(ch)
-    if c is None:
-        c = "\x0b" if ch in WHITESPACE else _CATEGORY_BYTE.get(unicodedata.category(ch)[0], "\xd0")
-        _COLLAPSED[ch] = c
-    return c
+# what std::regex sees: with categories collapsed, or with non-ASCII whitespace as \x0b (its \s misses it)
+_COLLAPSE = _CharTable(lambda ch: ch if ch < "\x80" else "\x0b" if ch in WHITESPACE
+                       else _CATEGORY_BYTE.get(unicodedata.category(ch)[0], "\xd0"))
+_WHITESPACE_AS_VT = _CharTable(lambda ch: "\x0b" if ch > "\x7f" and ch in WHITESPACE else ch)
 
 
 def _collapse_regex(regex: str) -> str:
@@ -258,10 +266,7 @@ def _regex_splitter(regex: str):
     compiled = re.compile(pattern, re.ASCII)
 
     def split(s: str) -> list[str]:
-        if collapse:
-            view = "".join(c if c < "\x80" else _collapsed_char(c) for c in s)
-        else:
-            view = "".join("\x0b" if c > "\x7f" and c in WHITESPACE else c for c in s)
+        view = s.translate(_COLLAPSE if collapse else _WHITESPACE_AS_VT)
         out, done = [], 0
         for m in compiled.finditer(view):
             if m.start() > done:

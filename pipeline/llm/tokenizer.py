@@ -31,6 +31,7 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 BPE, SPM = "gpt2", "llama"   # tokenizer.ggml.model values
 MODELS = {BPE: "byte-level BPE", SPM: "SentencePiece"}
 SPM_SPACE = "\u2581"
+SPM_CACHE_SIZE = 100_000   # cached SentencePiece runs (words, mostly) per tokenizer
 _C_SPACE = " \t\n\v\f\r"   # C's isspace, what llama.cpp strips next to special tokens
 
 # llama.cpp corrects token types by their text when it loads a vocabulary (llama_vocab::impl::load), which
@@ -149,6 +150,9 @@ class Tokenizer:
             self.pre, self._pre = None, None
             self.scores = list(scores) if scores is not None else [0.0] * len(self.tokens)
             self._byte_ids = {}
+            # every two-character substring of a token: no merge can join characters whose pair is not here
+            self._spm_pairs = {text[k:k + 2] for text in self.tokens for k in range(len(text) - 1)}
+            self._spm_cache: dict[str, list[int]] = {}
             for i, text in enumerate(self.tokens):
                 value = _byte_token_value(text)
                 if value is not None:
@@ -256,8 +260,25 @@ class Tokenizer:
         return self._bpe_backend().encode(words, is_pretokenized=True, add_special_tokens=False).ids
 
     def _encode_spm(self, text: str) -> list[int]:
-        """llm_tokenizer_spm: merge the best-scoring adjacent pair until none is a token; bytes for the rest."""
+        """llm_tokenizer_spm over the text with spaces as U+2581. A merge makes a token, so it never joins two
+        characters whose pair is in no token: the text falls apart there into runs merged independently, with
+        the same result as merging it whole, and the runs (mostly words) are cached."""
         text = text.replace(" ", SPM_SPACE)
+        ids, start = [], 0
+        for k in range(1, len(text) + 1):
+            if k == len(text) or text[k - 1:k + 1] not in self._spm_pairs:
+                run = text[start:k]
+                cached = self._spm_cache.get(run)
+                if cached is None:
+                    if len(self._spm_cache) >= SPM_CACHE_SIZE:
+                        self._spm_cache.clear()
+                    cached = self._spm_cache[run] = self._merge_spm(run)
+                ids += cached
+                start = k
+        return ids
+
+    def _merge_spm(self, text: str) -> list[int]:
+        """llm_tokenizer_spm: merge the best-scoring adjacent pair until none is a token; bytes for the rest."""
         pieces = list(text)             # one symbol per character; merged symbols become "" on the right
         nxt = list(range(1, len(pieces))) + [-1]
         prev = list(range(-1, len(pieces) - 1))

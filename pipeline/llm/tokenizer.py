@@ -145,7 +145,7 @@ class Tokenizer:
                 raise UserError(f"{source}: pre-tokenizer '{pre}' is not supported (supported: "
                                 f"{', '.join(sorted(PRE_TOKENIZERS))})")
             self.pre, self._pre = pre, PRE_TOKENIZERS[pre]
-            self._hf = None
+            self._hf = None   # built on the first encode (seconds for a large vocabulary)
         else:
             self.pre, self._pre = None, None
             self.scores = list(scores) if scores is not None else [0.0] * len(self.tokens)
@@ -157,6 +157,20 @@ class Tokenizer:
                 value = _byte_token_value(text)
                 if value is not None:
                     self._byte_ids.setdefault(value, self.vocab[text])
+
+    def _pairs_of_merges(self) -> list[tuple[str, str]]:
+        """The merges as pairs, checked (Hugging Face's BPE would panic on a merge outside the vocabulary)."""
+        pairs = []
+        for k, m in enumerate(self.merges):   # llama.cpp cuts a merge at its first space after character 1
+            cut = m.find(" ", 1)
+            if cut < 0:
+                continue   # matches no pair
+            left, right = m[:cut], m[cut + 1:]
+            if not (left in self.vocab and right in self.vocab and left + right in self.vocab):
+                raise UserError(f"{self.source}: tokenizer.ggml.merges[{k}] '{m}' names a token that is not in "
+                                "the vocabulary")
+            pairs.append((left, right))
+        return pairs
 
     @property
     def n_vocab(self) -> int:
@@ -245,12 +259,8 @@ class Tokenizer:
         if self._hf is None:
             from tokenizers import Tokenizer as HFTokenizer
             from tokenizers import models, pre_tokenizers
-            pairs = []
-            for m in self.merges:   # llama.cpp splits a merge at its first space after the first character
-                cut = m.find(" ", 1)
-                if cut > 0:
-                    pairs.append((m[:cut], m[cut + 1:]))
-            tok = HFTokenizer(models.BPE(vocab=self.vocab, merges=pairs, ignore_merges=self._pre.ignore_merges))
+            tok = HFTokenizer(models.BPE(vocab=self.vocab, merges=self._pairs_of_merges(),
+                                         ignore_merges=self._pre.ignore_merges))
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
             self._hf = tok
         return self._hf

@@ -301,3 +301,10 @@ def test_detected_end_tokens_become_control(tmp_path, bpe_lists):
     im_end = tokens.index("<|im_end|>")
     assert tok.types[im_end] == CONTROL
     assert tok.encode("a<|im_end|>") [-1] == im_end and im_end not in tok.encode("a<|im_end|>", special=False)
+
+
+def test_merge_outside_the_vocabulary_is_one_error(bpe_lists):
+    tokens, types, merges = bpe_lists
+    tok = Tokenizer(tokens, types, merges + ["zq xj"], source="bad.gguf")
+    with pytest.raises(UserError, match=r"bad.gguf: tokenizer.ggml.merges\[\d+\] 'zq xj' names a token that is not"):
+        tok.encode("hello")

@@ -128,7 +128,9 @@ class Tokenizer:
         if model not in MODELS:
             raise UserError(f"{source}: tokenizer model '{model}' is not supported (supported: "
                             + ", ".join(f"'{m}' ({name})" for m, name in MODELS.items()) + ")")
-        self.tokens, self.types, self.merges, self.source = list(tokens), list(types), list(merges), source
+        # llama.cpp renames an empty token text (which would match everywhere) to [EMPTY_<id>]
+        self.tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        self.types, self.merges, self.source = list(types), list(merges), source
         self.model = model
         self.bos_id, self.eos_id, self.eot_id, self.pad_id = bos_id, eos_id, eot_id, pad_id
         self.add_bos, self.add_eos = add_bos, add_eos
@@ -185,6 +187,9 @@ class Tokenizer:
                             "pass token ids instead of text")
         tokens = md["tokenizer.ggml.tokens"]
         types = md.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))
+        for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+            if key in md and len(md[key]) < len(tokens):
+                raise UserError(f"{path}: {key} has {len(md[key])} entries for {len(tokens)} tokens")
         types, rstrip = llama_cpp_token_types(md, tokens, types)
         merges, pre, scores = [], None, None
         if model == BPE:

@@ -308,3 +308,15 @@ def test_merge_outside_the_vocabulary_is_one_error(bpe_lists):
     tok = Tokenizer(tokens, types, merges + ["zq xj"], source="bad.gguf")
     with pytest.raises(UserError, match=r"bad.gguf: tokenizer.ggml.merges\[\d+\] 'zq xj' names a token that is not"):
         tok.encode("hello")
+
+
+def test_short_scores_and_empty_tokens(tmp_path, spm):
+    short = vocab_tool.write_vocab(tmp_path / "short.gguf", spm.tokens, spm.types, model="llama",
+                                   scores=spm.scores[:-1])
+    with pytest.raises(UserError, match=f"short.gguf: tokenizer.ggml.scores has {spm.n_vocab - 1} entries for "
+                                        f"{spm.n_vocab} tokens"):
+        Tokenizer.from_gguf(GGUFFile(short))
+    # an empty CONTROL text would be cut everywhere; llama.cpp names it [EMPTY_<id>] instead
+    tok = Tokenizer(spm.tokens + [""], spm.types + [CONTROL], [], model="llama", scores=spm.scores + [0.0])
+    assert tok.tokens[-1] == f"[EMPTY_{spm.n_vocab}]"
+    assert tok.encode("the fox", add_bos=False) == spm.encode("the fox", add_bos=False)

@@ -1,11 +1,18 @@
-"""The GGUF byte-level BPE tokenizer: round trips, special tokens, streaming, errors."""
+"""The GGUF tokenizers: round trips, special tokens, streaming, every pre-tokenizer, SentencePiece, errors."""
+import random
+import sys
 from pathlib import Path
 
 import pytest
 
 from pipeline.errors import UserError
+from pipeline.llm import pretokenize
 from pipeline.llm.gguf import GGUFFile
+from pipeline.llm.pretokenize import PRE_TOKENIZERS, REFERENCE_REGEXES
 from pipeline.llm.tokenizer import CONTROL, NORMAL, Tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import make_tokenizer_fixtures as vocab_tool  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
@@ -85,15 +92,6 @@ def test_out_of_range_id(tok):
 
 
 # --- every pre-tokenizer, SentencePiece, the GGUF's rules (tiny committed vocabularies) -----------------------
-import random  # noqa: E402
-import sys  # noqa: E402
-
-from pipeline.llm import pretokenize  # noqa: E402
-from pipeline.llm.pretokenize import PRE_TOKENIZERS, REFERENCE_REGEXES  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import make_tokenizer_fixtures as vocab_tool  # noqa: E402
-
 VOCABS = FIXTURES / "tokenizers"
 # each llama.cpp name -> the reference regexes of its family
 REFERENCE_OF = {"gpt-2": "gpt-2", "mpt": "gpt-2", "qwen2": "qwen2", "qwen35": "qwen35", "llama-bpe": "llama-bpe",

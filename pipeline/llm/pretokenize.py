@@ -2,7 +2,7 @@
 
 llama.cpp (src/llama-vocab.cpp, src/unicode.cpp) gives each pre-tokenizer a list of regexes applied in turn,
 each one cutting every piece the previous one left into matches and the text between them. It does not run
-three of those regexes (GPT-2's, Llama 3's, Qwen2's) as regexes but as hand-written scanners, and runs the
+four of those regexes (GPT-2's, Llama 3's, Qwen2's, Qwen3.5's) as regexes but as hand-written scanners, and runs the
 others with std::regex on a "collapsed" copy of the text where every non-ASCII character is replaced by one
 byte standing for its Unicode category (so `\\p{N}` becomes a character class of that byte plus 0-9). The ids
 depend on those details, so this module reproduces them rather than handing the original tokenizer.json regex
@@ -87,8 +87,8 @@ _GPT2 = PreTokenizer((GPT2_REGEX,))
 _STARCODER = PreTokenizer(("\\p{N}", GPT2_REGEX))
 _LLAMA3 = PreTokenizer((LLAMA3_REGEX,), ignore_merges=True, add_bos=True)
 
-# tokenizer.ggml.pre -> behaviour. Beside the names asked for, a few that llama.cpp gives the same regexes
-# and encoding flags (its clean_spaces flag only changes its detokenizer's optional clean-up, not ids)
+# tokenizer.ggml.pre -> behaviour; names share an entry where llama.cpp gives them the same regexes and encoding
+# flags (its clean_spaces flag differs among some, but changes only its detokenizer's optional clean-up)
 PRE_TOKENIZERS = {
     "gpt-2": _GPT2, "mpt": _GPT2,
     "qwen2": PreTokenizer((QWEN2_REGEX,)),
@@ -147,7 +147,7 @@ def _contraction(s: str, pos: int, fold_case: bool) -> int:
     return 3 if pos + 2 < n and nxt in ("re", "ve", "ll") else 0
 
 
-def _whitespace_end(s: str, kinds: list[str], pos: int, newline_runs: bool) -> int:
+def _whitespace_end(s: str, kinds: str, pos: int, newline_runs: bool) -> int:
     """End of the whitespace token at pos: \\s*[\\r\\n]+ (if newline_runs), \\s+(?!\\S), \\s+, else one char."""
     n, end, last_newline = len(s), pos, 0
     while end < n and kinds[end] == SPACE:

@@ -48,6 +48,8 @@ DEEPSEEK_LLM_REGEXES = (
 DEEPSEEK_CODER_REGEXES = ("[\r\n]", "\\s?\\p{L}+", "\\s?\\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
                           "\\p{N}")
 FALCON_REGEXES = ("[\\p{P}\\$\\+<=>\\^~\\|`]+", GPT2_REGEX, "[0-9][0-9][0-9]")
+# llama.cpp's fallback for "default" or a GGUF without tokenizer.ggml.pre (it warns that quality may suffer)
+DEFAULT_REGEXES = ("[\\p{P}\\$\\+<=>\\^~\\|]+", GPT2_REGEX, "\\p{N}+", "[0-9][0-9][0-9]")
 
 # What a Unicode regex engine (Hugging Face `tokenizers`' Split, Oniguruma) runs to cut text the same way, for
 # tests and for training fixture vocabularies: the models' tokenizer.json originals where llama.cpp rewrote
@@ -65,6 +67,7 @@ REFERENCE_REGEXES = {
     "deepseek-llm": DEEPSEEK_LLM_REGEXES,
     "deepseek-coder": DEEPSEEK_CODER_REGEXES,
     "falcon": FALCON_REGEXES,
+    "default": DEFAULT_REGEXES,
 }
 
 
@@ -98,6 +101,7 @@ PRE_TOKENIZERS = {
     "deepseek-llm": PreTokenizer(DEEPSEEK_LLM_REGEXES),
     "deepseek-coder": PreTokenizer(DEEPSEEK_CODER_REGEXES),
     "falcon": PreTokenizer(FALCON_REGEXES),
+    "default": PreTokenizer(DEFAULT_REGEXES),
 }
 
 

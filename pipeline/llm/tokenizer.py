@@ -193,7 +193,7 @@ class Tokenizer:
         types, rstrip = llama_cpp_token_types(md, tokens, types)
         merges, pre, scores = [], None, None
         if model == BPE:
-            pre = md.get("tokenizer.ggml.pre", "default")
+            pre = md.get("tokenizer.ggml.pre") or "default"   # llama.cpp's fallback, with a warning
             merges = md.get("tokenizer.ggml.merges")
             if not merges:
                 raise UserError(f"{path}: tokenizer.ggml.merges is missing; a BPE tokenizer needs its merges")

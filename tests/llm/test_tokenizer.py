@@ -97,7 +97,7 @@ VOCABS = FIXTURES / "tokenizers"
 REFERENCE_OF = {"gpt-2": "gpt-2", "mpt": "gpt-2", "qwen2": "qwen2", "qwen35": "qwen35", "llama-bpe": "llama-bpe",
                 "llama3": "llama-bpe", "llama-v3": "llama-bpe", "smollm": "starcoder", "starcoder": "starcoder",
                 "refact": "starcoder", "command-r": "starcoder", "deepseek-llm": "deepseek-llm",
-                "deepseek-coder": "deepseek-coder", "falcon": "falcon"}
+                "deepseek-coder": "deepseek-coder", "falcon": "falcon", "default": "default"}
 TRICKY = [
     "", " ", "  ", "   Hello", "\t", "\n", "\n\n\n", "\t\n", " \n \n  x", "a  \t b\r\n\r\nc   ", "trailing   ",
     "3", "33", "333", "3333", "33333333", "1,234,567.89 -0.5e-10 v2 x86_64 ٣٤٥ ²³ Ⅻ",
@@ -272,6 +272,8 @@ def test_add_bos_eos_and_space_prefix_follow_the_gguf(tmp_path, spm):
     llama3_off = Tokenizer.from_gguf(_variant(tmp_path, "e.gguf", "gpt2", pre="llama-bpe", add_bos_token=False))
     assert qwen.encode(text)[0] != qwen.bos_id and llama3.encode(text)[0] == llama3.bos_id
     assert llama3_off.encode(text) == qwen.encode(text) == llama3.encode(text)[1:]
+    # no tokenizer.ggml.pre: llama.cpp's "default" regexes
+    assert Tokenizer.from_gguf(_variant(tmp_path, "f.gguf", "gpt2", pre=None)).pre == "default"
 
 
 def test_unsupported_model_and_pre_are_one_line(tmp_path):

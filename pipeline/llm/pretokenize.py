@@ -2,7 +2,7 @@
 
 llama.cpp (src/llama-vocab.cpp, src/unicode.cpp) gives each pre-tokenizer a list of regexes applied in turn,
 each one cutting every piece the previous one left into matches and the text between them. It does not run
-three of those regexes (GPT-2's, Llama 3's, Qwen2's) as regexes but as hand-written scanners, and runs the
+four of those regexes (GPT-2's, Llama 3's, Qwen2's, Qwen3.5's) as regexes but as hand-written scanners, and runs the
 others with std::regex on a "collapsed" copy of the text where every non-ASCII character is replaced by one
 byte standing for its Unicode category (so `\\p{N}` becomes a character class of that byte plus 0-9). The ids
 depend on those details, so this module reproduces them rather than handing the original tokenizer.json regex
@@ -25,6 +25,8 @@ LLAMA3_REGEX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_REGEX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN35_REGEX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 DEEPSEEK_LLM_REGEXES = (
     "[\r\n]",
     "\\s?[A-Za-z\xb5\xc0-\xd6\xd8-\xf6\xf8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373"
@@ -46,6 +48,8 @@ DEEPSEEK_LLM_REGEXES = (
 DEEPSEEK_CODER_REGEXES = ("[\r\n]", "\\s?\\p{L}+", "\\s?\\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
                           "\\p{N}")
 FALCON_REGEXES = ("[\\p{P}\\$\\+<=>\\^~\\|`]+", GPT2_REGEX, "[0-9][0-9][0-9]")
+# llama.cpp's fallback for "default" or a GGUF without tokenizer.ggml.pre (it warns that quality may suffer)
+DEFAULT_REGEXES = ("[\\p{P}\\$\\+<=>\\^~\\|]+", GPT2_REGEX, "\\p{N}+", "[0-9][0-9][0-9]")
 
 # What a Unicode regex engine (Hugging Face `tokenizers`' Split, Oniguruma) runs to cut text the same way, for
 # tests and for training fixture vocabularies: the models' tokenizer.json originals where llama.cpp rewrote
@@ -57,10 +61,13 @@ REFERENCE_REGEXES = {
                   r"|\s*[\r\n]+|\s+(?!\S)|\s+",),
     "qwen2": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
               r"|\s*[\r\n]+|\s+(?!\S)|\s+",),
+    "qwen35": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+",),
     "starcoder": (r"\p{N}", _GPT2_ORIGINAL),   # StarCoder's Digits(individual_digits) + GPT-2's ByteLevel regex
     "deepseek-llm": DEEPSEEK_LLM_REGEXES,
     "deepseek-coder": DEEPSEEK_CODER_REGEXES,
     "falcon": FALCON_REGEXES,
+    "default": DEFAULT_REGEXES,
 }
 
 
@@ -83,16 +90,18 @@ _GPT2 = PreTokenizer((GPT2_REGEX,))
 _STARCODER = PreTokenizer(("\\p{N}", GPT2_REGEX))
 _LLAMA3 = PreTokenizer((LLAMA3_REGEX,), ignore_merges=True, add_bos=True)
 
-# tokenizer.ggml.pre -> behaviour. Beside the names asked for, a few that llama.cpp gives the same regexes
-# and encoding flags (its clean_spaces flag only changes its detokenizer's optional clean-up, not ids)
+# tokenizer.ggml.pre -> behaviour; names share an entry where llama.cpp gives them the same regexes and encoding
+# flags (its clean_spaces flag differs among some, but changes only its detokenizer's optional clean-up)
 PRE_TOKENIZERS = {
     "gpt-2": _GPT2, "mpt": _GPT2,
     "qwen2": PreTokenizer((QWEN2_REGEX,)),
+    "qwen35": PreTokenizer((QWEN35_REGEX,)),
     "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3,
     "smollm": _STARCODER, "starcoder": _STARCODER, "refact": _STARCODER, "command-r": _STARCODER,
     "deepseek-llm": PreTokenizer(DEEPSEEK_LLM_REGEXES),
     "deepseek-coder": PreTokenizer(DEEPSEEK_CODER_REGEXES),
     "falcon": PreTokenizer(FALCON_REGEXES),
+    "default": PreTokenizer(DEFAULT_REGEXES),
 }
 
 
@@ -100,17 +109,32 @@ PRE_TOKENIZERS = {
 LETTER, NUMBER, SPACE, OTHER = "L", "N", "W", "O"
 WHITESPACE = frozenset(map(chr, [*range(0x09, 0x0E), 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B),
                                  0x2028, 0x2029, 0x202F, 0x205F, 0x3000]))
-_KIND: dict[str, str] = {}
+
+
+class _CharTable(dict):
+    """A str.translate table that classifies each character the first time it is seen (translate runs in C)."""
+
+    def __init__(self, classify):
+        super().__init__()
+        self.classify = classify
+
+    def __missing__(self, code: int) -> str:
+        value = self[code] = self.classify(chr(code))
+        return value
+
+
+def _kind(ch: str) -> str:
+    cat = unicodedata.category(ch)[0]
+    return SPACE if ch in WHITESPACE else LETTER if cat == "L" else NUMBER if cat == "N" else OTHER
+
+
+_KINDS = _CharTable(_kind)   # text.translate(_KINDS): one kind letter per character
+_KINDS_MARKS_AS_LETTERS = _CharTable(lambda ch: LETTER if unicodedata.category(ch)[0] == "M" else _kind(ch))
 
 
 def kind(ch: str) -> str:
     """LETTER (\\p{L}), NUMBER (\\p{N}), SPACE (White_Space) or OTHER: what llama.cpp's scanners test."""
-    k = _KIND.get(ch)
-    if k is None:
-        cat = unicodedata.category(ch)[0]
-        k = SPACE if ch in WHITESPACE else LETTER if cat == "L" else NUMBER if cat == "N" else OTHER
-        _KIND[ch] = k
-    return k
+    return _KINDS[ord(ch)]
 
 
 # --- llama.cpp's hand-written scanners -------------------------------------------------------------------------
@@ -127,7 +151,7 @@ def _contraction(s: str, pos: int, fold_case: bool) -> int:
     return 3 if pos + 2 < n and nxt in ("re", "ve", "ll") else 0
 
 
-def _whitespace_end(s: str, kinds: list[str], pos: int, newline_runs: bool) -> int:
+def _whitespace_end(s: str, kinds: str, pos: int, newline_runs: bool) -> int:
     """End of the whitespace token at pos: \\s*[\\r\\n]+ (if newline_runs), \\s+(?!\\S), \\s+, else one char."""
     n, end, last_newline = len(s), pos, 0
     while end < n and kinds[end] == SPACE:
@@ -143,7 +167,7 @@ def _whitespace_end(s: str, kinds: list[str], pos: int, newline_runs: bool) -> i
 
 def split_gpt2(s: str) -> list[str]:
     """GPT-2: 's|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+"""
-    kinds, n, out, pos = [kind(c) for c in s], len(s), [], 0
+    kinds, n, out, pos = s.translate(_KINDS), len(s), [], 0
     while pos < n:
         start = pos
         step = _contraction(s, pos, fold_case=False)
@@ -161,10 +185,11 @@ def split_gpt2(s: str) -> list[str]:
     return out
 
 
-def _split_llama3_like(s: str, max_digits: int) -> list[str]:
+def _split_llama3_like(s: str, max_digits: int, marks_are_letters: bool = False) -> list[str]:
     """Llama 3 (max_digits 3) and Qwen2 (1): (?i:contractions)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,max}|
-    ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"""
-    kinds, n, out, pos = [kind(c) for c in s], len(s), [], 0
+    ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+. Qwen3.5 (marks_are_letters) reads \\p{L} as
+    [\\p{L}\\p{M}] throughout, as its scanner in llama.cpp does."""
+    kinds, n, out, pos = s.translate(_KINDS_MARKS_AS_LETTERS if marks_are_letters else _KINDS), len(s), [], 0
     while pos < n:
         start, ch, k = pos, s[pos], kinds[pos]
         step = _contraction(s, pos, fold_case=True)
@@ -197,7 +222,12 @@ def split_qwen2(s: str) -> list[str]:
     return _split_llama3_like(s, 1)
 
 
-_SCANNERS = {GPT2_REGEX: split_gpt2, LLAMA3_REGEX: split_llama3, QWEN2_REGEX: split_qwen2}
+def split_qwen35(s: str) -> list[str]:
+    return _split_llama3_like(s, 1, marks_are_letters=True)
+
+
+_SCANNERS = {GPT2_REGEX: split_gpt2, LLAMA3_REGEX: split_llama3, QWEN2_REGEX: split_qwen2,
+             QWEN35_REGEX: split_qwen35}
 
 
 # --- the std::regex path, through the collapse ---------------------------------------------------------------
@@ -205,15 +235,10 @@ _SCANNERS = {GPT2_REGEX: split_gpt2, LLAMA3_REGEX: split_llama3, QWEN2_REGEX: sp
 _CATEGORY_BYTE = {"N": "\xd1", "L": "\xd2", "P": "\xd3", "M": "\xd4", "S": "\xd5"}
 _CATEGORY_ASCII = {"N": "0-9", "L": "A-Za-z", "P": r"!-#%-*,-/:-;?-@\[-\]_{}", "M": "", "S": r"$+<->^`|~"}
 _PROPERTY = re.compile(r"\\p\{(L[ultmo]?|N|P|M|S)\}")
-_COLLAPSED: dict[str, str] = {}
-
-
-def _collapsed_char(ch: str) -> str:
-    c = _COLLAPSED.get(ch)
-    if c is None:
-        c = "\x0b" if ch in WHITESPACE else _CATEGORY_BYTE.get(unicodedata.category(ch)[0], "\xd0")
-        _COLLAPSED[ch] = c
-    return c
+# what std::regex sees: with categories collapsed, or with non-ASCII whitespace as \x0b (its \s misses it)
+_COLLAPSE = _CharTable(lambda ch: ch if ch < "\x80" else "\x0b" if ch in WHITESPACE
+                       else _CATEGORY_BYTE.get(unicodedata.category(ch)[0], "\xd0"))
+_WHITESPACE_AS_VT = _CharTable(lambda ch: "\x0b" if ch > "\x7f" and ch in WHITESPACE else ch)
 
 
 def _collapse_regex(regex: str) -> str:
@@ -245,10 +270,7 @@ def _regex_splitter(regex: str):
     compiled = re.compile(pattern, re.ASCII)
 
     def split(s: str) -> list[str]:
-        if collapse:
-            view = "".join(c if c < "\x80" else _collapsed_char(c) for c in s)
-        else:
-            view = "".join("\x0b" if c > "\x7f" and c in WHITESPACE else c for c in s)
+        view = s.translate(_COLLAPSE if collapse else _WHITESPACE_AS_VT)
         out, done = [], 0
         for m in compiled.finditer(view):
             if m.start() > done:
@@ -271,4 +293,4 @@ def _splitter(regex: str):
 
 
 __all__ = ["PreTokenizer", "PRE_TOKENIZERS", "REFERENCE_REGEXES", "kind", "split_gpt2", "split_llama3",
-           "split_qwen2"]
+           "split_qwen2", "split_qwen35"]

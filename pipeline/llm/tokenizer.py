@@ -31,6 +31,7 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 BPE, SPM = "gpt2", "llama"   # tokenizer.ggml.model values
 MODELS = {BPE: "byte-level BPE", SPM: "SentencePiece"}
 SPM_SPACE = "\u2581"
+SPM_CACHE_SIZE = 100_000   # cached SentencePiece runs (words, mostly) per tokenizer
 _C_SPACE = " \t\n\v\f\r"   # C's isspace, what llama.cpp strips next to special tokens
 
 # llama.cpp corrects token types by their text when it loads a vocabulary (llama_vocab::impl::load), which
@@ -127,7 +128,9 @@ class Tokenizer:
         if model not in MODELS:
             raise UserError(f"{source}: tokenizer model '{model}' is not supported (supported: "
                             + ", ".join(f"'{m}' ({name})" for m, name in MODELS.items()) + ")")
-        self.tokens, self.types, self.merges, self.source = list(tokens), list(types), list(merges), source
+        # llama.cpp renames an empty token text (which would match everywhere) to [EMPTY_<id>]
+        self.tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        self.types, self.merges, self.source = list(types), list(merges), source
         self.model = model
         self.bos_id, self.eos_id, self.eot_id, self.pad_id = bos_id, eos_id, eot_id, pad_id
         self.add_bos, self.add_eos = add_bos, add_eos
@@ -135,7 +138,6 @@ class Tokenizer:
         self.add_space_prefix = (model == SPM) if add_space_prefix is None else bool(add_space_prefix)
         self.vocab = {t: i for i, t in enumerate(self.tokens)}   # a repeated text maps to its last id
         self.rstrip_ids = set(rstrip_ids)
-        self.special_ids = {i for i, t in enumerate(self.types) if t in (CONTROL, USER_DEFINED)}
         # the texts cut out before tokenizing, longest first (ties by id: llama.cpp's std::sort leaves them
         # in an unspecified order)
         cut = [i for i, t in enumerate(self.types) if t in (CONTROL, USER_DEFINED, UNKNOWN)]
@@ -145,15 +147,32 @@ class Tokenizer:
                 raise UserError(f"{source}: pre-tokenizer '{pre}' is not supported (supported: "
                                 f"{', '.join(sorted(PRE_TOKENIZERS))})")
             self.pre, self._pre = pre, PRE_TOKENIZERS[pre]
-            self._hf = None
+            self._hf = None   # built on the first encode (seconds for a large vocabulary)
         else:
             self.pre, self._pre = None, None
             self.scores = list(scores) if scores is not None else [0.0] * len(self.tokens)
             self._byte_ids = {}
+            # every two-character substring of a token: no merge can join characters whose pair is not here
+            self._spm_pairs = {text[k:k + 2] for text in self.tokens for k in range(len(text) - 1)}
+            self._spm_cache: dict[str, list[int]] = {}
             for i, text in enumerate(self.tokens):
                 value = _byte_token_value(text)
                 if value is not None:
                     self._byte_ids.setdefault(value, self.vocab[text])
+
+    def _pairs_of_merges(self) -> list[tuple[str, str]]:
+        """The merges as pairs, checked (Hugging Face's BPE would panic on a merge outside the vocabulary)."""
+        pairs = []
+        for k, m in enumerate(self.merges):   # llama.cpp cuts a merge at its first space after character 1
+            cut = m.find(" ", 1)
+            if cut < 0:
+                continue   # matches no pair
+            left, right = m[:cut], m[cut + 1:]
+            if not (left in self.vocab and right in self.vocab and left + right in self.vocab):
+                raise UserError(f"{self.source}: tokenizer.ggml.merges[{k}] '{m}' names a token that is not in "
+                                "the vocabulary")
+            pairs.append((left, right))
+        return pairs
 
     @property
     def n_vocab(self) -> int:
@@ -168,10 +187,13 @@ class Tokenizer:
                             "pass token ids instead of text")
         tokens = md["tokenizer.ggml.tokens"]
         types = md.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))
+        for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+            if key in md and len(md[key]) < len(tokens):
+                raise UserError(f"{path}: {key} has {len(md[key])} entries for {len(tokens)} tokens")
         types, rstrip = llama_cpp_token_types(md, tokens, types)
         merges, pre, scores = [], None, None
         if model == BPE:
-            pre = md.get("tokenizer.ggml.pre", "default")
+            pre = md.get("tokenizer.ggml.pre") or "default"   # llama.cpp's fallback, with a warning
             merges = md.get("tokenizer.ggml.merges")
             if not merges:
                 raise UserError(f"{path}: tokenizer.ggml.merges is missing; a BPE tokenizer needs its merges")
@@ -242,12 +264,8 @@ class Tokenizer:
         if self._hf is None:
             from tokenizers import Tokenizer as HFTokenizer
             from tokenizers import models, pre_tokenizers
-            pairs = []
-            for m in self.merges:   # llama.cpp splits a merge at its first space after the first character
-                cut = m.find(" ", 1)
-                if cut > 0:
-                    pairs.append((m[:cut], m[cut + 1:]))
-            tok = HFTokenizer(models.BPE(vocab=self.vocab, merges=pairs, ignore_merges=self._pre.ignore_merges))
+            tok = HFTokenizer(models.BPE(vocab=self.vocab, merges=self._pairs_of_merges(),
+                                         ignore_merges=self._pre.ignore_merges))
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
             self._hf = tok
         return self._hf
@@ -257,8 +275,25 @@ class Tokenizer:
         return self._bpe_backend().encode(words, is_pretokenized=True, add_special_tokens=False).ids
 
     def _encode_spm(self, text: str) -> list[int]:
-        """llm_tokenizer_spm: merge the best-scoring adjacent pair until none is a token; bytes for the rest."""
+        """llm_tokenizer_spm over the text with spaces as U+2581. A merge makes a token, so it never joins two
+        characters whose pair is in no token: the text falls apart there into runs merged independently, with
+        the same result as merging it whole, and the runs (mostly words) are cached."""
         text = text.replace(" ", SPM_SPACE)
+        ids, start = [], 0
+        for k in range(1, len(text) + 1):
+            if k == len(text) or text[k - 1:k + 1] not in self._spm_pairs:
+                run = text[start:k]
+                cached = self._spm_cache.get(run)
+                if cached is None:
+                    if len(self._spm_cache) >= SPM_CACHE_SIZE:
+                        self._spm_cache.clear()
+                    cached = self._spm_cache[run] = self._merge_spm(run)
+                ids += cached
+                start = k
+        return ids
+
+    def _merge_spm(self, text: str) -> list[int]:
+        """llm_tokenizer_spm: merge the best-scoring adjacent pair until none is a token; bytes for the rest."""
         pieces = list(text)             # one symbol per character; merged symbols become "" on the right
         nxt = list(range(1, len(pieces))) + [-1]
         prev = list(range(-1, len(pieces) - 1))

@@ -1,11 +1,18 @@
-"""The GGUF byte-level BPE tokenizer: round trips, special tokens, streaming, errors."""
+"""The GGUF tokenizers: round trips, special tokens, streaming, every pre-tokenizer, SentencePiece, errors."""
+import random
+import sys
 from pathlib import Path
 
 import pytest
 
 from pipeline.errors import UserError
+from pipeline.llm import pretokenize
 from pipeline.llm.gguf import GGUFFile
+from pipeline.llm.pretokenize import PRE_TOKENIZERS, REFERENCE_REGEXES
 from pipeline.llm.tokenizer import CONTROL, NORMAL, Tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import make_tokenizer_fixtures as vocab_tool  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
@@ -85,21 +92,12 @@ def test_out_of_range_id(tok):
 
 
 # --- every pre-tokenizer, SentencePiece, the GGUF's rules (tiny committed vocabularies) -----------------------
-import random  # noqa: E402
-import sys  # noqa: E402
-
-from pipeline.llm import pretokenize  # noqa: E402
-from pipeline.llm.pretokenize import PRE_TOKENIZERS, REFERENCE_REGEXES  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import make_tokenizer_fixtures as vocab_tool  # noqa: E402
-
 VOCABS = FIXTURES / "tokenizers"
 # each llama.cpp name -> the reference regexes of its family
-REFERENCE_OF = {"gpt-2": "gpt-2", "mpt": "gpt-2", "qwen2": "qwen2", "llama-bpe": "llama-bpe", "llama3": "llama-bpe",
-                "llama-v3": "llama-bpe", "smollm": "starcoder", "starcoder": "starcoder", "refact": "starcoder",
-                "command-r": "starcoder", "deepseek-llm": "deepseek-llm", "deepseek-coder": "deepseek-coder",
-                "falcon": "falcon"}
+REFERENCE_OF = {"gpt-2": "gpt-2", "mpt": "gpt-2", "qwen2": "qwen2", "qwen35": "qwen35", "llama-bpe": "llama-bpe",
+                "llama3": "llama-bpe", "llama-v3": "llama-bpe", "smollm": "starcoder", "starcoder": "starcoder",
+                "refact": "starcoder", "command-r": "starcoder", "deepseek-llm": "deepseek-llm",
+                "deepseek-coder": "deepseek-coder", "falcon": "falcon", "default": "default"}
 TRICKY = [
     "", " ", "  ", "   Hello", "\t", "\n", "\n\n\n", "\t\n", " \n \n  x", "a  \t b\r\n\r\nc   ", "trailing   ",
     "3", "33", "333", "3333", "33333333", "1,234,567.89 -0.5e-10 v2 x86_64 ٣٤٥ ²³ Ⅻ",
@@ -274,6 +272,8 @@ def test_add_bos_eos_and_space_prefix_follow_the_gguf(tmp_path, spm):
     llama3_off = Tokenizer.from_gguf(_variant(tmp_path, "e.gguf", "gpt2", pre="llama-bpe", add_bos_token=False))
     assert qwen.encode(text)[0] != qwen.bos_id and llama3.encode(text)[0] == llama3.bos_id
     assert llama3_off.encode(text) == qwen.encode(text) == llama3.encode(text)[1:]
+    # no tokenizer.ggml.pre: llama.cpp's "default" regexes
+    assert Tokenizer.from_gguf(_variant(tmp_path, "f.gguf", "gpt2", pre=None)).pre == "default"
 
 
 def test_unsupported_model_and_pre_are_one_line(tmp_path):
@@ -284,9 +284,9 @@ def test_unsupported_model_and_pre_are_one_line(tmp_path):
     assert "\n" not in str(err.value)
     assert "bert.gguf: tokenizer model 'bert' is not supported (supported: 'gpt2'" in str(err.value)
     with pytest.raises(UserError) as err:
-        Tokenizer.from_gguf(_variant(tmp_path, "q35.gguf", "gpt2", pre="qwen35"))
+        Tokenizer.from_gguf(_variant(tmp_path, "glm.gguf", "gpt2", pre="chatglm-bpe"))
     assert "\n" not in str(err.value)
-    assert "pre-tokenizer 'qwen35' is not supported (supported: " in str(err.value)
+    assert "pre-tokenizer 'chatglm-bpe' is not supported (supported: " in str(err.value)
     for name in ("qwen2", "llama-bpe", "smollm", "gpt-2", "deepseek-llm", "starcoder"):
         assert name in str(err.value)
 
@@ -301,3 +301,22 @@ def test_detected_end_tokens_become_control(tmp_path, bpe_lists):
     im_end = tokens.index("<|im_end|>")
     assert tok.types[im_end] == CONTROL
     assert tok.encode("a<|im_end|>") [-1] == im_end and im_end not in tok.encode("a<|im_end|>", special=False)
+
+
+def test_merge_outside_the_vocabulary_is_one_error(bpe_lists):
+    tokens, types, merges = bpe_lists
+    tok = Tokenizer(tokens, types, merges + ["zq xj"], source="bad.gguf")
+    with pytest.raises(UserError, match=r"bad.gguf: tokenizer.ggml.merges\[\d+\] 'zq xj' names a token that is not"):
+        tok.encode("hello")
+
+
+def test_short_scores_and_empty_tokens(tmp_path, spm):
+    short = vocab_tool.write_vocab(tmp_path / "short.gguf", spm.tokens, spm.types, model="llama",
+                                   scores=spm.scores[:-1])
+    with pytest.raises(UserError, match=f"short.gguf: tokenizer.ggml.scores has {spm.n_vocab - 1} entries for "
+                                        f"{spm.n_vocab} tokens"):
+        Tokenizer.from_gguf(GGUFFile(short))
+    # an empty CONTROL text would be cut everywhere; llama.cpp names it [EMPTY_<id>] instead
+    tok = Tokenizer(spm.tokens + [""], spm.types + [CONTROL], [], model="llama", scores=spm.scores + [0.0])
+    assert tok.tokens[-1] == f"[EMPTY_{spm.n_vocab}]"
+    assert tok.encode("the fox", add_bos=False) == spm.encode("the fox", add_bos=False)

@@ -262,13 +262,14 @@ def load_jsonl(path, instruction_key="instruction", response_key="response", for
 # --- encoding ---------------------------------------------------------------
 class RawEncoder:
     """Adapts a tokenizer with `encode(text, add_bos=...)` to the encoder contract: special tokens parsed,
-    no BOS added (as llama.cpp's chat completion tokenizes a rendered conversation)."""
+    no BOS or EOS added (as llama.cpp's chat completion tokenizes a rendered conversation); continuation=True
+    for a segment that continues the previous one (no SentencePiece space prefix at its start)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def encode(self, text):
-        return self.tokenizer.encode(text, add_bos=False)
+    def encode(self, text, continuation=False):
+        return self.tokenizer.encode(text, add_bos=False, add_eos=False, continuation=continuation)
 
 
 @dataclass(frozen=True)
@@ -338,15 +339,18 @@ def conversation_segments(template, messages, options=EncodeOptions(), where="sa
 def encode_conversation(tokenizer, template, messages, options=EncodeOptions(), where="sample"):
     """Encode one conversation into (inputs, labels) for next-token training.
 
-    tokenizer: `.encode(text) -> list[int]` that parses the template's special tokens and adds no BOS of its
-    own. Labels are supervised exactly on the assistant spans (conversation_segments), end-of-turn token
+    tokenizer: `.encode(text, continuation) -> list[int]` that parses the template's special tokens and adds
+    no BOS of its own; continuation=True for every segment after the first, which continues one rendered text
+    (a SentencePiece vocabulary then adds no space prefix there, as llama.cpp tokenizing the whole text would
+    not). Labels are supervised exactly on the assistant spans (conversation_segments), end-of-turn token
     included; with mask_prompt False, everywhere.
     """
     if options.seq_max < 1:
         raise UserError(f"seq_max must be at least 1, got {options.seq_max}")
     ids, supervised = [], []
-    for text, sup in conversation_segments(template, _with_system(list(messages), options), options, where):
-        part = list(tokenizer.encode(text))
+    segments = conversation_segments(template, _with_system(list(messages), options), options, where)
+    for i, (text, sup) in enumerate(segments):
+        part = list(tokenizer.encode(text, continuation=i > 0))
         ids += part
         supervised += [sup] * len(part)
     n_prompt = supervised.index(True) if True in supervised else len(ids)

@@ -215,13 +215,15 @@ class Tokenizer:
 
     # --- encoding -------------------------------------------------------------
     def encode(self, text: str, *, special: bool = True, add_bos: bool | None = None,
-               add_eos: bool | None = None) -> list[int]:
+               add_eos: bool | None = None, continuation: bool = False) -> list[int]:
         """Token ids of text. special=True parses control tokens like <|im_start|> (llama.cpp parse_special);
-        add_bos / add_eos default to the GGUF's rule."""
+        add_bos / add_eos default to the GGUF's rule. continuation=True: text continues a text encoded just
+        before (a segment of one rendering), so SentencePiece adds no space prefix at its start."""
         ids = []
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids.append(self.bos_id)
-        after_special = True   # SentencePiece: the text at the start and after a special token gets a space
+        # SentencePiece: the text at the start and after a special token gets a space
+        after_special = not continuation
         for piece in self._partition(text, special):
             if isinstance(piece, int):
                 ids.append(piece)

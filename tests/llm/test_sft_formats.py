@@ -328,3 +328,21 @@ def test_a_template_that_rewrites_earlier_turns(model):
     # ... while a single exchange is consistent with it
     single = sft.encode_conversation(enc, tpl, MULTI_TURN[1:3], sft.EncodeOptions(enable_thinking=False))
     assert single.n_valid == len(enc.encode("Ahoy!<|im_end|>"))
+
+
+def test_sentencepiece_segments_continue_one_text_without_extra_space_prefix():
+    """SentencePiece adds a space prefix at the start of an encode call (and after special tokens); a
+    conversation's later segments continue one rendered text, so they must not get one: the ids equal the
+    tokenization of the whole rendering, as llama.cpp tokenizes it."""
+    from pipeline.llm.tokenizer import Tokenizer
+    gg = open_gguf(Path(__file__).resolve().parent.parent / "fixtures" / "tokenizers" / "spm-tiny.gguf")
+    tok = Tokenizer.from_gguf(gg)
+    assert tok.add_space_prefix  # the premise: a plain encode of " yo" would start with an extra "▁"
+    llama2_style = ("{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+                    "{% else %} {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+    tpl = ChatTemplate(llama2_style, eos_token="</s>", stop_ids={tok.eos_id}, stop_texts={"</s>"})
+    messages = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "a tiny answer"}]
+    sample = sft.encode_conversation(sft.RawEncoder(tok), tpl, messages)
+    whole = tok.encode(tpl.render(messages, add_generation_prompt=False), add_bos=False)
+    assert list(sample.inputs) + [int(sample.labels[-1])] == whole
+    assert int(sample.labels[-1]) == tok.eos_id  # the end-of-turn token is supervised

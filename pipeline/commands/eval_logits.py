@@ -55,7 +55,8 @@ def run(args):
     tok = lm.tokenizer
     for pos, (tid, row) in enumerate(zip(ids, logits)):
         top = np.argsort(-row, kind="stable")[: args.top]
-        piece = repr(tok.decode([tid], special=True)) if tok else str(tid)
+        # the token's own bytes (llama.cpp's token_to_piece): decode() would strip a SentencePiece "▁" prefix
+        piece = repr(tok.token_bytes(tid, special=True).decode("utf-8", "replace")) if tok else str(tid)
         best = ", ".join(f"{int(t)}:{row[t]:.4f}" for t in top)
         print(f"{pos:4d} {tid:7d} {piece:>16}  top: {best}")
     return 0

@@ -24,6 +24,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -77,41 +78,41 @@ def _expected_status(line):
     return int(m.group(1)) if m else 0
 
 
-def _sandbox(tmp_path, fresh_clone):
+def _sandbox(workdir, fresh_clone):
     """A directory laid out like the repository root, and the environment of a shell with no venv active."""
     if fresh_clone:  # the repository's files only (tracked or not ignored): no venv, no runs, nothing built
         files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                                capture_output=True, check=True).stdout
         for rel in filter(None, files.decode().split("\0")):
             if (ROOT / rel).is_file():
-                (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(ROOT / rel, tmp_path / rel)
+                (workdir / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / rel, workdir / rel)
     else:
         if not (VENV_BIN / "fucina").exists():
             pytest.skip(f"the tests do not run from a venv holding fucina ({sys.prefix})")
-        (tmp_path / ".venv").symlink_to(sys.prefix)
+        (workdir / ".venv").symlink_to(sys.prefix)
         for name in ("Procfile", "scripts"):
-            (tmp_path / name).symlink_to(ROOT / name)
-        (tmp_path / "bin").mkdir()
-        (tmp_path / "bin" / "fucina").symlink_to(VENV_BIN / "fucina")
+            (workdir / name).symlink_to(ROOT / name)
+        (workdir / "bin").mkdir()
+        (workdir / "bin" / "fucina").symlink_to(VENV_BIN / "fucina")
     path = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and not p.startswith(sys.prefix)]
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME", "PYTHON")}
-    env["PATH"] = os.pathsep.join([str(tmp_path / "bin")] + path)
+    env["PATH"] = os.pathsep.join([str(workdir / "bin")] + path)
     return env
 
 
-def _inputs(tmp_path, lines):
+def _inputs(workdir, lines):
     """The files the docs ask the reader to bring, made for the lines that name them."""
     text = " ".join(lines)
     for name in ("M.gguf", "model.gguf"):
         if re.search(rf"(?<![\w/-]){re.escape(name)}", text):
-            shutil.copy(ROOT / "tests" / "fixtures" / "qwen3-mini-f32.gguf", tmp_path / name)
+            shutil.copy(ROOT / "tests" / "fixtures" / "qwen3-mini-f32.gguf", workdir / name)
     if "base-f16.gguf" in text:
         from test_export_fixtures import write_tiny_qwen3
-        write_tiny_qwen3(tmp_path / "base-f16.gguf", dtype="f16")
+        write_tiny_qwen3(workdir / "base-f16.gguf", dtype="f16")
     if "pairs.jsonl" in text:
         import json
-        (tmp_path / "pairs.jsonl").write_text(
+        (workdir / "pairs.jsonl").write_text(
             "".join(json.dumps({"instruction": q, "response": a}) + "\n" for q, a in PAIRS))
 
 
@@ -140,21 +141,29 @@ def _wait_for_run_json(cwd, since, proc, timeout=900):
         time.sleep(0.5)
 
 
-def run_block(tmp_path, lines, timeout=3600):
+def run_block(workdir, lines, timeout=3600):
     fresh = any(line.startswith("python3 -m venv") for line in lines)
-    env = _sandbox(tmp_path, fresh)
-    _inputs(tmp_path, lines)
+    env = _sandbox(workdir, fresh)
+    _inputs(workdir, lines)
     outputs, i = {}, 0
     while i < len(lines):
         line, nxt = lines[i], lines[i + 1] if i + 1 < len(lines) else ""
-        started, proc = time.time(), _start(line, tmp_path, env)
+        started, proc = time.time(), _start(line, workdir, env)
         if "(another terminal)" in _comment(nxt):
-            _wait_for_run_json(tmp_path, started, proc)
-            outputs[nxt] = _finish(_start(nxt, tmp_path, env), nxt, timeout)
+            _wait_for_run_json(workdir, started, proc)
+            outputs[nxt] = _finish(_start(nxt, workdir, env), nxt, timeout)
             i += 1
         outputs[line] = _finish(proc, line, timeout)
         i += 1
     return outputs
+
+
+@pytest.fixture
+def sandbox():
+    """A fresh directory with a short path: ipc:// socket paths (RUN_DIR/*.sock) must stay under ~100 chars."""
+    path = pathlib.Path(tempfile.mkdtemp(prefix="fucina-docs-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _fast_prefix(lines):
@@ -167,28 +176,28 @@ def _fast_prefix(lines):
 
 
 @pytest.mark.parametrize("page", [name for name, lines in PAGE_LINES.items() if _fast_prefix(lines)])
-def test_documented_commands_up_to_the_first_long_one(page, tmp_path):
-    run_block(tmp_path, _fast_prefix(PAGE_LINES[page]))
+def test_documented_commands_up_to_the_first_long_one(page, sandbox):
+    run_block(sandbox, _fast_prefix(PAGE_LINES[page]))
 
 
-def test_the_procfile_runs_under_honcho_as_documented(tmp_path):
+def test_the_procfile_runs_under_honcho_as_documented(sandbox):
     """As pipeline.md says, from the repository root with the venv not activated (the Procfile names its
     Python): every role starts, the run finishes, the monitor line shows its steps."""
     lines = [c for c in PAGE_LINES["pipeline.md"] if "honcho start" in c]
     assert lines, "pipeline.md shows no honcho command"
-    out = run_block(tmp_path, lines, timeout=600)[lines[0]]
+    out = run_block(sandbox, lines, timeout=600)[lines[0]]
     assert '"event": "run_finished"' in out and '"kind": "metrics"' in out, out[-3000:]
-    assert (tmp_path / "runs" / "p" / "summary.json").is_file()
+    assert (sandbox / "runs" / "p" / "summary.json").is_file()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", [name for name, lines in PAGE_LINES.items() if any(LONG.search(c) for c in lines)])
-def test_documented_commands_all_of_them(page, tmp_path):
+def test_documented_commands_all_of_them(page, sandbox):
     lines = PAGE_LINES[page]
-    run_block(tmp_path, lines)
+    run_block(sandbox, lines)
     if any("runs/lm-latest" in line for line in lines):  # "latest" had two runs to choose from, and chose the newest
-        runs = sorted(p.name for p in (tmp_path / "runs").glob("lm-2*") if not p.is_symlink())  # lm-<time>
-        assert len(runs) >= 2 and os.readlink(tmp_path / "runs" / "lm-latest") == runs[-1]
+        runs = sorted(p.name for p in (sandbox / "runs").glob("lm-2*") if not p.is_symlink())  # lm-<time>
+        assert len(runs) >= 2 and os.readlink(sandbox / "runs" / "lm-latest") == runs[-1]
 
 
 def test_the_readme_test_command_is_the_first_thing_ci_runs():

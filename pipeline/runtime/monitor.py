@@ -39,7 +39,10 @@ def find_events_endpoint(run_dir=None, connect=None) -> str:
         with open(os.path.join(run_dir, "run.json")) as fh:
             return json.load(fh)["endpoints"]["events"]
     except FileNotFoundError:  # not started yet (Procfile): the default ipc socket will appear there
-        return ipc_endpoints(run_dir).events
+        try:
+            return ipc_endpoints(run_dir).events
+        except ValueError as e:  # a path too long for an ipc:// socket
+            raise UserError(f"monitor: {e}") from None
     except (OSError, ValueError, KeyError):
         raise UserError(f"monitor: {run_dir}/run.json is unreadable") from None
 

@@ -160,6 +160,8 @@ def test_the_live_views_first_frame_has_no_none(tmp_path):
 def test_endpoint_lookup(tmp_path):
     assert find_events_endpoint(connect="tcp://127.0.0.1:9") == "tcp://127.0.0.1:9"
     assert find_events_endpoint(run_dir=str(tmp_path)) == f"ipc://{tmp_path}/sockets/events.sock"  # not started
+    with pytest.raises(UserError, match="too long for an ipc:// socket"):
+        find_events_endpoint(run_dir=str(tmp_path / ("d" * 120)))
     (tmp_path / "run.json").write_text("{not json")
     with pytest.raises(UserError, match="unreadable"):
         find_events_endpoint(run_dir=str(tmp_path))

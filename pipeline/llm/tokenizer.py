@@ -22,7 +22,7 @@ import heapq
 from ..errors import UserError
 from .pretokenize import PRE_TOKENIZERS, REFERENCE_REGEXES
 
-# the Qwen2 tokenizer.json split regex (what tools/make_tiny_qwen3.py trains its fixture vocabularies with)
+# the Qwen2 tokenizer.json split regex (what tools/make_tiny_model.py trains its fixture vocabularies with)
 QWEN2_PATTERN = REFERENCE_REGEXES["qwen2"][0]
 
 # GGUF token types (gguf.TokenType)

@@ -53,7 +53,7 @@ def ipc_endpoints(run_dir: str) -> Endpoints:
     ctl, ev = os.path.join(sockets, "control.sock"), os.path.join(sockets, "events.sock")
     if len(ctl) > 100:  # sun_path limit is 108 bytes
         raise ValueError(f"transport: run directory path too long for an ipc:// socket ({len(ctl)} > 100 chars): "
-                         f"{run_dir}; use a shorter --run-dir or --transport tcp")
+                         f"{run_dir}; use a shorter --run-dir, or tcp (--port)")
     return Endpoints(f"ipc://{ctl}", f"ipc://{ev}")
 
 

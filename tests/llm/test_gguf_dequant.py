@@ -135,7 +135,7 @@ LLAMA_KINDS = {"Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0", "Q5_1": "Q5_1", "
 def llama_f32_model(tmp_path_factory):
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-    import make_tiny_qwen3 as mk
+    import make_tiny_model as mk
     return mk.write_gguf(tmp_path_factory.mktemp("fmt") / "untied-f32.gguf", mk.SHAPES["untied"], seed=11)
 
 

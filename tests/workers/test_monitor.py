@@ -128,7 +128,7 @@ def test_an_absent_run_is_reported_after_the_wait(tmp_path, capsys, make_dir):
     assert monitor.watch(_args(run_dir, wait=0.5)) == 1
     err = capsys.readouterr().err
     why = f"no scheduler of {run_dir} is running" if make_dir else f"there is no run directory {run_dir}"
-    assert f"nothing published on ipc://{run_dir}/events.sock for 0.5 s and {why}" in err
+    assert f"nothing published on ipc://{run_dir}/sockets/events.sock for 0.5 s and {why}" in err
 
 
 def test_no_run_under_runs_is_a_user_error(tmp_path, monkeypatch):
@@ -137,7 +137,19 @@ def test_no_run_under_runs_is_a_user_error(tmp_path, monkeypatch):
         monitor.watch(_args(None))
 
 
-def test_the_newest_run_is_named_by_its_dir_not_by_the_latest_link(tmp_path, monkeypatch):
+@pytest.fixture
+def short_tmp():
+    """A temp dir short enough for ipc:// socket paths under runs/<job>-<time>/sockets/ (pytest's are not)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+    path = Path(tempfile.mkdtemp(prefix="fm-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_the_newest_run_is_named_by_its_dir_not_by_the_latest_link(short_tmp, monkeypatch):
+    tmp_path = short_tmp
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs" / "lm-20261201-101500").mkdir(parents=True)
     _run_json(tmp_path / "runs" / "lm-20261201-101500")

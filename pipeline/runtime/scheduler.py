@@ -179,7 +179,8 @@ class Scheduler:
         kind = msg["kind"]
         if kind == "heartbeat":
             peer = self.by_identity_of(msg["worker"])
-            if peer is not None and hmac.compare_digest(peer.token, msg.get("token", "")):
+            token = msg.get("token", "").encode()  # compare_digest refuses non-ASCII str: compare bytes
+            if peer is not None and hmac.compare_digest(peer.token.encode(), token):
                 self.liveness.beat(peer.id)
             self.router.send(identity, "heartbeat", worker="scheduler")
             return

@@ -235,6 +235,7 @@ def test_heartbeats_without_the_workers_token_do_not_keep_it_alive(rig):
         fakes["t1"].silent = True
         for _ in range(16):
             stranger.send("heartbeat", worker="t1", token="a guess")
+            stranger.send("heartbeat", worker="t1", token="ünïcode")  # hmac.compare_digest raises on these as str
             spin(sched, fakes, seconds=0.1)
         assert "t1" not in sched.peers
     finally:

@@ -100,8 +100,8 @@ def start(sched, fakes):
     loads = fakes["loader"].take("load")
     assert sorted((m["step"], m["k"]) for m in loads) == [(s, k) for s in (0, 1) for k in range(M)]
     for m in loads:
-        fakes["loader"].send("loaded", m["step"], gen=0, k=m["k"], slot=m["slot"], batch=desc("loader", "batches", "loader"),
-                             ms=0.1)
+        fakes["loader"].send("loaded", m["step"], gen=0, k=m["k"], slot=m["slot"],
+                             batch=desc("loader", "batches", "loader"), ms=0.1)
     spin(sched, fakes)
 
 

@@ -66,7 +66,8 @@ def test_a_trainer_that_wakes_after_the_step_moved_on_answers_stale_and_leaves_t
         for name, arr in job.init_params():
             params.tensors[name][...] = arr
         grads = owner.create("grads", [(f"{k}/{n}", s, d) for k in range(2) for n, s, d in job.param_layout()])
-        batches = owner.create("batches", [(f"{slot}/{n}", s, d) for slot in range(4) for n, s, d in job.batch_layout()])
+        batches = owner.create("batches", [(f"{slot}/{n}", s, d) for slot in range(4)
+                                           for n, s, d in job.batch_layout()])
         job.fill_batch(0, 1, {n: batches.tensors[f"1/{n}"] for n, _, _ in job.batch_layout()})
         for t in grads.tensors.values():
             t[...] = 7.0  # what a later step's trainer wrote there

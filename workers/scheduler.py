@@ -40,7 +40,8 @@ def build_parser():
                    help="tcp:// only: the run's scheduler.key (default: make fresh keys, RUN_DIR/scheduler.key "
                         "and RUN_DIR/worker.key, the file workers need)")
     p.add_argument("--role-wait", type=float, default=ROLE_WAIT_S,
-                   help="seconds the run may lack a role (loader, optimizer, checkpointer, any trainer) before it fails")
+                   help="seconds the run may lack a role (loader, optimizer, checkpointer, any trainer) "
+                        "before it fails")
     return p
 
 

@@ -3,10 +3,16 @@
 Reads parameters of the version it is told from the optimizer's segment and the
 batch from the loader's, writes the gradient into grads slot k. Holds nothing
 persistent: a task re-run anywhere gives the same bits, which is what makes a
-SIGKILLed trainer harmless.
+SIGKILLed trainer harmless. The backward pass fills a private buffer that is
+copied into the shared slot only if the parameters are still of the task's
+version: a trainer paused mid-task (and re-run elsewhere meanwhile) that
+wakes after the step has moved on answers `stale` instead of writing into a
+slot a later step now owns - the window left is the copy itself.
 """
 import sys
 import time
+
+import numpy as np
 
 from pipeline.runtime.roles import TrainerLogic
 from pipeline.runtime.worker import Worker, run_worker
@@ -19,6 +25,7 @@ class Trainer(Worker):
         self.owners = {}         # segment name -> the worker that created the mapping we hold
         self.params_name = None
         self.logic = None
+        self.private = {}        # parameter name -> this process's gradient buffer
 
     def _attach(self, desc):
         """Attach a segment; re-attach when its owner changed (a restarted role re-creates
@@ -49,7 +56,15 @@ class Trainer(Worker):
         batch = {name: batch_seg.tensors[f"{slot}/{name}"] for name, _, _ in self.job.batch_layout()}
         grads_seg = self._attach(msg["grads"])
         grads = {name: grads_seg.tensors[f"{k}/{name}"] for name in self.params_seg.tensors}
-        loss, rows = self.logic.compute(batch, grads)
+        for name, slot_view in grads.items():
+            if self.private.get(name) is None or self.private[name].shape != slot_view.shape:
+                self.private[name] = np.empty_like(slot_view)
+        loss, rows = self.logic.compute(batch, self.private)
+        if self.params_seg.version != step:  # we were paused and the run moved on: the slot is not ours now
+            self.sock.send("grad_done", step, worker=self.id, gen=msg["gen"], k=k, loss=0.0, rows=0, ms=0.0, stale=True)
+            return
+        for name, slot_view in grads.items():
+            slot_view[...] = self.private[name]
         self.sock.send("grad_done", step, worker=self.id, gen=msg["gen"], k=k, loss=loss, rows=rows,
                        ms=(time.perf_counter() - t0) * 1e3)
 

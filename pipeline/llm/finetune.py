@@ -481,7 +481,7 @@ def _death(exitcode) -> str:
         import signal
         name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else f"signal {-exitcode}"
         hint = " (the kernel's out-of-memory killer sends this; see dmesg)" if -exitcode == signal.SIGKILL else ""
-        return f"killed by {name}{hint}; it printed nothing"
+        return f"killed by {name}{hint}, so it left no traceback"
     return f"it exited with code {exitcode} (an exception in it prints its traceback above)"
 
 

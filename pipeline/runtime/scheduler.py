@@ -49,6 +49,7 @@ SINGLETONS = ("loader", "optimizer", "checkpointer")
 START_GRACE_S = 120.0  # how long to wait for every requested trainer before starting with fewer
 ROLE_WAIT_S = 300.0    # how long a run may lack a role (a respawn under load takes seconds) before it fails
 PID_CHECK_S = 0.1      # how often the pids of local workers are checked
+DROP_LOG_S = 1.0       # refused messages are logged at most once a second (with a count): a flood is not a log
 # the results each role may send; anything else from it is dropped
 RESULTS = {"loaded": ("loader",), "grad_done": ("trainer",), "ready": ("optimizer",), "stepped": ("optimizer",),
            "snapshot_ready": ("optimizer",), "committed": ("checkpointer",),
@@ -88,6 +89,7 @@ class Scheduler:
         self.queued: dict[str, list[Peer]] = {r: [] for r in SINGLETONS}  # waiting for the incumbent to die
         self.missing_since: dict[str, float] = {}
         self.last_pid_check = 0.0
+        self.dropped, self.last_drop_log = 0, -DROP_LOG_S
         self.gen = 0
         self.ready = False           # optimizer has published parameters of version self.cur
         self.init_sent = None        # the optimizer that was sent this generation's init
@@ -179,7 +181,8 @@ class Scheduler:
         kind = msg["kind"]
         if kind == "heartbeat":
             peer = self.by_identity_of(msg["worker"])
-            if peer is not None and hmac.compare_digest(peer.token, msg.get("token", "")):
+            token = msg.get("token", "").encode()  # compare_digest refuses non-ASCII str: compare bytes
+            if peer is not None and hmac.compare_digest(peer.token.encode(), token):
                 self.liveness.beat(peer.id)
             self.router.send(identity, "heartbeat", worker="scheduler")
             return
@@ -192,9 +195,7 @@ class Scheduler:
                 self.router.send(identity, "shutdown", reason="you were declared lost; start afresh", replace=True)
             return
         if msg.get("worker") != peer.id or kind not in RESULTS or peer.role not in RESULTS[kind]:
-            self.log(f"[scheduler] dropped a {kind!r} message from {peer.id} ({peer.role}) claiming to be "
-                     f"{msg.get('worker')!r}: not a result this connection may send")
-            return
+            return self.drop(peer, msg, f"claims to be {msg.get('worker')!r}, or is not a result a {peer.role} sends")
         if self.peers.get(peer.id) is not peer:  # queued behind a live incumbent: it holds no task
             if kind in ("bye", "failed"):
                 self.drop_queued(peer, kind)
@@ -210,8 +211,7 @@ class Scheduler:
         role, wid = msg["role"], msg["worker"]
         known = self.by_identity.get(identity)
         if known is not None:  # a second hello on one connection changes nothing
-            self.log(f"[scheduler] dropped a second hello from {known.id} ({known.role})")
-            return
+            return self.drop(known, msg, "a second hello on one connection")
         if self.by_identity_of(wid) is not None:
             self.router.send(identity, "shutdown", reason=f"worker id {wid!r} is taken by a live connection")
             self.log(f"[scheduler] refused a hello as {wid!r} ({role}): that id is taken by a live connection")
@@ -242,7 +242,12 @@ class Scheduler:
     # Each handler accepts a result only for the task its connection was assigned in this
     # generation; `drop` logs the rest (late results of a lost generation land there too).
     def drop(self, peer, msg, why):
-        self.log(f"[scheduler] dropped {msg['kind']!r} (step {msg['step']}) from {peer.id}: {why}")
+        self.dropped += 1
+        now = time.monotonic()
+        if now - self.last_drop_log >= DROP_LOG_S:
+            self.last_drop_log = now
+            self.log(f"[scheduler] dropped {msg['kind']!r} (step {msg['step']}) from {peer.id}: {why} "
+                     f"({self.dropped} dropped so far)")
 
     def segment_name(self, role, what):
         return f"{run_prefix(self.run_id)}{role}-{what}"

@@ -228,6 +228,9 @@ class HeartbeatThread(threading.Thread):
     the worker is sent SIGTERM (its handler unwinds and unlinks its segments),
     so orphaned workers exit within a few seconds of losing the scheduler.
     Before the first answer the worker waits (the scheduler may start later).
+    A worker that was itself paused gives the scheduler a fresh `timeout_s`
+    on waking: if the scheduler declared it lost meanwhile, its shutdown
+    (replace) arrives, and the worker exits for a supervisor to replace it.
     """
 
     def __init__(self, endpoint: str, worker: str, token: str, key=None, timeout_s: float = LIVENESS_S,
@@ -244,12 +247,15 @@ class HeartbeatThread(threading.Thread):
         last_heard = None
         try:
             while not self._stop.is_set():
+                beat_started = time.monotonic()
                 sock.send("heartbeat", worker=self.worker, token=self.token)
-                deadline = time.monotonic() + self.interval_s
+                deadline = beat_started + self.interval_s
                 while (left := deadline - time.monotonic()) > 0:
                     msg = sock.recv(int(left * 1000) + 1)
                     if msg:
                         last_heard = time.monotonic()
+                if last_heard is not None and time.monotonic() - beat_started > self.timeout_s / 2:
+                    last_heard = time.monotonic()  # we were paused (SIGSTOP, a frozen VM): the silence was ours
                 silent = last_heard is not None and time.monotonic() - last_heard > self.timeout_s
                 if silent and not self._stop.is_set():
                     self.lost = True

@@ -37,7 +37,8 @@ EXIT_REPLACED = 75  # EX_TEMPFAIL: the scheduler declared us lost; a supervisor 
 
 
 def worker_arguments(parser: argparse.ArgumentParser):
-    parser.add_argument("--run-dir", default=None, help="run directory (its sockets/control.sock is the default endpoint)")
+    parser.add_argument("--run-dir", default=None,
+                        help="run directory (its sockets/control.sock is the default endpoint)")
     parser.add_argument("--connect", default=None, help="scheduler control endpoint (ipc://... or tcp://host:port)")
     parser.add_argument("--key", default=None, metavar="FILE",
                         help="the run's worker.key, needed for tcp:// (default: RUN_DIR/worker.key with --run-dir)")
@@ -121,7 +122,9 @@ class Worker:
                 return msg
             if msg and msg["kind"] == "shutdown":
                 raise SystemExit(EXIT_REPLACED if msg.get("replace") else 0)
-        raise SystemExit(f"{self.id}: no scheduler answered at {self.endpoint} within {WELCOME_TIMEOUT_S:.0f} s")
+        raise SystemExit(f"{self.id}: no welcome from the scheduler at {self.endpoint} within "
+                         f"{WELCOME_TIMEOUT_S:.0f} s (none is listening, the key is not this run's, or a live "
+                         f"{self.role} holds the role and this one was queued behind it)")
 
     def _serve(self) -> int:
         while True:

@@ -100,8 +100,8 @@ def start(sched, fakes):
     loads = fakes["loader"].take("load")
     assert sorted((m["step"], m["k"]) for m in loads) == [(s, k) for s in (0, 1) for k in range(M)]
     for m in loads:
-        fakes["loader"].send("loaded", m["step"], gen=0, k=m["k"], slot=m["slot"], batch=desc("loader", "batches", "loader"),
-                             ms=0.1)
+        fakes["loader"].send("loaded", m["step"], gen=0, k=m["k"], slot=m["slot"],
+                             batch=desc("loader", "batches", "loader"), ms=0.1)
     spin(sched, fakes)
 
 
@@ -235,6 +235,7 @@ def test_heartbeats_without_the_workers_token_do_not_keep_it_alive(rig):
         fakes["t1"].silent = True
         for _ in range(16):
             stranger.send("heartbeat", worker="t1", token="a guess")
+            stranger.send("heartbeat", worker="t1", token="ünïcode")  # hmac.compare_digest raises on these as str
             spin(sched, fakes, seconds=0.1)
         assert "t1" not in sched.peers
     finally:

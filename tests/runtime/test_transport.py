@@ -106,3 +106,35 @@ def test_worker_exits_when_scheduler_heartbeats_stop(tmp_path):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_a_paused_worker_does_not_mistake_its_own_pause_for_a_dead_scheduler(tmp_path):
+    import signal
+    ep = transport.ipc_endpoints(str(tmp_path))
+    router = transport.RouterSocket(ep.control)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    p = subprocess.Popen([sys.executable, "-c", WORKER, ep.control], stdout=subprocess.PIPE, cwd=root)
+
+    def echo(seconds=None, beats=None):
+        echoed, t_end = 0, time.time() + (seconds or 30)
+        while time.time() < t_end and (beats is None or echoed < beats):
+            got = router.recv(50)
+            if got and got[1] and got[1]["kind"] == "heartbeat":
+                router.send(got[0], "heartbeat", worker="scheduler")
+                echoed += 1
+        return echoed
+    try:
+        assert echo(beats=5) == 5
+        time.sleep(0.3)  # no echo in flight when it stops, so nothing wakes it but its own clock
+        p.send_signal(signal.SIGSTOP)
+        time.sleep(2.0)  # twice its 1 s timeout
+        p.send_signal(signal.SIGCONT)
+        assert echo(seconds=2.0) > 5
+        assert p.poll() is None, "the worker took its own pause for the scheduler's death"
+        router.close()
+        out, _ = p.communicate(timeout=20)
+        assert out.strip() == b"lost"
+    finally:
+        p.send_signal(signal.SIGCONT)
+        if p.poll() is None:
+            p.kill()

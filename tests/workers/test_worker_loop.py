@@ -52,3 +52,51 @@ def test_worker_drops_bad_messages_and_exits_cleanly_on_shutdown(tmp_path):
         if p.poll() is None:
             p.kill()
         shm.unlink_run("wtest")
+
+
+def test_a_trainer_that_wakes_after_the_step_moved_on_answers_stale_and_leaves_the_slot_alone():
+    """Paused mid-backward, re-run elsewhere, woken after the optimizer stepped: no write into slot k."""
+    import numpy as np
+
+    from workers.trainer import Trainer
+    job = get_job("spirals")(build(get_job("spirals").Spec, {"micro_batches": 2, "batch": 8}))
+    owner = shm.Registry("wfence", "optimizer")
+    try:
+        params = owner.create("params", job.param_layout())
+        for name, arr in job.init_params():
+            params.tensors[name][...] = arr
+        grads = owner.create("grads", [(f"{k}/{n}", s, d) for k in range(2) for n, s, d in job.param_layout()])
+        batches = owner.create("batches", [(f"{slot}/{n}", s, d) for slot in range(4)
+                                           for n, s, d in job.batch_layout()])
+        job.fill_batch(0, 1, {n: batches.tensors[f"1/{n}"] for n, _, _ in job.batch_layout()})
+        for t in grads.tensors.values():
+            t[...] = 7.0  # what a later step's trainer wrote there
+        desc = lambda seg: {"segment": seg.name, "tensors": seg.layout_wire(), "owner": "optimizer-1"}  # noqa: E731
+        sent = []
+        trainer = Trainer("ipc:///nowhere")
+        trainer.job, trainer.registry = job, shm.Registry("wfence", "trainer")
+        trainer.sock = type("Sock", (), {"send": lambda self, kind, step, **f: sent.append((kind, step, f))})()
+        trainer.setup()
+        task = {"step": 0, "gen": 0, "k": 1, "slot": 1, "batch": desc(batches), "params": desc(params),
+                "grads": desc(grads)}
+        params.version = 0
+        trainer._rebind(task["params"])
+        compute = trainer.logic.compute
+
+        def paused_while_the_run_moved_on(batch, out):
+            result = compute(batch, out)
+            params.version = 1  # the optimizer stepped while we were stopped
+            return result
+        trainer.logic.compute = paused_while_the_run_moved_on
+        trainer.on_grad(task)
+        assert sent[-1][0] == "grad_done" and sent[-1][2]["stale"] is True
+        assert all(np.all(t == 7.0) for t in grads.tensors.values())
+        trainer.logic.compute = compute
+        params.version = 0
+        trainer.on_grad(task)  # the same task, not overtaken: the gradient lands in slot 1 only
+        assert "stale" not in sent[-1][2]
+        assert any(np.any(grads.tensors[f"1/{n}"] != 7.0) for n, _, _ in job.param_layout())
+        assert all(np.all(grads.tensors[f"0/{n}"] == 7.0) for n, _, _ in job.param_layout())
+        trainer.registry.close()
+    finally:
+        owner.close()

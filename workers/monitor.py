@@ -9,7 +9,7 @@ import os
 import sys
 
 from pipeline.errors import FucinaError, UserError
-from pipeline.runtime.monitor import Watch, find_events_endpoint, live_view, newest_run_dir, plain_view
+from pipeline.runtime.monitor import Watch, events_key, find_events_endpoint, live_view, newest_run_dir, plain_view
 from pipeline.runtime.shm import exit_on_signals
 
 WAIT_S = 5.0
@@ -19,6 +19,8 @@ def add_arguments(p):
     p.add_argument("--connect", metavar="ENDPOINT", help="events endpoint (ipc://.../events.sock or tcp://host:port)")
     p.add_argument("--run-dir", metavar="DIR",
                    help="run directory (its run.json names the endpoint; default: the newest under ./runs)")
+    p.add_argument("--key", metavar="FILE",
+                   help="a tcp:// run's worker.key (CURVE); default: the one the run dir's run.json names")
     p.add_argument("--jsonl", action="store_true", help="print each message as one JSON line")
     p.add_argument("--wait", type=float, default=WAIT_S, metavar="S",
                    help="seconds to wait for a message before reporting a finished or absent run and exiting 1 "
@@ -38,7 +40,8 @@ def watch(args, out=None) -> int:
     endpoint = find_events_endpoint(run_dir, args.connect)
     if args.wait < 0:
         raise UserError(f"--wait must be >= 0 seconds, got {args.wait}")
-    seen = Watch(endpoint, run_dir, wait_s=args.wait, timeout_s=args.timeout, idle_s=args.idle, follow=args.follow)
+    seen = Watch(endpoint, run_dir, wait_s=args.wait, timeout_s=args.timeout, idle_s=args.idle, follow=args.follow,
+                 key=events_key(endpoint, run_dir, args.key))
     print(f"watching {endpoint} (Ctrl-C detaches; the run goes on)", file=sys.stderr, flush=True)
     try:
         if args.jsonl:

@@ -57,6 +57,24 @@ def finished_record(run_dir):
     return events[-1] if events and events[-1].get("event") == "run_finished" else None
 
 
+def events_key(endpoint, run_dir=None, key_path=None):
+    """The CURVE client key a tcp:// events socket needs: --key FILE, else the worker.key run.json names; None
+    for ipc://."""
+    from . import security
+    if not security.is_tcp(endpoint):
+        return None
+    if key_path is None and run_dir is not None:
+        try:
+            with open(os.path.join(run_dir, "run.json")) as fh:
+                key_path = json.load(fh).get("worker_key")
+        except (OSError, ValueError, AttributeError):
+            key_path = None
+    if not isinstance(key_path, str):
+        raise UserError(f"{endpoint} is a tcp:// run: its events are CURVE-authenticated; pass --key "
+                        f"RUN_DIR/{security.CLIENT_FILE} (or --run-dir of a run whose run.json names it)")
+    return security.load_client_key(key_path)
+
+
 def scheduler_alive(run_dir) -> bool:
     """True while the process run.json names as the run's scheduler exists (on this host)."""
     try:
@@ -79,15 +97,15 @@ class Watch:
     follow=True never ends on the run's state (a Procfile's monitor must not be the first process to exit).
     """
 
-    def __init__(self, endpoint, run_dir=None, wait_s=5.0, timeout_s=None, idle_s=None, follow=False):
-        self.endpoint, self.run_dir, self.wait_s = endpoint, run_dir, wait_s
+    def __init__(self, endpoint, run_dir=None, wait_s=5.0, timeout_s=None, idle_s=None, follow=False, key=None):
+        self.endpoint, self.run_dir, self.wait_s, self.key = endpoint, run_dir, wait_s, key
         self.timeout_s, self.idle_s, self.follow = timeout_s, idle_s, follow
         self.ended = None
         self.heard = 0
         self.finish = None  # the run_finished detail, when known
 
     def __iter__(self):
-        sub = Subscriber(self.endpoint)
+        sub = Subscriber(self.endpoint, key=self.key)
         t0 = last = time.monotonic()
         try:
             while True:

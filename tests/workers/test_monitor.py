@@ -47,7 +47,7 @@ def _publish_until_heard(pub, heard, steps_after=5):
 
 def _args(run_dir, **overrides):
     values = dict(connect=None, run_dir=run_dir and str(run_dir), jsonl=False, wait=5.0, timeout=60.0, idle=None,
-                  follow=False)
+                  follow=False, key=None)
     values.update(overrides)
     return argparse.Namespace(**values)
 
@@ -194,3 +194,38 @@ def test_plot_redraws_from_metrics_and_replayed_steps_win(tmp_path):
 def test_plot_without_metrics_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="no metrics.jsonl"):
         plot_run(str(tmp_path))
+
+
+def test_the_monitor_attaches_to_a_tcp_run_with_its_key(tmp_path):
+    """A tcp:// run's events are CURVE-authenticated: the monitor takes the worker.key run.json names (or
+    --key FILE) and hears the run; without a key it is one clear error, not a silent wait."""
+    import zmq
+    from pipeline.runtime import security
+    server_path, client_path = security.create_run_keys(str(tmp_path))
+    server_key = security.load_server_key(server_path)
+    server = transport.ServerContext(server_key)
+    pub = transport.Publisher("tcp://127.0.0.1:0", server.ctx, server_key)
+    endpoint = pub.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    try:
+        with pytest.raises(UserError, match="CURVE-authenticated; pass --key"):
+            monitor.events_key(endpoint)
+        _run_json(tmp_path, worker_key=client_path)
+        key = monitor.events_key(endpoint, str(tmp_path))
+        seen = iter(Watch(endpoint, str(tmp_path), wait_s=5, timeout_s=20, key=key))
+        heard = []
+
+        def listen():
+            heard.append(next(seen))
+
+        t = threading.Thread(target=listen)
+        t.start()
+        for _ in range(400):  # slow joiner: publish until the subscription is live
+            pub.publish("event", event="ping", detail={})
+            t.join(0.05)
+            if not t.is_alive():
+                break
+        assert heard and heard[0]["event"] == "ping"
+        seen.close()
+    finally:
+        pub.close()
+        server.close()

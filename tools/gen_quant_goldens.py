@@ -9,7 +9,7 @@ Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (no importance matrix: the path
 `llama_model_quantize` takes), F16 and BF16, calling `ggml_quantize_chunk` /
 `ggml_fp32_to_{fp16,bf16}_row` from the libggml-base that llama-cpp-python
 ships (quant_goldens.npz). Then it writes tiny F32 Qwen3 GGUFs
-(tools/make_tiny_qwen3.py) in MIX_SHAPES, quantizes each with
+(tools/make_tiny_model.py) in MIX_SHAPES, quantizes each with
 `llama_model_quantize` to Q4_K_M and Q5_K_M, and records every tensor's
 (name, shape, type) as llama.cpp chose it (mix_types.json). Our encoders and
 planner are never called here. The generating versions go into meta.json.
@@ -91,10 +91,10 @@ def cases(rng) -> dict[str, np.ndarray]:
 
 
 def mix_shapes():
-    """make_tiny_qwen3 shapes whose row lengths reach every branch of the _M mixes: 8 and 9 layers (the
+    """make_tiny_model shapes whose row lengths reach every branch of the _M mixes: 8 and 9 layers (the
     "more bits" pattern), ffn rows of 320 (K-quant fallbacks to Q5_0/Q5_1/Q8_0) and 336 (to F16), a
     tied and an untied output, hidden 320 (output -> Q8_0)."""
-    from make_tiny_qwen3 import Shape
+    from make_tiny_model import Shape
     return {
         "untied_ffn320": Shape(hidden=256, layers=8, heads=4, kv_heads=2, head_dim=64, ffn=320, tied=False),
         "tied_ffn336": Shape(hidden=256, layers=8, heads=4, kv_heads=2, head_dim=64, ffn=336, tied=True),
@@ -106,7 +106,7 @@ def mix_types(workdir: Path) -> dict:
     """{case: {"layers": n, "tensors": {ftype: [[name, shape, type], ...]}}} as llama_model_quantize writes them."""
     import llama_cpp
     from gguf import GGUFReader
-    from make_tiny_qwen3 import write_gguf
+    from make_tiny_model import write_gguf
 
     result = {}
     for case, shape in mix_shapes().items():

@@ -36,11 +36,12 @@ the rewards, hence the update, are the same bits as in place.
 from __future__ import annotations
 
 from ..autograd.tensor import no_grad
-from ..errors import ConfigMismatchError, UserError
+from ..errors import ConfigMismatchError, FucinaError, UserError
 from ..llm.finetune import ProcessPool
 from ..train.checkpoint import load_checkpoint, read_sentinel, save_checkpoint
 from ..train.trainer_state import TrainerState
 from .checkpoint import STRUCTURAL
+from .rewards import NLLScorer
 from .trainer import ESConfig, ESTrainer
 
 SEARCHES = ("ab", "b")
@@ -69,7 +70,8 @@ def batch_loss(trainer, samples) -> float:
 class ESFinetune:
     """ES over a Trainer's adapters: one `iteration_step()` = one ES update from one loader batch."""
 
-    def __init__(self, trainer, samples, loader, es_config: ESConfig, batch=5, search="ab", pool=None):
+    def __init__(self, trainer, samples, loader, es_config: ESConfig, batch=5, search="ab", pool=None, scorer=None):
+        """scorer: what a member's reward is (pipeline/es/rewards.py); default -mean CE of `samples`."""
         if search not in SEARCHES:
             raise UserError(f"search must be one of {SEARCHES}, got {search!r}")
         if batch < 1:
@@ -78,6 +80,7 @@ class ESFinetune:
             raise UserError("ES fine-tuning scores members with dropout off; build the Trainer with dropout=0")
         self.trainer, self.samples, self.loader = trainer, samples, loader
         self.batch, self.search, self.pool = int(batch), search, pool
+        self.scorer = scorer if scorer is not None else NLLScorer(samples)
         self.es = ESTrainer(es_config)
         for name, p in trainer.named_parameters():
             if search == "ab" or name.endswith(".lora_b"):
@@ -95,9 +98,8 @@ class ESFinetune:
     def iteration_step(self) -> dict:
         """Draw a batch, score every member on it, update; returns the ES stats (+ batch indices)."""
         idx = self.loader.take(self.batch)
-        batch = [self.samples[i] for i in idx]
         if self.pool is None:  # in place: perturb -> score -> restore, one member at a time
-            stats = self.es.step(lambda member: -batch_loss(self.trainer, batch))
+            stats = self.es.step(lambda member: self.scorer.score(self.trainer, idx))
         else:  # the rows theta + sigma*eps_m are bitwise what perturb(m) leaves, so the rewards are too
             rows = self.es.split(self.es.materialize_members(range(self.es.config.population)))
             adapters = {n: p.data for n, p in self.trainer.named_parameters()}
@@ -160,33 +162,39 @@ def es_config_from_state(stored: dict, source: str) -> dict:
 
 
 # --- member processes ------------------------------------------------------------
-def _member_main(conn, model_path, trainer_kwargs, samples, threads):
-    """A member process: a Trainer over the mapped GGUF; answers (adapters, member rows, batch) with rewards."""
+def _member_main(conn, model_path, trainer_kwargs, scorer, threads):
+    """A member process: a Trainer over the mapped GGUF; answers (adapters, member rows, batch) with rewards.
+
+    The scorer is bound here, so a user's reward file is imported (and called) in this process."""
     from ..llm.finetune import Trainer
     from ..threads import pin_threads
     pin_threads(threads)
     trainer = Trainer.from_gguf(model_path, **trainer_kwargs)
     params = dict(trainer.named_parameters())
+    scorer.bind(model_path)
     conn.send("ready")
     while True:
         msg = conn.recv()
         if msg is None:
             break
         adapters, members, idx = msg
-        batch = [samples[i] for i in idx]
         rewards = []
-        for rows in members:  # rows: {searched name: this member's values}
-            for name, arr in {**adapters, **rows}.items():
-                params[name].data[...] = arr
-            rewards.append(-batch_loss(trainer, batch))
+        try:
+            for rows in members:  # rows: {searched name: this member's values}
+                for name, arr in {**adapters, **rows}.items():
+                    params[name].data[...] = arr
+                rewards.append(scorer.score(trainer, idx))
+        except FucinaError as e:  # e.g. a reward function's bad return: the parent raises it as one line
+            conn.send(("error", str(e)))
+            continue
         conn.send(rewards)
 
 
 class MemberPool(ProcessPool):
     """N spawned member processes; member k is scored by process k % N; rewards come back in member order."""
 
-    def __init__(self, n, model_path, trainer_kwargs, samples, threads=1):
-        super().__init__(n, _member_main, (str(model_path), trainer_kwargs, samples, threads),
+    def __init__(self, n, model_path, trainer_kwargs, scorer, threads=1):
+        super().__init__(n, _member_main, (str(model_path), trainer_kwargs, scorer, threads),
                          f"a member process on {model_path}")
 
     def score(self, adapters, rows, idx):
@@ -203,5 +211,7 @@ class MemberPool(ProcessPool):
             except (EOFError, OSError):
                 self.procs[j].join(timeout=5)
                 raise UserError(f"member process {j} died (exit code {self.procs[j].exitcode}); its error is printed above") from None
+            if isinstance(answer, tuple):
+                raise UserError(f"member process {j}: {answer[1]}")
             rewards[j::n] = answer
         return rewards

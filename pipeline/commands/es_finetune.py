@@ -24,6 +24,7 @@ DESCRIPTION = (HELP + ". With no --data it trains the built-in five-pair pirate 
                "scores the same batch; the reward is the negative mean cross-entropy. ES needs many more "
                "forward passes than backprop needs steps: expect a measurable loss drop, not a converged style.")
 
+SEARCHED = {"ab": "A and B", "b": "B only", "full": "every dense weight matrix"}
 # ES defaults when the flags are not given (a resume takes the checkpoint's values instead)
 ES_DEFAULTS = {"sigma": 0.05, "alpha": 0.05, "population": 16, "antithetic": True, "shaping": "z_score",
                "noise": "iid", "anchor_decay": None, "anchor_lambda": 0.0, "batch": 5, "search": "ab"}
@@ -57,8 +58,12 @@ def add_arguments(p):
                         "(default reward: countdown)")
     p.add_argument("--task-size", type=int, default=64, metavar="N", help="problems the built-in task generates")
     p.add_argument("--task-seed", type=int, default=0, help="seed of the built-in task's problem set")
-    p.add_argument("--search", choices=("ab", "b"), default=None,
-                   help="adapter factors ES perturbs: ab = A and B (default), b = only B (A stays at its random init)")
+    p.add_argument("--search", choices=("ab", "b", "full"), default=None,
+                   help="what ES perturbs: ab = LoRA A and B (default), b = only B (A stays at its random init), "
+                        "full = every dense (F32/F16/BF16) weight matrix of the model, in place")
+    p.add_argument("--dequantize", action="store_true",
+                   help="with --search full on a quantized GGUF: perturb a dequantized f32 copy of each quantized "
+                        "matrix (4 bytes per weight in memory) instead of refusing")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank r")
     p.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha (the delta is scaled by lora-alpha/rank)")
     p.add_argument("--targets", default="q,v", help="comma-separated projections to adapt, any of q,k,v,o,gate,up,down")
@@ -201,8 +206,10 @@ def build(args, log):
         if args.task == "countdown":
             items = [replace(item, reference=t.reference) for item, t in zip(items, tasks)]
         scorer = GenerationScorer(items, reward, template.stop_ids, args.max_new_tokens).bind(args.model, tokenizer)
+    if settings["search"] == "full" and args.workers:
+        raise UserError("--search full scores members in this process: drop --workers")
     run = ESFinetune(trainer, samples, loader, es_config, batch=settings["batch"], search=settings["search"],
-                     scorer=scorer)
+                     scorer=scorer, dequantize=args.dequantize, model_source=str(args.model))
     if state is not None:
         stored_order = state.config.get("order")
         if stored_order is not None and stored_order != order:
@@ -239,6 +246,7 @@ def run(args):
 
 def _train(args, log, es_run, tokenizer, encoder, template, pairs, options, run_config):
     from ..es.finetune import batch_loss
+    from ..es.spirals import params_sha256
     from ..llm.finetune import adapters_sha256
     from .finetune import _answer, _bar
 
@@ -246,7 +254,7 @@ def _train(args, log, es_run, tokenizer, encoder, template, pairs, options, run_
     eval_set = es_run.samples[:args.eval_samples]
     log(f"fucina es-finetune: {args.model} ({trainer.config.layers} layers, hidden {trainer.config.hidden}); "
         f"LoRA rank {trainer.rank} alpha {trainer.alpha:g} on {','.join(trainer.targets)}; ES searches "
-        f"{'A and B' if es_run.search == 'ab' else 'B only'}: {es_run.n_searched():,} parameters; population "
+        f"{SEARCHED[es_run.search]}: {es_run.n_searched():,} parameters; population "
         f"{cfg.population}{' antithetic' if cfg.antithetic else ''}, sigma {cfg.sigma:g}, alpha {cfg.alpha:g}, "
         f"{cfg.shaping}, noise {cfg.noise}, seed {cfg.seed}"
         f"{f', anchor {cfg.anchor_decay} lambda {cfg.anchor_lambda:g}' if cfg.anchor_decay else ''}; "
@@ -300,6 +308,7 @@ def _train(args, log, es_run, tokenizer, encoder, template, pairs, options, run_
     if args.json:
         print(json.dumps({"initial_loss": initial_loss, "final_loss": final_loss, "before": before, "after": after,
                           "iterations": es_run.iteration, "adapters_sha256": adapters_sha256(trainer),
+                          "searched_sha256": params_sha256(es_run.es.named_arrays()),
                           "reward": run_config["reward"], "reward_means": rewards, "reward_stats": reward_stats,
                           **rewards_summary, "ms_per_iteration": 1e3 * elapsed / done if done else None,
                           "member_evals_per_s": done * cfg.population / elapsed if done else None}))

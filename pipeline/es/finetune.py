@@ -35,7 +35,7 @@ the rewards, hence the update, are the same bits as in place.
 """
 from __future__ import annotations
 
-from ..autograd.tensor import no_grad
+from ..autograd.tensor import Tensor, no_grad
 from ..errors import ConfigMismatchError, FucinaError, UserError
 from ..llm.finetune import ProcessPool
 from ..train.checkpoint import load_checkpoint, read_sentinel, save_checkpoint
@@ -44,7 +44,7 @@ from .checkpoint import STRUCTURAL
 from .rewards import NLLScorer
 from .trainer import ESConfig, ESTrainer
 
-SEARCHES = ("ab", "b")
+SEARCHES = ("ab", "b", "full")
 
 
 def batch_loss(trainer, samples) -> float:
@@ -70,8 +70,11 @@ def batch_loss(trainer, samples) -> float:
 class ESFinetune:
     """ES over a Trainer's adapters: one `iteration_step()` = one ES update from one loader batch."""
 
-    def __init__(self, trainer, samples, loader, es_config: ESConfig, batch=5, search="ab", pool=None, scorer=None):
-        """scorer: what a member's reward is (pipeline/es/rewards.py); default -mean CE of `samples`."""
+    def __init__(self, trainer, samples, loader, es_config: ESConfig, batch=5, search="ab", pool=None, scorer=None,
+                 dequantize=False, model_source="the model"):
+        """scorer: what a member's reward is (pipeline/es/rewards.py); default -mean CE of `samples`.
+        search "full": every dense matrix of the model instead of the adapters (pipeline/es/full.py);
+        dequantize: let it perturb an f32 copy of quantized matrices instead of refusing them."""
         if search not in SEARCHES:
             raise UserError(f"search must be one of {SEARCHES}, got {search!r}")
         if batch < 1:
@@ -82,8 +85,15 @@ class ESFinetune:
         self.batch, self.search, self.pool = int(batch), search, pool
         self.scorer = scorer if scorer is not None else NLLScorer(samples)
         self.es = ESTrainer(es_config)
+        if search == "full":
+            from .full import writable_dense_weights
+            if pool is not None:
+                raise UserError("--search full scores members in this process (--workers would ship every weight "
+                                "of every member each iteration)")
+            for name, arr in writable_dense_weights(trainer, dequantize, model_source).items():
+                self.es.add_param(arr, name)
         for name, p in trainer.named_parameters():
-            if search == "ab" or name.endswith(".lora_b"):
+            if search == "ab" or (search == "b" and name.endswith(".lora_b")):
                 self.es.add_param(p, name)
         if es_config.anchor_decay is not None:
             self.es.capture_anchor()  # the initial adapters; a resume loads the checkpoint AFTER this
@@ -118,7 +128,13 @@ class ESFinetune:
 
     def save(self, directory, run_config: dict):
         """adapters.safetensors (every adapter, searched or not) + trainer_state.json, the sentinel last."""
+        if self.search == "full":  # the searched matrices under their GGUF names, dtypes kept
+            return save_checkpoint(directory, self.state(run_config), model=self._full_tensors())
         return save_checkpoint(directory, self.state(run_config), model=self.trainer, adapters=True)
+
+    def _full_tensors(self) -> dict:
+        """{GGUF name: Tensor sharing the searched array} (what the checkpoint walk saves and loads into)."""
+        return {name: Tensor(arr, requires_grad=True) for name, arr in self.es.named_arrays()}
 
     def load(self, directory):
         """Resume: validate the stored ES fields against this run, then load adapters, iteration, loader.
@@ -143,7 +159,7 @@ class ESFinetune:
         if state.seeds.get("lora") != self.trainer.seed:
             raise ConfigMismatchError(f"{source}: field 'seeds.lora' is {state.seeds.get('lora')!r} in the checkpoint, "
                                       f"{self.trainer.seed!r} in this run (the adapter init and the anchor depend on it)")
-        load_checkpoint(directory, model=self.trainer)
+        load_checkpoint(directory, model=self._full_tensors() if self.search == "full" else self.trainer)
         self.es.iteration = state.step
         self.loader = Loader.from_state(self.loader.n, self.loader.order, state.loader)
         return state

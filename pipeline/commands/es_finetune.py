@@ -78,6 +78,9 @@ def add_arguments(p):
     p.add_argument("--load", metavar="DIR", help="resume from a checkpoint (adapters, iteration, loader position; its ES config wins over the flags)")
     p.add_argument("--workers", type=int, default=0, metavar="N",
                    help="score the members on N processes that map the GGUF read-only (0 = in this process); same bits")
+    p.add_argument("--member-batch", type=int, default=0, metavar="K",
+                   help="score K members per pass as one batch through the frozen weights (NLL reward, LoRA "
+                        "search; the same bits as one at a time); 0 = one member at a time")
     p.add_argument("--threads", type=int, default=1,
                    help="BLAS/numba threads (default 1: the forwards are small; 0 = leave the pools alone)")
     p.add_argument("--prompt", default=None, help="held prompt for the BEFORE/AFTER answers (default: the first training instruction)")
@@ -90,6 +93,7 @@ def _check_args(args):
     for flag, value, low in (("--iterations", args.iterations, 0), ("--seq-max", args.seq_max, 1),
                              ("--save-every", args.save_every, 0), ("--max-new-tokens", args.max_new_tokens, 0),
                              ("--eval-samples", args.eval_samples, 1), ("--threads", args.threads, 0), ("--workers", args.workers, 0),
+                             ("--member-batch", args.member_batch, 0),
                              ("--batch", args.batch if args.batch is not None else 1, 1)):
         if value < low:
             raise UserError(f"{flag} must be >= {low}, got {value}")
@@ -209,7 +213,8 @@ def build(args, log):
     if settings["search"] == "full" and args.workers:
         raise UserError("--search full scores members in this process: drop --workers")
     run = ESFinetune(trainer, samples, loader, es_config, batch=settings["batch"], search=settings["search"],
-                     scorer=scorer, dequantize=args.dequantize, model_source=str(args.model))
+                     scorer=scorer, dequantize=args.dequantize, model_source=str(args.model),
+                     member_batch=args.member_batch)
     if state is not None:
         stored_order = state.config.get("order")
         if stored_order is not None and stored_order != order:
@@ -218,7 +223,8 @@ def build(args, log):
         run.load(args.load)
         log(f"resumed {args.load}: ES iteration {run.iteration}, loader epoch {run.loader.epoch} index {run.loader.index}")
     if args.workers:
-        run.pool = MemberPool(args.workers, args.model, trainer_kwargs, scorer, threads=max(1, args.threads))
+        run.pool = MemberPool(args.workers, args.model, trainer_kwargs, scorer, threads=max(1, args.threads),
+                              member_batch=args.member_batch)
     data = args.data or (f"builtin:countdown:{args.task_seed}:{args.task_size}" if args.task else "builtin:pirate")
     run_config = {"model": str(args.model), "lora": lora_config(trainer), "seq_max": args.seq_max,
                   "data": data, "order": order, "trainer": "es", "reward": reward}

@@ -35,12 +35,15 @@ the rewards, hence the update, are the same bits as in place.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..autograd.tensor import Tensor, no_grad
 from ..errors import ConfigMismatchError, FucinaError, UserError
 from ..llm.finetune import ProcessPool
 from ..train.checkpoint import load_checkpoint, read_sentinel, save_checkpoint
 from ..train.trainer_state import TrainerState
 from .checkpoint import STRUCTURAL
+from .batched import chunked_rewards
 from .rewards import NLLScorer
 from .trainer import ESConfig, ESTrainer
 
@@ -71,10 +74,11 @@ class ESFinetune:
     """ES over a Trainer's adapters: one `iteration_step()` = one ES update from one loader batch."""
 
     def __init__(self, trainer, samples, loader, es_config: ESConfig, batch=5, search="ab", pool=None, scorer=None,
-                 dequantize=False, model_source="the model"):
+                 dequantize=False, model_source="the model", member_batch=0):
         """scorer: what a member's reward is (pipeline/es/rewards.py); default -mean CE of `samples`.
         search "full": every dense matrix of the model instead of the adapters (pipeline/es/full.py);
-        dequantize: let it perturb an f32 copy of quantized matrices instead of refusing them."""
+        dequantize: let it perturb an f32 copy of quantized matrices instead of refusing them.
+        member_batch: score members k at a time as one batch (pipeline/es/batched.py; same bits), 0 = one by one."""
         if search not in SEARCHES:
             raise UserError(f"search must be one of {SEARCHES}, got {search!r}")
         if batch < 1:
@@ -84,6 +88,12 @@ class ESFinetune:
         self.trainer, self.samples, self.loader = trainer, samples, loader
         self.batch, self.search, self.pool = int(batch), search, pool
         self.scorer = scorer if scorer is not None else NLLScorer(samples)
+        self.member_batch = int(member_batch)
+        if self.member_batch < 0:
+            raise UserError(f"member batch must be >= 0, got {member_batch}")
+        if self.member_batch and (self.scorer.kind != "nll" or search == "full"):
+            raise UserError("--member-batch batches the NLL reward over LoRA adapters; generation rewards and "
+                            "--search full score members one at a time")
         self.es = ESTrainer(es_config)
         if search == "full":
             from .full import writable_dense_weights
@@ -108,8 +118,12 @@ class ESFinetune:
     def iteration_step(self) -> dict:
         """Draw a batch, score every member on it, update; returns the ES stats (+ batch indices)."""
         idx = self.loader.take(self.batch)
-        if self.pool is None:  # in place: perturb -> score -> restore, one member at a time
+        if self.pool is None and not self.member_batch:  # in place: perturb -> score -> restore, one by one
             stats = self.es.step(lambda member: self.scorer.score(self.trainer, idx))
+        elif self.pool is None:  # the rows theta + sigma*eps_m, member_batch of them per pass
+            rows = self.es.split(self.es.materialize_members(range(self.es.config.population)))
+            batch = [self.samples[i] for i in idx]
+            stats = self.es.update(chunked_rewards(self.trainer, rows, batch, self.member_batch))
         else:  # the rows theta + sigma*eps_m are bitwise what perturb(m) leaves, so the rewards are too
             rows = self.es.split(self.es.materialize_members(range(self.es.config.population)))
             adapters = {n: p.data for n, p in self.trainer.named_parameters()}
@@ -178,7 +192,7 @@ def es_config_from_state(stored: dict, source: str) -> dict:
 
 
 # --- member processes ------------------------------------------------------------
-def _member_main(conn, model_path, trainer_kwargs, scorer, threads):
+def _member_main(conn, model_path, trainer_kwargs, scorer, threads, member_batch):
     """A member process: a Trainer over the mapped GGUF; answers (adapters, member rows, batch) with rewards.
 
     The scorer is bound here, so a user's reward file is imported (and called) in this process."""
@@ -196,10 +210,16 @@ def _member_main(conn, model_path, trainer_kwargs, scorer, threads):
         adapters, members, idx = msg
         rewards = []
         try:
-            for rows in members:  # rows: {searched name: this member's values}
-                for name, arr in {**adapters, **rows}.items():
+            if member_batch and members:  # this process's members as batches (the same bits as one by one)
+                for name, arr in adapters.items():
                     params[name].data[...] = arr
-                rewards.append(scorer.score(trainer, idx))
+                stacked = {name: np.stack([rows[name] for rows in members]) for name in members[0]}
+                rewards = chunked_rewards(trainer, stacked, [scorer.samples[i] for i in idx], member_batch)
+            else:
+                for rows in members:  # rows: {searched name: this member's values}
+                    for name, arr in {**adapters, **rows}.items():
+                        params[name].data[...] = arr
+                    rewards.append(scorer.score(trainer, idx))
         except FucinaError as e:  # e.g. a reward function's bad return: the parent raises it as one line
             conn.send(("error", str(e)))
             continue
@@ -209,8 +229,8 @@ def _member_main(conn, model_path, trainer_kwargs, scorer, threads):
 class MemberPool(ProcessPool):
     """N spawned member processes; member k is scored by process k % N; rewards come back in member order."""
 
-    def __init__(self, n, model_path, trainer_kwargs, scorer, threads=1):
-        super().__init__(n, _member_main, (str(model_path), trainer_kwargs, scorer, threads),
+    def __init__(self, n, model_path, trainer_kwargs, scorer, threads=1, member_batch=0):
+        super().__init__(n, _member_main, (str(model_path), trainer_kwargs, scorer, threads, member_batch),
                          f"a member process on {model_path}")
 
     def score(self, adapters, rows, idx):

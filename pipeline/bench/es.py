@@ -118,7 +118,8 @@ def finetune_rows(args):
         ms, _, _ = _finetune_run(args.finetune_model, args, args.member_batch, workers)
         rows.append({"case": f"es-finetune/nll-batched-w{workers}", "ms": ms, "baselines": {"one_at_a_time": one_ms},
                      "notes": f"{name}, population {pop} x {args.finetune_batch} samples, member batch "
-                              f"{args.member_batch}: {per_s(ms):.1f} member-evals/s ({per_s(ms) * tokens:.0f} tokens/s) "
+                              f"{args.member_batch}: {per_s(ms):.1f} member-evals/s "
+                              f"({per_s(ms) * tokens:.0f} tokens/s) "
                               f"vs one at a time {per_s(one_ms):.1f} ({per_s(one_ms) * tokens:.0f} tokens/s)"})
     gen_ms, _, _ = _finetune_run(args.finetune_model, args, reward="rule:length=1,400")
     rows.append({"case": "es-finetune/generate", "ms": gen_ms, "baselines": {"nll_one_at_a_time": one_ms},

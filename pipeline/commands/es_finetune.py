@@ -2,8 +2,9 @@
 
 The twin of `fucina finetune`: same model loading, pirate dataset / --data JSONL,
 --shuffle loader, trainer forward and checkpoint layout; only the learning
-signal differs (ES over the adapters, reward = -mean CE on the iteration's
-batch, no backward anywhere). Prints the config, a BEFORE greedy answer, one
+signal differs (ES over the adapters or, --search full, every dense matrix;
+reward = -mean CE on the iteration's batch or any --reward computed from the
+members' greedy answers; no backward anywhere). Prints the config, a BEFORE greedy answer, one
 line per iteration (mean reward, spread, ms, member-evals/s, a progress bar)
 and the AFTER answer; `--json` prints one summary line.
 """
@@ -203,6 +204,8 @@ def build(args, log):
     es_config = ESConfig(**{k: settings[k] for k in ("sigma", "alpha", "population", "seed", "noise", "antithetic",
                                                       "shaping", "restore_mode", "anchor_decay", "anchor_lambda")})
     reward = reward_spec(args)
+    if state is not None and state.config.get("reward", reward) != reward:
+        log(f"resume: the checkpoint was trained with --reward {state.config['reward']}; this run scores {reward}")
     if reward == "nll":
         scorer = NLLScorer(samples)
     else:

@@ -24,6 +24,11 @@ set) searches both factors; "b" searches only the B factors and keeps A at its
 random projection: half the dimension, so the same population estimates the
 useful direction with less noise. The unsearched factors are still saved.
 
+Rewards other than -CE (exact match, rules, Countdown, a user's function over
+the greedy answer) are scorers from pipeline/es/rewards.py; `search="full"`
+perturbs the model's dense matrices instead (pipeline/es/full.py);
+`member_batch` scores members k at a time as one batch (pipeline/es/batched.py).
+
 Trade-off: by default members run sequentially in one process (the LLM-scale
 shape: one model instance, no population of replicas), so an iteration costs
 population x batch forwards; restores are snapshots (adapters are small, and a

@@ -31,8 +31,9 @@ def writable_dense_weights(trainer, dequantize: bool = False, source: str = "the
     quantized = [(n, w) for n, w in weights.items() if isinstance(w, FrozenWeight) and w.format.quantized]
     if quantized and not dequantize:
         name, w = quantized[0]
+        more = f" (and {len(quantized) - 1} more quantized)" if len(quantized) > 1 else ""
         raise UserError(f"{source}: --search full perturbs dense (F32/F16/BF16) weights in place, but tensor "
-                        f"{name!r} is {w.format.name}{f' (and {len(quantized) - 1} more quantized)' if len(quantized) > 1 else ''}; "
+                        f"{name!r} is {w.format.name}{more}; "
                         "pass --dequantize to perturb an f32 copy of every quantized matrix (4 bytes per weight "
                         "in memory), or search LoRA adapters (--search ab)")
     out, seen = {}, set()

@@ -18,6 +18,20 @@ Cases (ms; ratio = baseline_ms / ms, above 1 means the case is faster):
                         scoring all 128 members in one process (the part
                         workers split). Their ratio is what decided replicated
                         updates over publishing parameters (docs/es.md)
+  es-finetune/nll-batched-wN
+                        ms per es-finetune iteration (NLL reward: population x
+                        --finetune-batch samples, then the update) with
+                        --member-batch members per pass, on N member processes
+                        (0 = in-process); baseline: the same iteration one
+                        member at a time in place. Notes give member-evals/s and
+                        scored tokens/s for both
+  es-finetune/generate  the same for a generation reward (rule:length, greedy up
+                        to --finetune-new-tokens through the KV cache), members
+                        one at a time (generation is not batched yet): notes
+                        give member-evals/s and generated tokens/s
+Use --cases finetune --finetune-model <the Qwen3-0.6B-shaped Q4_K file of
+tools/make_qwen3_06b_shaped.py> for the issue's figures; the default model is
+the tiny Q8_0 test fixture (a smoke run, not a measurement).
 """
 from __future__ import annotations
 
@@ -29,7 +43,19 @@ NAME = "es"
 HELP = "ES noise regeneration (values/s vs numpy) and es-spirals ms/iteration for in-process, 1 and 2 workers"
 
 
+FIXTURE = "tests/fixtures/qwen3-mini-q8_0.gguf"
+
+
 def add_arguments(p):
+    p.add_argument("--cases", choices=("all", "noise-spirals", "finetune"), default="all",
+                   help="which rows: all, the noise + es-spirals rows, or the es-finetune rows")
+    p.add_argument("--finetune-model", default=None, metavar="GGUF", help=f"es-finetune model (default {FIXTURE})")
+    p.add_argument("--finetune-population", type=int, default=16, help="es-finetune population (default 16)")
+    p.add_argument("--finetune-batch", type=int, default=2, help="samples every member scores (default 2)")
+    p.add_argument("--member-batch", type=int, default=8, help="members per batched pass (default 8)")
+    p.add_argument("--finetune-workers", default="0,1,2",
+                   help="comma-separated member-process counts for the batched rows (default 0,1,2)")
+    p.add_argument("--finetune-new-tokens", type=int, default=16, help="greedy tokens per generation reward")
     p.add_argument("--values", type=int, default=1 << 22, help="gaussians per noise fill (default 4M)")
     p.add_argument("--iterations", type=int, default=40, help="ES iterations timed per es-spirals case (default 40)")
     p.add_argument("--population", type=int, default=128, help="ES population for es-spirals (default 128)")
@@ -44,7 +70,73 @@ def _spirals_ms(workers, iterations, population):
     return result["median_ms_per_iteration"], result["median_cpu_ms_per_iteration"]
 
 
+def _finetune_run(model, args, member_batch=0, workers=0, reward="nll"):
+    from pathlib import Path
+    import pipeline
+    from ..commands.finetune import _load_tokenizer
+    from ..commands.es_finetune import _items
+    from ..es import ESConfig
+    from ..es.finetune import ESFinetune, MemberPool
+    from ..es.rewards import GenerationScorer, NLLScorer
+    from ..llm import data as sft
+    from ..llm.chat import ChatTemplate
+    from ..llm.finetune import Trainer
+    from ..llm.gguf import open_gguf
+    model = model or str(Path(pipeline.__file__).resolve().parents[1] / FIXTURE)
+    gg = open_gguf(model)
+    tokenizer = _load_tokenizer(gg)
+    encoder, template = sft.RawEncoder(tokenizer), ChatTemplate.from_gguf(gg)
+    samples = sft.encode_all(encoder, template, sft.PIRATE_PAIRS)
+    kwargs = dict(targets=("q", "v"), rank=8, seed=42)
+    trainer = Trainer.from_gguf(model, **kwargs)
+    if reward == "nll":
+        scorer = NLLScorer(samples)
+    else:
+        items = _items(sft.PIRATE_PAIRS, encoder, template, sft.EncodeOptions())
+        scorer = GenerationScorer(items, reward, template.stop_ids, args.finetune_new_tokens).bind(model, tokenizer)
+    cfg = ESConfig(sigma=0.05, alpha=0.05, population=args.finetune_population, antithetic=True, seed=1,
+                   restore_mode="snapshot")
+    run = ESFinetune(trainer, samples, sft.Loader(len(samples)), cfg, batch=args.finetune_batch, scorer=scorer,
+                     member_batch=member_batch)
+    if workers:
+        run.pool = MemberPool(workers, model, kwargs, scorer, member_batch=member_batch)
+    try:
+        ms = median_ms(run.iteration_step, repeat=args.repeat)
+    finally:
+        if run.pool is not None:
+            run.pool.close()
+    tokens = sum(len(samples[i % len(samples)].inputs) for i in range(args.finetune_batch))
+    return ms, tokens, Path(model).name
+
+
+def finetune_rows(args):
+    pop = args.finetune_population
+    rows = []
+    one_ms, tokens, name = _finetune_run(args.finetune_model, args)
+    per_s = lambda ms: pop / ms * 1e3  # noqa: E731
+    for workers in (int(w) for w in args.finetune_workers.split(",")):
+        ms, _, _ = _finetune_run(args.finetune_model, args, args.member_batch, workers)
+        rows.append({"case": f"es-finetune/nll-batched-w{workers}", "ms": ms, "baselines": {"one_at_a_time": one_ms},
+                     "notes": f"{name}, population {pop} x {args.finetune_batch} samples, member batch "
+                              f"{args.member_batch}: {per_s(ms):.1f} member-evals/s "
+                              f"({per_s(ms) * tokens:.0f} tokens/s) "
+                              f"vs one at a time {per_s(one_ms):.1f} ({per_s(one_ms) * tokens:.0f} tokens/s)"})
+    gen_ms, _, _ = _finetune_run(args.finetune_model, args, reward="rule:length=1,400")
+    rows.append({"case": "es-finetune/generate", "ms": gen_ms, "baselines": {"nll_one_at_a_time": one_ms},
+                 "notes": f"{name}, rule:length reward, greedy <= {args.finetune_new_tokens} tokens, members one at a "
+                          f"time: {per_s(gen_ms):.1f} member-evals/s, <= "
+                          f"{per_s(gen_ms) * args.finetune_batch * args.finetune_new_tokens:.0f} generated tokens/s"})
+    return rows
+
+
 def run(args):
+    if args.cases == "finetune":
+        return finetune_rows(args)
+    rows = _noise_spirals_rows(args)
+    return rows + finetune_rows(args) if args.cases == "all" else rows
+
+
+def _noise_spirals_rows(args):
     from kernels import es_noise, rng
     out = np.empty(args.values, dtype=np.float32)
     ms = median_ms(lambda: es_noise.gaussian_fill_fast(7, out), repeat=args.repeat)

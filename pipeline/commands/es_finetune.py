@@ -2,8 +2,9 @@
 
 The twin of `fucina finetune`: same model loading, pirate dataset / --data JSONL,
 --shuffle loader, trainer forward and checkpoint layout; only the learning
-signal differs (ES over the adapters, reward = -mean CE on the iteration's
-batch, no backward anywhere). Prints the config, a BEFORE greedy answer, one
+signal differs (ES over the adapters or, --search full, every dense matrix;
+reward = -mean CE on the iteration's batch or any --reward computed from the
+members' greedy answers; no backward anywhere). Prints the config, a BEFORE greedy answer, one
 line per iteration (mean reward, spread, ms, member-evals/s, a progress bar)
 and the AFTER answer; `--json` prints one summary line.
 """
@@ -24,6 +25,7 @@ DESCRIPTION = (HELP + ". With no --data it trains the built-in five-pair pirate 
                "scores the same batch; the reward is the negative mean cross-entropy. ES needs many more "
                "forward passes than backprop needs steps: expect a measurable loss drop, not a converged style.")
 
+SEARCHED = {"ab": "A and B", "b": "B only", "full": "every dense weight matrix"}
 # ES defaults when the flags are not given (a resume takes the checkpoint's values instead)
 ES_DEFAULTS = {"sigma": 0.05, "alpha": 0.05, "population": 16, "antithetic": True, "shaping": "z_score",
                "noise": "iid", "anchor_decay": None, "anchor_lambda": 0.0, "batch": 5, "search": "ab"}
@@ -46,8 +48,23 @@ def add_arguments(p):
     p.add_argument("--shaping", choices=("z_score", "centered_ranks"), default=None, help="fitness shaping (default z_score)")
     p.add_argument("--noise", choices=("iid", "correlated"), default=None, help="noise scheme (default iid)")
     p.add_argument("--batch", type=int, default=None, help="samples every member scores per iteration (default 5: the whole pirate set)")
-    p.add_argument("--search", choices=("ab", "b"), default=None,
-                   help="adapter factors ES perturbs: ab = A and B (default), b = only B (A stays at its random init)")
+    p.add_argument("--reward", default=None, metavar="SPEC",
+                   help="what a member is scored by: nll (default; -mean CE of the reference responses), exact "
+                        "(greedy answer == reference after normalisation), countdown (the --task countdown checker), "
+                        "rule:format, rule:length=LO,HI, rule:regex=PATTERN, or PATH.py:FUNC (your function "
+                        "reward(prompt, completion, reference) -> float). Generation rewards decode greedily up to "
+                        "--max-new-tokens, stopping at the GGUF's end-of-generation tokens")
+    p.add_argument("--task", choices=("countdown",), default=None,
+                   help="a built-in task instead of --data: countdown = reach a target from 4 numbers with + - * / "
+                        "(default reward: countdown)")
+    p.add_argument("--task-size", type=int, default=64, metavar="N", help="problems the built-in task generates")
+    p.add_argument("--task-seed", type=int, default=0, help="seed of the built-in task's problem set")
+    p.add_argument("--search", choices=("ab", "b", "full"), default=None,
+                   help="what ES perturbs: ab = LoRA A and B (default), b = only B (A stays at its random init), "
+                        "full = every dense (F32/F16/BF16) weight matrix of the model, in place")
+    p.add_argument("--dequantize", action="store_true",
+                   help="with --search full on a quantized GGUF: perturb a dequantized f32 copy of each quantized "
+                        "matrix (4 bytes per weight in memory) instead of refusing")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank r")
     p.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha (the delta is scaled by lora-alpha/rank)")
     p.add_argument("--targets", default="q,v", help="comma-separated projections to adapt, any of q,k,v,o,gate,up,down")
@@ -62,10 +79,14 @@ def add_arguments(p):
     p.add_argument("--load", metavar="DIR", help="resume from a checkpoint (adapters, iteration, loader position; its ES config wins over the flags)")
     p.add_argument("--workers", type=int, default=0, metavar="N",
                    help="score the members on N processes that map the GGUF read-only (0 = in this process); same bits")
+    p.add_argument("--member-batch", type=int, default=0, metavar="K",
+                   help="score K members per pass as one batch through the frozen weights (NLL reward, LoRA "
+                        "search; the same bits as one at a time); 0 = one member at a time")
     p.add_argument("--threads", type=int, default=1,
                    help="BLAS/numba threads (default 1: the forwards are small; 0 = leave the pools alone)")
     p.add_argument("--prompt", default=None, help="held prompt for the BEFORE/AFTER answers (default: the first training instruction)")
-    p.add_argument("--max-new-tokens", type=int, default=48, help="length of the BEFORE/AFTER greedy answers")
+    p.add_argument("--max-new-tokens", type=int, default=48,
+                   help="greedy tokens generated per answer: the BEFORE/AFTER answers and every generation reward")
     p.add_argument("--json", action="store_true", help="print one JSON summary line on stdout (progress goes to stderr)")
 
 
@@ -73,6 +94,7 @@ def _check_args(args):
     for flag, value, low in (("--iterations", args.iterations, 0), ("--seq-max", args.seq_max, 1),
                              ("--save-every", args.save_every, 0), ("--max-new-tokens", args.max_new_tokens, 0),
                              ("--eval-samples", args.eval_samples, 1), ("--threads", args.threads, 0), ("--workers", args.workers, 0),
+                             ("--member-batch", args.member_batch, 0),
                              ("--batch", args.batch if args.batch is not None else 1, 1)):
         if value < low:
             raise UserError(f"{flag} must be >= {low}, got {value}")
@@ -80,6 +102,37 @@ def _check_args(args):
         raise UserError("--save-every needs --save DIR (the periodic checkpoints go to DIR/checkpoint-step-N)")
     if args.anchor_lambda is not None and args.anchor_decay is None:
         raise UserError("--anchor-lambda needs --anchor-decay l1|l2")
+    if args.task and args.data:
+        raise UserError("--task and --data exclude each other (a built-in task brings its own prompts)")
+    if args.task_size < 1:
+        raise UserError(f"--task-size must be >= 1, got {args.task_size}")
+    reward = reward_spec(args)
+    if reward == "countdown" and args.task != "countdown":
+        raise UserError("--reward countdown checks Countdown problems: use it with --task countdown")
+    if reward == "exact" and args.task == "countdown":
+        raise UserError("--reward exact compares with reference answers; a Countdown problem has many: "
+                        "use --reward countdown")
+    if reward != "nll" and args.max_new_tokens < 1:
+        raise UserError(f"--reward {reward} generates answers: --max-new-tokens must be >= 1")
+
+
+def reward_spec(args) -> str:
+    if args.reward is not None:
+        return args.reward
+    return "countdown" if args.task == "countdown" else "nll"
+
+
+def _items(pairs, encoder, template, options):
+    """Generation-reward items: a record's first user turn is the prompt, its last assistant turn the reference."""
+    from ..es.rewards import Item
+    from ..llm.data import encode_prompt
+    items = []
+    for rec in pairs:
+        reference = getattr(rec, "response", None)
+        if reference is None:
+            reference = next((c for role, c in reversed(rec.turns) if role == "assistant"), "")
+        items.append(Item(rec.instruction, encode_prompt(encoder, template, rec.instruction, options), reference))
+    return items
 
 
 def _es_settings(args, state, log):
@@ -113,7 +166,9 @@ def _es_settings(args, state, log):
 def build(args, log):
     """Trainer, samples, loader and the ES run from the flags (+ --load)."""
     from ..es import ESConfig
+    from dataclasses import replace
     from ..es.finetune import ESFinetune, MemberPool
+    from ..es.rewards import GenerationScorer, NLLScorer
     from ..llm import data as sft
     from ..llm.chat import ChatTemplate
     from ..llm.finetune import Trainer, lora_config
@@ -133,6 +188,10 @@ def build(args, log):
     encoder, template = sft.RawEncoder(tokenizer), ChatTemplate.from_gguf(gg)
     if args.data:
         pairs, source = load_data(args), args.data
+    elif args.task == "countdown":
+        from ..es import countdown
+        tasks = countdown.problems(args.task_seed, args.task_size)
+        pairs, source = [sft.Pair(t.prompt, f"<answer>{t.solution}</answer>") for t in tasks], "countdown problem"
     else:
         pairs, source = list(sft.PIRATE_PAIRS), "pirate pair"
     options = sft.EncodeOptions(seq_max=args.seq_max)
@@ -144,7 +203,21 @@ def build(args, log):
     loader = sft.Loader(len(samples), order, seed=data_seed)
     es_config = ESConfig(**{k: settings[k] for k in ("sigma", "alpha", "population", "seed", "noise", "antithetic",
                                                       "shaping", "restore_mode", "anchor_decay", "anchor_lambda")})
-    run = ESFinetune(trainer, samples, loader, es_config, batch=settings["batch"], search=settings["search"])
+    reward = reward_spec(args)
+    if state is not None and state.config.get("reward", reward) != reward:
+        log(f"resume: the checkpoint was trained with --reward {state.config['reward']}; this run scores {reward}")
+    if reward == "nll":
+        scorer = NLLScorer(samples)
+    else:
+        items = _items(pairs, encoder, template, options)
+        if args.task == "countdown":
+            items = [replace(item, reference=t.reference) for item, t in zip(items, tasks)]
+        scorer = GenerationScorer(items, reward, template.stop_ids, args.max_new_tokens).bind(args.model, tokenizer)
+    if settings["search"] == "full" and args.workers:
+        raise UserError("--search full scores members in this process: drop --workers")
+    run = ESFinetune(trainer, samples, loader, es_config, batch=settings["batch"], search=settings["search"],
+                     scorer=scorer, dequantize=args.dequantize, model_source=str(args.model),
+                     member_batch=args.member_batch)
     if state is not None:
         stored_order = state.config.get("order")
         if stored_order is not None and stored_order != order:
@@ -153,9 +226,11 @@ def build(args, log):
         run.load(args.load)
         log(f"resumed {args.load}: ES iteration {run.iteration}, loader epoch {run.loader.epoch} index {run.loader.index}")
     if args.workers:
-        run.pool = MemberPool(args.workers, args.model, trainer_kwargs, samples, threads=max(1, args.threads))
+        run.pool = MemberPool(args.workers, args.model, trainer_kwargs, scorer, threads=max(1, args.threads),
+                              member_batch=args.member_batch)
+    data = args.data or (f"builtin:countdown:{args.task_seed}:{args.task_size}" if args.task else "builtin:pirate")
     run_config = {"model": str(args.model), "lora": lora_config(trainer), "seq_max": args.seq_max,
-                  "data": args.data or "builtin:pirate", "order": order, "trainer": "es"}
+                  "data": data, "order": order, "trainer": "es", "reward": reward}
     return run, tokenizer, encoder, template, pairs, options, run_config
 
 
@@ -180,6 +255,7 @@ def run(args):
 
 def _train(args, log, es_run, tokenizer, encoder, template, pairs, options, run_config):
     from ..es.finetune import batch_loss
+    from ..es.spirals import params_sha256
     from ..llm.finetune import adapters_sha256
     from .finetune import _answer, _bar
 
@@ -187,26 +263,34 @@ def _train(args, log, es_run, tokenizer, encoder, template, pairs, options, run_
     eval_set = es_run.samples[:args.eval_samples]
     log(f"fucina es-finetune: {args.model} ({trainer.config.layers} layers, hidden {trainer.config.hidden}); "
         f"LoRA rank {trainer.rank} alpha {trainer.alpha:g} on {','.join(trainer.targets)}; ES searches "
-        f"{'A and B' if es_run.search == 'ab' else 'B only'}: {es_run.n_searched():,} parameters; population "
+        f"{SEARCHED[es_run.search]}: {es_run.n_searched():,} parameters; population "
         f"{cfg.population}{' antithetic' if cfg.antithetic else ''}, sigma {cfg.sigma:g}, alpha {cfg.alpha:g}, "
         f"{cfg.shaping}, noise {cfg.noise}, seed {cfg.seed}"
         f"{f', anchor {cfg.anchor_decay} lambda {cfg.anchor_lambda:g}' if cfg.anchor_decay else ''}; "
-        f"{len(pairs)} pairs, batch {es_run.batch}; "
+        f"{len(pairs)} {'problems' if args.task else 'pairs'}, batch {es_run.batch}, reward {run_config['reward']}; "
         f"{f'{args.workers} member processes' if es_run.pool is not None else 'in-process'}")
     prompt = args.prompt or pairs[0].instruction
     before = _answer(trainer, tokenizer, encoder, template, prompt, options, args.max_new_tokens)
     log(f"BEFORE  {prompt!r} -> {before!r}")
     initial_loss = batch_loss(trainer, eval_set)
     log(f"loss on {len(eval_set)} training samples: {initial_loss:.4f}")
-    first, rewards, t_start = es_run.iteration, [], time.perf_counter()
+    scorer, center_reward = es_run.scorer, None
+    if scorer.kind != "nll":  # the unperturbed adapters' reward: what the run is for
+        eval_idx = range(min(args.eval_samples, len(scorer)))
+        center_reward = lambda: scorer.score(trainer, eval_idx)  # noqa: E731
+        initial_reward = center_reward()
+        log(f"reward on {len(eval_idx)} training prompts: {initial_reward:.4f}")
+    first, rewards, reward_stats, t_start = es_run.iteration, [], [], time.perf_counter()
     while es_run.iteration < args.iterations:
         t0 = time.perf_counter()
         stats = es_run.iteration_step()
         dt = time.perf_counter() - t0
         rewards.append(stats["reward_mean"])
+        reward_stats.append({k: stats[f"reward_{k}"] for k in ("mean", "std", "min", "max")})
         it = es_run.iteration
         log(f"iter {it:4d}/{args.iterations}  reward {stats['reward_mean']:9.4f} (std {stats['reward_std']:.4f}, "
-            f"best {stats['reward_max']:9.4f})  {dt * 1e3:7.0f} ms  {cfg.population / dt:6.1f} member-evals/s  "
+            f"min {stats['reward_min']:9.4f}, max {stats['reward_max']:9.4f})  {dt * 1e3:7.0f} ms  "
+            f"{cfg.population / dt:6.1f} member-evals/s  "
             f"{_bar(it - first, args.iterations - first)}")
         if args.save_every and it % args.save_every == 0 and it < args.iterations:
             from ..train.checkpoint import step_dir
@@ -215,6 +299,11 @@ def _train(args, log, es_run, tokenizer, encoder, template, pairs, options, run_
     final_loss = batch_loss(trainer, eval_set)
     after = _answer(trainer, tokenizer, encoder, template, prompt, options, args.max_new_tokens)
     log(f"AFTER   {prompt!r} -> {after!r}")
+    rewards_summary = {}
+    if center_reward is not None:
+        final_reward = center_reward()
+        log(f"reward on {len(eval_idx)} training prompts: {initial_reward:.4f} -> {final_reward:.4f}")
+        rewards_summary = {"initial_reward": initial_reward, "final_reward": final_reward}
     done = es_run.iteration - first
     if done:
         change = 100.0 * (1.0 - final_loss / initial_loss) if initial_loss else 0.0
@@ -228,6 +317,8 @@ def _train(args, log, es_run, tokenizer, encoder, template, pairs, options, run_
     if args.json:
         print(json.dumps({"initial_loss": initial_loss, "final_loss": final_loss, "before": before, "after": after,
                           "iterations": es_run.iteration, "adapters_sha256": adapters_sha256(trainer),
-                          "reward_means": rewards, "ms_per_iteration": 1e3 * elapsed / done if done else None,
+                          "searched_sha256": params_sha256(es_run.es.named_arrays()),
+                          "reward": run_config["reward"], "reward_means": rewards, "reward_stats": reward_stats,
+                          **rewards_summary, "ms_per_iteration": 1e3 * elapsed / done if done else None,
                           "member_evals_per_s": done * cfg.population / elapsed if done else None}))
     return 0

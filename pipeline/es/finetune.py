@@ -24,6 +24,11 @@ set) searches both factors; "b" searches only the B factors and keeps A at its
 random projection: half the dimension, so the same population estimates the
 useful direction with less noise. The unsearched factors are still saved.
 
+Rewards other than -CE (exact match, rules, Countdown, a user's function over
+the greedy answer) are scorers from pipeline/es/rewards.py; `search="full"`
+perturbs the model's dense matrices instead (pipeline/es/full.py);
+`member_batch` scores members k at a time as one batch (pipeline/es/batched.py).
+
 Trade-off: by default members run sequentially in one process (the LLM-scale
 shape: one model instance, no population of replicas), so an iteration costs
 population x batch forwards; restores are snapshots (adapters are small, and a
@@ -35,15 +40,19 @@ the rewards, hence the update, are the same bits as in place.
 """
 from __future__ import annotations
 
-from ..autograd.tensor import no_grad
-from ..errors import ConfigMismatchError, UserError
+import numpy as np
+
+from ..autograd.tensor import Tensor, no_grad
+from ..errors import ConfigMismatchError, FucinaError, UserError
 from ..llm.finetune import ProcessPool
 from ..train.checkpoint import load_checkpoint, read_sentinel, save_checkpoint
 from ..train.trainer_state import TrainerState
 from .checkpoint import STRUCTURAL
+from .batched import chunked_rewards
+from .rewards import NLLScorer
 from .trainer import ESConfig, ESTrainer
 
-SEARCHES = ("ab", "b")
+SEARCHES = ("ab", "b", "full")
 
 
 def batch_loss(trainer, samples) -> float:
@@ -69,7 +78,12 @@ def batch_loss(trainer, samples) -> float:
 class ESFinetune:
     """ES over a Trainer's adapters: one `iteration_step()` = one ES update from one loader batch."""
 
-    def __init__(self, trainer, samples, loader, es_config: ESConfig, batch=5, search="ab", pool=None):
+    def __init__(self, trainer, samples, loader, es_config: ESConfig, batch=5, search="ab", pool=None, scorer=None,
+                 dequantize=False, model_source="the model", member_batch=0):
+        """scorer: what a member's reward is (pipeline/es/rewards.py); default -mean CE of `samples`.
+        search "full": every dense matrix of the model instead of the adapters (pipeline/es/full.py);
+        dequantize: let it perturb an f32 copy of quantized matrices instead of refusing them.
+        member_batch: score members k at a time as one batch (pipeline/es/batched.py; same bits), 0 = one by one."""
         if search not in SEARCHES:
             raise UserError(f"search must be one of {SEARCHES}, got {search!r}")
         if batch < 1:
@@ -78,9 +92,23 @@ class ESFinetune:
             raise UserError("ES fine-tuning scores members with dropout off; build the Trainer with dropout=0")
         self.trainer, self.samples, self.loader = trainer, samples, loader
         self.batch, self.search, self.pool = int(batch), search, pool
+        self.scorer = scorer if scorer is not None else NLLScorer(samples)
+        self.member_batch = int(member_batch)
+        if self.member_batch < 0:
+            raise UserError(f"member batch must be >= 0, got {member_batch}")
+        if self.member_batch and (self.scorer.kind != "nll" or search == "full"):
+            raise UserError("--member-batch batches the NLL reward over LoRA adapters; generation rewards and "
+                            "--search full score members one at a time")
         self.es = ESTrainer(es_config)
+        if search == "full":
+            from .full import writable_dense_weights
+            if pool is not None:
+                raise UserError("--search full scores members in this process (--workers would ship every weight "
+                                "of every member each iteration)")
+            for name, arr in writable_dense_weights(trainer, dequantize, model_source).items():
+                self.es.add_param(arr, name)
         for name, p in trainer.named_parameters():
-            if search == "ab" or name.endswith(".lora_b"):
+            if search == "ab" or (search == "b" and name.endswith(".lora_b")):
                 self.es.add_param(p, name)
         if es_config.anchor_decay is not None:
             self.es.capture_anchor()  # the initial adapters; a resume loads the checkpoint AFTER this
@@ -95,9 +123,12 @@ class ESFinetune:
     def iteration_step(self) -> dict:
         """Draw a batch, score every member on it, update; returns the ES stats (+ batch indices)."""
         idx = self.loader.take(self.batch)
-        batch = [self.samples[i] for i in idx]
-        if self.pool is None:  # in place: perturb -> score -> restore, one member at a time
-            stats = self.es.step(lambda member: -batch_loss(self.trainer, batch))
+        if self.pool is None and not self.member_batch:  # in place: perturb -> score -> restore, one by one
+            stats = self.es.step(lambda member: self.scorer.score(self.trainer, idx))
+        elif self.pool is None:  # the rows theta + sigma*eps_m, member_batch of them per pass
+            rows = self.es.split(self.es.materialize_members(range(self.es.config.population)))
+            batch = [self.samples[i] for i in idx]
+            stats = self.es.update(chunked_rewards(self.trainer, rows, batch, self.member_batch))
         else:  # the rows theta + sigma*eps_m are bitwise what perturb(m) leaves, so the rewards are too
             rows = self.es.split(self.es.materialize_members(range(self.es.config.population)))
             adapters = {n: p.data for n, p in self.trainer.named_parameters()}
@@ -116,7 +147,13 @@ class ESFinetune:
 
     def save(self, directory, run_config: dict):
         """adapters.safetensors (every adapter, searched or not) + trainer_state.json, the sentinel last."""
+        if self.search == "full":  # the searched matrices under their GGUF names, dtypes kept
+            return save_checkpoint(directory, self.state(run_config), model=self._full_tensors())
         return save_checkpoint(directory, self.state(run_config), model=self.trainer, adapters=True)
+
+    def _full_tensors(self) -> dict:
+        """{GGUF name: Tensor sharing the searched array} (what the checkpoint walk saves and loads into)."""
+        return {name: Tensor(arr, requires_grad=True) for name, arr in self.es.named_arrays()}
 
     def load(self, directory):
         """Resume: validate the stored ES fields against this run, then load adapters, iteration, loader.
@@ -141,7 +178,7 @@ class ESFinetune:
         if state.seeds.get("lora") != self.trainer.seed:
             raise ConfigMismatchError(f"{source}: field 'seeds.lora' is {state.seeds.get('lora')!r} in the checkpoint, "
                                       f"{self.trainer.seed!r} in this run (the adapter init and the anchor depend on it)")
-        load_checkpoint(directory, model=self.trainer)
+        load_checkpoint(directory, model=self._full_tensors() if self.search == "full" else self.trainer)
         self.es.iteration = state.step
         self.loader = Loader.from_state(self.loader.n, self.loader.order, state.loader)
         return state
@@ -160,33 +197,45 @@ def es_config_from_state(stored: dict, source: str) -> dict:
 
 
 # --- member processes ------------------------------------------------------------
-def _member_main(conn, model_path, trainer_kwargs, samples, threads):
-    """A member process: a Trainer over the mapped GGUF; answers (adapters, member rows, batch) with rewards."""
+def _member_main(conn, model_path, trainer_kwargs, scorer, threads, member_batch):
+    """A member process: a Trainer over the mapped GGUF; answers (adapters, member rows, batch) with rewards.
+
+    The scorer is bound here, so a user's reward file is imported (and called) in this process."""
     from ..llm.finetune import Trainer
     from ..threads import pin_threads
     pin_threads(threads)
     trainer = Trainer.from_gguf(model_path, **trainer_kwargs)
     params = dict(trainer.named_parameters())
+    scorer.bind(model_path)
     conn.send("ready")
     while True:
         msg = conn.recv()
         if msg is None:
             break
         adapters, members, idx = msg
-        batch = [samples[i] for i in idx]
         rewards = []
-        for rows in members:  # rows: {searched name: this member's values}
-            for name, arr in {**adapters, **rows}.items():
-                params[name].data[...] = arr
-            rewards.append(-batch_loss(trainer, batch))
+        try:
+            if member_batch and members:  # this process's members as batches (the same bits as one by one)
+                for name, arr in adapters.items():
+                    params[name].data[...] = arr
+                stacked = {name: np.stack([rows[name] for rows in members]) for name in members[0]}
+                rewards = chunked_rewards(trainer, stacked, [scorer.samples[i] for i in idx], member_batch)
+            else:
+                for rows in members:  # rows: {searched name: this member's values}
+                    for name, arr in {**adapters, **rows}.items():
+                        params[name].data[...] = arr
+                    rewards.append(scorer.score(trainer, idx))
+        except FucinaError as e:  # e.g. a reward function's bad return: the parent raises it as one line
+            conn.send(("error", str(e)))
+            continue
         conn.send(rewards)
 
 
 class MemberPool(ProcessPool):
     """N spawned member processes; member k is scored by process k % N; rewards come back in member order."""
 
-    def __init__(self, n, model_path, trainer_kwargs, samples, threads=1):
-        super().__init__(n, _member_main, (str(model_path), trainer_kwargs, samples, threads),
+    def __init__(self, n, model_path, trainer_kwargs, scorer, threads=1, member_batch=0):
+        super().__init__(n, _member_main, (str(model_path), trainer_kwargs, scorer, threads, member_batch),
                          f"a member process on {model_path}")
 
     def score(self, adapters, rows, idx):
@@ -203,5 +252,7 @@ class MemberPool(ProcessPool):
             except (EOFError, OSError):
                 self.procs[j].join(timeout=5)
                 raise UserError(f"member process {j} died (exit code {self.procs[j].exitcode}); its error is printed above") from None
+            if isinstance(answer, tuple):
+                raise UserError(f"member process {j}: {answer[1]}")
             rewards[j::n] = answer
         return rewards

@@ -41,3 +41,17 @@ def test_bench_es_module_shape():
     bench_es.add_arguments(parser)
     args = parser.parse_args([])
     assert args.iterations > 0 and args.population == 128
+
+
+def test_bench_es_finetune_rows_smoke(capsys):
+    """A tiny `fucina bench es --cases finetune` on the fixture: the rows exist and the timings are positive."""
+    from pipeline.cli import main
+    rc = main(["bench", "es", "--cases", "finetune", "--finetune-population", "4", "--finetune-batch", "1",
+               "--member-batch", "2", "--finetune-workers", "0", "--finetune-new-tokens", "2", "--repeat", "1",
+               "--json"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    import json
+    rows = {r["case"]: r for r in json.loads(out.out)["results"]}
+    assert set(rows) == {"es-finetune/nll-batched-w0", "es-finetune/generate"}
+    assert all(r["ms"] > 0 for r in rows.values()) and rows["es-finetune/nll-batched-w0"]["baselines"]["one_at_a_time"] > 0

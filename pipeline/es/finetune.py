@@ -44,7 +44,7 @@ import numpy as np
 
 from ..autograd.tensor import Tensor, no_grad
 from ..errors import ConfigMismatchError, FucinaError, UserError
-from ..llm.finetune import ProcessPool
+from ..llm.finetune import ProcessPool, death
 from ..train.checkpoint import load_checkpoint, read_sentinel, save_checkpoint
 from ..train.trainer_state import TrainerState
 from .checkpoint import STRUCTURAL
@@ -251,7 +251,7 @@ class MemberPool(ProcessPool):
                 answer = conn.recv()
             except (EOFError, OSError):
                 self.procs[j].join(timeout=5)
-                raise UserError(f"member process {j} died (exit code {self.procs[j].exitcode}); its error is printed above") from None
+                raise UserError(f"member process {j} died: {death(self.procs[j].exitcode)}") from None
             if isinstance(answer, tuple):
                 raise UserError(f"member process {j}: {answer[1]}")
             rewards[j::n] = answer

@@ -473,7 +473,7 @@ class ProcessPool:
                 proc.terminate()
 
 
-def _death(exitcode) -> str:
+def death(exitcode) -> str:
     """What a dead worker process's exit code says happened (a signal prints nothing of its own)."""
     if exitcode is None:
         return "it closed its pipe but is still running"
@@ -509,7 +509,7 @@ class TrainerPool(ProcessPool):
                 answer = conn.recv()
             except (EOFError, OSError):
                 self.procs[j].join(timeout=5)
-                raise UserError(f"trainer process {j} died: {_death(self.procs[j].exitcode)}") from None
+                raise UserError(f"trainer process {j} died: {death(self.procs[j].exitcode)}") from None
             answer, self.worker_peak_rss_mb[j] = answer
             for k, loss, grads in answer:
                 results[k] = (loss, grads)

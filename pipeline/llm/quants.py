@@ -73,9 +73,16 @@ class FrozenWeight:
     a fused dequant-matvec for a few rows of x (decode), or a tiled dequant + BLAS
     for many rows (prefill, training; kernels/qgemm.py). `matmul(g)` computes g @ W
     (the backward of a frozen linear) the same tiled way. It carries no gradient.
+
+    `integer_dot` (default True): forwards that record no graph (under autograd's no_grad():
+    inference, ES member evaluation, evaluation passes) through Q8_0/Q4_0/Q4_K/Q6_K weights
+    quantize their activations the way llama.cpp does and take integer block dot products
+    (kernels/qint.py); a forward with gradients on keeps f32 activations (the training contract).
+    `llama_numerics` (parity runs) always takes the integer path for those formats.
     """
 
     FUSED_MAX_ROWS = 4  # below this many activation rows the fused kernel wins (docs/models.md)
+    integer_dot = True  # class default; set False on an instance (or the class) for the f32 path everywhere
 
     def __init__(self, fmt: Format, raw, shape: tuple[int, int], name: str = ""):
         self.format, self.raw, self.shape, self.name = fmt, raw, tuple(shape), name
@@ -98,11 +105,22 @@ class FrozenWeight:
             return bits.view(np.float32).reshape(self.shape)
         return dequant.dequantize_rows(int(self.format.qtype), self.raw, self.shape[1])
 
+    def uses_integer_dot(self) -> bool:
+        """True when this call of matmul_t takes kernels/qint.py's integer path (see the class doc)."""
+        from kernels import qint
+        from pipeline.autograd.tensor import grad_enabled
+        if not qint.supports(self.format.qtype):
+            return False
+        return self.llama_numerics or (self.integer_dot and not grad_enabled())
+
     def matmul_t(self, x):
         """x [..., n_in] f32 -> x @ W.T [..., n_out] f32."""
         import numpy as np
-        from kernels import dequant, qgemm
+        from kernels import dequant, qgemm, qint
         x2 = np.asarray(x, dtype=np.float32).reshape(-1, self.shape[1])
+        if self.uses_integer_dot():
+            y = qint.matmul_t_many([(int(self.format.qtype), self.raw)], x2)[0]
+            return y.reshape(*np.shape(x)[:-1], self.shape[0])
         correction = None
         if self.llama_numerics:
             if self.format.qtype in (QT.Q4_1, QT.Q5_1):
@@ -135,12 +153,16 @@ class FrozenWeight:
 
 def matmul_t_many(weights: list, x) -> list:
     """[w.matmul_t(x) for w in weights], for weights that share their input (q/k/v, gate/up),
-    in one dispatch to the threads: the tiled GEMM for many rows of x (kernels/qgemm.py),
+    in one dispatch to the threads: the integer block dots when every weight takes them
+    (kernels/qint.py, activations quantized once), the tiled GEMM for many rows of x (kernels/qgemm.py),
     the fused matvec for a few rows through block or 16-bit weights (dequant.matvec_many).
     The results equal the one-by-one calls bit for bit."""
     import numpy as np
-    from kernels import dequant, qgemm
+    from kernels import dequant, qgemm, qint
     x2 = np.asarray(x, dtype=np.float32).reshape(-1, weights[0].shape[1])
+    if all(w.shape[1] == x2.shape[1] and w.uses_integer_dot() for w in weights):
+        ys = qint.matmul_t_many([(int(w.format.qtype), w.raw) for w in weights], x2)
+        return [y.reshape(*np.shape(x)[:-1], w.shape[0]) for w, y in zip(weights, ys)]
     few = x2.shape[0] <= FrozenWeight.FUSED_MAX_ROWS
     if any(w.llama_numerics or w.shape[1] != x2.shape[1] or (few and w.format.qtype == QT.F32) for w in weights):
         return [w.matmul_t(x) for w in weights]

@@ -192,9 +192,10 @@ def _q8_blocks(x):
     """x [N, n] f32 in ggml-cpu's Q8_0/Q8_1 activation blocks: (q [N, n/32, 32] integers as f32, d [N, n/32] f32)."""
     import numpy as np
     blocks = x.reshape(x.shape[0], -1, 32)
-    d = (np.abs(blocks).max(axis=-1) / np.float32(127)).astype(np.float32)
-    with np.errstate(divide="ignore"):
-        inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+    amax = np.abs(blocks).max(axis=-1)
+    d = (amax / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore"):  # quantize_row_q8_0's AVX2 path scales by 127/max (the generic one by 1/d)
+        inv = np.where(amax == 0, np.float32(0), np.float32(127) / amax).astype(np.float32)
     return np.rint(blocks * inv[..., None]), d  # x86 SIMD rounds half to even
 
 

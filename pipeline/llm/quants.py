@@ -75,14 +75,17 @@ class FrozenWeight:
     (the backward of a frozen linear) the same tiled way. It carries no gradient.
 
     `integer_dot` (default True): forwards that record no graph (under autograd's no_grad():
-    inference, ES member evaluation, evaluation passes) through Q8_0/Q4_0/Q4_K/Q6_K weights
-    quantize their activations the way llama.cpp does and take integer block dot products
-    (kernels/qint.py); a forward with gradients on keeps f32 activations (the training contract).
-    `llama_numerics` (parity runs) always takes the integer path for those formats.
+    inference, ES member evaluation, evaluation passes) of at most INTEGER_MAX_ROWS activation
+    rows (decode) through Q8_0/Q4_0/Q4_K/Q6_K weights quantize their activations the way
+    llama.cpp does and take integer block dot products (kernels/qint.py); a forward with
+    gradients on keeps f32 activations (the training contract). Many rows (prefill) stay on the
+    tiled f32 GEMM: the integer kernel is 5-8x slower there today (docs/models.md, measured).
+    `llama_numerics` (parity runs) takes the integer path for those formats at any row count.
     """
 
     FUSED_MAX_ROWS = 4  # below this many activation rows the fused kernel wins (docs/models.md)
     integer_dot = True  # class default; set False on an instance (or the class) for the f32 path everywhere
+    INTEGER_MAX_ROWS = FUSED_MAX_ROWS  # no-grad calls with more rows use the f32 GEMM (faster today)
 
     def __init__(self, fmt: Format, raw, shape: tuple[int, int], name: str = ""):
         self.format, self.raw, self.shape, self.name = fmt, raw, tuple(shape), name
@@ -105,20 +108,20 @@ class FrozenWeight:
             return bits.view(np.float32).reshape(self.shape)
         return dequant.dequantize_rows(int(self.format.qtype), self.raw, self.shape[1])
 
-    def uses_integer_dot(self) -> bool:
-        """True when this call of matmul_t takes kernels/qint.py's integer path (see the class doc)."""
+    def uses_integer_dot(self, rows: int) -> bool:
+        """True when matmul_t of `rows` activation rows takes kernels/qint.py's integer path (the class doc)."""
         from kernels import qint
         from pipeline.autograd.tensor import grad_enabled
         if not qint.supports(self.format.qtype):
             return False
-        return self.llama_numerics or (self.integer_dot and not grad_enabled())
+        return self.llama_numerics or (self.integer_dot and rows <= self.INTEGER_MAX_ROWS and not grad_enabled())
 
     def matmul_t(self, x):
         """x [..., n_in] f32 -> x @ W.T [..., n_out] f32."""
         import numpy as np
         from kernels import dequant, qgemm, qint
         x2 = np.asarray(x, dtype=np.float32).reshape(-1, self.shape[1])
-        if self.uses_integer_dot():
+        if self.uses_integer_dot(x2.shape[0]):
             y = qint.matmul_t_many([(int(self.format.qtype), self.raw)], x2)[0]
             return y.reshape(*np.shape(x)[:-1], self.shape[0])
         correction = None
@@ -160,7 +163,7 @@ def matmul_t_many(weights: list, x) -> list:
     import numpy as np
     from kernels import dequant, qgemm, qint
     x2 = np.asarray(x, dtype=np.float32).reshape(-1, weights[0].shape[1])
-    if all(w.shape[1] == x2.shape[1] and w.uses_integer_dot() for w in weights):
+    if all(w.shape[1] == x2.shape[1] and w.uses_integer_dot(x2.shape[0]) for w in weights):
         ys = qint.matmul_t_many([(int(w.format.qtype), w.raw) for w in weights], x2)
         return [y.reshape(*np.shape(x)[:-1], w.shape[0]) for w, y in zip(weights, ys)]
     few = x2.shape[0] <= FrozenWeight.FUSED_MAX_ROWS

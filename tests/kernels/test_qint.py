@@ -167,18 +167,22 @@ def test_bad_shapes_are_refused():
 
 
 def test_frozen_weight_takes_the_integer_path_only_without_gradients():
-    from kernels import qgemm
+    from kernels import dequant, qgemm
     from pipeline.autograd import no_grad
     from pipeline.llm.quants import FORMATS, FrozenWeight, matmul_t_many
     raw = random_blocks(QT.Q4_K, 48, 256, seed=9)
     fw = FrozenWeight(FORMATS[QT.Q4_K], raw, (48, 256), "w")
-    x = np.random.default_rng(10).standard_normal((6, 256)).astype(np.float32)
+    x = np.random.default_rng(10).standard_normal((3, 256)).astype(np.float32)  # decode-sized
     integer = qint.matmul_t_many([(int(QT.Q4_K), raw)], x)[0]
-    f32 = qgemm.matmul_t(int(QT.Q4_K), raw, x, (48, 256))
+    f32 = dequant.matvec_rows(int(QT.Q4_K), raw, x)  # the fused f32 decode kernel
     assert not np.array_equal(integer, f32)  # the two paths are distinguishable
     np.testing.assert_array_equal(fw.matmul_t(x), f32)  # gradients on (training): f32 activations
     with no_grad():
         np.testing.assert_array_equal(fw.matmul_t(x), integer)
         np.testing.assert_array_equal(matmul_t_many([fw, fw], x)[1], integer)
-        fw.integer_dot = False
+        many = np.repeat(x, 3, axis=0)  # prefill-sized: the f32 GEMM unless in parity mode
+        np.testing.assert_array_equal(fw.matmul_t(many), qgemm.matmul_t(int(QT.Q4_K), raw, many, (48, 256)))
+        fw.llama_numerics = True
+        np.testing.assert_array_equal(fw.matmul_t(many), np.repeat(integer, 3, axis=0))
+        fw.llama_numerics, fw.integer_dot = False, False
         np.testing.assert_array_equal(fw.matmul_t(x), f32)

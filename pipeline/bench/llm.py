@@ -104,8 +104,8 @@ def _kernel_rows(path, threads, repeat):
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     gg = GGUFFile(path)
     read_gbs, copy_gbs, peak = _machine_limits(threads, repeat)
-    rows = [{"case": "machine/memory_read", "ms": (256 << 20) / read_gbs / 1e6, "baselines": {}, "gbps": read_gbs, "copy_gbps": copy_gbs,
-             "peak_gflops": peak, "notes": f"numpy sum of 256 MB: {read_gbs:.1f} GB/s (copy {copy_gbs:.1f} GB/s "
+    rows = [{"case": "machine/memory_read", "ms": (256 << 20) / read_gbs / 1e6, "baselines": {}, "gbps": read_gbs,
+             "copy_gbps": copy_gbs, "peak_gflops": peak, "notes": f"numpy sum of 256 MB: {read_gbs:.1f} GB/s (copy {copy_gbs:.1f} GB/s "
                                            f"read+write); f32 BLAS 1024^3 at {threads} thread(s): {peak:.1f} GFLOP/s"}]
     seen = set()
     for name in gg.tensor_names:

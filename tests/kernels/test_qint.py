@@ -55,7 +55,8 @@ def block_integers(qt, raw, n):
     rows = raw.shape[0]
     if qt == QT.Q8_0:
         b = raw.reshape(rows, -1, 34)
-        return b[:, :, 2:].view(np.int8).astype(np.int64).reshape(rows, n), np.ones((rows, n), np.int64), f16(b, 0), None
+        w = b[:, :, 2:].view(np.int8).astype(np.int64).reshape(rows, n)
+        return w, np.ones((rows, n), np.int64), f16(b, 0), None
     if qt == QT.Q4_0:
         b = raw.reshape(rows, -1, 18)
         qs = b[:, :, 2:].astype(np.int64)

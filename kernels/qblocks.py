@@ -602,3 +602,30 @@ def idot_q6_k(typingctx, acc, b, o, q, qo, d):
         _fma_into(h, 0, h.ptrs[5], _fold_lanes(h, total))
         return context.get_dummy_value()
     return types.void(acc, b, o, q, qo, d), codegen
+
+
+@intrinsic
+def idot_q5_k(typingctx, acc, b, o, q, qo, d, accm, sums, so, dmin):
+    """Q5_K x Q8_K as ggml_vec_dot_q5_K_q8_K (AVX2): acc[0:8] as Q4_K (the fifth bit of sub-block j is bit j
+    of the qh bytes), but the mins go to one scalar, accm[0] = fma(dmin, sum_j min_j * sum(q8_j), accm[0])."""
+    def codegen(context, builder, signature, args):
+        h = _IR(context, builder, signature, args)
+        h.prefetch_block(176)
+        s, m = _k4_scale_bytes(h)
+        qh = h.vload(1, o_arg(h), _VB, 16)
+        total = None
+        for j in range(8):
+            lo = h.bits(h.vload(1, o_arg(h), _VB, 48 + (j // 2) * 32), 4 * (j % 2), 0xF)
+            w = h.b.or_(lo, h.b.shl(h.bits(qh, j, 1), h.bytes_const(4)))
+            part = _pair_sums(h, w, h.vload(3, h.ptrs[4], _VB, 32 * j))
+            part = h.b.mul(part, _splat_i32(h, h.b.zext(h.b.extract_element(s, ir.Constant(_I32, j)), _I32), 16))
+            total = part if total is None else h.b.add(total, part)
+        _fma_into(h, 0, h.ptrs[5], _fold_lanes(h, total))
+        prod = h.b.mul(h.b.zext(m, _V8I), h.vload(7, h.ptrs[8], _V8I))
+        mins = h.b.extract_element(prod, ir.Constant(_I32, 0))
+        for k in range(1, 8):  # an exact integer sum: any order
+            mins = h.b.add(mins, h.b.extract_element(prod, ir.Constant(_I32, k)))
+        fn = cgutils.get_or_insert_function(h.b.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
+        h.b.store(h.b.call(fn, [h.ptrs[9], h.b.sitofp(mins, _F32), h.b.load(h.ptrs[6])]), h.ptrs[6])
+        return context.get_dummy_value()
+    return types.void(acc, b, o, q, qo, d, accm, sums, so, dmin), codegen

@@ -22,13 +22,13 @@ import numba
 import numpy as np
 from numba import njit
 
-from .dequant import HALF_TO_FLOAT, MATVEC_PIECES_PER_THREAD, Q4_0, Q4_K, Q6_K, Q8_0, ROW_CHUNK, _check, _half
-from .qblocks import idot_q4_0, idot_q4_k, idot_q6_k, idot_q8_0
+from .dequant import HALF_TO_FLOAT, MATVEC_PIECES_PER_THREAD, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, ROW_CHUNK, _check, _half
+from .qblocks import idot_q4_0, idot_q4_k, idot_q5_k, idot_q6_k, idot_q8_0
 from .workpool import run_dynamic
 
 Q8_0_PARTNER, Q8_K_PARTNER = "Q8_0", "Q8_K"
 # weight format -> the activation blocks llama.cpp pairs it with (its vec_dot_type)
-PARTNER = {Q8_0: Q8_0_PARTNER, Q4_0: Q8_0_PARTNER, Q4_K: Q8_K_PARTNER, Q6_K: Q8_K_PARTNER}
+PARTNER = {Q8_0: Q8_0_PARTNER, Q4_0: Q8_0_PARTNER, Q4_K: Q8_K_PARTNER, Q5_K: Q8_K_PARTNER, Q6_K: Q8_K_PARTNER}
 PARTNER_BLOCK = {Q8_0_PARTNER: 32, Q8_K_PARTNER: 256}
 
 
@@ -143,6 +143,24 @@ def _mm_q4_k(raw, q, d, sums, out, lut, r0, r1):
 
 
 @njit(cache=True, nogil=True)
+def _mm_q5_k(raw, q, d, sums, out, lut, r0, r1):
+    """Rows r0..r1 of Q5_K raw against Q8_K activations: the scaled sums in 8 lanes, the mins in one f32."""
+    acc = np.empty(8, np.float32)
+    accm = np.empty(1, np.float32)
+    for r in range(r0, r1):
+        b = raw[r]
+        for i in range(q.shape[0]):
+            qi, di, si = q[i], d[i], sums[i]
+            acc[:] = 0.0
+            accm[0] = 0.0
+            for blk in range(qi.shape[0] // 256):
+                o = blk * 176
+                idot_q5_k(acc, b, o, qi, blk * 256, di[blk] * _half(lut, b, o), accm, si, blk * 8,
+                          -di[blk] * _half(lut, b, o + 2))
+            out[i, r] = _hsum8(acc) + accm[0]
+
+
+@njit(cache=True, nogil=True)
 def _mm_q6_k(raw, q, d, sums, out, lut, r0, r1):
     """Rows r0..r1 of Q6_K raw against Q8_K activations."""
     acc = np.empty(8, np.float32)
@@ -156,7 +174,7 @@ def _mm_q6_k(raw, q, d, sums, out, lut, r0, r1):
             out[i, r] = _hsum8(acc)
 
 
-KERNELS = {Q8_0: _mm_q8_0, Q4_0: _mm_q4_0, Q4_K: _mm_q4_k, Q6_K: _mm_q6_k}
+KERNELS = {Q8_0: _mm_q8_0, Q4_0: _mm_q4_0, Q4_K: _mm_q4_k, Q5_K: _mm_q5_k, Q6_K: _mm_q6_k}
 
 
 def supports(qtype: int) -> bool:

@@ -20,7 +20,7 @@ from pipeline.threads import numba_threads
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "llm"))
 from test_gguf_dequant import random_blocks  # noqa: E402
 
-FORMATS = [QT.Q8_0, QT.Q4_0, QT.Q4_K, QT.Q6_K]
+FORMATS = [QT.Q8_0, QT.Q4_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
 LD = np.longdouble
 
 
@@ -62,15 +62,19 @@ def block_integers(qt, raw, n):
         qs = b[:, :, 2:].astype(np.int64)
         w = np.concatenate([qs & 15, qs >> 4], axis=-1) - 8
         return w.reshape(rows, n), np.ones((rows, n), np.int64), f16(b, 0), None
-    if qt == QT.Q4_K:
-        b = raw.reshape(rows, -1, 144)
+    if qt in (QT.Q4_K, QT.Q5_K):
+        b = raw.reshape(rows, -1, 144 if qt == QT.Q4_K else 176)
         sc = b[:, :, 4:16].astype(np.int64)
         s, m = np.empty(sc.shape[:2] + (8,), np.int64), np.empty(sc.shape[:2] + (8,), np.int64)
         s[..., :4], m[..., :4] = sc[..., 0:4] & 63, sc[..., 4:8] & 63
         s[..., 4:] = (sc[..., 8:12] & 15) | ((sc[..., 0:4] >> 6) << 4)
         m[..., 4:] = (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)
-        qs = b[:, :, 16:].astype(np.int64).reshape(rows, -1, 4, 32)
-        w = np.stack([qs & 15, qs >> 4], axis=3).reshape(rows, n)  # chunk c: low nibbles, then high
+        qs = b[:, :, 16 if qt == QT.Q4_K else 48:].astype(np.int64).reshape(rows, -1, 4, 32)
+        w = np.stack([qs & 15, qs >> 4], axis=3).reshape(rows, -1, 8, 32)  # chunk c: low nibbles, then high
+        if qt == QT.Q5_K:  # bit j of the 32 qh bytes is the fifth bit of sub-block j
+            qh = b[:, :, 16:48].astype(np.int64)
+            w = w | (((qh[:, :, None, :] >> np.arange(8)[None, None, :, None]) & 1) << 4)
+        w = w.reshape(rows, n)
         return w, np.repeat(s, 32, axis=-1).reshape(rows, n), f16(b, 0), (f16(b, 2), m)
     b = raw.reshape(rows, -1, 210)  # Q6_K
     ql, qh = b[:, :, :128].astype(np.int64), b[:, :, 128:192].astype(np.int64)
@@ -103,7 +107,16 @@ def reference(qt, raw, x):
             acc = fma32(d[:, blk, None], lanes[:, blk], acc)
         r = acc[:, 4:] + acc[:, :4]
         total = (r[:, 0] + r[:, 2]) + (r[:, 1] + r[:, 3])
-        if extra is not None:  # Q4_K: dmin * (min . 32-sums) in 4 lanes of pairs of sub-blocks
+        if extra is not None and qt == QT.Q5_K:  # Q5_K: dmin * (min . 32-sums) into one f32
+            dmin, mins = extra
+            sums = q[i].reshape(-1, 8, 32).sum(axis=-1)
+            whole = (mins * sums).sum(axis=-1).astype(np.float32)  # [rows, blocks]
+            dm = (-yd[i] * dmin).astype(np.float32)
+            accm = np.zeros(raw.shape[0], np.float32)
+            for blk in range(n // block):
+                accm = fma32(dm[:, blk], whole[:, blk], accm)
+            total = total + accm
+        elif extra is not None:  # Q4_K: dmin * (min . 32-sums) in 4 lanes of pairs of sub-blocks
             dmin, mins = extra
             sums = q[i].reshape(-1, 8, 32).sum(axis=-1)          # [blocks, 8]
             pairs = (mins * sums).reshape(raw.shape[0], -1, 4, 2).sum(axis=-1).astype(np.float32)
@@ -164,7 +177,7 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="row of 256 elements"):
         qint.matmul_t_many([(int(QT.Q4_K), raw)], np.zeros((1, 256), np.float32))
     with pytest.raises(ValueError, match="no integer kernel"):
-        qint.matmul_t_many([(int(QT.Q5_K), random_blocks(QT.Q5_K, 4, 512))], np.zeros((1, 512), np.float32))
+        qint.matmul_t_many([(int(QT.Q2_K), random_blocks(QT.Q2_K, 4, 512))], np.zeros((1, 512), np.float32))
 
 
 def test_frozen_weight_takes_the_integer_path_only_without_gradients():

@@ -555,6 +555,13 @@ def idot_q4_0(typingctx, acc, b, o, q, qo, d):
 
 
 @intrinsic
+def idot_q5_0(typingctx, acc, b, o, q, qo, d):
+    """Q5_0 x Q8_0 as ggml_vec_dot_q5_0_q8_0 (AVX2): weights (nibble | high bit << 4) - 16."""
+    return _idot_32(lambda h: h.b.sub(h.b.or_(_nibbles(h, 6), _high_bits(h, 2)), h.bytes_const(16)),
+                    types.void(acc, b, o, q, qo, d))
+
+
+@intrinsic
 def idot_q4_k(typingctx, acc, b, o, q, qo, d, accm, sums, so, dmin):
     """Q4_K x Q8_K as ggml_vec_dot_q4_K_q8_K (AVX2): acc[0:8] = fma(d, lanes(sum_j scale_j * q4_j . q8_j), acc)
     and accm[0:4] = fma(dmin, pairs(min_j * sum(q8_j)), accm), sums = the Q8_K block's 32-element sums at so."""

@@ -2,7 +2,7 @@
 
 Trade-off: llama.cpp's CPU matmul never multiplies floats by dequantized
 weights; it quantizes each activation row to its weight format's partner
-(Q8_0 blocks of 32 for Q8_0/Q4_0, Q8_K blocks of 256 for the K-quants) and
+(Q8_0 blocks of 32 for Q8_0/Q4_0/Q5_0, Q8_K blocks of 256 for Q4_K/Q5_K/Q6_K) and
 takes exact integer dot products per block, scaled in f32 afterwards. Doing the
 same here costs accuracy (activations rounded to 8 bits, as llama.cpp does) and
 buys speed (int8 operands, no f32 weight) and llama.cpp's own bits: the
@@ -22,13 +22,15 @@ import numba
 import numpy as np
 from numba import njit
 
-from .dequant import HALF_TO_FLOAT, MATVEC_PIECES_PER_THREAD, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0, ROW_CHUNK, _check, _half
-from .qblocks import idot_q4_0, idot_q4_k, idot_q5_k, idot_q6_k, idot_q8_0
+from .dequant import (HALF_TO_FLOAT, MATVEC_PIECES_PER_THREAD, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, ROW_CHUNK, _check,
+                      _half)
+from .qblocks import idot_q4_0, idot_q4_k, idot_q5_0, idot_q5_k, idot_q6_k, idot_q8_0
 from .workpool import run_dynamic
 
 Q8_0_PARTNER, Q8_K_PARTNER = "Q8_0", "Q8_K"
 # weight format -> the activation blocks llama.cpp pairs it with (its vec_dot_type)
-PARTNER = {Q8_0: Q8_0_PARTNER, Q4_0: Q8_0_PARTNER, Q4_K: Q8_K_PARTNER, Q5_K: Q8_K_PARTNER, Q6_K: Q8_K_PARTNER}
+PARTNER = {Q8_0: Q8_0_PARTNER, Q4_0: Q8_0_PARTNER, Q5_0: Q8_0_PARTNER,
+           Q4_K: Q8_K_PARTNER, Q5_K: Q8_K_PARTNER, Q6_K: Q8_K_PARTNER}
 PARTNER_BLOCK = {Q8_0_PARTNER: 32, Q8_K_PARTNER: 256}
 
 
@@ -125,6 +127,20 @@ def _mm_q4_0(raw, q, d, sums, out, lut, r0, r1):
 
 
 @njit(cache=True, nogil=True)
+def _mm_q5_0(raw, q, d, sums, out, lut, r0, r1):
+    """As _mm_q8_0 for Q5_0 weights."""
+    acc = np.empty(8, np.float32)
+    for r in range(r0, r1):
+        b = raw[r]
+        for i in range(q.shape[0]):
+            qi, di = q[i], d[i]
+            acc[:] = 0.0
+            for blk in range(qi.shape[0] // 32):
+                idot_q5_0(acc, b, blk * 22, qi, blk * 32, _half(lut, b, blk * 22) * di[blk])
+            out[i, r] = _hsum8(acc)
+
+
+@njit(cache=True, nogil=True)
 def _mm_q4_k(raw, q, d, sums, out, lut, r0, r1):
     """Rows r0..r1 of Q4_K raw against Q8_K activations: the scaled sums in 8 lanes, the mins in 4, as llama.cpp."""
     acc = np.empty(8, np.float32)
@@ -174,7 +190,7 @@ def _mm_q6_k(raw, q, d, sums, out, lut, r0, r1):
             out[i, r] = _hsum8(acc)
 
 
-KERNELS = {Q8_0: _mm_q8_0, Q4_0: _mm_q4_0, Q4_K: _mm_q4_k, Q5_K: _mm_q5_k, Q6_K: _mm_q6_k}
+KERNELS = {Q8_0: _mm_q8_0, Q4_0: _mm_q4_0, Q5_0: _mm_q5_0, Q4_K: _mm_q4_k, Q5_K: _mm_q5_k, Q6_K: _mm_q6_k}
 
 
 def supports(qtype: int) -> bool:

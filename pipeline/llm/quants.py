@@ -76,7 +76,7 @@ class FrozenWeight:
 
     `integer_dot` (default True): forwards that record no graph (under autograd's no_grad():
     inference, ES member evaluation, evaluation passes) of at most INTEGER_MAX_ROWS activation
-    rows (decode) through Q8_0/Q4_0/Q4_K/Q6_K weights quantize their activations the way
+    rows (decode) through Q8_0/Q4_0/Q5_0/Q4_K/Q5_K/Q6_K weights quantize their activations the way
     llama.cpp does and take integer block dot products (kernels/qint.py); a forward with
     gradients on keeps f32 activations (the training contract). Many rows (prefill) stay on the
     tiled f32 GEMM: the integer kernel is 5-8x slower there today (docs/models.md, measured).

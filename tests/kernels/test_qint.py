@@ -20,7 +20,7 @@ from pipeline.threads import numba_threads
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "llm"))
 from test_gguf_dequant import random_blocks  # noqa: E402
 
-FORMATS = [QT.Q8_0, QT.Q4_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+FORMATS = [QT.Q8_0, QT.Q4_0, QT.Q5_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
 LD = np.longdouble
 
 
@@ -62,6 +62,12 @@ def block_integers(qt, raw, n):
         qs = b[:, :, 2:].astype(np.int64)
         w = np.concatenate([qs & 15, qs >> 4], axis=-1) - 8
         return w.reshape(rows, n), np.ones((rows, n), np.int64), f16(b, 0), None
+    if qt == QT.Q5_0:
+        b = raw.reshape(rows, -1, 22)
+        qs = b[:, :, 6:].astype(np.int64)
+        bits = (np.ascontiguousarray(b[:, :, 2:6]).view("<u4").astype(np.int64) >> np.arange(32)) & 1  # qh
+        w = (np.concatenate([qs & 15, qs >> 4], axis=-1) | (bits << 4)) - 16
+        return w.reshape(rows, n), np.ones((rows, n), np.int64), f16(b, 0), None
     if qt in (QT.Q4_K, QT.Q5_K):
         b = raw.reshape(rows, -1, 144 if qt == QT.Q4_K else 176)
         sc = b[:, :, 4:16].astype(np.int64)
@@ -94,9 +100,9 @@ def fma32(a, b, c):
 
 def reference(qt, raw, x):
     n = x.shape[1]
-    q, yd = (ref_quantize_q8_0 if qt in (QT.Q8_0, QT.Q4_0) else ref_quantize_q8_k)(x)
+    q, yd = (ref_quantize_q8_0 if qt in (QT.Q8_0, QT.Q4_0, QT.Q5_0) else ref_quantize_q8_k)(x)
     w, scale, wd, extra = block_integers(qt, raw, n)
-    block = 32 if qt in (QT.Q8_0, QT.Q4_0) else 256
+    block = 32 if qt in (QT.Q8_0, QT.Q4_0, QT.Q5_0) else 256
     out = np.empty((x.shape[0], raw.shape[0]), np.float32)
     for i in range(x.shape[0]):
         prod = (w * scale * q[i]).reshape(raw.shape[0], n // block, block // 32, 8, 4)
@@ -139,7 +145,7 @@ def test_integer_dot_bitwise_equals_llama_model(qt):
     # and it is x @ W.T up to the activations' 8-bit rounding: |error| <= sum_k |w_k| * d_k / 2
     w = quants.dequantize(raw, qt).astype(np.float64)
     exact = x.astype(np.float64) @ w.T
-    block = 32 if qt in (QT.Q8_0, QT.Q4_0) else 256
+    block = 32 if qt in (QT.Q8_0, QT.Q4_0, QT.Q5_0) else 256
     half_step = np.abs(x).reshape(3, -1, block).max(axis=-1) / 127 / 2 * 1.01  # per activation block
     bound = np.abs(w).reshape(37, -1, block).sum(axis=-1) @ half_step.T
     assert (np.abs(got - exact) <= bound.T + 1e-4 * np.abs(exact).max()).all()

@@ -476,3 +476,163 @@ def _lane_sum(typingctx, acc):
     return types.float32(acc), codegen
 
 
+
+
+# --- integer block dot products (llama.cpp's ggml-cpu arithmetic) ------------------------------------------
+# The weights of a block are unpacked as small integers, multiplied by the int8 activations of
+# kernels/qint.py (Q8_0 / Q8_K blocks) and summed exactly in i32. The i32 sums are kept in the 8 lanes
+# llama.cpp's AVX2 kernels keep them in (lane k holds elements 4k..4k+3 of every 32-element chunk: what
+# maddubs + madd leave), converted to f32 and added with one fused multiply-add per block and lane, so
+# the f32 rounding is llama.cpp's own. Integer sums are exact, so the order inside a lane is free; the
+# products are written as sign-extended i16 pairs so LLVM selects vpmaddwd on AVX2.
+_V8F, _V8I, _V16I = ir.VectorType(_F32, 8), ir.VectorType(_I32, 8), ir.VectorType(_I32, 16)
+
+
+def _pair_sums(h, w, x):
+    """<16 x i32>: w[2i]*x[2i] + w[2i+1]*x[2i+1] for <32 x i8> signed w and x. Written as a product of
+    sign-extended bytes and an even + odd lane add, the shape LLVM's x86 backend turns into
+    vpmovsxbw + vpmaddwd (shuffling the bytes before extending them gave vpmulld chains instead)."""
+    v32i = ir.VectorType(_I32, LANES)
+    p = h.b.mul(h.b.sext(w, v32i), h.b.sext(x, v32i))
+    und = ir.Constant(v32i, ir.Undefined)
+    pick = lambda start: h.b.shuffle_vector(p, und, ir.Constant(_V16I, list(range(start, 32, 2))))
+    return h.b.add(pick(0), pick(1))
+
+
+def _fold_lanes(h, v16):
+    """<8 x i32>: lane k = v16[2k] + v16[2k+1] (elements 4k..4k+3 of a chunk: llama.cpp's lane k)."""
+    und = ir.Constant(v16.type, ir.Undefined)
+    pick = lambda start: h.b.shuffle_vector(v16, und, ir.Constant(_V8I, list(range(start, 16, 2))))
+    return h.b.add(pick(0), pick(1))
+
+
+def _fma_into(h, arg, scale, lanes):
+    """acc[arg][0:n] = fma(scale, float(lanes), acc): _mm256_fmadd_ps / _mm_fmadd_ps (llvm.fma, exact)."""
+    vf = ir.VectorType(_F32, lanes.type.count)
+    p = h.b.bitcast(h.ptrs[arg], vf.as_pointer())
+    fn = cgutils.get_or_insert_function(h.b.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{vf.count}f32")
+    h.b.store(h.b.call(fn, [h.splat(scale, vf), h.b.sitofp(lanes, vf), h.b.load(p, align=4)]), p, align=4)
+
+
+def _splat_i32(h, v, n):
+    return h.splat(h.b.sext(v, _I32) if v.type != _I32 else v, ir.VectorType(_I32, n))
+
+
+def _k4_scale_bytes(h):
+    """The 8 6-bit scales and 8 6-bit mins of a Q4_K/Q5_K block (b[o+4:o+16]) as <8 x i8> (get_scale_min_k4)."""
+    v8b = ir.VectorType(_I8, 8)
+    sc = h.vload(1, o_arg(h), ir.VectorType(_I8, 16), 4)
+    pick = lambda idx: h.b.shuffle_vector(sc, ir.Constant(sc.type, ir.Undefined), ir.Constant(_V8I, idx))
+    low = ir.Constant(ir.VectorType(ir.IntType(1), 8), [1, 1, 1, 1, 0, 0, 0, 0])  # j < 4
+    c = lambda v: ir.Constant(v8b, [v] * 8)
+    s_src, m_src = pick([0, 1, 2, 3, 8, 9, 10, 11]), pick([4, 5, 6, 7, 8, 9, 10, 11])
+    s_top = h.b.shl(h.b.lshr(pick([0, 1, 2, 3, 0, 1, 2, 3]), c(6)), c(4))
+    m_top = h.b.shl(h.b.lshr(pick([0, 1, 2, 3, 4, 5, 6, 7]), c(6)), c(4))
+    s = h.b.select(low, h.b.and_(s_src, c(63)), h.b.or_(h.b.and_(s_src, c(0xF)), s_top))
+    m = h.b.select(low, h.b.and_(m_src, c(63)), h.b.or_(h.b.lshr(m_src, c(4)), m_top))
+    return s, m
+
+
+def _idot_32(w_of_block, sig):
+    """(sig, codegen) of a 32-weight block intrinsic (acc, b, o, q, qo, d): acc[0:8] = fma(d, lanes(w . q), acc)."""
+    def codegen(context, builder, signature, args):
+        h = _IR(context, builder, signature, args)
+        _fma_into(h, 0, h.ptrs[5], _fold_lanes(h, _pair_sums(h, w_of_block(h), h.vload(3, h.ptrs[4], _VB))))
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def idot_q8_0(typingctx, acc, b, o, q, qo, d):
+    """Q8_0 x Q8_0 as ggml_vec_dot_q8_0_q8_0 (AVX2)."""
+    return _idot_32(lambda h: h.vload(1, o_arg(h), _VB, 2), types.void(acc, b, o, q, qo, d))
+
+
+@intrinsic
+def idot_q4_0(typingctx, acc, b, o, q, qo, d):
+    """Q4_0 x Q8_0 as ggml_vec_dot_q4_0_q8_0 (AVX2): weights nibble - 8."""
+    return _idot_32(lambda h: h.b.sub(_nibbles(h, 2), h.bytes_const(8)), types.void(acc, b, o, q, qo, d))
+
+
+@intrinsic
+def idot_q5_0(typingctx, acc, b, o, q, qo, d):
+    """Q5_0 x Q8_0 as ggml_vec_dot_q5_0_q8_0 (AVX2): weights (nibble | high bit << 4) - 16."""
+    return _idot_32(lambda h: h.b.sub(h.b.or_(_nibbles(h, 6), _high_bits(h, 2)), h.bytes_const(16)),
+                    types.void(acc, b, o, q, qo, d))
+
+
+@intrinsic
+def idot_q4_k(typingctx, acc, b, o, q, qo, d, accm, sums, so, dmin):
+    """Q4_K x Q8_K as ggml_vec_dot_q4_K_q8_K (AVX2): acc[0:8] = fma(d, lanes(sum_j scale_j * q4_j . q8_j), acc)
+    and accm[0:4] = fma(dmin, pairs(min_j * sum(q8_j)), accm), sums = the Q8_K block's 32-element sums at so."""
+    def codegen(context, builder, signature, args):
+        h = _IR(context, builder, signature, args)
+        h.prefetch_block(144)
+        s, m = _k4_scale_bytes(h)
+        total = None
+        for j in range(8):
+            w = h.bits(h.vload(1, o_arg(h), _VB, 16 + (j // 2) * 32), 4 * (j % 2), 0xF)
+            part = _pair_sums(h, w, h.vload(3, h.ptrs[4], _VB, 32 * j))
+            part = h.b.mul(part, _splat_i32(h, h.b.zext(h.b.extract_element(s, ir.Constant(_I32, j)), _I32), 16))
+            total = part if total is None else h.b.add(total, part)
+        _fma_into(h, 0, h.ptrs[5], _fold_lanes(h, total))
+        prod = h.b.mul(h.b.zext(m, _V8I), h.vload(7, h.ptrs[8], _V8I))
+        und = ir.Constant(_V8I, ir.Undefined)
+        v4i = ir.VectorType(_I32, 4)
+        pairs = h.b.add(h.b.shuffle_vector(prod, und, ir.Constant(v4i, [0, 2, 4, 6])),
+                        h.b.shuffle_vector(prod, und, ir.Constant(v4i, [1, 3, 5, 7])))
+        _fma_into(h, 6, h.ptrs[9], pairs)
+        return context.get_dummy_value()
+    return types.void(acc, b, o, q, qo, d, accm, sums, so, dmin), codegen
+
+
+@intrinsic
+def idot_q6_k(typingctx, acc, b, o, q, qo, d):
+    """Q6_K x Q8_K as ggml_vec_dot_q6_K_q8_K (AVX2): acc[0:8] = fma(d, lanes(sum_g scale_g * (q6 - 32) . q8), acc),
+    one int8 scale per 16 weights."""
+    def codegen(context, builder, signature, args):
+        h = _IR(context, builder, signature, args)
+        h.prefetch_block(210)
+        scales = h.vload(1, o_arg(h), ir.VectorType(_I8, 16), 192)
+        total = None
+        for hh in range(2):
+            qh = h.vload(1, o_arg(h), _VB, 128 + hh * 32)
+            for t in range(4):
+                ql = h.bits(h.vload(1, o_arg(h), _VB, hh * 64 + (t & 1) * 32), 4 * (t >> 1), 0xF)
+                w = h.b.sub(h.b.or_(ql, h.b.shl(h.bits(qh, 2 * t, 3), h.bytes_const(4))), h.bytes_const(32))
+                part = _pair_sums(h, w, h.vload(3, h.ptrs[4], _VB, 32 * (hh * 4 + t)))
+                g = hh * 8 + t * 2  # pair lanes 0..7 are weights 0..15 (scale g), 8..15 weights 16..31 (g + 1)
+                sc = h.b.sext(h.b.shuffle_vector(scales, ir.Constant(scales.type, ir.Undefined),
+                                                 ir.Constant(_V16I, [g] * 8 + [g + 1] * 8)), _V16I)
+                part = h.b.mul(part, sc)
+                total = part if total is None else h.b.add(total, part)
+        _fma_into(h, 0, h.ptrs[5], _fold_lanes(h, total))
+        return context.get_dummy_value()
+    return types.void(acc, b, o, q, qo, d), codegen
+
+
+@intrinsic
+def idot_q5_k(typingctx, acc, b, o, q, qo, d, accm, sums, so, dmin):
+    """Q5_K x Q8_K as ggml_vec_dot_q5_K_q8_K (AVX2): acc[0:8] as Q4_K (the fifth bit of sub-block j is bit j
+    of the qh bytes), but the mins go to one scalar, accm[0] = fma(dmin, sum_j min_j * sum(q8_j), accm[0])."""
+    def codegen(context, builder, signature, args):
+        h = _IR(context, builder, signature, args)
+        h.prefetch_block(176)
+        s, m = _k4_scale_bytes(h)
+        qh = h.vload(1, o_arg(h), _VB, 16)
+        total = None
+        for j in range(8):
+            lo = h.bits(h.vload(1, o_arg(h), _VB, 48 + (j // 2) * 32), 4 * (j % 2), 0xF)
+            w = h.b.or_(lo, h.b.shl(h.bits(qh, j, 1), h.bytes_const(4)))
+            part = _pair_sums(h, w, h.vload(3, h.ptrs[4], _VB, 32 * j))
+            part = h.b.mul(part, _splat_i32(h, h.b.zext(h.b.extract_element(s, ir.Constant(_I32, j)), _I32), 16))
+            total = part if total is None else h.b.add(total, part)
+        _fma_into(h, 0, h.ptrs[5], _fold_lanes(h, total))
+        prod = h.b.mul(h.b.zext(m, _V8I), h.vload(7, h.ptrs[8], _V8I))
+        mins = h.b.extract_element(prod, ir.Constant(_I32, 0))
+        for k in range(1, 8):  # an exact integer sum: any order
+            mins = h.b.add(mins, h.b.extract_element(prod, ir.Constant(_I32, k)))
+        fn = cgutils.get_or_insert_function(h.b.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
+        h.b.store(h.b.call(fn, [h.ptrs[9], h.b.sitofp(mins, _F32), h.b.load(h.ptrs[6])]), h.ptrs[6])
+        return context.get_dummy_value()
+    return types.void(acc, b, o, q, qo, d, accm, sums, so, dmin), codegen

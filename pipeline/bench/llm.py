@@ -5,6 +5,9 @@ tokens, per-token decode after a 64-token prompt), not kernel micro-timings.
 llama.cpp (llama-cpp-python, when installed) runs the same file with the same
 thread count in a subprocess, so its memory does not pollute our peak RSS and a
 crash in it cannot take the benchmark down. Its KV cache is f32 like ours.
+Per-kernel rows then time one decode matvec and one 64-row prefill product per
+weight format and shape of the file, as GB/s of weight bytes and GFLOP/s beside
+the machine's measured memory bandwidth and f32 BLAS peak (`--no-kernels` skips them).
 """
 from __future__ import annotations
 
@@ -33,6 +36,9 @@ def add_arguments(parser):
                              "matmuls (default 1); the tiles always run BLAS on one thread per Fucina thread "
                              "(docs/models.md, 'Threads')")
     parser.add_argument("--no-llama", action="store_true", help="skip the llama.cpp baseline")
+    parser.add_argument("--no-kernels", action="store_true",
+                        help="skip the per-kernel rows (decode matvec and prefill GEMM per weight format and shape, "
+                             "beside the measured memory bandwidth and f32 BLAS peak)")
 
 
 def _prompt(n, vocab):
@@ -71,6 +77,60 @@ def _ours(path, threads, decode_tokens, repeat, blas_threads=1):
         res["peak_rss_mb"] = peak_rss_mb()
         res["rss_before_mb"] = rss0
     return res
+
+
+def _machine_limits(threads, repeat):
+    """(read GB/s, copy GB/s, f32 GFLOP/s): numpy sum and copy of a 256 MB buffer (far beyond the caches), and
+    a 1024^3 f32 BLAS matmul at `threads` threads: the physical limits the kernel rows are measured against."""
+    from threadpoolctl import threadpool_limits
+    buf = np.ones(64 << 20, np.float32)
+    dst = np.empty_like(buf)
+    read_ms = timed(lambda: buf.sum(), repeat)[0]
+    copy_ms = timed(lambda: np.copyto(dst, buf), repeat)[0]
+    a = np.ones((1024, 1024), np.float32)
+    with threadpool_limits(threads, user_api="blas"):
+        gemm_ms = timed(lambda: a @ a, repeat)[0]
+    return buf.nbytes / read_ms / 1e6, 2 * buf.nbytes / copy_ms / 1e6, 2 * 1024 ** 3 / gemm_ms / 1e6
+
+
+def _kernel_rows(path, threads, repeat):
+    """One decode row (1 activation row, no graph: FrozenWeight's default path) and one prefill row (64 rows)
+    per (format, shape) of the model's projection weights, and for the formats with integer kernels the other
+    path too: ms, GB/s of weight bytes read, GFLOP/s (2 n_out n_in per activation row), the path that ran."""
+    import numba
+    from kernels import qint
+    from ..autograd import no_grad
+    from ..llm.gguf import GGUFFile
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    gg = GGUFFile(path)
+    read_gbs, copy_gbs, peak = _machine_limits(threads, repeat)
+    rows = [{"case": "machine/memory_read", "ms": (256 << 20) / read_gbs / 1e6, "baselines": {}, "gbps": read_gbs,
+             "copy_gbps": copy_gbs, "peak_gflops": peak, "notes": f"numpy sum of 256 MB: {read_gbs:.1f} GB/s (copy {copy_gbs:.1f} GB/s "
+                                           f"read+write); f32 BLAS 1024^3 at {threads} thread(s): {peak:.1f} GFLOP/s"}]
+    seen = set()
+    for name in gg.tensor_names:
+        if not name.endswith(".weight") or ".attn_" not in name and ".ffn_" not in name:
+            continue
+        w = gg.weight(name)
+        if len(w.shape) != 2 or "norm" in name or (w.format.name, w.shape) in seen:
+            continue
+        seen.add((w.format.name, w.shape))
+        cases = [("decode", 1, True), ("prefill64", 64, True)]
+        if qint.supports(w.format.qtype):  # the A/B: the same products through the other kernels
+            cases += [("decode_f32", 1, False), ("prefill64_integer", 64, None)]
+        for kind, m, integer in cases:
+            x = np.random.default_rng(0).standard_normal((m, w.shape[1])).astype(np.float32)
+            w.integer_dot, w.llama_numerics = integer is not False, integer is None  # parity mode forces integer
+            with no_grad():
+                path_name = "integer" if w.uses_integer_dot(m) else "f32"
+                ms = timed(lambda: w.matmul_t(x), repeat if m > 1 else 10 * repeat)[0]
+            gbs, gflops = w.nbytes / ms / 1e6, 2.0 * m * w.shape[0] * w.shape[1] / ms / 1e6
+            rows.append({"case": f"kernel/{w.format.name}/{w.shape[0]}x{w.shape[1]}/{kind}", "ms": ms, "baselines": {},
+                         "gbps": gbs, "gflops": gflops, "path": path_name, "format": w.format.name,
+                         "shape": list(w.shape), "activation_rows": m,
+                         "notes": f"{path_name} path; {gbs:.1f} GB/s of weights ({100 * gbs / read_gbs:.0f}% of "
+                                  f"measured read), {gflops:.1f} GFLOP/s ({100 * gflops / peak:.0f}% of f32 BLAS)"})
+    return rows
 
 
 def _llama_worker(path, threads, decode_tokens, repeat, quantized):
@@ -165,4 +225,6 @@ def run(args):
         mem["llama_peak_rss_mb"] = theirs["peak_rss_mb"]
         mem["notes"] += f"; llama.cpp peak RSS {theirs['peak_rss_mb']:.0f} MB"
     rows.append(mem)
+    if not args.no_kernels:
+        rows += _kernel_rows(args.model, args.threads, args.repeat)
     return rows

@@ -73,9 +73,19 @@ class FrozenWeight:
     a fused dequant-matvec for a few rows of x (decode), or a tiled dequant + BLAS
     for many rows (prefill, training; kernels/qgemm.py). `matmul(g)` computes g @ W
     (the backward of a frozen linear) the same tiled way. It carries no gradient.
+
+    `integer_dot` (default True): forwards that record no graph (under autograd's no_grad():
+    inference, ES member evaluation, evaluation passes) of at most INTEGER_MAX_ROWS activation
+    rows (decode) through Q8_0/Q4_0/Q5_0/Q4_K/Q5_K/Q6_K weights quantize their activations the way
+    llama.cpp does and take integer block dot products (kernels/qint.py); a forward with
+    gradients on keeps f32 activations (the training contract). Many rows (prefill) stay on the
+    tiled f32 GEMM: the integer kernel is 5-8x slower there today (docs/models.md, measured).
+    `llama_numerics` (parity runs) takes the integer path for those formats at any row count.
     """
 
     FUSED_MAX_ROWS = 4  # below this many activation rows the fused kernel wins (docs/models.md)
+    integer_dot = True  # class default; set False on an instance (or the class) for the f32 path everywhere
+    INTEGER_MAX_ROWS = FUSED_MAX_ROWS  # no-grad calls with more rows use the f32 GEMM (faster today)
 
     def __init__(self, fmt: Format, raw, shape: tuple[int, int], name: str = ""):
         self.format, self.raw, self.shape, self.name = fmt, raw, tuple(shape), name
@@ -98,11 +108,22 @@ class FrozenWeight:
             return bits.view(np.float32).reshape(self.shape)
         return dequant.dequantize_rows(int(self.format.qtype), self.raw, self.shape[1])
 
+    def uses_integer_dot(self, rows: int) -> bool:
+        """True when matmul_t of `rows` activation rows takes kernels/qint.py's integer path (the class doc)."""
+        from kernels import qint
+        from pipeline.autograd.tensor import grad_enabled
+        if not qint.supports(self.format.qtype):
+            return False
+        return self.llama_numerics or (self.integer_dot and rows <= self.INTEGER_MAX_ROWS and not grad_enabled())
+
     def matmul_t(self, x):
         """x [..., n_in] f32 -> x @ W.T [..., n_out] f32."""
         import numpy as np
-        from kernels import dequant, qgemm
+        from kernels import dequant, qgemm, qint
         x2 = np.asarray(x, dtype=np.float32).reshape(-1, self.shape[1])
+        if self.uses_integer_dot(x2.shape[0]):
+            y = qint.matmul_t_many([(int(self.format.qtype), self.raw)], x2)[0]
+            return y.reshape(*np.shape(x)[:-1], self.shape[0])
         correction = None
         if self.llama_numerics:
             if self.format.qtype in (QT.Q4_1, QT.Q5_1):
@@ -135,12 +156,16 @@ class FrozenWeight:
 
 def matmul_t_many(weights: list, x) -> list:
     """[w.matmul_t(x) for w in weights], for weights that share their input (q/k/v, gate/up),
-    in one dispatch to the threads: the tiled GEMM for many rows of x (kernels/qgemm.py),
+    in one dispatch to the threads: the integer block dots when every weight takes them
+    (kernels/qint.py, activations quantized once), the tiled GEMM for many rows of x (kernels/qgemm.py),
     the fused matvec for a few rows through block or 16-bit weights (dequant.matvec_many).
     The results equal the one-by-one calls bit for bit."""
     import numpy as np
-    from kernels import dequant, qgemm
+    from kernels import dequant, qgemm, qint
     x2 = np.asarray(x, dtype=np.float32).reshape(-1, weights[0].shape[1])
+    if all(w.shape[1] == x2.shape[1] and w.uses_integer_dot(x2.shape[0]) for w in weights):
+        ys = qint.matmul_t_many([(int(w.format.qtype), w.raw) for w in weights], x2)
+        return [y.reshape(*np.shape(x)[:-1], w.shape[0]) for w, y in zip(weights, ys)]
     few = x2.shape[0] <= FrozenWeight.FUSED_MAX_ROWS
     if any(w.llama_numerics or w.shape[1] != x2.shape[1] or (few and w.format.qtype == QT.F32) for w in weights):
         return [w.matmul_t(x) for w in weights]
@@ -170,9 +195,10 @@ def _q8_blocks(x):
     """x [N, n] f32 in ggml-cpu's Q8_0/Q8_1 activation blocks: (q [N, n/32, 32] integers as f32, d [N, n/32] f32)."""
     import numpy as np
     blocks = x.reshape(x.shape[0], -1, 32)
-    d = (np.abs(blocks).max(axis=-1) / np.float32(127)).astype(np.float32)
-    with np.errstate(divide="ignore"):
-        inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+    amax = np.abs(blocks).max(axis=-1)
+    d = (amax / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore"):  # quantize_row_q8_0's AVX2 path scales by 127/max (the generic one by 1/d)
+        inv = np.where(amax == 0, np.float32(0), np.float32(127) / amax).astype(np.float32)
     return np.rint(blocks * inv[..., None]), d  # x86 SIMD rounds half to even
 
 

@@ -223,3 +223,7 @@ def test_llama_numerics_products_equal_ggml_cpu_vec_dot(qt):
     u = 2.0 ** -24
     bound = 2 * (n + 1) * u * (np.abs(np.concatenate([x, x[:2]])).astype(np.float64) @ np.abs(w).T) * 1.01
     assert (np.abs(ours - theirs) <= bound).all(), np.abs(ours - theirs).max()
+    if qt in (QT.Q8_0, QT.Q4_0, QT.Q5_0, QT.Q4_K, QT.Q5_K):  # kernels/qint.py: ggml's AVX2 arithmetic, same bits.
+        # Q6_K's integer sums are the same too, but its f32 order in the installed ggml is not the one modelled
+        # (a few ulps apart; docs/models.md), so it is held to the bound above only.
+        np.testing.assert_array_equal(ours.view(np.uint32), theirs.view(np.uint32))

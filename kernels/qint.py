@@ -1,0 +1,231 @@
+"""Integer dot products for no-grad forwards: x @ W.T with x quantized the way llama.cpp quantizes it.
+
+Trade-off: llama.cpp's CPU matmul never multiplies floats by dequantized
+weights; it quantizes each activation row to its weight format's partner
+(Q8_0 blocks of 32 for Q8_0/Q4_0/Q5_0, Q8_K blocks of 256 for Q4_K/Q5_K/Q6_K) and
+takes exact integer dot products per block, scaled in f32 afterwards. Doing the
+same here costs accuracy (activations rounded to 8 bits, as llama.cpp does) and
+buys speed (int8 operands, no f32 weight) and llama.cpp's own bits: the
+quantizers below are quantize_row_q8_0's AVX2 path (d = max/127 stored as fp16,
+x * (127/max) rounded half to even) and quantize_row_q8_K_ref (the first
+largest-magnitude element m, iscale = -127/m, nearest_int, d = 1/iscale); the
+block intrinsics (kernels/qblocks.py `idot_*`) keep llama.cpp's AVX2 lane
+layout and fused multiply-adds, and the lanes are summed in hsum_float_8's
+order. Used only where no gradient flows (pipeline/llm/quants.py,
+FrozenWeight.integer_dot); training keeps f32 activations.
+Each output element is computed by the same serial code whatever thread takes
+its rows, so results are bitwise independent of the thread count.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit
+
+from .dequant import (HALF_TO_FLOAT, MATVEC_PIECES_PER_THREAD, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, ROW_CHUNK, _check,
+                      _half)
+from .qblocks import idot_q4_0, idot_q4_k, idot_q5_0, idot_q5_k, idot_q6_k, idot_q8_0
+from .workpool import run_dynamic
+
+Q8_0_PARTNER, Q8_K_PARTNER = "Q8_0", "Q8_K"
+# weight format -> the activation blocks llama.cpp pairs it with (its vec_dot_type)
+PARTNER = {Q8_0: Q8_0_PARTNER, Q4_0: Q8_0_PARTNER, Q5_0: Q8_0_PARTNER,
+           Q4_K: Q8_K_PARTNER, Q5_K: Q8_K_PARTNER, Q6_K: Q8_K_PARTNER}
+PARTNER_BLOCK = {Q8_0_PARTNER: 32, Q8_K_PARTNER: 256}
+
+
+@njit(cache=True, nogil=True)
+def _quantize_q8_0(x, q, d):
+    """x f32 [m, n] -> q int8 [m, n], d f32 [m, n/32] = max|x| / 127 per block (before fp16 rounding)."""
+    for i in range(x.shape[0]):
+        for blk in range(x.shape[1] // 32):
+            amax = np.float32(0.0)
+            for k in range(blk * 32, blk * 32 + 32):
+                amax = max(amax, abs(x[i, k]))
+            d[i, blk] = amax / np.float32(127.0)
+            inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)  # the AVX2 path's 127/max, not 1/d
+            for k in range(blk * 32, blk * 32 + 32):
+                q[i, k] = np.int8(np.rint(x[i, k] * inv))
+
+
+@njit(cache=True, nogil=True)
+def _quantize_q8_k(x, q, d, sums):
+    """x f32 [m, n] -> q int8 [m, n], d f32 [m, n/256], sums int32 [m, n/32] (each 32 q's sum)."""
+    for i in range(x.shape[0]):
+        for blk in range(x.shape[1] // 256):
+            o = blk * 256
+            amax, mx = np.float32(0.0), np.float32(0.0)
+            for k in range(o, o + 256):
+                if abs(x[i, k]) > amax:
+                    amax, mx = abs(x[i, k]), x[i, k]
+            if amax == 0:
+                d[i, blk] = 0.0
+                q[i, o:o + 256] = 0
+                sums[i, blk * 8:blk * 8 + 8] = 0
+                continue
+            iscale = np.float32(-127.0) / mx
+            for g in range(8):
+                total = 0
+                for k in range(o + 32 * g, o + 32 * g + 32):
+                    v = min(127, int(np.rint(iscale * x[i, k])))
+                    q[i, k] = v
+                    total += v
+                sums[i, blk * 8 + g] = total
+            d[i, blk] = np.float32(1.0) / iscale
+
+
+def quantize_activations(partner: str, x: np.ndarray):
+    """x f32 [m, n] in llama.cpp's activation blocks: (q int8 [m, n], d f32 [m, n/block], sums int32 [m, n/32]
+    or None). Q8_0's d is its fp16 value (what the dot product reads), Q8_K's stays f32."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    block = PARTNER_BLOCK[partner]
+    if x.ndim != 2 or x.shape[1] % block:
+        raise ValueError(f"qint: activations must be [m, k * {block}] for {partner}, got shape {x.shape}")
+    q = np.empty(x.shape, np.int8)
+    d = np.empty((x.shape[0], x.shape[1] // block), np.float32)
+    if partner == Q8_0_PARTNER:
+        _quantize_q8_0(x, q, d)
+        return q, d.astype(np.float16).astype(np.float32), None  # F16C rounds half to even, as numpy does
+    sums = np.empty((x.shape[0], x.shape[1] // 32), np.int32)
+    _quantize_q8_k(x, q, d, sums)
+    return q, d, sums
+
+
+@njit(cache=True, inline="always")
+def _hsum8(a):
+    """hsum_float_8: high half + low half, then (0 + 2) + (1 + 3)."""
+    r0, r1, r2, r3 = a[4] + a[0], a[5] + a[1], a[6] + a[2], a[7] + a[3]
+    return (r0 + r2) + (r1 + r3)
+
+
+@njit(cache=True, nogil=True)
+def _mm_q8_0(raw, q, d, sums, out, lut, r0, r1):
+    """Rows r0..r1 of Q8_0 raw [n_rows, row_bytes] against Q8_0 activations q/d -> out f32 [m, n_rows]."""
+    acc = np.empty(8, np.float32)
+    for r in range(r0, r1):
+        b = raw[r]
+        for i in range(q.shape[0]):
+            qi, di = q[i], d[i]
+            acc[:] = 0.0
+            for blk in range(qi.shape[0] // 32):
+                idot_q8_0(acc, b, blk * 34, qi, blk * 32, _half(lut, b, blk * 34) * di[blk])
+            out[i, r] = _hsum8(acc)
+
+
+@njit(cache=True, nogil=True)
+def _mm_q4_0(raw, q, d, sums, out, lut, r0, r1):
+    """As _mm_q8_0 for Q4_0 weights."""
+    acc = np.empty(8, np.float32)
+    for r in range(r0, r1):
+        b = raw[r]
+        for i in range(q.shape[0]):
+            qi, di = q[i], d[i]
+            acc[:] = 0.0
+            for blk in range(qi.shape[0] // 32):
+                idot_q4_0(acc, b, blk * 18, qi, blk * 32, _half(lut, b, blk * 18) * di[blk])
+            out[i, r] = _hsum8(acc)
+
+
+@njit(cache=True, nogil=True)
+def _mm_q5_0(raw, q, d, sums, out, lut, r0, r1):
+    """As _mm_q8_0 for Q5_0 weights."""
+    acc = np.empty(8, np.float32)
+    for r in range(r0, r1):
+        b = raw[r]
+        for i in range(q.shape[0]):
+            qi, di = q[i], d[i]
+            acc[:] = 0.0
+            for blk in range(qi.shape[0] // 32):
+                idot_q5_0(acc, b, blk * 22, qi, blk * 32, _half(lut, b, blk * 22) * di[blk])
+            out[i, r] = _hsum8(acc)
+
+
+@njit(cache=True, nogil=True)
+def _mm_q4_k(raw, q, d, sums, out, lut, r0, r1):
+    """Rows r0..r1 of Q4_K raw against Q8_K activations: the scaled sums in 8 lanes, the mins in 4, as llama.cpp."""
+    acc = np.empty(8, np.float32)
+    accm = np.empty(4, np.float32)
+    for r in range(r0, r1):
+        b = raw[r]
+        for i in range(q.shape[0]):
+            qi, di, si = q[i], d[i], sums[i]
+            acc[:] = 0.0
+            accm[:] = 0.0
+            for blk in range(qi.shape[0] // 256):
+                o = blk * 144
+                idot_q4_k(acc, b, o, qi, blk * 256, di[blk] * _half(lut, b, o), accm, si, blk * 8,
+                          -di[blk] * _half(lut, b, o + 2))
+            out[i, r] = _hsum8(acc) + ((accm[0] + accm[2]) + (accm[1] + accm[3]))
+
+
+@njit(cache=True, nogil=True)
+def _mm_q5_k(raw, q, d, sums, out, lut, r0, r1):
+    """Rows r0..r1 of Q5_K raw against Q8_K activations: the scaled sums in 8 lanes, the mins in one f32."""
+    acc = np.empty(8, np.float32)
+    accm = np.empty(1, np.float32)
+    for r in range(r0, r1):
+        b = raw[r]
+        for i in range(q.shape[0]):
+            qi, di, si = q[i], d[i], sums[i]
+            acc[:] = 0.0
+            accm[0] = 0.0
+            for blk in range(qi.shape[0] // 256):
+                o = blk * 176
+                idot_q5_k(acc, b, o, qi, blk * 256, di[blk] * _half(lut, b, o), accm, si, blk * 8,
+                          -di[blk] * _half(lut, b, o + 2))
+            out[i, r] = _hsum8(acc) + accm[0]
+
+
+@njit(cache=True, nogil=True)
+def _mm_q6_k(raw, q, d, sums, out, lut, r0, r1):
+    """Rows r0..r1 of Q6_K raw against Q8_K activations."""
+    acc = np.empty(8, np.float32)
+    for r in range(r0, r1):
+        b = raw[r]
+        for i in range(q.shape[0]):
+            qi, di = q[i], d[i]
+            acc[:] = 0.0
+            for blk in range(qi.shape[0] // 256):
+                idot_q6_k(acc, b, blk * 210, qi, blk * 256, di[blk] * _half(lut, b, blk * 210 + 208))
+            out[i, r] = _hsum8(acc)
+
+
+KERNELS = {Q8_0: _mm_q8_0, Q4_0: _mm_q4_0, Q5_0: _mm_q5_0, Q4_K: _mm_q4_k, Q5_K: _mm_q5_k, Q6_K: _mm_q6_k}
+
+
+def supports(qtype: int) -> bool:
+    return int(qtype) in KERNELS
+
+
+def matmul_t_many(weights, x: np.ndarray) -> list:
+    """[x @ W.T for (qtype, raw) in weights] through integer block dots, x f32 [m, n] quantized once per
+    partner format. Rows are cut into a fixed number of pieces per weight (ROW_CHUNK multiples) that the
+    threads take dynamically; every element is the same serial code whichever thread runs it."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2:
+        raise ValueError(f"qint: x must be [m, n_cols], got shape {x.shape}")
+    activations = {}
+    for qtype, raw in weights:
+        if qtype not in KERNELS:
+            raise ValueError(f"qint: no integer kernel for ggml type {qtype}")
+        _check(qtype, raw, x.shape[1])
+        if PARTNER[qtype] not in activations:
+            activations[PARTNER[qtype]] = quantize_activations(PARTNER[qtype], x)
+    threads = numba.get_num_threads()
+    outs, pieces = [], []
+    for qtype, raw in weights:
+        raw = np.ascontiguousarray(raw)
+        out = np.empty((x.shape[0], raw.shape[0]), np.float32)
+        rows = raw.shape[0]
+        parts = max(1, min(threads * MATVEC_PIECES_PER_THREAD if threads > 1 else 1, rows // ROW_CHUNK))
+        step = -(-rows // parts)
+        pieces += [(KERNELS[qtype], raw, activations[PARTNER[qtype]], out, r0, min(rows, r0 + step))
+                   for r0 in range(0, rows, step)]
+        outs.append(out)
+
+    def piece(i):
+        kernel, raw, (q, d, sums), out, r0, r1 = pieces[i]
+        kernel(raw, q, d, sums if sums is not None else np.empty((0, 0), np.int32), out, HALF_TO_FLOAT, r0, r1)
+
+    run_dynamic(len(pieces), piece)
+    return outs

@@ -1,0 +1,29 @@
+"""`fucina bench llm` end to end on a tiny committed fixture: the whole-model rows and the per-kernel rows
+(no timing assertions: benchmarks are commands, not tests)."""
+import argparse
+import json
+import os
+
+from pipeline.bench import llm as bench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_bench_llm_reports_kernel_rows_beside_the_machine_limits():
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["--model", os.path.join(ROOT, "tests", "fixtures", "qwen3-mini-q8_0.gguf"), "--no-llama",
+                         "--repeat", "1", "--decode-tokens", "1", "--threads", "1"])
+    rows = bench.run(args)
+    json.dumps(rows)  # the --json document must serialise
+    cases = [r["case"] for r in rows]
+    assert cases[:4] == [f"qwen3-mini-q8_0.gguf/{c}" for c in ("prefill64", "prefill256", "decode", "peak_rss")]
+    limits = rows[4]
+    assert limits["case"] == "machine/memory_read" and limits["gbps"] > 0 and limits["peak_gflops"] > 0
+    kernels = rows[5:]
+    assert kernels and all(r["case"].startswith("kernel/Q8_0/") and r["gbps"] > 0 and r["gflops"] > 0
+                           for r in kernels)
+    paths = {r["case"].rsplit("/", 1)[1]: r["path"] for r in kernels}
+    assert paths == {"decode": "integer", "prefill64": "f32", "decode_f32": "f32", "prefill64_integer": "integer"}
+    args.no_kernels = True
+    assert len(bench.run(args)) == 4

@@ -1,0 +1,208 @@
+"""Integer block dot products (kernels/qint.py): bitwise equal to a numpy model of llama.cpp's arithmetic.
+
+The model, written from ggml-cpu's x86 quants.c independently of the kernels: activations
+quantized as quantize_row_q8_0 (AVX2) / quantize_row_q8_K_ref; per block, exact integer sums
+in 8 lanes (lane k = elements 4k..4k+3 of each 32-chunk, times the sub-block scale), converted
+to f32 and fused-multiply-added into 8 f32 accumulators (Q4_K's mins into 4 more), then
+hsum_float_8's order. The FMA is emulated in long double (64-bit mantissa: the f32 product is
+exact there, and a second rounding to f32 could only differ on a long-double midpoint, ~2^-40).
+"""
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT, quants
+
+from kernels import qint
+from pipeline.threads import numba_threads
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "llm"))
+from test_gguf_dequant import random_blocks  # noqa: E402
+
+FORMATS = [QT.Q8_0, QT.Q4_0, QT.Q5_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+LD = np.longdouble
+
+
+def f16(b, off):
+    return np.ascontiguousarray(b[..., off:off + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def ref_quantize_q8_0(x):
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = np.abs(blocks).max(axis=-1)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax == 0, np.float32(0), np.float32(127) / amax).astype(np.float32)
+    q = np.rint(blocks * inv[..., None]).astype(np.int64)
+    return q.reshape(x.shape), (amax / np.float32(127)).astype(np.float16).astype(np.float32)
+
+
+def ref_quantize_q8_k(x):
+    blocks = x.reshape(x.shape[0], -1, 256)
+    first = np.abs(blocks).argmax(axis=-1)
+    mx = np.take_along_axis(blocks, first[..., None], -1)[..., 0]
+    with np.errstate(divide="ignore"):
+        iscale = (np.float32(-127) / mx).astype(np.float32)
+    q = np.minimum(127, np.rint(blocks * iscale[..., None])).astype(np.int64)
+    d = (np.float32(1) / iscale).astype(np.float32)
+    q[mx == 0], d[mx == 0] = 0, 0
+    return q.reshape(x.shape), d
+
+
+def block_integers(qt, raw, n):
+    """(w int64 [rows, n] the integer weights, scale int64 [rows, n] each weight's sub-block scale,
+    d f32 [rows, blocks], extra): the bytes as ggml's reference dequantization reads them."""
+    rows = raw.shape[0]
+    if qt == QT.Q8_0:
+        b = raw.reshape(rows, -1, 34)
+        w = b[:, :, 2:].view(np.int8).astype(np.int64).reshape(rows, n)
+        return w, np.ones((rows, n), np.int64), f16(b, 0), None
+    if qt == QT.Q4_0:
+        b = raw.reshape(rows, -1, 18)
+        qs = b[:, :, 2:].astype(np.int64)
+        w = np.concatenate([qs & 15, qs >> 4], axis=-1) - 8
+        return w.reshape(rows, n), np.ones((rows, n), np.int64), f16(b, 0), None
+    if qt == QT.Q5_0:
+        b = raw.reshape(rows, -1, 22)
+        qs = b[:, :, 6:].astype(np.int64)
+        bits = (np.ascontiguousarray(b[:, :, 2:6]).view("<u4").astype(np.int64) >> np.arange(32)) & 1  # qh
+        w = (np.concatenate([qs & 15, qs >> 4], axis=-1) | (bits << 4)) - 16
+        return w.reshape(rows, n), np.ones((rows, n), np.int64), f16(b, 0), None
+    if qt in (QT.Q4_K, QT.Q5_K):
+        b = raw.reshape(rows, -1, 144 if qt == QT.Q4_K else 176)
+        sc = b[:, :, 4:16].astype(np.int64)
+        s, m = np.empty(sc.shape[:2] + (8,), np.int64), np.empty(sc.shape[:2] + (8,), np.int64)
+        s[..., :4], m[..., :4] = sc[..., 0:4] & 63, sc[..., 4:8] & 63
+        s[..., 4:] = (sc[..., 8:12] & 15) | ((sc[..., 0:4] >> 6) << 4)
+        m[..., 4:] = (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)
+        qs = b[:, :, 16 if qt == QT.Q4_K else 48:].astype(np.int64).reshape(rows, -1, 4, 32)
+        w = np.stack([qs & 15, qs >> 4], axis=3).reshape(rows, -1, 8, 32)  # chunk c: low nibbles, then high
+        if qt == QT.Q5_K:  # bit j of the 32 qh bytes is the fifth bit of sub-block j
+            qh = b[:, :, 16:48].astype(np.int64)
+            w = w | (((qh[:, :, None, :] >> np.arange(8)[None, None, :, None]) & 1) << 4)
+        w = w.reshape(rows, n)
+        return w, np.repeat(s, 32, axis=-1).reshape(rows, n), f16(b, 0), (f16(b, 2), m)
+    b = raw.reshape(rows, -1, 210)  # Q6_K
+    ql, qh = b[:, :, :128].astype(np.int64), b[:, :, 128:192].astype(np.int64)
+    w = np.empty((rows, b.shape[1], 256), np.int64)
+    for half in range(2):
+        l, h = ql[..., 64 * half:64 * half + 64], qh[..., 32 * half:32 * half + 32]
+        for t in range(4):
+            w[..., 128 * half + 32 * t:128 * half + 32 * t + 32] = (
+                ((l[..., (t & 1) * 32:(t & 1) * 32 + 32] >> (4 * (t >> 1))) & 15) | (((h >> (2 * t)) & 3) << 4))
+    scales = b[:, :, 192:208].view(np.int8).astype(np.int64)
+    return (w - 32).reshape(rows, n), np.repeat(scales, 16, axis=-1).reshape(rows, n), f16(b, 208), None
+
+
+def fma32(a, b, c):
+    return (LD(a) * LD(b) + LD(c)).astype(np.float32)
+
+
+def reference(qt, raw, x):
+    n = x.shape[1]
+    q, yd = (ref_quantize_q8_0 if qt in (QT.Q8_0, QT.Q4_0, QT.Q5_0) else ref_quantize_q8_k)(x)
+    w, scale, wd, extra = block_integers(qt, raw, n)
+    block = 32 if qt in (QT.Q8_0, QT.Q4_0, QT.Q5_0) else 256
+    out = np.empty((x.shape[0], raw.shape[0]), np.float32)
+    for i in range(x.shape[0]):
+        prod = (w * scale * q[i]).reshape(raw.shape[0], n // block, block // 32, 8, 4)
+        lanes = prod.sum(axis=(2, 4)).astype(np.float32)       # [rows, blocks, 8], exact then sitofp
+        d = (yd[i] * wd).astype(np.float32)                     # [rows, blocks]
+        acc = np.zeros((raw.shape[0], 8), np.float32)
+        for blk in range(n // block):
+            acc = fma32(d[:, blk, None], lanes[:, blk], acc)
+        r = acc[:, 4:] + acc[:, :4]
+        total = (r[:, 0] + r[:, 2]) + (r[:, 1] + r[:, 3])
+        if extra is not None and qt == QT.Q5_K:  # Q5_K: dmin * (min . 32-sums) into one f32
+            dmin, mins = extra
+            sums = q[i].reshape(-1, 8, 32).sum(axis=-1)
+            whole = (mins * sums).sum(axis=-1).astype(np.float32)  # [rows, blocks]
+            dm = (-yd[i] * dmin).astype(np.float32)
+            accm = np.zeros(raw.shape[0], np.float32)
+            for blk in range(n // block):
+                accm = fma32(dm[:, blk], whole[:, blk], accm)
+            total = total + accm
+        elif extra is not None:  # Q4_K: dmin * (min . 32-sums) in 4 lanes of pairs of sub-blocks
+            dmin, mins = extra
+            sums = q[i].reshape(-1, 8, 32).sum(axis=-1)          # [blocks, 8]
+            pairs = (mins * sums).reshape(raw.shape[0], -1, 4, 2).sum(axis=-1).astype(np.float32)
+            dm = (-yd[i] * dmin).astype(np.float32)
+            accm = np.zeros((raw.shape[0], 4), np.float32)
+            for blk in range(n // block):
+                accm = fma32(dm[:, blk, None], pairs[:, blk], accm)
+            total = total + ((accm[:, 0] + accm[:, 2]) + (accm[:, 1] + accm[:, 3]))
+        out[i] = total
+    return out
+
+
+@pytest.mark.parametrize("qt", FORMATS, ids=lambda q: q.name)
+def test_integer_dot_bitwise_equals_llama_model(qt):
+    raw = random_blocks(qt, 37, 768, seed=3)
+    x = np.random.default_rng(4).standard_normal((3, 768)).astype(np.float32)
+    x[1, :256] *= 1e-3  # a quiet block (tiny Q8_0 scales, some subnormal in fp16)
+    got = qint.matmul_t_many([(int(qt), raw)], x)[0]
+    np.testing.assert_array_equal(got.view(np.uint32), reference(qt, raw, x).view(np.uint32))
+    # and it is x @ W.T up to the activations' 8-bit rounding: |error| <= sum_k |w_k| * d_k / 2
+    w = quants.dequantize(raw, qt).astype(np.float64)
+    exact = x.astype(np.float64) @ w.T
+    block = 32 if qt in (QT.Q8_0, QT.Q4_0, QT.Q5_0) else 256
+    half_step = np.abs(x).reshape(3, -1, block).max(axis=-1) / 127 / 2 * 1.01  # per activation block
+    bound = np.abs(w).reshape(37, -1, block).sum(axis=-1) @ half_step.T
+    assert (np.abs(got - exact) <= bound.T + 1e-4 * np.abs(exact).max()).all()
+
+
+def test_quantizers_match_the_parity_roundtrip():
+    """Q8_K: q * d is what FrozenWeight.llama_numerics has fed the f32 path so far."""
+    from pipeline.llm.quants import llama_activation_roundtrip
+    x = np.random.default_rng(1).standard_normal((2, 512)).astype(np.float32)
+    q, d, sums = qint.quantize_activations(qint.Q8_K_PARTNER, x)
+    back = (q.reshape(2, -1, 256) * d[..., None]).astype(np.float32).reshape(2, 512)
+    np.testing.assert_array_equal(back, llama_activation_roundtrip(QT.Q4_K, x))
+    np.testing.assert_array_equal(sums, q.reshape(2, -1, 32).sum(axis=-1, dtype=np.int64))
+    q0, d0, _ = qint.quantize_activations(qint.Q8_0_PARTNER, x)
+    rq, rd = ref_quantize_q8_0(x)
+    np.testing.assert_array_equal(q0, rq)
+    np.testing.assert_array_equal(d0, rd)
+
+
+@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q8_0], ids=lambda q: q.name)
+def test_thread_count_does_not_change_bits(qt):
+    raw = random_blocks(qt, 100, 512, seed=5)
+    x = np.random.default_rng(6).standard_normal((5, 512)).astype(np.float32)
+    outs = []
+    for n in (1, 2):
+        with numba_threads(n):
+            outs.append(qint.matmul_t_many([(int(qt), raw), (int(qt), raw[:40])], x))
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    np.testing.assert_array_equal(outs[0][1], outs[0][0][:, :40])  # a row's bits do not depend on the cut
+
+
+def test_bad_shapes_are_refused():
+    raw = random_blocks(QT.Q4_K, 4, 512)
+    with pytest.raises(ValueError, match="row of 256 elements"):
+        qint.matmul_t_many([(int(QT.Q4_K), raw)], np.zeros((1, 256), np.float32))
+    with pytest.raises(ValueError, match="no integer kernel"):
+        qint.matmul_t_many([(int(QT.Q2_K), random_blocks(QT.Q2_K, 4, 512))], np.zeros((1, 512), np.float32))
+
+
+def test_frozen_weight_takes_the_integer_path_only_without_gradients():
+    from kernels import dequant, qgemm
+    from pipeline.autograd import no_grad
+    from pipeline.llm.quants import FORMATS, FrozenWeight, matmul_t_many
+    raw = random_blocks(QT.Q4_K, 48, 256, seed=9)
+    fw = FrozenWeight(FORMATS[QT.Q4_K], raw, (48, 256), "w")
+    x = np.random.default_rng(10).standard_normal((3, 256)).astype(np.float32)  # decode-sized
+    integer = qint.matmul_t_many([(int(QT.Q4_K), raw)], x)[0]
+    f32 = dequant.matvec_rows(int(QT.Q4_K), raw, x)  # the fused f32 decode kernel
+    assert not np.array_equal(integer, f32)  # the two paths are distinguishable
+    np.testing.assert_array_equal(fw.matmul_t(x), f32)  # gradients on (training): f32 activations
+    with no_grad():
+        np.testing.assert_array_equal(fw.matmul_t(x), integer)
+        np.testing.assert_array_equal(matmul_t_many([fw, fw], x)[1], integer)
+        many = np.repeat(x, 3, axis=0)  # prefill-sized: the f32 GEMM unless in parity mode
+        np.testing.assert_array_equal(fw.matmul_t(many), qgemm.matmul_t(int(QT.Q4_K), raw, many, (48, 256)))
+        fw.llama_numerics = True
+        np.testing.assert_array_equal(fw.matmul_t(many), np.repeat(integer, 3, axis=0))
+        fw.llama_numerics, fw.integer_dot = False, False
+        np.testing.assert_array_equal(fw.matmul_t(x), f32)

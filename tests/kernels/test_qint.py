@@ -192,6 +192,7 @@ def test_frozen_weight_takes_the_integer_path_only_without_gradients():
     from pipeline.llm.quants import FORMATS, FrozenWeight, matmul_t_many
     raw = random_blocks(QT.Q4_K, 48, 256, seed=9)
     fw = FrozenWeight(FORMATS[QT.Q4_K], raw, (48, 256), "w")
+    fw.integer_dot = True  # opt-in
     x = np.random.default_rng(10).standard_normal((3, 256)).astype(np.float32)  # decode-sized
     integer = qint.matmul_t_many([(int(QT.Q4_K), raw)], x)[0]
     f32 = dequant.matvec_rows(int(QT.Q4_K), raw, x)  # the fused f32 decode kernel

@@ -26,7 +26,8 @@ def test_files_directories_globs_and_jsonl_in_a_fixed_order(tmp_path):
     (lambda p: (p / "bad.txt").write_bytes(b"ok\nline two \xff\n"), "bad.txt", "bad.txt:2: not UTF-8"),
     (lambda p: (p / "bad.jsonl").write_text('{"text": "a"}\n{"text": 3}\n'), "bad.jsonl",
      "bad.jsonl:2: expected a JSON object with a string field 'text'"),
-    (lambda p: (p / "cut.jsonl").write_text('{"text": "a"}\n\n{"text": \n'), "cut.jsonl", "cut.jsonl:3: not valid JSON"),
+    (lambda p: (p / "cut.jsonl").write_text('{"text": "a"}\n\n{"text": \n'), "cut.jsonl",
+     "cut.jsonl:3: not valid JSON"),
 ])
 def test_bad_input_is_one_error_naming_file_and_line(tmp_path, monkeypatch, setup, data, message):
     monkeypatch.chdir(tmp_path)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import fcntl
 import glob
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 
@@ -30,6 +29,7 @@ import numpy as np
 from ..errors import UserError
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
+MAX_DOCUMENT_BYTES = 64 << 20  # one JSONL record (the SFT reader's default cap of 1 MiB is for chat samples)
 
 
 @dataclass
@@ -52,16 +52,13 @@ def _read_utf8(path) -> str:
 
 
 def _jsonl_documents(path, text_field):
+    """One document per record, read with pipeline.llm.data's hardened JSONL reader (byte cap per line,
+    bounded nesting, `file:line` errors); a pretraining document may be a whole book, hence the cap."""
+    from ..llm.data import read_jsonl
     docs = []
-    for n, line in enumerate(_read_utf8(path).splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError as e:
-            raise UserError(f"{path}:{n}: not valid JSON ({e})") from None
-        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-            raise UserError(f"{path}:{n}: expected a JSON object with a string field {text_field!r}")
+    for where, record in read_jsonl(path, max_record_bytes=MAX_DOCUMENT_BYTES):
+        if not isinstance(record.get(text_field), str):
+            raise UserError(f"{where}: expected a JSON object with a string field {text_field!r}")
         if record[text_field].strip():
             docs.append(record[text_field])
     return docs

@@ -27,7 +27,7 @@ def test_files_directories_globs_and_jsonl_in_a_fixed_order(tmp_path):
     (lambda p: (p / "bad.jsonl").write_text('{"text": "a"}\n{"text": 3}\n'), "bad.jsonl",
      "bad.jsonl:2: expected a JSON object with a string field 'text'"),
     (lambda p: (p / "cut.jsonl").write_text('{"text": "a"}\n\n{"text": \n'), "cut.jsonl",
-     "cut.jsonl:3: not valid JSON"),
+     "cut.jsonl:3: malformed JSON"),
 ])
 def test_bad_input_is_one_error_naming_file_and_line(tmp_path, monkeypatch, setup, data, message):
     monkeypatch.chdir(tmp_path)

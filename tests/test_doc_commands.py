@@ -33,7 +33,7 @@ PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 VENV_BIN = pathlib.Path(sys.prefix) / "bin"
 
-LONG = re.compile(r"fucina (launch lm|pretrain|tokenizer train|finetune|es-finetune|bench"
+LONG = re.compile(r"fucina (launch lm|pretrain|tokenizer train|sft|finetune|es-finetune|bench"
                   r"|spirals(?! --optimizer \S+ --steps))"
                   r"|honcho_run\.sh lm|python3 -m venv")
 NEVER_RUN = re.compile(r"^llama-cli ")

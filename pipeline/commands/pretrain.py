@@ -13,14 +13,18 @@ DESCRIPTION = ("`fucina launch pretrain` with the corpus and tokenizer prepared 
                "The run dir gets metrics.jsonl, checkpoints, pretrain.png, samples.jsonl and model.gguf.")
 
 
-def add_arguments(parser):
-    """The flags of `fucina launch pretrain` (one definition: launch's), on this parser."""
+def add_launch_flags(parser, job):
+    """The flags of `fucina launch JOB` (one definition: launch's), on this parser."""
     source = argparse.ArgumentParser(formatter_class=parser.formatter_class)
     launch.add_arguments(source)
     jobs = next(a for a in source._actions if isinstance(a, argparse._SubParsersAction))
-    for action in jobs.choices["pretrain"]._actions:
+    for action in jobs.choices[job]._actions:
         if not isinstance(action, argparse._HelpAction):
             parser._add_action(action)
+
+
+def add_arguments(parser):
+    add_launch_flags(parser, "pretrain")
 
 
 def run(args) -> int:

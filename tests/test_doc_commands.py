@@ -34,7 +34,8 @@ PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 VENV_BIN = pathlib.Path(sys.prefix) / "bin"
 
-LONG = re.compile(r"fucina (launch lm|finetune|es-finetune|bench|spirals(?! --optimizer \S+ --steps))"
+LONG = re.compile(r"fucina (launch lm|pretrain|tokenizer train|sft|finetune|es-finetune|bench"
+                  r"|spirals(?! --optimizer \S+ --steps))"
                   r"|honcho_run\.sh lm|python3 -m venv")
 NEVER_RUN = re.compile(r"^llama-cli ")
 TEST_SUITE = re.compile(r"pytest")

@@ -104,7 +104,8 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
-        for key in ("steps", "final_loss", "params_sha256", "checkpoint", "plot", "sample", "gguf"):
+        for key in ("steps", "final_loss", "params_sha256", "checkpoint", "plot", "sample", "gguf", "val_loss",
+                    "val_bpb", "samples", "pretrain_plot"):
             if summary.get(key) is not None:
                 print(f"{key:>14}: {summary[key]}")
     return 0
@@ -132,7 +133,8 @@ class _progress:
         return self.update
 
     def update(self, record):
-        info = f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  |g| {record['grad_norm']:.3f}"
+        info = (f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  |g| {record['grad_norm']:.3f}  "
+                f"{record.get('tokens_per_s', 0):.0f} tok/s")
         if record.get("eval") is not None:
             info += f"  eval {record['eval']:.4f}"
         self.bar.update(self.task, completed=record["step"], info=info)

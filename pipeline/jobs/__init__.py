@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import importlib
 
-JOBS = {"spirals": "pipeline.jobs.spirals", "lm": "pipeline.jobs.lm"}
+JOBS = {"spirals": "pipeline.jobs.spirals", "lm": "pipeline.jobs.lm", "pretrain": "pipeline.jobs.pretrain",
+        "sft": "pipeline.jobs.sft"}
 
 
 def get_job(name: str):

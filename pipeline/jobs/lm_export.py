@@ -49,11 +49,14 @@ def byte_vocab():
     return tokens, types, [" ".join(INERT_MERGE)]
 
 
-def write_model_gguf(path, config, weights: dict, dtype="F32", name="fucina-lm", description=""):
-    """weights: GGUF tensor name -> float32 array [out, in] (Qwen3.named_weights order)."""
+def write_model_gguf(path, config, weights: dict, dtype="F32", name="fucina-lm", description="", vocab=None,
+                     pre="qwen2"):
+    """weights: GGUF tensor name -> float32 array [out, in] (Qwen3.named_weights order).
+    vocab: (tokens, types, merges) of a trained BPE (pipeline.llm.bpe_train.gguf_vocab), default byte_vocab();
+    pre: its llama.cpp pre-tokenizer name."""
     if dtype not in ("F32", "F16"):
         raise ValueError(f"write_model_gguf: dtype must be F32 or F16, got {dtype!r}")
-    tokens, types, merges = byte_vocab()
+    tokens, types, merges = vocab or byte_vocab()
     tmp = f"{path}.tmp-{os.getpid()}"
     wr = gguf.GGUFWriter(tmp, arch="qwen3")
     wr.add_name(name)
@@ -71,7 +74,7 @@ def write_model_gguf(path, config, weights: dict, dtype="F32", name="fucina-lm",
     wr.add_layer_norm_rms_eps(config.rms_eps)
     wr.add_file_type(0 if dtype == "F32" else 1)
     wr.add_tokenizer_model("gpt2")
-    wr.add_tokenizer_pre("qwen2")
+    wr.add_tokenizer_pre(pre)
     wr.add_token_list(tokens)
     wr.add_token_types(types)
     wr.add_token_merges(merges)

@@ -1,0 +1,66 @@
+"""--data sources, the held-out split by document, and the token-stream cache."""
+import numpy as np
+import pytest
+
+from pretrain_helpers import small_documents, write_jsonl
+from pipeline.errors import UserError
+from pipeline.jobs import pretrain_data as pd
+from pipeline.llm.bpe_train import END_OF_TEXT, train_bpe
+
+
+def test_files_directories_globs_and_jsonl_in_a_fixed_order(tmp_path):
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    (tmp_path / "d" / "b.txt").write_text("bee")
+    (tmp_path / "d" / "sub" / "a.md").write_text("ay")
+    (tmp_path / "d" / ".hidden.txt").write_text("no")
+    (tmp_path / "d" / "image.png").write_bytes(b"\x89PNG")
+    write_jsonl(tmp_path / "c.jsonl", ["first", "  ", "second"], field="body")
+    docs, _ = pd.read_documents(f"{tmp_path}/d,{tmp_path}/*.jsonl", text_field="body")
+    assert docs == ["bee", "ay", "first", "second"]  # blank records dropped, hidden and non-text files skipped
+
+
+@pytest.mark.parametrize("setup, data, message", [
+    (lambda p: None, "missing.txt", "missing.txt: no such file or directory"),
+    (lambda p: None, "*.nothing", "matches no files"),
+    (lambda p: (p / "e.txt").write_text("  \n"), "e.txt", "the corpus is empty"),
+    (lambda p: (p / "bad.txt").write_bytes(b"ok\nline two \xff\n"), "bad.txt", "bad.txt:2: not UTF-8"),
+    (lambda p: (p / "bad.jsonl").write_text('{"text": "a"}\n{"text": 3}\n'), "bad.jsonl",
+     "bad.jsonl:2: expected a JSON object with a string field 'text'"),
+    (lambda p: (p / "cut.jsonl").write_text('{"text": "a"}\n\n{"text": \n'), "cut.jsonl",
+     "cut.jsonl:3: malformed JSON"),
+])
+def test_bad_input_is_one_error_naming_file_and_line(tmp_path, monkeypatch, setup, data, message):
+    monkeypatch.chdir(tmp_path)
+    setup(tmp_path)
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace("*", r"\*")):
+        pd.read_documents(data)
+
+
+def test_split_is_by_whole_documents_and_independent_of_order():
+    docs = [f"document number {i} " * (i % 7 + 1) for i in range(200)]
+    train, val = pd.split_documents(docs, 0.1)
+    assert len(train) + len(val) == 200 and set(train).isdisjoint(val)
+    held = sum(len(d) for d in val) / sum(len(d) for d in docs)
+    assert 0.1 <= held < 0.1 + max(len(d) for d in docs) / sum(len(d) for d in docs)
+    _, val_reversed = pd.split_documents(docs[::-1], 0.1)
+    assert sorted(val_reversed) == sorted(val)
+    with pytest.raises(UserError, match="at least 2"):
+        pd.split_documents(["only one"], 0.1)
+
+
+def test_token_stream_is_tokenized_once_and_memory_mapped(tmp_path, monkeypatch):
+    docs = small_documents(20_000)
+    tok = train_bpe(docs, 320)
+    eot = tok.token_to_id(END_OF_TEXT)
+    first = pd.token_stream(str(tmp_path), "corpus", "tok", "train", tok, docs, eot)
+    assert isinstance(first, np.memmap) and first.dtype == np.uint16
+    expected = [eot] + tok.encode(docs[0], add_special_tokens=False).ids
+    assert first[:len(expected)].tolist() == expected
+    assert int((first == eot).sum()) == len(docs)
+
+    def no_second_pass(*a, **k):
+        raise AssertionError("re-tokenized")
+    monkeypatch.setattr(pd, "encode_stream", no_second_pass)
+    again = pd.token_stream(str(tmp_path), "corpus", "tok", "train", tok, docs, eot)
+    assert np.array_equal(again, first)
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]

@@ -1,0 +1,148 @@
+"""The pretrain job on a tiny shape: same bits resumed (and, slow, with 2 trainers), bpb, samples, model.gguf."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pretrain_helpers import small_documents, write_jsonl
+from pipeline.errors import UserError
+from pipeline.jobs import get_job
+from pipeline.jobs.spec import build
+from pipeline.llm.gguf import GGUFFile
+from pipeline.llm.tokenizer import Tokenizer
+from pipeline.models.registry import load_model
+from pipeline.runtime import ckpt
+from pipeline.runtime.inprocess import run_inprocess
+from pipeline.threads import pin_threads
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+Pretrain = get_job("pretrain")
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    base = tmp_path_factory.mktemp("pretrain")
+    return {"preset": "tiny", "data": write_jsonl(base / "docs.jsonl", small_documents()), "vocab_size": 320,
+            "seq": 256, "batch_tokens": 512, "micro_batches": 2, "steps": 4, "warmup": 1,
+            "checkpoint_every": 2, "eval_every": 2, "val_windows": 2, "sample_tokens": 4, "prompts": "The |def ",
+            "cache_dir": str(base / "cache")}
+
+
+def _run(run_dir, spec, resume=None):
+    pin_threads(1)
+    return run_inprocess(Pretrain(build(Pretrain.Spec, spec)), str(run_dir), resume=resume, log=lambda m: None)
+
+
+@pytest.fixture(scope="module")
+def full(spec, tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("full"), spec)
+
+
+def test_resumed_run_has_the_same_bits(full, spec, tmp_path):
+    resumed = _run(tmp_path, spec, resume=os.path.join(full["run_dir"], "checkpoint-step-2"))
+    assert resumed["start_step"] == 2 and resumed["params_sha256"] == full["params_sha256"]
+    assert ckpt.params_sha256(ckpt.read_params(full["checkpoint"])) == full["params_sha256"]
+
+
+def test_sequence_length_warm_up_keeps_the_batch_tokens(spec):
+    job = Pretrain(build(Pretrain.Spec, spec))
+    layout = {name: (shape, dtype) for name, shape, dtype in job.batch_layout()}
+    seen = []
+    for step in range(job.steps):
+        out = {name: np.zeros(shape, dtype) for name, (shape, dtype) in layout.items()}
+        job.fill_batch(step, 1, out)
+        t = int(out["window"][0])
+        rows = out["tokens"][: 256 // t * (t + 1)].reshape(-1, t + 1)
+        assert rows.size == 256 // t * (t + 1)
+        start = int(np.flatnonzero(np.lib.stride_tricks.sliding_window_view(job.train, t + 1)
+                                   .__eq__(rows[0]).all(axis=1))[0])  # each row is a window of the stream
+        assert start + t + 1 <= len(job.train)
+        seen.append(t)
+    assert seen == [64, 128, 256, 256]  # context_at over 4 steps: < 10%, < 30%, then the full length
+
+
+def test_validation_bits_per_byte_and_the_time_lapse(full, spec):
+    job = Pretrain(build(Pretrain.Spec, spec))
+    tok = Tokenizer.from_gguf(GGUFFile(full["gguf"]))
+    targets = job.val_rows[:, 1:].ravel()
+    n_bytes = sum(len(tok.token_bytes(int(i))) for i in targets)  # special tokens spell no bytes
+    assert full["val_bpb"] == pytest.approx(full["val_loss"] * targets.size / (math.log(2) * n_bytes), rel=1e-12)
+    with open(full["samples"]) as fh:
+        lines = [json.loads(line) for line in fh]
+    assert [(r["step"], r["prompt"]) for r in lines] == [(2, "The "), (2, "def "), (4, "The "), (4, "def ")]
+    assert all(r["text"].startswith(r["prompt"]) for r in lines)
+    evals = [r for r in map(json.loads, open(os.path.join(full["run_dir"], "metrics.jsonl")))
+             if r.get("eval") is not None]
+    assert [r["step"] for r in evals] == [2, 4] and evals[-1]["eval"] == pytest.approx(full["val_loss"], rel=1e-6)
+
+
+def test_model_gguf_loads_with_the_trained_tokenizer_and_same_logits(full, spec):
+    job = Pretrain(build(Pretrain.Spec, spec))
+    gg = GGUFFile(full["gguf"])
+    assert gg.metadata["tokenizer.ggml.pre"] == "qwen2" and gg.architecture == "qwen3"
+    text = "The for statement <|im_start|>user"
+    ids = Tokenizer.from_gguf(gg).encode(text)
+    assert ids == job.tok.encode(text, add_special_tokens=False).ids
+    ours = job.bind(list(ckpt.read_params(full["checkpoint"], order=[n for n, _, _ in job.param_layout()]).items()))
+    loaded = load_model(gg)
+    np.testing.assert_allclose(loaded.infer(np.array(ids), all_logits=True), ours.infer(np.array(ids), all_logits=True),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_bad_specs_are_one_error(spec):
+    with pytest.raises(UserError, match="multiple of every window length"):
+        build(Pretrain.Spec, {**spec, "batch_tokens": 500})
+    with pytest.raises(UserError, match="training tokens"):
+        Pretrain(build(Pretrain.Spec, {**spec, "seq": 1 << 20, "batch_tokens": 1 << 21}))
+
+
+_LLAMA = """
+import sys, json, numpy as np, llama_cpp, llama_cpp.llama_cpp as C
+_defaults = C.llama_model_default_params
+def _no_extra_bufts():  # llama.cpp's AMX extra buffer type crashes on this VM
+    p = _defaults()
+    p.use_extra_bufts = False
+    return p
+C.llama_model_default_params = _no_extra_bufts
+llm = llama_cpp.Llama(sys.argv[1], n_ctx=64, logits_all=True, verbose=False, n_threads=1, type_k=0, type_v=0)
+ids = llm.tokenize(sys.argv[2].encode(), add_bos=False, special=True)
+llm.eval(ids)
+np.save(sys.argv[3], np.array(llm.scores[:len(ids)], np.float32))
+print(json.dumps(ids))
+"""
+
+
+@pytest.mark.parity
+@pytest.mark.needs("llama_cpp")
+def test_llama_cpp_loads_model_gguf_with_the_same_ids_and_logits(full, spec, tmp_path):
+    job = Pretrain(build(Pretrain.Spec, spec))
+    text = "The for statement <|im_start|>user\nhi"
+    proc = subprocess.run([sys.executable, "-c", _LLAMA, full["gguf"], text, str(tmp_path / "logits.npy")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ids = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert ids == job.tok.encode(text, add_special_tokens=False).ids
+    ours = load_model(full["gguf"]).infer(np.array(ids), all_logits=True)
+    # F32 weights, width 64: float32 sums over <= 192 terms differ by summation order only (~1e-5 relative);
+    # llama.cpp's F32 path keeps activations in F32, so the bound of the lm job's parity test holds here too
+    np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), ours, rtol=1e-3, atol=1e-3)
+
+
+def _launch(run_dir, spec, *flags):
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in spec.items()]
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "launch", "pretrain", "--run-dir", str(run_dir),
+                          "--json", *flags, *args], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_two_trainers_and_a_pipeline_resume_equal_inprocess(full, spec, tmp_path):
+    two = _launch(tmp_path / "two", spec, "--trainers", "2")
+    resumed = _launch(tmp_path / "resumed", spec, "--trainers", "2", "--resume",
+                      os.path.join(full["run_dir"], "checkpoint-step-2"))
+    assert two["params_sha256"] == full["params_sha256"] == resumed["params_sha256"]

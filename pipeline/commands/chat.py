@@ -1,11 +1,11 @@
-"""`fucina chat`: an interactive chat loop over a Qwen3 GGUF, prompted as llama.cpp's chat completion prompts."""
+"""`fucina chat`: an interactive chat loop over a GGUF model, prompted as llama.cpp's chat completion prompts."""
 import sys
 
 from .generate import add_sampling_arguments, apply_threads, sampling_from
 
 NAME = "chat"
-HELP = "interactive chat with a Qwen3 GGUF (type /exit or Ctrl-D to quit, /reset to clear)"
-DESCRIPTION = ("Chat with a Qwen3-family GGUF. Each turn re-renders the whole conversation through the chat "
+HELP = "interactive chat with a GGUF model (type /exit or Ctrl-D to quit, /reset to clear)"
+DESCRIPTION = ("Chat with a GGUF model. Each turn re-renders the whole conversation through the chat "
                "template and decodes the reply greedily (or sampled with --temperature).")
 
 

@@ -1,4 +1,4 @@
-"""`fucina es-finetune`: gradient-free (ES) fine-tuning of LoRA adapters over a frozen Qwen3 GGUF.
+"""`fucina es-finetune`: gradient-free (ES) fine-tuning of LoRA adapters over a frozen GGUF model.
 
 The twin of `fucina finetune`: same model loading, pirate dataset / --data JSONL,
 --shuffle loader, trainer forward and checkpoint layout; only the learning
@@ -20,7 +20,7 @@ from .finetune import add_data_arguments, load_data
 from ._args import InputFile
 
 NAME = "es-finetune"
-HELP = "gradient-free ES fine-tune of LoRA adapters on a frozen (quantized) Qwen3 GGUF"
+HELP = "gradient-free ES fine-tune of LoRA adapters on a frozen (quantized) GGUF model"
 DESCRIPTION = (HELP + ". With no --data it trains the built-in five-pair pirate dataset. Every population member "
                "scores the same batch; the reward is the negative mean cross-entropy. ES needs many more "
                "forward passes than backprop needs steps: expect a measurable loss drop, not a converged style.")
@@ -33,7 +33,8 @@ ES_DEFAULTS = {"sigma": 0.05, "alpha": 0.05, "population": 16, "antithetic": Tru
 
 def add_arguments(p):
     p.add_argument("--model", required=True, type=InputFile("GGUF file"),
-                   help="Qwen3 GGUF to fine-tune (for a first run, the model.gguf `fucina launch lm` saves)")
+                   help="GGUF model to fine-tune: llama, qwen2 or qwen3 architecture "
+                        "(for a first run, the model.gguf `fucina launch lm` saves)")
     add_data_arguments(p)
     p.add_argument("--shuffle", action="store_true", help="shuffled sample order (Fisher-Yates per epoch, seeded by --data-seed)")
     p.add_argument("--seed", type=int, default=42, help="run seed: the adapter init (A), the ES noise (unless --es-seed) and the data order (unless --data-seed)")

@@ -9,12 +9,13 @@ from ._args import InputFile
 
 NAME = "eval-logits"
 HELP = "print the token ids and per-position logits of a text or id list (JSON with --json)"
-DESCRIPTION = ("Run one forward pass of a Qwen3 GGUF over --text or --tokens and print the logits of every "
+DESCRIPTION = ("Run one forward pass of a GGUF model over --text or --tokens and print the logits of every "
                "position. --json prints {\"tokens\": [...], \"logits\": [[...], ...]}.")
 
 
 def add_arguments(parser):
-    parser.add_argument("--model", required=True, type=InputFile("GGUF file"), help="path to a Qwen3 GGUF file")
+    parser.add_argument("--model", required=True, type=InputFile("GGUF file"),
+                        help="path to a GGUF model file (llama, qwen2 or qwen3 architecture)")
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", help="text to tokenize (special tokens such as <|im_start|> are parsed)")
     src.add_argument("--tokens", help="comma-separated token ids, e.g. 1,2,3")

@@ -1,10 +1,12 @@
-"""`fucina export-peft`: write a fine-tune's LoRA adapters as a Hugging Face PEFT directory (Qwen3 names)."""
+"""`fucina export-peft`: write a fine-tune's LoRA adapters as a Hugging Face PEFT directory (the model family's
+Hugging Face module names)."""
 from __future__ import annotations
 
 from pipeline.llm.export import load_adapters, resolve_alpha, write_peft
 
 NAME = "export-peft"
-HELP = "write LoRA adapters as a PEFT directory (adapter_config.json + adapter_model.safetensors, Qwen3 module names)"
+HELP = ("write LoRA adapters as a PEFT directory (adapter_config.json + adapter_model.safetensors, the model "
+        "family's Hugging Face module names)")
 
 
 def add_arguments(parser):

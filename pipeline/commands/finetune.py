@@ -1,4 +1,4 @@
-"""`fucina finetune`: LoRA fine-tuning of a frozen Qwen3 GGUF on instruction/response pairs.
+"""`fucina finetune`: LoRA fine-tuning of a frozen GGUF model on SFT data.
 
 Prints the config, a BEFORE greedy answer to a held prompt, one line per
 optimizer step (loss, tokens/s, a progress bar), then the AFTER answer; saves a
@@ -16,14 +16,15 @@ from ..errors import UserError
 from ._args import InputFile
 
 NAME = "finetune"
-HELP = "LoRA fine-tune a frozen (quantized) Qwen3 GGUF on instruction/response pairs"
+HELP = "LoRA fine-tune a frozen (quantized) GGUF model on SFT data (pairs, alpaca, chat messages, ShareGPT)"
 DESCRIPTION = (HELP + ". With no --data it trains the built-in five-pair pirate dataset "
                "(\"Ahoy! ... matey.\"); watch the loss fall and the AFTER answer change style.")
 
 
 def add_arguments(p):
     p.add_argument("--model", required=True, type=InputFile("GGUF file"),
-                   help="Qwen3 GGUF to fine-tune (for a first run, the model.gguf `fucina launch lm` saves)")
+                   help="GGUF model to fine-tune: llama, qwen2 or qwen3 architecture "
+                        "(for a first run, the model.gguf `fucina launch lm` saves)")
     add_data_arguments(p)
     p.add_argument("--shuffle", action="store_true", help="shuffled sample order (Fisher-Yates per epoch, seeded by --data-seed)")
     p.add_argument("--seed", type=int, default=42, help="seed of the adapter init and dropout streams")

@@ -1,4 +1,4 @@
-"""`fucina generate`: stream a continuation of a prompt from a Qwen3 GGUF."""
+"""`fucina generate`: stream a continuation of a prompt from a GGUF model."""
 import argparse
 import sys
 import time
@@ -7,8 +7,8 @@ from ..errors import UserError
 from ._args import InputFile
 
 NAME = "generate"
-HELP = "generate text from a Qwen3 GGUF (streams tokens; greedy by default)"
-DESCRIPTION = ("Generate a continuation of --prompt with a Qwen3-family GGUF. Temperature 0 (the default) is "
+HELP = "generate text from a GGUF model (streams tokens; greedy by default)"
+DESCRIPTION = ("Generate a continuation of --prompt with a GGUF model. Temperature 0 (the default) is "
                "deterministic greedy decoding; otherwise sampling is seeded by --seed.")
 
 
@@ -32,7 +32,8 @@ def apply_threads(args):
 
 
 def add_sampling_arguments(parser):
-    parser.add_argument("--model", required=True, type=InputFile("GGUF file"), help="path to a Qwen3 GGUF file")
+    parser.add_argument("--model", required=True, type=InputFile("GGUF file"),
+                        help="path to a GGUF model file (llama, qwen2 or qwen3 architecture)")
     parser.add_argument("--max-tokens", type=int, default=128, help="maximum number of new tokens")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")

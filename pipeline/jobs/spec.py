@@ -41,14 +41,27 @@ def _type_of(f):
     return {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
 
 
+MAX_JOB_FILE_BYTES = 1 << 20  # a job file is a few flags: anything bigger is not one
+
+
 def load_toml(path: str, spec_cls) -> dict:
     try:
         with open(path, "rb") as fh:
-            data = tomllib.load(fh)
+            raw = fh.read(MAX_JOB_FILE_BYTES + 1)
     except FileNotFoundError:
         raise UserError(f"{path}: no such job file") from None
+    except OSError as e:
+        raise UserError(f"{path}: cannot read the job file ({e.strerror or e})") from None
+    if len(raw) > MAX_JOB_FILE_BYTES:
+        raise UserError(f"{path}: a job file over {MAX_JOB_FILE_BYTES} bytes is refused")
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text (byte {e.start})") from None
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"{path}: not valid TOML: {e}") from None
+    except RecursionError:  # tomllib recurses per nested array/table: a hostile file nests 100,000 deep
+        raise UserError(f"{path}: not valid TOML: nested too deeply") from None
     return check_fields(data, spec_cls, where=path)
 
 

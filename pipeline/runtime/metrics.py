@@ -46,8 +46,8 @@ def read_metrics(run_dir):
             if line:
                 try:
                     out.append(json.loads(line))
-                except ValueError:
-                    continue  # a line cut by a crash mid-write
+                except (ValueError, RecursionError):
+                    continue  # a line cut by a crash mid-write (or not ours: nested past the decoder's stack)
     return out
 
 

@@ -43,7 +43,7 @@ def find_events_endpoint(run_dir=None, connect=None) -> str:
             return ipc_endpoints(run_dir).events
         except ValueError as e:  # a path too long for an ipc:// socket
             raise UserError(f"monitor: {e}") from None
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         raise UserError(f"monitor: {run_dir}/run.json is unreadable") from None
 
 
@@ -67,7 +67,7 @@ def events_key(endpoint, run_dir=None, key_path=None):
         try:
             with open(os.path.join(run_dir, "run.json")) as fh:
                 key_path = json.load(fh).get("worker_key")
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError, RecursionError):
             key_path = None
     if not isinstance(key_path, str):
         raise UserError(f"{endpoint} is a tcp:// run: its events are CURVE-authenticated; pass --key "
@@ -81,7 +81,7 @@ def scheduler_alive(run_dir) -> bool:
         with open(os.path.join(run_dir, "run.json")) as fh:
             pid = int(json.load(fh)["scheduler_pid"])
         os.kill(pid, 0)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return False
     return True
 

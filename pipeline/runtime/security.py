@@ -110,7 +110,7 @@ def _read(path: str, fields: tuple[str, ...]) -> list[bytes]:
             data = json.load(fh)
     except FileNotFoundError:
         raise UserError(f"{path}: no such key file (a run writes worker.key into its run directory)") from None
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise UserError(f"{path}: not a key file ({type(e).__name__}: {e})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise UserError(f"{path}: field 'format' is not {FORMAT!r}")

@@ -229,3 +229,13 @@ def test_the_monitor_attaches_to_a_tcp_run_with_its_key(tmp_path):
     finally:
         pub.close()
         server.close()
+
+
+def test_a_hostile_run_json_or_metrics_line_is_one_error(tmp_path):
+    deep = "[" * 100_000 + "]" * 100_000
+    (tmp_path / "run.json").write_text(deep)
+    with pytest.raises(UserError, match="unreadable"):
+        find_events_endpoint(run_dir=str(tmp_path))
+    (tmp_path / "metrics.jsonl").write_text(deep + "\n" + json.dumps({"kind": "metrics", "step": 1}) + "\n")
+    from pipeline.runtime.metrics import read_metrics
+    assert read_metrics(str(tmp_path)) == [{"kind": "metrics", "step": 1}]

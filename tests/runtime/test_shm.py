@@ -81,7 +81,10 @@ CHILD = textwrap.dedent("""
     print("ready", flush=True)
     if sys.argv[2] == "fatal":
         raise RuntimeError("boom")
-    time.sleep(60)
+    # Short sleeps, like a worker's poll loop: the kernel may deliver the signal to a BLAS thread, and then
+    # the main thread runs Python's handler only when its current sleep ends (a 60 s sleep timed the test out).
+    for _ in range(600):
+        time.sleep(0.1)
 """)
 
 

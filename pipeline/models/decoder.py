@@ -1,11 +1,12 @@
-"""The dense decoder-only transformer that llama.cpp's llama, qwen2 and qwen3 graphs share.
+"""The dense decoder-only transformer that llama.cpp's llama, qwen2, qwen3 and gemma3 graphs share.
 
-    x = embed(ids)
+    x = embed(ids)                          (x sqrt(hidden) for families with embed_scale)
     per layer:  h = rms_norm(x) ; q,k,v = q(h),k(h),v(h)            (+ bias where the file has one)
                 q,k = rms_norm per head (families with qk_norm) ; RoPE (NeoX or "normal" pair layout)
-                x = x + o(causal_gqa_attention(q, k, v))
-                h = rms_norm(x) ; x = x + down(silu(gate(h)) * up(h))
+                x = x + post(o(causal_gqa_attention(q, k, v)))     (a sliding window on local layers)
+                h = rms_norm(x) ; x = x + post(down(act(gate(h)) * up(h)))   (act: silu or gelu_tanh)
     logits = output(rms_norm(x))            (output = token_embd when tied)
+    post = rms_norm for families with post_norms, else the identity
 
 What differs between architectures is a `Family` (pipeline/models/<arch>.py),
 found through pipeline/models/registry.py: the RoPE layout, per-head q/k norms,
@@ -32,7 +33,9 @@ file format); `Linear` holds a trainable f32 parameter [out, in].
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import numpy as np
 from numba import njit
@@ -63,10 +66,18 @@ class Family:
     default_rope_base: float = 10_000.0
     default_rms_eps: float = 1e-5
     hf_modules: tuple = tuple(HF_MODULES.items())  # (target, module path) for PEFT exports
+    embed_scale: bool = False          # embeddings multiplied by sqrt(hidden) before the first block
+    post_norms: bool = False           # RMSNorm of the attention and MLP outputs before each residual add
+    activation: str = "silu"           # gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, GELU's tanh form)
+    swa_pattern: int = 0               # n > 0: layer i is sliding-window (local) iff i % n < n - 1; 0: all global
+    swa_rope_base: float = 10_000.0    # RoPE base of the local layers (llama.cpp fixes it per family)
+    attention_scale: Callable | None = None  # (hidden, heads, head_dim, layers) -> q scale; None: head_dim^-1/2
 
     def __post_init__(self):
         if self.rope not in ("neox", "normal"):
             raise ValueError(f"family {self.name}: rope must be 'neox' or 'normal', got {self.rope!r}")
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"family {self.name}: activation must be 'silu' or 'gelu_tanh', got {self.activation!r}")
 
     def hf_rows(self, target: str, rows: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
         """An array over projection `target`'s output rows, from GGUF order to Hugging Face order.
@@ -94,6 +105,10 @@ class DecoderConfig:
     arch: str = "qwen3"                # the registered family (pipeline/models/registry.py)
     biases: tuple = ()                 # projections that carry a bias (every layer alike)
     rope_scale: float = 1.0            # linear RoPE scaling: positions are multiplied by it (llama.cpp freq_scale)
+    sliding_window: int = 0            # local layers see the last sliding_window positions (0: no local layers)
+    swa_pattern: int = 0               # see Family.swa_pattern
+    rope_base_local: float = 10_000.0  # RoPE base of the local layers (never scaled, as in llama.cpp)
+    attn_scale: float = 0.0            # the query scale; 0: head_dim ** -0.5
 
     def __post_init__(self):
         if self.heads % self.kv_heads:
@@ -103,6 +118,22 @@ class DecoderConfig:
         bad = [b for b in self.biases if b not in PROJECTIONS]
         if bad:
             raise UserError(f"{self.arch}: unknown projection bias {bad}; projections are {', '.join(PROJECTIONS)}")
+        if self.sliding_window < 0 or self.swa_pattern < 0:
+            raise UserError(f"{self.arch}: sliding_window ({self.sliding_window}) and swa_pattern "
+                            f"({self.swa_pattern}) must be >= 0")
+
+    def is_local(self, layer: int) -> bool:
+        """Whether layer `layer` attends through the sliding window (llama.cpp's set_swa_pattern)."""
+        n = self.swa_pattern
+        return self.sliding_window > 0 and n > 0 and layer % n < n - 1
+
+    def window(self, layer: int) -> int:
+        """The attention window of layer `layer` in positions (0: the whole causal prefix)."""
+        return self.sliding_window if self.is_local(layer) else 0
+
+    def layer_rope(self, layer: int) -> tuple:
+        """(RoPE base, position scale) of layer `layer`: local layers use their own base, unscaled."""
+        return (self.rope_base_local, 1.0) if self.is_local(layer) else (self.rope_base, self.rope_scale)
 
     @property
     def family(self) -> Family:
@@ -136,10 +167,18 @@ class DecoderConfig:
         factor = float(gg.get(f"{a}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
         biases = tuple(p for p in PROJECTIONS if p in fam.required_biases
                        or (p in fam.optional_biases and gg.has(f"blk.0.{PROJECTIONS[p]}.bias")))
+        layers = int(gg.require(f"{a}.block_count"))
+        window = 0
+        if fam.swa_pattern:
+            window = int(gg.require(f"{a}.attention.sliding_window"))
+            if window <= 0:  # llama.cpp builds another graph (final-logit soft-capping, no local layers) then
+                raise UserError(f"{gg.path}: {a}.attention.sliding_window is {window}; only {a} models with "
+                                "sliding-window layers are supported")
+        attn_scale = fam.attention_scale(hidden, heads, head_dim, layers) if fam.attention_scale else 0.0
         return cls(
             vocab_size=int(gg.weight("token_embd.weight").shape[0]),
             hidden=hidden,
-            layers=int(gg.require(f"{a}.block_count")),
+            layers=layers,
             heads=heads,
             kv_heads=int(gg.get(f"{a}.attention.head_count_kv", heads)),
             head_dim=head_dim,
@@ -151,6 +190,10 @@ class DecoderConfig:
             arch=a,
             biases=biases,
             rope_scale=1.0 / factor if factor else 1.0,
+            sliding_window=window,
+            swa_pattern=fam.swa_pattern,
+            rope_base_local=fam.swa_rope_base,
+            attn_scale=attn_scale,
         )
 
     def projection_shape(self, target: str) -> tuple:
@@ -245,8 +288,10 @@ class MLP(Module):
 
 
 class Block(Module):
-    def __init__(self, attn_norm: Tensor, attn: Attention, ffn_norm: Tensor, mlp: MLP):
+    def __init__(self, attn_norm: Tensor, attn: Attention, ffn_norm: Tensor, mlp: MLP,
+                 post_attn_norm: Tensor | None = None, post_ffn_norm: Tensor | None = None):
         self.attn_norm, self.attn, self.ffn_norm, self.mlp = attn_norm, attn, ffn_norm, mlp
+        self.post_attn_norm, self.post_ffn_norm = post_attn_norm, post_ffn_norm  # families with post_norms
 
     def projection(self, target: str):
         return getattr(self.attn if target in ("q", "k", "v", "o") else self.mlp, target)
@@ -322,8 +367,10 @@ class DecoderLM(Module):
                   for t, n in PROJECTIONS.items()}
             norms = (vec(p + "attn_q_norm.weight"), vec(p + "attn_k_norm.weight")) if fam.qk_norm else ()
             attn = Attention(ps["q"], ps["k"], ps["v"], ps["o"], *norms)
+            post = ((vec(p + "post_attention_norm.weight"), vec(p + "post_ffw_norm.weight")) if fam.post_norms
+                    else ())
             blocks.append(Block(vec(p + "attn_norm.weight"), attn, vec(p + "ffn_norm.weight"),
-                                MLP(ps["gate"], ps["up"], ps["down"])))
+                                MLP(ps["gate"], ps["up"], ps["down"]), *post))
         if trainable:
             embed = parameter(gg.weight("token_embd.weight").dequantize(), "token_embd.weight")
             output = Linear(embed) if cfg.tied_output else proj("output.weight")
@@ -359,8 +406,10 @@ class DecoderLM(Module):
             norms = ((ones(p + "attn_q_norm.weight", c.head_dim), ones(p + "attn_k_norm.weight", c.head_dim))
                      if c.family.qk_norm else ())
             attn = Attention(ps["q"], ps["k"], ps["v"], ps["o"], *norms)
+            post = ((ones(p + "post_attention_norm.weight", c.hidden), ones(p + "post_ffw_norm.weight", c.hidden))
+                    if c.family.post_norms else ())
             blocks.append(Block(ones(p + "attn_norm.weight", c.hidden), attn, ones(p + "ffn_norm.weight", c.hidden),
-                                MLP(ps["gate"], ps["up"], ps["down"])))
+                                MLP(ps["gate"], ps["up"], ps["down"]), *post))
         output = Linear(embed) if c.tied_output else mat("output.weight", c.vocab_size, c.hidden)
         return cls(c, embed, blocks, ones("output_norm.weight", c.hidden), output)
 
@@ -369,7 +418,8 @@ class DecoderLM(Module):
         graph through its block sends no gradient into the base, whatever requires grad here."""
         const = lambda v: None if v is None else np.asarray(v.data if isinstance(v, Tensor) else v, np.float32)
         blocks = [Block(const(b.attn_norm), Attention(b.attn.q, b.attn.k, b.attn.v, b.attn.o, const(b.attn.q_norm),
-                                                      const(b.attn.k_norm)), const(b.ffn_norm), b.mlp)
+                                                      const(b.attn.k_norm)), const(b.ffn_norm), b.mlp,
+                        const(b.post_attn_norm), const(b.post_ffn_norm))
                   for b in self.blocks]
         return type(self)(self.config, self.embed, blocks, const(self.out_norm), self.output, self._rope_factors)
 
@@ -383,6 +433,9 @@ class DecoderLM(Module):
             out[p + "attn_norm.weight"], out[p + "ffn_norm.weight"] = b.attn_norm, b.ffn_norm
             if self.family.qk_norm:
                 out[p + "attn_q_norm.weight"], out[p + "attn_k_norm.weight"] = b.attn.q_norm, b.attn.k_norm
+            if self.family.post_norms:
+                out[p + "post_attention_norm.weight"] = b.post_attn_norm
+                out[p + "post_ffw_norm.weight"] = b.post_ffn_norm
             for t, n in PROJECTIONS.items():
                 proj = b.projection(t)
                 out[p + n + ".weight"] = getattr(proj, "weight", proj)
@@ -397,11 +450,21 @@ class DecoderLM(Module):
         blk = self.blocks[i]
         return [blk.projection(t)(x) for t in targets]
 
-    def rope(self, x: Tensor, positions) -> Tensor:
-        """The family's RoPE on x [..., seq, heads, head_dim] (positions [seq] or [batch, seq])."""
-        c = self.config
-        pos = np.asarray(positions) if c.rope_scale == 1.0 else np.asarray(positions, np.float64) * c.rope_scale
-        return ops.rope(x, pos, c.rope_base, self._rope_factors, interleaved=self.family.rope == "normal")
+    def rope(self, x: Tensor, positions, layer: int = 0) -> Tensor:
+        """The family's RoPE of layer `layer` on x [..., seq, heads, head_dim] (positions [seq] or [batch, seq])."""
+        base, scale = self.config.layer_rope(layer)
+        pos = np.asarray(positions) if scale == 1.0 else np.asarray(positions, np.float64) * scale
+        return ops.rope(x, pos, base, self._rope_factors, interleaved=self.family.rope == "normal")
+
+    def scale_embedding(self, x):
+        """The embedding rows as the first block reads them (x sqrt(hidden) for families with embed_scale)."""
+        return x * np.float32(math.sqrt(self.config.hidden)) if self.family.embed_scale else x
+
+    def _mlp_activation(self, gate, up):
+        return swiglu(gate, up) if self.family.activation == "silu" else ops.gelu(gate, "tanh") * up
+
+    def _post_norm(self, x, norm):
+        return x if norm is None else ops.rms_norm(x, norm, self.config.rms_eps)
 
     def block(self, i: int, x: Tensor, positions, project=None) -> Tensor:
         """Decoder block i on x [batch, seq, hidden]. project(i, targets, h) -> the projections `targets`
@@ -416,11 +479,12 @@ class DecoderLM(Module):
         v = ops.reshape(v, b, t, c.kv_heads, c.head_dim)
         if self.family.qk_norm:
             q, k = ops.rms_norm(q, blk.attn.q_norm, c.rms_eps), ops.rms_norm(k, blk.attn.k_norm, c.rms_eps)
-        q, k = self.rope(q, positions), self.rope(k, positions)
-        a = ops.attention(q, k, v, causal=True)
-        x = x + project(i, ("o",), ops.reshape(a, b, t, c.heads * c.head_dim))[0]
+        q, k = self.rope(q, positions, i), self.rope(k, positions, i)
+        a = ops.attention(q, k, v, causal=True, scale=c.attn_scale or None, window=c.window(i))
+        x = x + self._post_norm(project(i, ("o",), ops.reshape(a, b, t, c.heads * c.head_dim))[0], blk.post_attn_norm)
         h = ops.rms_norm(x, blk.ffn_norm, c.rms_eps)
-        return x + project(i, ("down",), swiglu(*project(i, ("gate", "up"), h)))[0]
+        m = project(i, ("down",), self._mlp_activation(*project(i, ("gate", "up"), h)))[0]
+        return x + self._post_norm(m, blk.post_ffn_norm)
 
     def _embed_tensor(self, ids: np.ndarray) -> Tensor:
         if isinstance(self.embed, Tensor):
@@ -435,7 +499,7 @@ class DecoderLM(Module):
         ids2 = ids[None] if single else ids
         t = ids2.shape[1]
         pos = np.arange(t) if positions is None else np.asarray(positions)
-        x = self._embed_tensor(ids2)
+        x = self.scale_embedding(self._embed_tensor(ids2))
         for i in range(c.layers):
             x = self.block(i, x, pos)
         logits = self.output(ops.rms_norm(x, self.out_norm, c.rms_eps))
@@ -455,13 +519,17 @@ class DecoderLM(Module):
         pos0, t = cache.length, len(ids)
         if pos0 + t > c.context_length:
             raise UserError(f"context of {pos0 + t} tokens exceeds the model's context length {c.context_length}")
-        pos = np.arange(pos0, pos0 + t, dtype=np.float64) * c.rope_scale
-        tables = ops.rope_tables(pos, c.head_dim, c.rope_base, np.float32, self._rope_factors)
-        cos, sin = (a[:, None, :] for a in tables)
+        tables = {}  # (base, scale) -> (cos, sin) [t, 1, head_dim/2]: one pair per RoPE kind in the model
+        for base, scale in sorted({c.layer_rope(li) for li in range(c.layers)}):
+            pos = np.arange(pos0, pos0 + t, dtype=np.float64) * scale
+            tables[base, scale] = tuple(a[:, None, :] for a in
+                                        ops.rope_tables(pos, c.head_dim, base, np.float32, self._rope_factors))
         interleaved = self.family.rope == "normal"
         x = self.embed.data[ids] if isinstance(self.embed, Tensor) else weight_rows(self.embed, ids)
-        x = x.astype(np.float32)
+        x = self.scale_embedding(x.astype(np.float32))
+        scale = c.attn_scale or None
         for li, blk in enumerate(self.blocks):
+            cos, sin = tables[c.layer_rope(li)]
             h = _rms(x, blk.attn_norm.data, c.rms_eps)
             q, k, v = _infer_many((blk.attn.q, blk.attn.k, blk.attn.v), h)
             q, k, v = (q.reshape(t, c.heads, c.head_dim), k.reshape(t, c.kv_heads, c.head_dim),
@@ -469,10 +537,12 @@ class DecoderLM(Module):
             q = _norm_rope(q, blk.attn.q_norm, c.rms_eps, cos, sin, interleaved)
             k = _norm_rope(k, blk.attn.k_norm, c.rms_eps, cos, sin, interleaved)
             keys, values = cache.store(li, pos0, k, v)
-            x = x + _infer(blk.attn.o, _attend(q, keys, values, pos0))
+            x = x + _infer_post_norm(_infer(blk.attn.o, _attend(q, keys, values, pos0, scale, c.window(li))),
+                                     blk.post_attn_norm, c.rms_eps)
             h = _rms(x, blk.ffn_norm.data, c.rms_eps)
             g, u = _infer_many((blk.mlp.gate, blk.mlp.up), h)
-            x = x + _infer(blk.mlp.down, _silu_mul(g, u))
+            m = _infer(blk.mlp.down, _silu_mul(g, u) if self.family.activation == "silu" else _gelu_tanh_mul(g, u))
+            x = x + _infer_post_norm(m, blk.post_ffn_norm, c.rms_eps)
         cache.length = pos0 + t
         x = _rms(x if all_logits else x[-1:], self.out_norm.data, c.rms_eps)
         logits = _infer(self.output, x)
@@ -558,8 +628,15 @@ def _norm_rope_heads(x, w, eps, cos, sin, out, normed, interleaved):
                 out[p, h, i2] = b * cos[p, 0, i] + a * sin[p, 0, i]
 
 
-def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int) -> np.ndarray:
+def _infer_post_norm(x: np.ndarray, norm, eps: float) -> np.ndarray:
+    return x if norm is None else _rms(x, norm.data if isinstance(norm, Tensor) else norm, eps)
+
+
+def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale=None, window: int = 0) -> np.ndarray:
     """Causal grouped-query attention. q [t, H, D] at positions pos0.., k/v [s, KV, D] -> [t, H*D].
+    Scores are scaled by `scale` (default head_dim^-1/2); window > 0 also hides keys `window` or more
+    positions behind the query (sliding-window layers); a chunk multiplies only against the keys some
+    row of it can see.
 
     Queries go in chunks of ATTEND_CHUNK positions, each against only the keys it can see
     (a prompt from an empty cache does ~5/8 of the full t x s work). A long prompt splits
@@ -568,6 +645,7 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int) -> np.ndarra
     t, n_h, d = q.shape
     s, n_kv, _ = k.shape
     g = n_h // n_kv
+    scale = np.float32(d ** -0.5 if scale is None else scale)
     q4 = q.reshape(t, n_kv, g, d).transpose(1, 2, 0, 3)                    # [KV, g, t, D]
     kt, vt = k.transpose(1, 2, 0), v.transpose(1, 0, 2)
     out = np.empty((n_kv, g, t, d), np.float32)
@@ -576,15 +654,20 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int) -> np.ndarra
         for c0 in range(0, t, ATTEND_CHUNK):
             c1, n = min(t, c0 + ATTEND_CHUNK), h1 - h0
             seen = pos0 + c1                                                # keys visible to the chunk's last row
+            first = max(0, pos0 + c0 - window + 1) if window else 0        # ... and to its first row
             qc = q4[h0:h1, :, c0:c1].reshape(n, g * (c1 - c0), d)
-            scores = (qc @ kt[h0:h1, :, :seen]) * np.float32(d ** -0.5)    # [h, g*c, seen]
+            scores = (qc @ kt[h0:h1, :, first:seen]) * scale                # [h, g*c, seen - first]
             if c1 - c0 > 1:  # adding a 0/-inf mask broadcasts; boolean-index assignment was ~5x slower
-                future = np.arange(seen)[None, :] > (pos0 + np.arange(c0, c1))[:, None]
-                scores.reshape(n, g, c1 - c0, seen)[...] += np.where(future, np.float32(-np.inf), np.float32(0.0))
+                key_pos, query_pos = np.arange(first, seen)[None, :], (pos0 + np.arange(c0, c1))[:, None]
+                hidden = key_pos > query_pos
+                if window:
+                    hidden |= query_pos - key_pos >= window
+                scores.reshape(n, g, c1 - c0, seen - first)[...] += np.where(hidden, np.float32(-np.inf),
+                                                                              np.float32(0.0))
             scores -= scores.max(axis=-1, keepdims=True)
             p = np.exp(scores, out=scores)
             p /= p.sum(axis=-1, keepdims=True)
-            out[h0:h1, :, c0:c1] = (p @ vt[h0:h1, :seen]).reshape(n, g, c1 - c0, d)
+            out[h0:h1, :, c0:c1] = (p @ vt[h0:h1, first:seen]).reshape(n, g, c1 - c0, d)
 
     parts = _worker_threads() if t * s * n_h >= ATTEND_SPLIT_WORK else 1
     workpool.split_range(n_kv, min(parts, n_kv), heads)
@@ -608,6 +691,14 @@ def _silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     return g
 
 
+def _gelu_tanh_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """gelu_tanh(g) * u with the bits of the training path (ops.gelu's float64 formula rounded to f32,
+    then the f32 product)."""
+    x = np.asarray(g, np.float64)
+    gelu = (0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))).astype(np.float32)
+    return gelu * np.asarray(u, np.float32)
+
+
 ATTEND_CHUNK = 64             # query positions per chunk
 ATTEND_SPLIT_WORK = 1 << 16  # score elements below which one thread is quicker than two
 
@@ -629,6 +720,9 @@ def _check_shapes(gg, cfg: DecoderConfig):
     for i in range(cfg.layers):
         p = f"blk.{i}."
         want.update({p + "attn_norm.weight": (1, cfg.hidden), p + "ffn_norm.weight": (1, cfg.hidden)})
+        if cfg.family.post_norms:
+            want.update({p + "post_attention_norm.weight": (1, cfg.hidden),
+                         p + "post_ffw_norm.weight": (1, cfg.hidden)})
         if cfg.family.qk_norm:
             want.update({p + "attn_q_norm.weight": (1, cfg.head_dim), p + "attn_k_norm.weight": (1, cfg.head_dim)})
         for t, n in PROJECTIONS.items():

@@ -272,6 +272,7 @@ def write_gguf(path, shape: Shape, seed: int = 0, dtype: str = "F32", name: str 
 
 
 LLAMA_FTYPES = {"Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_K_S": "LLAMA_FTYPE_MOSTLY_Q4_K_S",
+                "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
                 "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K",
                 "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
 

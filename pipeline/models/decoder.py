@@ -334,6 +334,7 @@ class DecoderLM(Module):
         self.out_norm = out_norm
         self.output = output        # a projection; for a tied head it shares `embed`
         self._rope_factors = rope_factors  # [head_dim/2] f32 frequency divisors (rope_freqs.weight) or None
+        self.llama_numerics = False        # inference rounds as llama.cpp's CPU kernels do (from_gguf sets it)
 
     # --- construction -------------------------------------------------------------
     @classmethod
@@ -381,6 +382,7 @@ class DecoderLM(Module):
         factors = gg.vector("rope_freqs.weight") if fam.rope_freqs and gg.has("rope_freqs.weight") else None
         model = cls(cfg, embed, blocks, vec("output_norm.weight"), output, factors)
         model._source = gg
+        model.llama_numerics = llama_numerics
         return model
 
     @classmethod
@@ -541,7 +543,8 @@ class DecoderLM(Module):
                                      blk.post_attn_norm, c.rms_eps)
             h = _rms(x, blk.ffn_norm.data, c.rms_eps)
             g, u = _infer_many((blk.mlp.gate, blk.mlp.up), h)
-            m = _infer(blk.mlp.down, _silu_mul(g, u) if self.family.activation == "silu" else _gelu_tanh_mul(g, u))
+            m = _infer(blk.mlp.down, _silu_mul(g, u) if self.family.activation == "silu"
+                       else _gelu_tanh_mul(g, u, self.llama_numerics))
             x = x + _infer_post_norm(m, blk.post_ffn_norm, c.rms_eps)
         cache.length = pos0 + t
         x = _rms(x if all_logits else x[-1:], self.out_norm.data, c.rms_eps)
@@ -691,11 +694,21 @@ def _silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     return g
 
 
-def _gelu_tanh_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+def _gelu_tanh_mul(g: np.ndarray, u: np.ndarray, f16_table: bool = False) -> np.ndarray:
     """gelu_tanh(g) * u with the bits of the training path (ops.gelu's float64 formula rounded to f32,
-    then the f32 product)."""
-    x = np.asarray(g, np.float64)
-    gelu = (0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))).astype(np.float32)
+    then the f32 product). f16_table: as ggml's CPU geglu (GGML_GELU_FP16) instead: g rounded to f16,
+    its f32 GELU rounded to f16 (the lookup table), 0 below -10 and the identity above 10; its two f16
+    roundings (2^-11 relative each) are most of llama.cpp's distance from the exact GELU."""
+    if not f16_table:
+        x = np.asarray(g, np.float64)
+        gelu = (0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))).astype(np.float32)
+        return gelu * np.asarray(u, np.float32)
+    x = np.asarray(g, np.float32)
+    h = x.astype(np.float16).astype(np.float32)
+    one = np.float32(1.0)
+    inner = np.float32(math.sqrt(2.0 / math.pi)) * h * (one + np.float32(0.044715) * h * h)
+    table = (np.float32(0.5) * h * (one + np.tanh(inner))).astype(np.float16).astype(np.float32)
+    gelu = np.where(x <= -10.0, np.float32(0.0), np.where(x >= 10.0, x, table))
     return gelu * np.asarray(u, np.float32)
 
 

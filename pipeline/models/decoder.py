@@ -42,8 +42,9 @@ from numba import njit
 
 from kernels import rng, workpool
 from ..autograd import Module, Tensor, no_grad, ops, parameter
-from ..errors import UserError
+from ..errors import GGUFError, UserError
 from ..llm.quants import FrozenWeight, matmul_t_many, weight_rows
+from ..untrusted import brief
 
 # the projections LoRA can adapt, in canonical order -> their llama.cpp tensor names (blk.<i>.<name>.weight)
 PROJECTIONS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
@@ -146,61 +147,100 @@ class DecoderConfig:
         from .registry import family_of
         fam = family_of(gg)
         a = fam.name
-        if gg.get(f"{a}.expert_count", 0):
+        if _meta_int(gg, f"{a}.expert_count", 0, minimum=0):
             raise UserError(f"{gg.path}: this '{a}' model is a mixture of experts ({a}.expert_count = "
                             f"{gg.get(f'{a}.expert_count')}); only dense models are supported")
-        heads = int(gg.require(f"{a}.attention.head_count"))
-        hidden = int(gg.require(f"{a}.embedding_length"))
-        head_dim = int(gg.get(f"{a}.attention.key_length", hidden // heads))
-        value_dim = int(gg.get(f"{a}.attention.value_length", head_dim))
-        rope_dims = int(gg.get(f"{a}.rope.dimension_count", head_dim))
+        heads = _meta_int(gg, f"{a}.attention.head_count")
+        hidden = _meta_int(gg, f"{a}.embedding_length")
+        kv_heads = _meta_int(gg, f"{a}.attention.head_count_kv", heads)
+        if heads % kv_heads:
+            raise GGUFError(f"{gg.path}: metadata key '{a}.attention.head_count' ({heads}) must be a multiple of "
+                            f"'{a}.attention.head_count_kv' ({kv_heads})")
+        head_dim = _meta_int(gg, f"{a}.attention.key_length", max(1, hidden // heads))
+        value_dim = _meta_int(gg, f"{a}.attention.value_length", head_dim)
+        rope_dims = _meta_int(gg, f"{a}.rope.dimension_count", head_dim)
         if value_dim != head_dim or rope_dims != head_dim:
             raise UserError(f"{gg.path}: key_length {head_dim}, value_length {value_dim} and rope.dimension_count "
                             f"{rope_dims} differ; only models that rotate the whole head are supported")
         if fam.q_width_is_hidden and heads * head_dim != hidden:
             raise UserError(f"{gg.path}: {a} needs heads x head_dim == embedding_length (llama.cpp builds its q and "
                             f"output projections square), got {heads} x {head_dim} != {hidden}")
-        scaling = str(gg.get(f"{a}.rope.scaling.type", "none"))
+        scaling = gg.get(f"{a}.rope.scaling.type", "none")
+        if not isinstance(scaling, str):
+            raise GGUFError(f"{gg.path}: metadata key '{a}.rope.scaling.type' must be a string, got {brief(scaling)}")
         if scaling not in ("none", "linear"):
             raise UserError(f"{gg.path}: {a}.rope.scaling.type '{scaling}' is not supported (supported: none, linear; "
                             "llama3 scaling is read from the rope_freqs.weight tensor)")
-        factor = float(gg.get(f"{a}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
+        # llama.cpp reads a factor of 0 as no scaling
+        factor = _meta_float(gg, f"{a}.rope.scaling.factor", 1.0, zero_ok=True) if scaling == "linear" else 1.0
         biases = tuple(p for p in PROJECTIONS if p in fam.required_biases
                        or (p in fam.optional_biases and gg.has(f"blk.0.{PROJECTIONS[p]}.bias")))
-        layers = int(gg.require(f"{a}.block_count"))
+        layers = _meta_int(gg, f"{a}.block_count")
         window = 0
         if fam.swa_pattern:
-            window = int(gg.require(f"{a}.attention.sliding_window"))
+            window = _meta_int(gg, f"{a}.attention.sliding_window", minimum=0)
             if window <= 0:  # llama.cpp builds another graph (final-logit soft-capping, no local layers) then
                 raise UserError(f"{gg.path}: {a}.attention.sliding_window is {window}; only {a} models with "
                                 "sliding-window layers are supported")
         attn_scale = fam.attention_scale(hidden, heads, head_dim, layers) if fam.attention_scale else 0.0
-        return cls(
-            vocab_size=int(gg.weight("token_embd.weight").shape[0]),
-            hidden=hidden,
-            layers=layers,
-            heads=heads,
-            kv_heads=int(gg.get(f"{a}.attention.head_count_kv", heads)),
-            head_dim=head_dim,
-            ffn=int(gg.require(f"{a}.feed_forward_length")),
-            context_length=int(gg.get(f"{a}.context_length", 4096)),
-            rope_base=float(gg.get(f"{a}.rope.freq_base", fam.default_rope_base)),
-            rms_eps=float(gg.get(f"{a}.attention.layer_norm_rms_epsilon", fam.default_rms_eps)),
-            tied_output=not gg.has("output.weight"),
-            arch=a,
-            biases=biases,
-            rope_scale=1.0 / factor if factor else 1.0,
-            sliding_window=window,
-            swa_pattern=fam.swa_pattern,
-            rope_base_local=fam.swa_rope_base,
-            attn_scale=attn_scale,
-        )
+        ffn = _meta_int(gg, f"{a}.feed_forward_length")
+        context = _meta_int(gg, f"{a}.context_length", 4096)
+        rope_base = _meta_float(gg, f"{a}.rope.freq_base", fam.default_rope_base)
+        rms_eps = _meta_float(gg, f"{a}.attention.layer_norm_rms_epsilon", fam.default_rms_eps)
+        try:
+            return cls(
+                vocab_size=int(gg.weight("token_embd.weight").shape[0]),
+                hidden=hidden,
+                layers=layers,
+                heads=heads,
+                kv_heads=kv_heads,
+                head_dim=head_dim,
+                ffn=ffn,
+                context_length=context,
+                rope_base=rope_base,
+                rms_eps=rms_eps,
+                tied_output=not gg.has("output.weight"),
+                arch=a,
+                biases=biases,
+                rope_scale=1.0 / factor if factor else 1.0,
+                sliding_window=window,
+                swa_pattern=fam.swa_pattern,
+                rope_base_local=fam.swa_rope_base,
+                attn_scale=attn_scale,
+            )
+        except UserError as e:  # the dataclass's own checks (odd head_dim, ...) name the file too
+            raise UserError(f"{gg.path}: {e}") from None
 
     def projection_shape(self, target: str) -> tuple:
         """[out, in] of projection `target`."""
         q, kv, h, f = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden, self.ffn
         shapes = {"q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q), "gate": (f, h), "up": (f, h), "down": (h, f)}
         return shapes[target]
+
+
+MAX_DIMENSION = 1 << 31  # no real model comes near; larger values are corrupt or hostile headers
+
+
+def _meta_int(gg, key: str, default=None, minimum: int = 1) -> int:
+    """Integer metadata `key` (required when default is None) in [minimum, MAX_DIMENSION]: a GGUF's
+    values are typed by the file, so a string, list, float or bool here is one GGUFError naming the key."""
+    value = gg.require(key) if default is None else gg.get(key, default)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise GGUFError(f"{gg.path}: metadata key '{key}' must be an integer, got {brief(value)}")
+    if not minimum <= value <= MAX_DIMENSION:
+        raise GGUFError(f"{gg.path}: metadata key '{key}' is {value}; it must be in [{minimum}, {MAX_DIMENSION}]")
+    return int(value)
+
+
+def _meta_float(gg, key: str, default: float, zero_ok: bool = False) -> float:
+    """Finite positive number metadata `key` (RoPE bases, epsilons, scaling factors; zero_ok: or 0)."""
+    value = gg.get(key, default)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise GGUFError(f"{gg.path}: metadata key '{key}' must be a number, got {brief(value)}")
+    if not (math.isfinite(value) and (value > 0 or (zero_ok and value == 0))):
+        raise GGUFError(f"{gg.path}: metadata key '{key}' is {value}; it must be a finite number "
+                        f"{'>= 0' if zero_ok else '> 0'}")
+    return float(value)
 
 
 # --- projections (the seam) ---------------------------------------------------

@@ -25,7 +25,8 @@ import make_tiny_model as mk  # noqa: E402
 
 pytestmark = [pytest.mark.parity]
 CASES = [pytest.param("F32", id="F32"), pytest.param("Q8_0", id="Q8_0"),
-         pytest.param("F16", id="F16", marks=pytest.mark.slow), pytest.param("Q4_K_M", id="Q4_K_M", marks=pytest.mark.slow)]
+         pytest.param("F16", id="F16", marks=pytest.mark.slow),
+         pytest.param("Q4_K_M", id="Q4_K_M", marks=pytest.mark.slow)]
 
 
 @pytest.mark.needs("llama_cpp")

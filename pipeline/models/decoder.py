@@ -73,6 +73,7 @@ class Family:
     swa_pattern: int = 0               # n > 0: layer i is sliding-window (local) iff i % n < n - 1; 0: all global
     swa_rope_base: float = 10_000.0    # RoPE base of the local layers (llama.cpp fixes it per family)
     attention_scale: Callable | None = None  # (hidden, heads, head_dim, layers) -> q scale; None: head_dim^-1/2
+    chat_format: str = "chatml"        # turn format for a GGUF without tokenizer.chat_template (llm/chat.py)
 
     def __post_init__(self):
         if self.rope not in ("neox", "normal"):

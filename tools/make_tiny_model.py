@@ -8,7 +8,11 @@ Each file is laid out the way llama.cpp's convert_hf_to_gguf.py writes that
 architecture: qwen3 with per-head q/k norms; qwen2 with q/k/v biases; llama
 with its Q/K rows permuted from the Hugging Face half-rotation order into the
 adjacent-pair order llama.cpp's "normal" RoPE expects, optional biases, and
-(shape "llama3") the rope_freqs.weight frequency factors of Llama 3 RoPE scaling.
+(shape "llama3") the rope_freqs.weight frequency factors of Llama 3 RoPE scaling;
+gemma3 with per-head q/k norms, the post-attention / post-MLP norms, norm weights
+stored as Gemma's (1 + w) the way Gemma3Model writes them, and a sliding window
+shorter than the test sequences (its shapes have six or more layers, so both the
+local and the global layer kinds occur).
 
 The tokenizer is a byte-level BPE trained (deterministically) with Hugging Face
 `tokenizers` on a small built-in corpus and stored the way llama.cpp expects it
@@ -51,6 +55,7 @@ class Shape:
     biases: tuple = ()          # llama: projections given a bias (qwen2 always has q/k/v biases)
     llama3_rope: bool = False   # llama: write rope_freqs.weight (Llama 3.1 scaling, factor 8)
     linear_rope: float = 0.0    # llama: linear RoPE scaling by this factor (llama.rope.scaling.*), 0 = none
+    sliding_window: int = 0     # gemma3: attention.sliding_window (its local layers' window)
 
 
 SHAPES = {
@@ -67,8 +72,12 @@ SHAPES = {
                     linear_rope=4.0),
     "biased": Shape(hidden=256, layers=2, heads=4, kv_heads=4, head_dim=64, ffn=256, tied=False, rope_base=10_000.0,
                     biases=("q", "k", "v", "o", "gate", "up", "down")),
+    # gemma3 only: five local layers then a global one (llama.cpp's pattern), and a local layer after it
+    "gemma-mini": Shape(hidden=64, layers=7, heads=4, kv_heads=1, head_dim=16, ffn=64, tied=True, vocab=384,
+                        sliding_window=8),
+    "gemma": Shape(hidden=256, layers=7, heads=4, kv_heads=1, head_dim=64, ffn=512, tied=True, sliding_window=16),
 }
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("gemma3", "llama", "qwen2", "qwen3")
 BIAS_TENSORS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
                 "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
 
@@ -163,7 +172,7 @@ def make_weights(shape: Shape, seed: int, arch: str = "qwen3") -> dict[str, np.n
     """name -> f32 array, numpy order [rows=n_out, cols=n_in], laid out as convert_hf_to_gguf writes `arch`."""
     w, k = {}, iter(range(10_000))
     h, qd, kvd = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    biases = {"llama": shape.biases, "qwen2": ("q", "k", "v"), "qwen3": ()}[arch]
+    biases = {"llama": shape.biases, "qwen2": ("q", "k", "v"), "qwen3": (), "gemma3": ()}[arch]
 
     def norm(n):  # RMSNorm gains near 1 so activations keep a useful scale
         return 1.0 + 0.1 * rng.gaussian(rng.derive_seed(seed, next(k)), (n,))
@@ -180,14 +189,18 @@ def make_weights(shape: Shape, seed: int, arch: str = "qwen3") -> dict[str, np.n
         w[p + "attn_q.weight"] = _matrix(seed, next(k), qd, h, h ** -0.5)
         w[p + "attn_k.weight"] = _matrix(seed, next(k), kvd, h, h ** -0.5)
         w[p + "attn_v.weight"] = _matrix(seed, next(k), kvd, h, h ** -0.5)
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             w[p + "attn_q_norm.weight"] = norm(shape.head_dim)
             w[p + "attn_k_norm.weight"] = norm(shape.head_dim)
         w[p + "attn_output.weight"] = _matrix(seed, next(k), h, qd, qd ** -0.5)
+        if arch == "gemma3":  # Gemma's (1 + w) norms: HF w near 0 is stored as a gain near 1, like the others
+            w[p + "post_attention_norm.weight"] = norm(h)
         w[p + "ffn_norm.weight"] = norm(h)
         w[p + "ffn_gate.weight"] = _matrix(seed, next(k), shape.ffn, h, h ** -0.5)
         w[p + "ffn_up.weight"] = _matrix(seed, next(k), shape.ffn, h, h ** -0.5)
         w[p + "ffn_down.weight"] = _matrix(seed, next(k), h, shape.ffn, shape.ffn ** -0.5)
+        if arch == "gemma3":
+            w[p + "post_ffw_norm.weight"] = norm(h)
         for t in biases:
             w[p + BIAS_TENSORS[t] + ".bias"] = bias(w[p + BIAS_TENSORS[t] + ".weight"].shape[0])
         if arch == "llama":  # the random matrices stand for HF's; store them as the converter does
@@ -230,6 +243,8 @@ def write_gguf(path, shape: Shape, seed: int = 0, dtype: str = "F32", name: str 
         if shape.linear_rope:
             wr.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             wr.add_rope_scaling_factor(shape.linear_rope)
+    if arch == "gemma3" and shape.sliding_window:  # convert_hf_to_gguf's Gemma3Model: the local layers' window
+        wr.add_sliding_window(shape.sliding_window)
     wr.add_layer_norm_rms_eps(1e-5 if arch == "llama" else 1e-6)
     wr.add_file_type({"F32": 0, "F16": 1, "BF16": 32}[dtype])
     wr.add_tokenizer_model("gpt2")
@@ -257,6 +272,7 @@ def write_gguf(path, shape: Shape, seed: int = 0, dtype: str = "F32", name: str 
 
 
 LLAMA_FTYPES = {"Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_K_S": "LLAMA_FTYPE_MOSTLY_Q4_K_S",
+                "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
                 "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K",
                 "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
 
@@ -287,7 +303,7 @@ def main(argv=None):
         jobs = [(args.arch, args.shape, args.dtype)]
     else:  # the committed fixtures (each well under 1 MB)
         jobs = [("qwen3", "mini", "F32"), ("qwen3", "mini", "Q8_0"), ("qwen3", "tied", "Q4_K_S"),
-                ("llama", "mini", "F32"), ("qwen2", "mini", "F32")]
+                ("llama", "mini", "F32"), ("qwen2", "mini", "F32"), ("gemma3", "gemma-mini", "F32")]
     for arch, shape_name, dtype in jobs:
         print(f"{make(out, arch, shape_name, dtype, args.seed)}")
 

@@ -633,7 +633,7 @@ def rope(x, positions, theta=10000.0, freq_factors=None, interleaved=False):
 _ATTN_QBLOCK = 64  # query positions per block in causal attention
 
 
-def attention(q, k, v, causal=True, offset=None, scale=None):
+def attention(q, k, v, causal=True, offset=None, scale=None, window=0):
     """Scaled dot-product attention with grouped-query heads.
 
     q: [batch, seq_q, heads_q, head_dim]; k, v: [batch, seq_k, heads_kv, head_dim]
@@ -641,6 +641,7 @@ def attention(q, k, v, causal=True, offset=None, scale=None):
     Causal: query i sits at absolute position offset + i and sees keys j <= offset + i;
     offset defaults to seq_k - seq_q (the KV-cache decoding case). Returns
     [batch, seq_q, heads_q, head_dim]. scale defaults to 1/sqrt(head_dim).
+    window > 0 (causal only; sliding-window layers): query p also stops seeing keys j <= p - window.
     """
     q, k, v = as_tensor(q), as_tensor(k), as_tensor(v)
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
@@ -656,6 +657,10 @@ def attention(q, k, v, causal=True, offset=None, scale=None):
     if causal and offset < 0:
         raise OpError(f"attention: causal offset must be >= 0 (seq_q {Sq}, seq_k {Sk}, offset {offset})")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if window and not causal:
+        raise OpError("attention: a sliding window needs causal=True")
+    if window < 0:
+        raise OpError(f"attention: window must be >= 0, got {window}")
 
     from kernels.attention import softmax_backward_rows_serial, softmax_rows_serial
     from kernels.workpool import run_tiles
@@ -676,6 +681,8 @@ def attention(q, k, v, causal=True, offset=None, scale=None):
         mask = None
         if causal:
             blocked = np.arange(kmax)[None, :] > (offset + np.arange(q0, q1))[:, None]
+            if window:
+                blocked |= (offset + np.arange(q0, q1))[:, None] - np.arange(kmax)[None, :] >= window
             if blocked.any():
                 mask = np.tile(np.where(blocked, -np.inf, 0.0).astype(Q5.dtype), (G, 1))
         blocks.append((q0, q1, kmax, mask))

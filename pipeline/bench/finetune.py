@@ -94,7 +94,9 @@ def _torch_step(model, sample, args):
         for t in TARGETS:
             if b.projection(t).bias is not None:
                 layer["bias_" + t] = vector(b.projection(t).bias)
-        for nm, v in (("attn_norm", b.attn_norm), ("ffn_norm", b.ffn_norm), ("q_norm", b.attn.q_norm), ("k_norm", b.attn.k_norm)):
+        for nm, v in (("attn_norm", b.attn_norm), ("ffn_norm", b.ffn_norm), ("q_norm", b.attn.q_norm),
+                      ("k_norm", b.attn.k_norm), ("post_attn_norm", b.post_attn_norm),
+                      ("post_ffn_norm", b.post_ffn_norm)):
             if v is not None:
                 layer[nm] = vector(v)
         for t in targets:
@@ -112,17 +114,26 @@ def _torch_step(model, sample, args):
     T = len(sample.inputs)
     ids = torch.from_numpy(sample.inputs)
     labels = torch.from_numpy(sample.labels)
-    pos = torch.arange(T, dtype=torch.float32) * c.rope_scale
-    inv = c.rope_base ** (-torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
-    if model._rope_factors is not None:
-        inv = inv / vector(model._rope_factors)
-    cos, sin = torch.cos(pos[:, None] * inv)[:, None], torch.sin(pos[:, None] * inv)[:, None]
-    interleaved = model.family.rope == "normal"
+    fam = model.family
+
+    def rope_tables(base, position_scale):
+        pos = torch.arange(T, dtype=torch.float32) * position_scale
+        inv = base ** (-torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
+        if model._rope_factors is not None:
+            inv = inv / vector(model._rope_factors)
+        return torch.cos(pos[:, None] * inv)[:, None], torch.sin(pos[:, None] * inv)[:, None]
+
+    tables = {key: rope_tables(*key) for key in {c.layer_rope(i) for i in range(c.layers)}}
+    interleaved = fam.rope == "normal"
+    query, key = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    window_masks = {w: (key <= query) & (query - key < w) for w in {c.window(i) for i in range(c.layers)} if w}
+    act = ((lambda g: torch.nn.functional.gelu(g, approximate="tanh")) if fam.activation == "gelu_tanh"
+           else torch.nn.functional.silu)
 
     def rms(x, w):
         return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + c.rms_eps) * w
 
-    def rope(x):
+    def rope(x, cos, sin):
         if interleaved:  # pairs (x[2i], x[2i+1])
             x1, x2 = x[..., 0::2], x[..., 1::2]
             return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).flatten(-2)
@@ -142,18 +153,20 @@ def _torch_step(model, sample, args):
         return y
 
     def step():
-        x = embed[ids]
-        for L in layers:
+        x = embed[ids] * c.hidden ** 0.5 if fam.embed_scale else embed[ids]
+        for i, L in enumerate(layers):
+            cos, sin = tables[c.layer_rope(i)]
             a = rms(x, L["attn_norm"])
-            q = rope(head_norm(proj(a, L, "q").view(T, c.heads, c.head_dim), L, "q_norm"))
-            k = rope(head_norm(proj(a, L, "k").view(T, c.kv_heads, c.head_dim), L, "k_norm"))
+            q = rope(head_norm(proj(a, L, "q").view(T, c.heads, c.head_dim), L, "q_norm"), cos, sin)
+            k = rope(head_norm(proj(a, L, "k").view(T, c.kv_heads, c.head_dim), L, "k_norm"), cos, sin)
             v = proj(a, L, "v").view(T, c.kv_heads, c.head_dim)
+            mask = window_masks.get(c.window(i))
             o = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
-                enable_gqa=True)[0].transpose(0, 1).reshape(T, -1)
-            x = x + proj(o, L, "o")
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+                is_causal=mask is None, scale=c.attn_scale or None, enable_gqa=True)[0].transpose(0, 1).reshape(T, -1)
+            x = x + head_norm(proj(o, L, "o"), L, "post_attn_norm")
             m = rms(x, L["ffn_norm"])
-            x = x + proj(torch.nn.functional.silu(proj(m, L, "gate")) * proj(m, L, "up"), L, "down")
+            x = x + head_norm(proj(act(proj(m, L, "gate")) * proj(m, L, "up"), L, "down"), L, "post_ffn_norm")
         loss = torch.nn.functional.cross_entropy(rms(x, out_norm) @ head.T, labels, ignore_index=-100)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(lora, 1.0)

@@ -18,7 +18,7 @@ def run(args, stdin=None, stdout=None):
     from ..llm.generate import LoadedModel, generate
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     apply_threads(args)
-    lm = LoadedModel(args.model)
+    lm = LoadedModel(args.model, chat_template=getattr(args, "chat_template", None))
     tok = lm.require_tokenizer()
     sampling = sampling_from(args)
     history = [{"role": "system", "content": args.system}] if args.system else []

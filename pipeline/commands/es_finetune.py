@@ -17,6 +17,7 @@ import time
 
 from ..errors import ConfigMismatchError, UserError
 from .finetune import add_data_arguments, load_data
+from ..llm.chat import add_chat_template_argument
 from ._args import InputFile
 
 NAME = "es-finetune"
@@ -36,6 +37,7 @@ def add_arguments(p):
                    help="GGUF model to fine-tune: llama, qwen2 or qwen3 architecture "
                         "(for a first run, the model.gguf `fucina launch lm` saves)")
     add_data_arguments(p)
+    add_chat_template_argument(p)
     p.add_argument("--shuffle", action="store_true", help="shuffled sample order (Fisher-Yates per epoch, seeded by --data-seed)")
     p.add_argument("--seed", type=int, default=42, help="run seed: the adapter init (A), the ES noise (unless --es-seed) and the data order (unless --data-seed)")
     p.add_argument("--es-seed", type=int, default=None, help="seed of the ES noise stream (default: derived from --seed, independent of the adapter init)")
@@ -186,7 +188,7 @@ def build(args, log):
     gg = open_gguf(args.model)
     model = load_model(gg)
     tokenizer = _load_tokenizer(gg)
-    encoder, template = sft.RawEncoder(tokenizer), ChatTemplate.from_gguf(gg)
+    encoder, template = sft.RawEncoder(tokenizer), ChatTemplate.from_gguf(gg, getattr(args, "chat_template", None))
     if args.data:
         pairs, source = load_data(args), args.data
     elif args.task == "countdown":

@@ -13,6 +13,7 @@ import sys
 import time
 
 from ..errors import UserError
+from ..llm.chat import add_chat_template_argument
 from ._args import InputFile
 
 NAME = "finetune"
@@ -26,6 +27,7 @@ def add_arguments(p):
                    help="GGUF model to fine-tune: llama, qwen2 or qwen3 architecture "
                         "(for a first run, the model.gguf `fucina launch lm` saves)")
     add_data_arguments(p)
+    add_chat_template_argument(p)
     p.add_argument("--shuffle", action="store_true", help="shuffled sample order (Fisher-Yates per epoch, seeded by --data-seed)")
     p.add_argument("--seed", type=int, default=42, help="seed of the adapter init and dropout streams")
     p.add_argument("--data-seed", type=int, default=None, help="seed of the shuffled order (default: --seed)")
@@ -109,7 +111,7 @@ def build(args, log):
     gg = open_gguf(args.model)
     model = load_model(gg)
     tokenizer = _load_tokenizer(gg)
-    encoder, template = sft.RawEncoder(tokenizer), ChatTemplate.from_gguf(gg)
+    encoder, template = sft.RawEncoder(tokenizer), ChatTemplate.from_gguf(gg, getattr(args, "chat_template", None))
     if args.data:
         pairs, source = load_data(args), args.data
     else:

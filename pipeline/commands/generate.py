@@ -4,6 +4,7 @@ import sys
 import time
 
 from ..errors import UserError
+from ..llm.chat import add_chat_template_argument
 from ._args import InputFile
 
 NAME = "generate"
@@ -43,6 +44,7 @@ def add_sampling_arguments(parser):
                         help="chat templates with a thinking switch (Qwen3): --think / --no-think set enable_thinking; "
                              "unset, the template's default, as llama.cpp renders it")
     parser.add_argument("--system", default=None, help="optional system message for --chat")
+    add_chat_template_argument(parser)
     add_thread_arguments(parser)
 
 
@@ -64,7 +66,7 @@ def run(args):
     if args.max_tokens < 1:
         raise UserError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     apply_threads(args)
-    lm = LoadedModel(args.model)
+    lm = LoadedModel(args.model, chat_template=getattr(args, "chat_template", None))
     ids = lm.encode_prompt(args.prompt, chat=args.chat, system=args.system, enable_thinking=args.think)
     stream = lm.tokenizer.stream()
     t0, n = time.perf_counter(), 0

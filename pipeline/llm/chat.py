@@ -9,8 +9,12 @@ text is then tokenized with special tokens parsed and NO BOS added (a template
 that wants BOS writes `{{ bos_token }}`). `enable_thinking` is not passed there,
 so a Qwen3 template renders its default (thinking on: no empty think block);
 `enable_thinking=True/False` is the explicit switch, refused for a template that
-has no such variable. A GGUF without a template gets ChatML, llama-server's
-fallback. Trade-off: `strftime_now` makes date-printing templates (Llama 3.x)
+has no such variable. A GGUF without a template (some published Gemma 3 files
+carry none) gets its family's own turn format (`Family.chat_format`: ChatML for
+qwen2/qwen3, Llama 3's for a llama whose vocabulary has its header tokens,
+Gemma's for gemma3; ChatML when the vocabulary lacks the format's tokens), said
+once on stderr; `--chat-template NAME|FILE` overrides the file's or the
+family's template for any model. Trade-off: `strftime_now` makes date-printing templates (Llama 3.x)
 render today's date, in llama.cpp and here alike.
 
 Stop tokens: llama.cpp stops generation on its end-of-generation (EOG) set, built
@@ -23,8 +27,10 @@ exception is not reproduced: no model we read has those tokens).
 from __future__ import annotations
 
 import json
+import sys
 from datetime import datetime
 from functools import cached_property
+from pathlib import Path
 
 from ..errors import UserError
 
@@ -43,6 +49,71 @@ FIM_TEXTS = {
     "tokenizer.ggml.fim_sep_token_id": ("<|file_sep|>",),
 }
 EOG_ID_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+# The turn formats a family falls back to (and --chat-template names): jinja as the models' own templates
+# write them (Llama 3.x's without its date/tools preamble, Gemma 3's with the system text folded into
+# the first user turn). "chatml" is render_chatml (llama-server's fallback).
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + "
+    "'<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
+)
+GEMMA_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' %}{%- set loop_messages = messages[1:] %}"
+    "{%- else %}{%- set first_user_prefix = '' %}{%- set loop_messages = messages %}{%- endif %}"
+    "{%- for message in loop_messages %}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{- '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') + message['content'] | trim + "
+    "'<end_of_turn>\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\n' }}{%- endif %}"
+)
+CHAT_FORMATS = {"chatml": None, "llama3": LLAMA3_TEMPLATE, "gemma": GEMMA_TEMPLATE}
+FORMAT_MARKERS = {"llama3": "<|start_header_id|>", "gemma": "<start_of_turn>"}  # the vocab must have these
+MAX_TEMPLATE_FILE_BYTES = 1 << 20
+_FALLBACKS_SAID = set()  # GGUF paths whose missing template was reported (once per process)
+
+
+def add_chat_template_argument(parser):
+    parser.add_argument("--chat-template", metavar="NAME|FILE", default=None,
+                        help=f"render conversations with this turn format ({', '.join(CHAT_FORMATS)}) or jinja "
+                             "file instead of the GGUF's template (default: the GGUF's, else its family's format)")
+
+
+def _override(spec: str):
+    """(jinja source or None for ChatML, description) of --chat-template NAME|FILE."""
+    if spec in CHAT_FORMATS:
+        return CHAT_FORMATS[spec], f"--chat-template {spec}"
+    path = Path(spec)
+    if not path.is_file():
+        raise UserError(f"--chat-template {spec}: neither a format name ({', '.join(CHAT_FORMATS)}) nor a file")
+    if path.stat().st_size > MAX_TEMPLATE_FILE_BYTES:
+        raise UserError(f"--chat-template {spec}: larger than {MAX_TEMPLATE_FILE_BYTES} bytes; not a chat template")
+    try:
+        return path.read_text(encoding="utf-8"), f"--chat-template {spec}"
+    except UnicodeDecodeError as e:
+        raise UserError(f"--chat-template {spec}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _family_fallback(gg, tokens):
+    """(jinja source or None, name) of the turn format of the file's family, ChatML if its vocabulary
+    lacks that format's tokens (a llama with a SentencePiece Llama 2 vocabulary, say)."""
+    from ..models.registry import ARCHITECTURES
+    fam = ARCHITECTURES.get(gg.architecture)
+    name = fam.chat_format if fam is not None else "chatml"
+    if name in FORMAT_MARKERS and FORMAT_MARKERS[name] not in tokens:
+        name = "chatml"
+    if str(gg.path) not in _FALLBACKS_SAID:
+        _FALLBACKS_SAID.add(str(gg.path))
+        print(f"note: {gg.path} has no tokenizer.chat_template; using the {gg.architecture} turn format "
+              f"'{name}' (--chat-template NAME|FILE overrides)", file=sys.stderr)
+    return CHAT_FORMATS[name], name
 
 
 def end_of_generation_ids(metadata) -> frozenset[int]:
@@ -109,7 +180,9 @@ class ChatTemplate:
         self._compiled = None
 
     @classmethod
-    def from_gguf(cls, gg) -> "ChatTemplate":
+    def from_gguf(cls, gg, override: str | None = None) -> "ChatTemplate":
+        """The GGUF's template; override (--chat-template NAME|FILE) replaces it; a file without one gets
+        its family's turn format."""
         md = gg.metadata
         tokens = md.get("tokenizer.ggml.tokens") or []
 
@@ -121,9 +194,15 @@ class ChatTemplate:
         template = md.get("tokenizer.chat_template")
         if template is not None and not isinstance(template, str):
             raise UserError(f"{gg.path}: tokenizer.chat_template must be a string, got {type(template).__name__}")
+        source = f"{gg.path}: tokenizer.chat_template"
+        if override is not None:
+            template, source = _override(override)
+        elif template is None:
+            template, name = _family_fallback(gg, tokens)
+            source = f"{gg.path}: the {gg.architecture} turn format '{name}'"
         return cls(template, bos_token=text_of("tokenizer.ggml.bos_token_id"),
                    eos_token=text_of("tokenizer.ggml.eos_token_id"), stop_ids=stop_ids,
-                   stop_texts={tokens[i] for i in stop_ids}, source=f"{gg.path}: tokenizer.chat_template")
+                   stop_texts={tokens[i] for i in stop_ids}, source=source)
 
     def _template(self):
         import jinja2

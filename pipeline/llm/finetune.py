@@ -238,7 +238,7 @@ class Trainer(Module):
         def project(i, targets, x):
             return self._projs(x, i, targets, step)
 
-        h = Tensor(self._embed.rows(tokens.astype(np.int64)).reshape(1, n, c.hidden))  # [batch, seq, hidden]
+        h = self._base.scale_embedding(Tensor(self._embed.rows(tokens.astype(np.int64)).reshape(1, n, c.hidden)))
         for i in range(c.layers):
             if self.checkpoint_layers and step is not None:
                 h = ops.checkpoint(lambda x, i=i: self._base.block(i, x, pos, project), h)

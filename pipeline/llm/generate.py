@@ -78,7 +78,7 @@ def greedy(model, prompt_ids, n: int) -> list[int]:
 class LoadedModel:
     """A GGUF opened for inference: model, tokenizer (None when the file has none), chat template."""
 
-    def __init__(self, path, llama_numerics: bool = False):
+    def __init__(self, path, llama_numerics: bool = False, chat_template: str | None = None):
         from .chat import ChatTemplate
         from .gguf import GGUFFile
         from .tokenizer import Tokenizer
@@ -90,7 +90,7 @@ class LoadedModel:
             self.tokenizer = Tokenizer.from_gguf(self.gguf)
         except UserError as e:
             self.tokenizer, self._tok_error = None, e
-        self.template = ChatTemplate.from_gguf(self.gguf)
+        self.template = ChatTemplate.from_gguf(self.gguf, chat_template)  # chat_template: --chat-template
 
     def require_tokenizer(self):
         if self.tokenizer is None:

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import heapq
 
-from ..errors import UserError
+from ..errors import GGUFError, UserError
+from ..untrusted import brief
 from .pretokenize import PRE_TOKENIZERS, REFERENCE_REGEXES
 
 # the Qwen2 tokenizer.json split regex (what tools/make_tiny_model.py trains its fixture vocabularies with)
@@ -194,6 +195,8 @@ class Tokenizer:
         merges, pre, scores = [], None, None
         if model == BPE:
             pre = md.get("tokenizer.ggml.pre") or "default"   # llama.cpp's fallback, with a warning
+            if not isinstance(pre, str):
+                raise GGUFError(f"{path}: metadata key 'tokenizer.ggml.pre' must be a string, got {brief(pre)}")
             merges = md.get("tokenizer.ggml.merges")
             if not merges:
                 raise UserError(f"{path}: tokenizer.ggml.merges is missing; a BPE tokenizer needs its merges")

@@ -1,11 +1,12 @@
-"""The dense decoder-only transformer that llama.cpp's llama, qwen2 and qwen3 graphs share.
+"""The dense decoder-only transformer that llama.cpp's llama, qwen2, qwen3 and gemma3 graphs share.
 
-    x = embed(ids)
+    x = embed(ids)                          (x sqrt(hidden) for families with embed_scale)
     per layer:  h = rms_norm(x) ; q,k,v = q(h),k(h),v(h)            (+ bias where the file has one)
                 q,k = rms_norm per head (families with qk_norm) ; RoPE (NeoX or "normal" pair layout)
-                x = x + o(causal_gqa_attention(q, k, v))
-                h = rms_norm(x) ; x = x + down(silu(gate(h)) * up(h))
+                x = x + post(o(causal_gqa_attention(q, k, v)))     (a sliding window on local layers)
+                h = rms_norm(x) ; x = x + post(down(act(gate(h)) * up(h)))   (act: silu or gelu_tanh)
     logits = output(rms_norm(x))            (output = token_embd when tied)
+    post = rms_norm for families with post_norms, else the identity
 
 What differs between architectures is a `Family` (pipeline/models/<arch>.py),
 found through pipeline/models/registry.py: the RoPE layout, per-head q/k norms,
@@ -32,15 +33,18 @@ file format); `Linear` holds a trainable f32 parameter [out, in].
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import numpy as np
 from numba import njit
 
 from kernels import rng, workpool
 from ..autograd import Module, Tensor, no_grad, ops, parameter
-from ..errors import UserError
+from ..errors import GGUFError, UserError
 from ..llm.quants import FrozenWeight, matmul_t_many, weight_rows
+from ..untrusted import brief
 
 # the projections LoRA can adapt, in canonical order -> their llama.cpp tensor names (blk.<i>.<name>.weight)
 PROJECTIONS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
@@ -63,10 +67,19 @@ class Family:
     default_rope_base: float = 10_000.0
     default_rms_eps: float = 1e-5
     hf_modules: tuple = tuple(HF_MODULES.items())  # (target, module path) for PEFT exports
+    embed_scale: bool = False          # embeddings multiplied by sqrt(hidden) before the first block
+    post_norms: bool = False           # RMSNorm of the attention and MLP outputs before each residual add
+    activation: str = "silu"           # gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, GELU's tanh form)
+    swa_pattern: int = 0               # n > 0: layer i is sliding-window (local) iff i % n < n - 1; 0: all global
+    swa_rope_base: float = 10_000.0    # RoPE base of the local layers (llama.cpp fixes it per family)
+    attention_scale: Callable | None = None  # (hidden, heads, head_dim, layers) -> q scale; None: head_dim^-1/2
+    chat_format: str = "chatml"        # turn format for a GGUF without tokenizer.chat_template (llm/chat.py)
 
     def __post_init__(self):
         if self.rope not in ("neox", "normal"):
             raise ValueError(f"family {self.name}: rope must be 'neox' or 'normal', got {self.rope!r}")
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"family {self.name}: activation must be 'silu' or 'gelu_tanh', got {self.activation!r}")
 
     def hf_rows(self, target: str, rows: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
         """An array over projection `target`'s output rows, from GGUF order to Hugging Face order.
@@ -94,6 +107,10 @@ class DecoderConfig:
     arch: str = "qwen3"                # the registered family (pipeline/models/registry.py)
     biases: tuple = ()                 # projections that carry a bias (every layer alike)
     rope_scale: float = 1.0            # linear RoPE scaling: positions are multiplied by it (llama.cpp freq_scale)
+    sliding_window: int = 0            # local layers see the last sliding_window positions (0: no local layers)
+    swa_pattern: int = 0               # see Family.swa_pattern
+    rope_base_local: float = 10_000.0  # RoPE base of the local layers (never scaled, as in llama.cpp)
+    attn_scale: float = 0.0            # the query scale; 0: head_dim ** -0.5
 
     def __post_init__(self):
         if self.heads % self.kv_heads:
@@ -103,6 +120,22 @@ class DecoderConfig:
         bad = [b for b in self.biases if b not in PROJECTIONS]
         if bad:
             raise UserError(f"{self.arch}: unknown projection bias {bad}; projections are {', '.join(PROJECTIONS)}")
+        if self.sliding_window < 0 or self.swa_pattern < 0:
+            raise UserError(f"{self.arch}: sliding_window ({self.sliding_window}) and swa_pattern "
+                            f"({self.swa_pattern}) must be >= 0")
+
+    def is_local(self, layer: int) -> bool:
+        """Whether layer `layer` attends through the sliding window (llama.cpp's set_swa_pattern)."""
+        n = self.swa_pattern
+        return self.sliding_window > 0 and n > 0 and layer % n < n - 1
+
+    def window(self, layer: int) -> int:
+        """The attention window of layer `layer` in positions (0: the whole causal prefix)."""
+        return self.sliding_window if self.is_local(layer) else 0
+
+    def layer_rope(self, layer: int) -> tuple:
+        """(RoPE base, position scale) of layer `layer`: local layers use their own base, unscaled."""
+        return (self.rope_base_local, 1.0) if self.is_local(layer) else (self.rope_base, self.rope_scale)
 
     @property
     def family(self) -> Family:
@@ -115,49 +148,100 @@ class DecoderConfig:
         from .registry import family_of
         fam = family_of(gg)
         a = fam.name
-        if gg.get(f"{a}.expert_count", 0):
+        if _meta_int(gg, f"{a}.expert_count", 0, minimum=0):
             raise UserError(f"{gg.path}: this '{a}' model is a mixture of experts ({a}.expert_count = "
                             f"{gg.get(f'{a}.expert_count')}); only dense models are supported")
-        heads = int(gg.require(f"{a}.attention.head_count"))
-        hidden = int(gg.require(f"{a}.embedding_length"))
-        head_dim = int(gg.get(f"{a}.attention.key_length", hidden // heads))
-        value_dim = int(gg.get(f"{a}.attention.value_length", head_dim))
-        rope_dims = int(gg.get(f"{a}.rope.dimension_count", head_dim))
+        heads = _meta_int(gg, f"{a}.attention.head_count")
+        hidden = _meta_int(gg, f"{a}.embedding_length")
+        kv_heads = _meta_int(gg, f"{a}.attention.head_count_kv", heads)
+        if heads % kv_heads:
+            raise GGUFError(f"{gg.path}: metadata key '{a}.attention.head_count' ({heads}) must be a multiple of "
+                            f"'{a}.attention.head_count_kv' ({kv_heads})")
+        head_dim = _meta_int(gg, f"{a}.attention.key_length", max(1, hidden // heads))
+        value_dim = _meta_int(gg, f"{a}.attention.value_length", head_dim)
+        rope_dims = _meta_int(gg, f"{a}.rope.dimension_count", head_dim)
         if value_dim != head_dim or rope_dims != head_dim:
             raise UserError(f"{gg.path}: key_length {head_dim}, value_length {value_dim} and rope.dimension_count "
                             f"{rope_dims} differ; only models that rotate the whole head are supported")
         if fam.q_width_is_hidden and heads * head_dim != hidden:
             raise UserError(f"{gg.path}: {a} needs heads x head_dim == embedding_length (llama.cpp builds its q and "
                             f"output projections square), got {heads} x {head_dim} != {hidden}")
-        scaling = str(gg.get(f"{a}.rope.scaling.type", "none"))
+        scaling = gg.get(f"{a}.rope.scaling.type", "none")
+        if not isinstance(scaling, str):
+            raise GGUFError(f"{gg.path}: metadata key '{a}.rope.scaling.type' must be a string, got {brief(scaling)}")
         if scaling not in ("none", "linear"):
             raise UserError(f"{gg.path}: {a}.rope.scaling.type '{scaling}' is not supported (supported: none, linear; "
                             "llama3 scaling is read from the rope_freqs.weight tensor)")
-        factor = float(gg.get(f"{a}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
+        # llama.cpp reads a factor of 0 as no scaling
+        factor = _meta_float(gg, f"{a}.rope.scaling.factor", 1.0, zero_ok=True) if scaling == "linear" else 1.0
         biases = tuple(p for p in PROJECTIONS if p in fam.required_biases
                        or (p in fam.optional_biases and gg.has(f"blk.0.{PROJECTIONS[p]}.bias")))
-        return cls(
-            vocab_size=int(gg.weight("token_embd.weight").shape[0]),
-            hidden=hidden,
-            layers=int(gg.require(f"{a}.block_count")),
-            heads=heads,
-            kv_heads=int(gg.get(f"{a}.attention.head_count_kv", heads)),
-            head_dim=head_dim,
-            ffn=int(gg.require(f"{a}.feed_forward_length")),
-            context_length=int(gg.get(f"{a}.context_length", 4096)),
-            rope_base=float(gg.get(f"{a}.rope.freq_base", fam.default_rope_base)),
-            rms_eps=float(gg.get(f"{a}.attention.layer_norm_rms_epsilon", fam.default_rms_eps)),
-            tied_output=not gg.has("output.weight"),
-            arch=a,
-            biases=biases,
-            rope_scale=1.0 / factor if factor else 1.0,
-        )
+        layers = _meta_int(gg, f"{a}.block_count")
+        window = 0
+        if fam.swa_pattern:
+            window = _meta_int(gg, f"{a}.attention.sliding_window", minimum=0)
+            if window <= 0:  # llama.cpp builds another graph (final-logit soft-capping, no local layers) then
+                raise UserError(f"{gg.path}: {a}.attention.sliding_window is {window}; only {a} models with "
+                                "sliding-window layers are supported")
+        attn_scale = fam.attention_scale(hidden, heads, head_dim, layers) if fam.attention_scale else 0.0
+        ffn = _meta_int(gg, f"{a}.feed_forward_length")
+        context = _meta_int(gg, f"{a}.context_length", 4096)
+        rope_base = _meta_float(gg, f"{a}.rope.freq_base", fam.default_rope_base)
+        rms_eps = _meta_float(gg, f"{a}.attention.layer_norm_rms_epsilon", fam.default_rms_eps)
+        try:
+            return cls(
+                vocab_size=int(gg.weight("token_embd.weight").shape[0]),
+                hidden=hidden,
+                layers=layers,
+                heads=heads,
+                kv_heads=kv_heads,
+                head_dim=head_dim,
+                ffn=ffn,
+                context_length=context,
+                rope_base=rope_base,
+                rms_eps=rms_eps,
+                tied_output=not gg.has("output.weight"),
+                arch=a,
+                biases=biases,
+                rope_scale=1.0 / factor if factor else 1.0,
+                sliding_window=window,
+                swa_pattern=fam.swa_pattern,
+                rope_base_local=fam.swa_rope_base,
+                attn_scale=attn_scale,
+            )
+        except UserError as e:  # the dataclass's own checks (odd head_dim, ...) name the file too
+            raise UserError(f"{gg.path}: {e}") from None
 
     def projection_shape(self, target: str) -> tuple:
         """[out, in] of projection `target`."""
         q, kv, h, f = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden, self.ffn
         shapes = {"q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q), "gate": (f, h), "up": (f, h), "down": (h, f)}
         return shapes[target]
+
+
+MAX_DIMENSION = 1 << 31  # no real model comes near; larger values are corrupt or hostile headers
+
+
+def _meta_int(gg, key: str, default=None, minimum: int = 1) -> int:
+    """Integer metadata `key` (required when default is None) in [minimum, MAX_DIMENSION]: a GGUF's
+    values are typed by the file, so a string, list, float or bool here is one GGUFError naming the key."""
+    value = gg.require(key) if default is None else gg.get(key, default)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise GGUFError(f"{gg.path}: metadata key '{key}' must be an integer, got {brief(value)}")
+    if not minimum <= value <= MAX_DIMENSION:
+        raise GGUFError(f"{gg.path}: metadata key '{key}' is {value}; it must be in [{minimum}, {MAX_DIMENSION}]")
+    return int(value)
+
+
+def _meta_float(gg, key: str, default: float, zero_ok: bool = False) -> float:
+    """Finite positive number metadata `key` (RoPE bases, epsilons, scaling factors; zero_ok: or 0)."""
+    value = gg.get(key, default)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise GGUFError(f"{gg.path}: metadata key '{key}' must be a number, got {brief(value)}")
+    if not (math.isfinite(value) and (value > 0 or (zero_ok and value == 0))):
+        raise GGUFError(f"{gg.path}: metadata key '{key}' is {value}; it must be a finite number "
+                        f"{'>= 0' if zero_ok else '> 0'}")
+    return float(value)
 
 
 # --- projections (the seam) ---------------------------------------------------
@@ -245,8 +329,10 @@ class MLP(Module):
 
 
 class Block(Module):
-    def __init__(self, attn_norm: Tensor, attn: Attention, ffn_norm: Tensor, mlp: MLP):
+    def __init__(self, attn_norm: Tensor, attn: Attention, ffn_norm: Tensor, mlp: MLP,
+                 post_attn_norm: Tensor | None = None, post_ffn_norm: Tensor | None = None):
         self.attn_norm, self.attn, self.ffn_norm, self.mlp = attn_norm, attn, ffn_norm, mlp
+        self.post_attn_norm, self.post_ffn_norm = post_attn_norm, post_ffn_norm  # families with post_norms
 
     def projection(self, target: str):
         return getattr(self.attn if target in ("q", "k", "v", "o") else self.mlp, target)
@@ -289,6 +375,7 @@ class DecoderLM(Module):
         self.out_norm = out_norm
         self.output = output        # a projection; for a tied head it shares `embed`
         self._rope_factors = rope_factors  # [head_dim/2] f32 frequency divisors (rope_freqs.weight) or None
+        self.llama_numerics = False        # inference rounds as llama.cpp's CPU kernels do (from_gguf sets it)
 
     # --- construction -------------------------------------------------------------
     @classmethod
@@ -322,8 +409,10 @@ class DecoderLM(Module):
                   for t, n in PROJECTIONS.items()}
             norms = (vec(p + "attn_q_norm.weight"), vec(p + "attn_k_norm.weight")) if fam.qk_norm else ()
             attn = Attention(ps["q"], ps["k"], ps["v"], ps["o"], *norms)
+            post = ((vec(p + "post_attention_norm.weight"), vec(p + "post_ffw_norm.weight")) if fam.post_norms
+                    else ())
             blocks.append(Block(vec(p + "attn_norm.weight"), attn, vec(p + "ffn_norm.weight"),
-                                MLP(ps["gate"], ps["up"], ps["down"])))
+                                MLP(ps["gate"], ps["up"], ps["down"]), *post))
         if trainable:
             embed = parameter(gg.weight("token_embd.weight").dequantize(), "token_embd.weight")
             output = Linear(embed) if cfg.tied_output else proj("output.weight")
@@ -334,6 +423,7 @@ class DecoderLM(Module):
         factors = gg.vector("rope_freqs.weight") if fam.rope_freqs and gg.has("rope_freqs.weight") else None
         model = cls(cfg, embed, blocks, vec("output_norm.weight"), output, factors)
         model._source = gg
+        model.llama_numerics = llama_numerics
         return model
 
     @classmethod
@@ -359,8 +449,10 @@ class DecoderLM(Module):
             norms = ((ones(p + "attn_q_norm.weight", c.head_dim), ones(p + "attn_k_norm.weight", c.head_dim))
                      if c.family.qk_norm else ())
             attn = Attention(ps["q"], ps["k"], ps["v"], ps["o"], *norms)
+            post = ((ones(p + "post_attention_norm.weight", c.hidden), ones(p + "post_ffw_norm.weight", c.hidden))
+                    if c.family.post_norms else ())
             blocks.append(Block(ones(p + "attn_norm.weight", c.hidden), attn, ones(p + "ffn_norm.weight", c.hidden),
-                                MLP(ps["gate"], ps["up"], ps["down"])))
+                                MLP(ps["gate"], ps["up"], ps["down"]), *post))
         output = Linear(embed) if c.tied_output else mat("output.weight", c.vocab_size, c.hidden)
         return cls(c, embed, blocks, ones("output_norm.weight", c.hidden), output)
 
@@ -369,7 +461,8 @@ class DecoderLM(Module):
         graph through its block sends no gradient into the base, whatever requires grad here."""
         const = lambda v: None if v is None else np.asarray(v.data if isinstance(v, Tensor) else v, np.float32)
         blocks = [Block(const(b.attn_norm), Attention(b.attn.q, b.attn.k, b.attn.v, b.attn.o, const(b.attn.q_norm),
-                                                      const(b.attn.k_norm)), const(b.ffn_norm), b.mlp)
+                                                      const(b.attn.k_norm)), const(b.ffn_norm), b.mlp,
+                        const(b.post_attn_norm), const(b.post_ffn_norm))
                   for b in self.blocks]
         return type(self)(self.config, self.embed, blocks, const(self.out_norm), self.output, self._rope_factors)
 
@@ -383,6 +476,9 @@ class DecoderLM(Module):
             out[p + "attn_norm.weight"], out[p + "ffn_norm.weight"] = b.attn_norm, b.ffn_norm
             if self.family.qk_norm:
                 out[p + "attn_q_norm.weight"], out[p + "attn_k_norm.weight"] = b.attn.q_norm, b.attn.k_norm
+            if self.family.post_norms:
+                out[p + "post_attention_norm.weight"] = b.post_attn_norm
+                out[p + "post_ffw_norm.weight"] = b.post_ffn_norm
             for t, n in PROJECTIONS.items():
                 proj = b.projection(t)
                 out[p + n + ".weight"] = getattr(proj, "weight", proj)
@@ -397,11 +493,21 @@ class DecoderLM(Module):
         blk = self.blocks[i]
         return [blk.projection(t)(x) for t in targets]
 
-    def rope(self, x: Tensor, positions) -> Tensor:
-        """The family's RoPE on x [..., seq, heads, head_dim] (positions [seq] or [batch, seq])."""
-        c = self.config
-        pos = np.asarray(positions) if c.rope_scale == 1.0 else np.asarray(positions, np.float64) * c.rope_scale
-        return ops.rope(x, pos, c.rope_base, self._rope_factors, interleaved=self.family.rope == "normal")
+    def rope(self, x: Tensor, positions, layer: int = 0) -> Tensor:
+        """The family's RoPE of layer `layer` on x [..., seq, heads, head_dim] (positions [seq] or [batch, seq])."""
+        base, scale = self.config.layer_rope(layer)
+        pos = np.asarray(positions) if scale == 1.0 else np.asarray(positions, np.float64) * scale
+        return ops.rope(x, pos, base, self._rope_factors, interleaved=self.family.rope == "normal")
+
+    def scale_embedding(self, x):
+        """The embedding rows as the first block reads them (x sqrt(hidden) for families with embed_scale)."""
+        return x * np.float32(math.sqrt(self.config.hidden)) if self.family.embed_scale else x
+
+    def _mlp_activation(self, gate, up):
+        return swiglu(gate, up) if self.family.activation == "silu" else ops.gelu(gate, "tanh") * up
+
+    def _post_norm(self, x, norm):
+        return x if norm is None else ops.rms_norm(x, norm, self.config.rms_eps)
 
     def block(self, i: int, x: Tensor, positions, project=None) -> Tensor:
         """Decoder block i on x [batch, seq, hidden]. project(i, targets, h) -> the projections `targets`
@@ -416,11 +522,12 @@ class DecoderLM(Module):
         v = ops.reshape(v, b, t, c.kv_heads, c.head_dim)
         if self.family.qk_norm:
             q, k = ops.rms_norm(q, blk.attn.q_norm, c.rms_eps), ops.rms_norm(k, blk.attn.k_norm, c.rms_eps)
-        q, k = self.rope(q, positions), self.rope(k, positions)
-        a = ops.attention(q, k, v, causal=True)
-        x = x + project(i, ("o",), ops.reshape(a, b, t, c.heads * c.head_dim))[0]
+        q, k = self.rope(q, positions, i), self.rope(k, positions, i)
+        a = ops.attention(q, k, v, causal=True, scale=c.attn_scale or None, window=c.window(i))
+        x = x + self._post_norm(project(i, ("o",), ops.reshape(a, b, t, c.heads * c.head_dim))[0], blk.post_attn_norm)
         h = ops.rms_norm(x, blk.ffn_norm, c.rms_eps)
-        return x + project(i, ("down",), swiglu(*project(i, ("gate", "up"), h)))[0]
+        m = project(i, ("down",), self._mlp_activation(*project(i, ("gate", "up"), h)))[0]
+        return x + self._post_norm(m, blk.post_ffn_norm)
 
     def _embed_tensor(self, ids: np.ndarray) -> Tensor:
         if isinstance(self.embed, Tensor):
@@ -435,7 +542,7 @@ class DecoderLM(Module):
         ids2 = ids[None] if single else ids
         t = ids2.shape[1]
         pos = np.arange(t) if positions is None else np.asarray(positions)
-        x = self._embed_tensor(ids2)
+        x = self.scale_embedding(self._embed_tensor(ids2))
         for i in range(c.layers):
             x = self.block(i, x, pos)
         logits = self.output(ops.rms_norm(x, self.out_norm, c.rms_eps))
@@ -455,13 +562,17 @@ class DecoderLM(Module):
         pos0, t = cache.length, len(ids)
         if pos0 + t > c.context_length:
             raise UserError(f"context of {pos0 + t} tokens exceeds the model's context length {c.context_length}")
-        pos = np.arange(pos0, pos0 + t, dtype=np.float64) * c.rope_scale
-        tables = ops.rope_tables(pos, c.head_dim, c.rope_base, np.float32, self._rope_factors)
-        cos, sin = (a[:, None, :] for a in tables)
+        tables = {}  # (base, scale) -> (cos, sin) [t, 1, head_dim/2]: one pair per RoPE kind in the model
+        for base, scale in sorted({c.layer_rope(li) for li in range(c.layers)}):
+            pos = np.arange(pos0, pos0 + t, dtype=np.float64) * scale
+            tables[base, scale] = tuple(a[:, None, :] for a in
+                                        ops.rope_tables(pos, c.head_dim, base, np.float32, self._rope_factors))
         interleaved = self.family.rope == "normal"
         x = self.embed.data[ids] if isinstance(self.embed, Tensor) else weight_rows(self.embed, ids)
-        x = x.astype(np.float32)
+        x = self.scale_embedding(x.astype(np.float32))
+        scale = c.attn_scale or None
         for li, blk in enumerate(self.blocks):
+            cos, sin = tables[c.layer_rope(li)]
             h = _rms(x, blk.attn_norm.data, c.rms_eps)
             q, k, v = _infer_many((blk.attn.q, blk.attn.k, blk.attn.v), h)
             q, k, v = (q.reshape(t, c.heads, c.head_dim), k.reshape(t, c.kv_heads, c.head_dim),
@@ -469,10 +580,13 @@ class DecoderLM(Module):
             q = _norm_rope(q, blk.attn.q_norm, c.rms_eps, cos, sin, interleaved)
             k = _norm_rope(k, blk.attn.k_norm, c.rms_eps, cos, sin, interleaved)
             keys, values = cache.store(li, pos0, k, v)
-            x = x + _infer(blk.attn.o, _attend(q, keys, values, pos0))
+            x = x + _infer_post_norm(_infer(blk.attn.o, _attend(q, keys, values, pos0, scale, c.window(li))),
+                                     blk.post_attn_norm, c.rms_eps)
             h = _rms(x, blk.ffn_norm.data, c.rms_eps)
             g, u = _infer_many((blk.mlp.gate, blk.mlp.up), h)
-            x = x + _infer(blk.mlp.down, _silu_mul(g, u))
+            m = _infer(blk.mlp.down, _silu_mul(g, u) if self.family.activation == "silu"
+                       else _gelu_tanh_mul(g, u, self.llama_numerics))
+            x = x + _infer_post_norm(m, blk.post_ffn_norm, c.rms_eps)
         cache.length = pos0 + t
         x = _rms(x if all_logits else x[-1:], self.out_norm.data, c.rms_eps)
         logits = _infer(self.output, x)
@@ -558,8 +672,15 @@ def _norm_rope_heads(x, w, eps, cos, sin, out, normed, interleaved):
                 out[p, h, i2] = b * cos[p, 0, i] + a * sin[p, 0, i]
 
 
-def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int) -> np.ndarray:
+def _infer_post_norm(x: np.ndarray, norm, eps: float) -> np.ndarray:
+    return x if norm is None else _rms(x, norm.data if isinstance(norm, Tensor) else norm, eps)
+
+
+def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale=None, window: int = 0) -> np.ndarray:
     """Causal grouped-query attention. q [t, H, D] at positions pos0.., k/v [s, KV, D] -> [t, H*D].
+    Scores are scaled by `scale` (default head_dim^-1/2); window > 0 also hides keys `window` or more
+    positions behind the query (sliding-window layers); a chunk multiplies only against the keys some
+    row of it can see.
 
     Queries go in chunks of ATTEND_CHUNK positions, each against only the keys it can see
     (a prompt from an empty cache does ~5/8 of the full t x s work). A long prompt splits
@@ -568,6 +689,7 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int) -> np.ndarra
     t, n_h, d = q.shape
     s, n_kv, _ = k.shape
     g = n_h // n_kv
+    scale = np.float32(d ** -0.5 if scale is None else scale)
     q4 = q.reshape(t, n_kv, g, d).transpose(1, 2, 0, 3)                    # [KV, g, t, D]
     kt, vt = k.transpose(1, 2, 0), v.transpose(1, 0, 2)
     out = np.empty((n_kv, g, t, d), np.float32)
@@ -576,15 +698,20 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int) -> np.ndarra
         for c0 in range(0, t, ATTEND_CHUNK):
             c1, n = min(t, c0 + ATTEND_CHUNK), h1 - h0
             seen = pos0 + c1                                                # keys visible to the chunk's last row
+            first = max(0, pos0 + c0 - window + 1) if window else 0        # ... and to its first row
             qc = q4[h0:h1, :, c0:c1].reshape(n, g * (c1 - c0), d)
-            scores = (qc @ kt[h0:h1, :, :seen]) * np.float32(d ** -0.5)    # [h, g*c, seen]
+            scores = (qc @ kt[h0:h1, :, first:seen]) * scale                # [h, g*c, seen - first]
             if c1 - c0 > 1:  # adding a 0/-inf mask broadcasts; boolean-index assignment was ~5x slower
-                future = np.arange(seen)[None, :] > (pos0 + np.arange(c0, c1))[:, None]
-                scores.reshape(n, g, c1 - c0, seen)[...] += np.where(future, np.float32(-np.inf), np.float32(0.0))
+                key_pos, query_pos = np.arange(first, seen)[None, :], (pos0 + np.arange(c0, c1))[:, None]
+                hidden = key_pos > query_pos
+                if window:
+                    hidden |= query_pos - key_pos >= window
+                scores.reshape(n, g, c1 - c0, seen - first)[...] += np.where(hidden, np.float32(-np.inf),
+                                                                              np.float32(0.0))
             scores -= scores.max(axis=-1, keepdims=True)
             p = np.exp(scores, out=scores)
             p /= p.sum(axis=-1, keepdims=True)
-            out[h0:h1, :, c0:c1] = (p @ vt[h0:h1, :seen]).reshape(n, g, c1 - c0, d)
+            out[h0:h1, :, c0:c1] = (p @ vt[h0:h1, first:seen]).reshape(n, g, c1 - c0, d)
 
     parts = _worker_threads() if t * s * n_h >= ATTEND_SPLIT_WORK else 1
     workpool.split_range(n_kv, min(parts, n_kv), heads)
@@ -608,6 +735,24 @@ def _silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     return g
 
 
+def _gelu_tanh_mul(g: np.ndarray, u: np.ndarray, f16_table: bool = False) -> np.ndarray:
+    """gelu_tanh(g) * u with the bits of the training path (ops.gelu's float64 formula rounded to f32,
+    then the f32 product). f16_table: as ggml's CPU geglu (GGML_GELU_FP16) instead: g rounded to f16,
+    its f32 GELU rounded to f16 (the lookup table), 0 below -10 and the identity above 10; its two f16
+    roundings (2^-11 relative each) are most of llama.cpp's distance from the exact GELU."""
+    if not f16_table:
+        x = np.asarray(g, np.float64)
+        gelu = (0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))).astype(np.float32)
+        return gelu * np.asarray(u, np.float32)
+    x = np.asarray(g, np.float32)
+    h = x.astype(np.float16).astype(np.float32)
+    one = np.float32(1.0)
+    inner = np.float32(math.sqrt(2.0 / math.pi)) * h * (one + np.float32(0.044715) * h * h)
+    table = (np.float32(0.5) * h * (one + np.tanh(inner))).astype(np.float16).astype(np.float32)
+    gelu = np.where(x <= -10.0, np.float32(0.0), np.where(x >= 10.0, x, table))
+    return gelu * np.asarray(u, np.float32)
+
+
 ATTEND_CHUNK = 64             # query positions per chunk
 ATTEND_SPLIT_WORK = 1 << 16  # score elements below which one thread is quicker than two
 
@@ -629,6 +774,9 @@ def _check_shapes(gg, cfg: DecoderConfig):
     for i in range(cfg.layers):
         p = f"blk.{i}."
         want.update({p + "attn_norm.weight": (1, cfg.hidden), p + "ffn_norm.weight": (1, cfg.hidden)})
+        if cfg.family.post_norms:
+            want.update({p + "post_attention_norm.weight": (1, cfg.hidden),
+                         p + "post_ffw_norm.weight": (1, cfg.hidden)})
         if cfg.family.qk_norm:
             want.update({p + "attn_q_norm.weight": (1, cfg.head_dim), p + "attn_k_norm.weight": (1, cfg.head_dim)})
         for t, n in PROJECTIONS.items():

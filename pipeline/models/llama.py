@@ -12,4 +12,4 @@ from __future__ import annotations
 from .decoder import PROJECTIONS, Family
 
 LLAMA = Family(name="llama", rope="normal", optional_biases=tuple(PROJECTIONS), rope_freqs=True,
-               default_rope_base=10_000.0, default_rms_eps=1e-5)
+               default_rope_base=10_000.0, default_rms_eps=1e-5, chat_format="llama3")

@@ -8,11 +8,12 @@ architecture").
 from __future__ import annotations
 
 from ..errors import UserError
+from .gemma3 import GEMMA3
 from .llama import LLAMA
 from .qwen2 import QWEN2
 from .qwen3 import QWEN3
 
-ARCHITECTURES = {f.name: f for f in (LLAMA, QWEN2, QWEN3)}
+ARCHITECTURES = {f.name: f for f in (GEMMA3, LLAMA, QWEN2, QWEN3)}
 
 
 def supported() -> str:

@@ -25,7 +25,8 @@ def test_bench_rows_on_the_tiny_fixture():
 
 @pytest.mark.parity
 @pytest.mark.needs("torch")
-@pytest.mark.parametrize("fixture", ["qwen3-mini-q8_0.gguf", "llama-mini-f32.gguf", "qwen2-mini-f32.gguf"])
+@pytest.mark.parametrize("fixture", ["qwen3-mini-q8_0.gguf", "llama-mini-f32.gguf", "qwen2-mini-f32.gguf",
+                                     "gemma3-gemma-mini-f32.gguf"])
 def test_bench_torch_baseline_and_cpu_times_on_the_tiny_fixture(fixture):
     rows = _rows("--threads", "0", "--no-trainers", fixture=fixture)
     for r in rows:

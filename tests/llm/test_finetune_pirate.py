@@ -1,6 +1,6 @@
 """The headline demo: `fucina finetune` with its DEFAULTS drives the pirate loss down >= 90% and
-the AFTER answer to a training prompt starts with "Ahoy!" — on the committed tiny llama and qwen2
-fixtures (random weights; seconds), and (slow) on the model `fucina launch lm` trains from scratch."""
+the AFTER answer to a training prompt starts with "Ahoy!" — on the committed tiny llama, qwen2 and
+gemma3 fixtures (random weights; seconds), and (slow) on the model `fucina launch lm` trains from scratch."""
 import json
 import os
 import subprocess
@@ -11,10 +11,13 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+FIXTURES = {"llama": "llama-mini-f32.gguf", "qwen2": "qwen2-mini-f32.gguf", "gemma3": "gemma3-gemma-mini-f32.gguf"}
+
+
+@pytest.mark.parametrize("arch", sorted(FIXTURES))
 def test_pirate_finetune_on_a_tiny_fixture(arch, tmp_path, capsys):
     from pipeline.cli import main
-    model = os.path.join(ROOT, "tests", "fixtures", f"{arch}-mini-f32.gguf")
+    model = os.path.join(ROOT, "tests", "fixtures", FIXTURES[arch])
     assert main(["finetune", "--model", model, "--json", "--save", str(tmp_path / "lora")]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["final_loss"] <= 0.1 * summary["initial_loss"], summary

@@ -72,7 +72,7 @@ def test_not_gguf_and_missing(tmp_path):
 
 def test_other_architecture_and_moe(tmp_path):
     with pytest.raises(UserError, match=r"gemma.gguf: architecture 'gemma' is not supported "
-                                        r"\(supported: llama, qwen2, qwen3\)$"):
+                                        r"\(supported: gemma3, llama, qwen2, qwen3\)$"):
         Qwen3.from_gguf(_write(tmp_path / "gemma.gguf", arch="gemma"))
     with pytest.raises(UserError, match="architecture 'qwen3moe' is not supported"):
         Qwen3.from_gguf(_write(tmp_path / "moe.gguf", arch="qwen3moe"))

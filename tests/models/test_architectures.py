@@ -1,7 +1,9 @@
 """Every registered architecture: config from GGUF metadata, the KV cache against the full forward,
 the autograd forward against the inference path, and an independent float64 reference of the
 Hugging Face formulation (llama: the Q/K rows un-permuted back to HF order and rotated by halves),
-so llama.cpp's "normal" RoPE on convert_hf_to_gguf's permuted weights is pinned without llama.cpp."""
+so llama.cpp's "normal" RoPE on convert_hf_to_gguf's permuted weights is pinned without llama.cpp.
+gemma3's reference is Gemma3ForCausalLM's: scaled embeddings, pre+post norms, GeGLU, the sliding-window
+layers with their own RoPE base, sequences longer than the window."""
 import sys
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import make_tiny_model as mk  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 CASES = [("llama", "mini"), ("qwen2", "mini"), ("qwen3", "mini"), ("llama", "llama3"), ("llama", "linear"),
-         ("llama", "biased")]
+         ("llama", "biased"), ("gemma3", "gemma-mini")]
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +39,9 @@ def files(tmp_path_factory):
 
 
 def test_registry_names_every_family():
-    assert sorted(ARCHITECTURES) == ["llama", "qwen2", "qwen3"]
-    with pytest.raises(UserError, match=r"^architecture 'gemma' is not supported \(supported: llama, qwen2, qwen3\)$"):
+    assert sorted(ARCHITECTURES) == ["gemma3", "llama", "qwen2", "qwen3"]
+    with pytest.raises(UserError, match=r"^architecture 'gemma' is not supported \(supported: gemma3, llama, qwen2, "
+                                        r"qwen3\)$"):
         family("gemma")
 
 
@@ -50,10 +53,13 @@ def test_config_from_metadata(files, arch, shape):
         (arch, s.hidden, s.layers, s.heads, s.kv_heads, s.head_dim, s.ffn, s.tied)
     assert c.rope_base == s.rope_base
     assert c.rope_scale == (1.0 / s.linear_rope if s.linear_rope else 1.0)
-    want_biases = {"llama": s.biases, "qwen2": ("q", "k", "v"), "qwen3": ()}[arch]
+    want_biases = {"llama": s.biases, "qwen2": ("q", "k", "v"), "qwen3": (), "gemma3": ()}[arch]
     assert c.biases == tuple(want_biases)
     assert (m._rope_factors is not None) == (arch == "llama" and s.llama3_rope)
-    assert m.family.qk_norm == (arch == "qwen3")
+    assert m.family.qk_norm == (arch in ("qwen3", "gemma3"))
+    assert c.sliding_window == s.sliding_window
+    local = [i for i in range(c.layers) if c.is_local(i)]
+    assert local == ([0, 1, 2, 3, 4, 6] if arch == "gemma3" else [])  # llama.cpp's set_swa_pattern(6)
 
 
 @pytest.mark.parametrize("arch,shape", CASES, ids=[f"{a}-{s}" for a, s in CASES])
@@ -82,13 +88,22 @@ def _hf_reference(path, ids):
     hidden = int(gg.get(f"{arch}.embedding_length"))
     d = int(gg.get(f"{arch}.attention.key_length", hidden // heads))
     eps = float(gg.get(f"{arch}.attention.layer_norm_rms_epsilon"))
-    base = float(gg.get(f"{arch}.rope.freq_base"))
-    inv = base ** (-np.arange(0, d, 2) / d)
-    if has("rope_freqs.weight"):
-        inv = inv / t("rope_freqs.weight").reshape(-1)
-    positions = np.arange(len(ids)) / float(gg.get(f"{arch}.rope.scaling.factor", 1.0))  # linear scaling
-    ang = positions[:, None] * inv[None]
-    cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
+    gemma = arch == "gemma3"
+    window = int(gg.get(f"{arch}.attention.sliding_window", 0))
+
+    def sliding(i):  # Gemma3Config: sliding_window_pattern 6, every sixth layer full attention
+        return gemma and (i + 1) % 6 != 0
+
+    def rope_tables(base):
+        inv = base ** (-np.arange(0, d, 2) / d)
+        if has("rope_freqs.weight"):
+            inv = inv / t("rope_freqs.weight").reshape(-1)
+        positions = np.arange(len(ids)) / float(gg.get(f"{arch}.rope.scaling.factor", 1.0))  # linear scaling
+        ang = positions[:, None] * inv[None]
+        return np.cos(ang)[:, None], np.sin(ang)[:, None]
+
+    rope_global = rope_tables(float(gg.get(f"{arch}.rope.freq_base")))
+    rope_local = rope_tables(10_000.0)  # Gemma3Config.rope_local_base_freq
 
     def unpermute(w, n_head):  # inverse of convert_hf_to_gguf's LlamaModel.permute
         return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -104,37 +119,49 @@ def _hf_reference(path, ids):
             b = None if b is None else unpermute(b, n_head)
         return x @ w.T + (0 if b is None else b.reshape(-1))
 
-    def rope(x):  # HF rotate_half
+    def rope(x, cos, sin):  # HF rotate_half
         h = d // 2
         return np.concatenate([x[..., :h] * cos - x[..., h:] * sin, x[..., h:] * cos + x[..., :h] * sin], -1)
 
+    def gelu_tanh(g):
+        return 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
+
     x = t("token_embd.weight")[ids]
+    if gemma:  # Gemma3TextScaledWordEmbedding
+        x = x * np.sqrt(hidden)
     n = len(ids)
+    query, key = np.arange(n)[:, None], np.arange(n)[None, :]
     for i in range(int(gg.get(f"{arch}.block_count"))):
         p = f"blk.{i}."
+        post = (lambda y, name: rms(y, t(p + name + ".weight"))) if gemma else (lambda y, name: y)
         h = rms(x, t(p + "attn_norm.weight"))
         q = lin(h, p, "attn_q", heads).reshape(n, heads, d)
         k = lin(h, p, "attn_k", kv).reshape(n, kv, d)
         v = lin(h, p, "attn_v").reshape(n, kv, d)
         if has(p + "attn_q_norm.weight"):
             q, k = rms(q, t(p + "attn_q_norm.weight")), rms(k, t(p + "attn_k_norm.weight"))
-        q, k = rope(q), rope(k)
+        cos, sin = rope_local if sliding(i) else rope_global
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
         k, v = np.repeat(k, heads // kv, axis=1), np.repeat(v, heads // kv, axis=1)
-        s = np.einsum("thd,shd->hts", q, k) / np.sqrt(d)
-        s[:, np.triu(np.ones((n, n), bool), 1)] = -np.inf
+        s = np.einsum("thd,shd->hts", q, k) / np.sqrt(d)  # query_pre_attn_scalar = head_dim for gemma3 <= 12B
+        hidden_keys = (key > query) | ((query - key >= window) if sliding(i) else False)
+        s[:, hidden_keys] = -np.inf
         a = np.exp(s - s.max(-1, keepdims=True))
         a /= a.sum(-1, keepdims=True)
-        x = x + lin(np.einsum("hts,shd->thd", a, v).reshape(n, heads * d), p, "attn_output")
+        x = x + post(lin(np.einsum("hts,shd->thd", a, v).reshape(n, heads * d), p, "attn_output"),
+                     "post_attention_norm")
         h = rms(x, t(p + "ffn_norm.weight"))
         g = lin(h, p, "ffn_gate")
-        x = x + lin(g / (1 + np.exp(-g)) * lin(h, p, "ffn_up"), p, "ffn_down")
+        act = gelu_tanh(g) if gemma else g / (1 + np.exp(-g))
+        x = x + post(lin(act * lin(h, p, "ffn_up"), p, "ffn_down"), "post_ffw_norm")
     head = t("output.weight") if has("output.weight") else t("token_embd.weight")
     return rms(x, t("output_norm.weight")) @ head.T
 
 
 @pytest.mark.parametrize("arch,shape", CASES, ids=[f"{a}-{s}" for a, s in CASES])
 def test_matches_the_hugging_face_formulation(files, arch, shape):
-    """F32 weights, f32 arithmetic against float64: relative error of a few 1e-6 of the logit scale."""
+    """F32 weights, f32 arithmetic against float64: relative error of a few 1e-6 of the logit scale.
+    24 positions: three times gemma-mini's window of 8."""
     ids = np.arange(3, 3 + 24)
     ref = _hf_reference(files[arch, shape], ids)
     ours = load_model(files[arch, shape]).infer(ids, all_logits=True)
@@ -170,4 +197,23 @@ def test_a_tensor_the_family_does_not_read_is_refused(tmp_path):
     w["blk.1.ffn_up.bias"] = np.zeros(mk.SHAPES["mini"].ffn, np.float32)  # a bias in layer 1 only
     p = mk.write_gguf(tmp_path / "odd.gguf", mk.SHAPES["mini"], weights=w, arch="llama")
     with pytest.raises(UserError, match=r"odd.gguf: tensor\(s\) blk.1.ffn_up.bias are not part of a llama model"):
+        load_model(p)
+
+
+def test_gemma3_sliding_window_has_teeth(files):
+    """The reference check sees the window: the same model with every layer global is visibly off."""
+    import dataclasses
+    m = load_model(files["gemma3", "gemma-mini"])
+    ids = np.arange(3, 3 + 24)
+    ref = _hf_reference(files["gemma3", "gemma-mini"], ids)
+    m.config = dataclasses.replace(m.config, sliding_window=0)
+    assert np.abs(m.infer(ids, all_logits=True) - ref).max() > 1e-2 * np.abs(ref).max()
+
+
+def test_gemma3_without_a_sliding_window_is_refused(tmp_path):
+    """llama.cpp builds another graph for such a file (no local layers, final-logit soft-capping)."""
+    import dataclasses
+    s = dataclasses.replace(mk.SHAPES["gemma-mini"], sliding_window=0)
+    p = mk.write_gguf(tmp_path / "noswa.gguf", s, arch="gemma3", vocab=mk.train_vocab(s.vocab))
+    with pytest.raises(UserError, match="noswa.gguf.*gemma3.attention.sliding_window"):
         load_model(p)

@@ -1,4 +1,4 @@
-"""Exports per family, from a `fucina finetune` run on the tiny llama / qwen2 fixtures: the merged
+"""Exports per family, from a `fucina finetune` run on the tiny llama / qwen2 / gemma3 fixtures: the merged
 GGUF reloads as the adapted model; the llama.cpp adapter GGUF carries the base's architecture (and,
 parity, llama.cpp serving base + adapter gives our adapted logits); `fucina export-peft` uses the
 family's Hugging Face module names (and, parity, loads into transformers' LlamaForCausalLM /
@@ -16,14 +16,17 @@ from pipeline.llm.gguf import GGUFFile
 from pipeline.models.registry import family
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-ARCHS = ["llama", "qwen2"]
+FIXTURE = {"llama": "llama-mini-f32.gguf", "qwen2": "qwen2-mini-f32.gguf", "gemma3": "gemma3-gemma-mini-f32.gguf"}
+# llama.cpp vs our trainer, of the logit scale: f32 sums in another order (~1e-6); gemma3 also reads
+# GELU from ggml's f16 table (two f16 roundings of 2^-11 relative each; measured 7e-5 of the scale)
+LLAMA_CPP_BOUND = {"llama": 2e-5, "qwen2": 2e-5, "gemma3": 3e-4}
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=sorted(FIXTURE))
 def run(request, tmp_path_factory):
     arch = request.param
     out = tmp_path_factory.mktemp(arch)
-    model = FIXTURES / f"{arch}-mini-f32.gguf"
+    model = FIXTURES / FIXTURE[arch]
     assert main(["finetune", "--model", str(model), "--steps", "3", "--targets", "q,k,v,o,gate,up,down",
                  "--save", str(out / "run"), "--max-new-tokens", "1"]) == 0
     assert main(["export-peft", "--adapters", str(out / "run"), "--out", str(out / "peft")]) == 0
@@ -70,21 +73,20 @@ def test_llama_cpp_serves_merged_and_base_plus_adapter_as_our_adapted_model(run)
     arch, path, out = run
     ids = list(range(3, 23))
     want = _adapted_logits(path, out / "run", np.array(ids))
-    scale = np.abs(want).max()
-    # llama.cpp sums in f32 in its own order (and adds the adapter's delta beside the base product): ~1e-6
-    np.testing.assert_allclose(_llama_logits(out / "merged.gguf", ids), want, rtol=0, atol=2e-5 * scale)
-    np.testing.assert_allclose(_llama_logits(path, ids, lora=out / "adapter.gguf"), want, rtol=0, atol=2e-5 * scale)
+    bound = LLAMA_CPP_BOUND[arch] * np.abs(want).max()  # (llama.cpp adds the adapter's delta beside the base product)
+    np.testing.assert_allclose(_llama_logits(out / "merged.gguf", ids), want, rtol=0, atol=bound)
+    np.testing.assert_allclose(_llama_logits(path, ids, lora=out / "adapter.gguf"), want, rtol=0, atol=bound)
 
 
 def test_peft_names_are_the_familys(run):
     from pipeline.train.state_dict import read_safetensors
-    arch, _, out = run
+    arch, path, out = run
     config = json.loads((out / "peft" / "adapter_config.json").read_text())
     assert config["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     tensors, _ = read_safetensors(out / "peft" / "adapter_model.safetensors")
     modules = dict(family(arch).hf_modules)
     want = {f"base_model.model.model.layers.{i}.{modules[t]}.lora_{ab}.weight"
-            for i in range(2) for t in modules for ab in "AB"}
+            for i in range(GGUFFile(path).get(f"{arch}.block_count")) for t in modules for ab in "AB"}
     assert set(tensors) == want
     adapters = load_adapters(out / "run")
     q = next(p for p in adapters.pairs if (p.layer, p.target) == (0, "q"))
@@ -143,6 +145,8 @@ def test_peft_export_in_transformers_gives_our_adapted_logits(run):
     import torch
     from peft import PeftModel
     arch, path, out = run
+    if arch == "gemma3":
+        pytest.skip("no transformers Gemma3 replica here yet (the torch LoRA replica covers gemma3's formulation)")
     ids = np.arange(3, 23)
     hf = _hf_model(arch, path)
     with torch.no_grad():

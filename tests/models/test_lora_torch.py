@@ -1,7 +1,9 @@
 """LoRA on every projection of every architecture: loss and adapter gradients against a float64 torch
 replica written in the Hugging Face formulation (llama's q/k outputs un-permuted from
 convert_hf_to_gguf's row order and rotated by halves), so the trainer's seam, biases, RoPE layout,
-llama3 frequency factors and linear RoPE scaling are checked against code that shares none of ours."""
+llama3 frequency factors and linear RoPE scaling are checked against code that shares none of ours.
+gemma3 adds Gemma3ForCausalLM's scaled embeddings, post norms, GeGLU, and its sliding-window layers
+(window 8 < the 20 training positions) rotated with their own RoPE base."""
 import sys
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import make_tiny_model as mk  # noqa: E402
 pytestmark = [pytest.mark.parity, pytest.mark.needs("torch")]
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 CASES = [("llama", "mini"), ("qwen2", "mini"), ("qwen3", "mini"), ("llama", "llama3"), ("llama", "linear"),
-         ("llama", "biased")]
+         ("llama", "biased"), ("gemma3", "gemma-mini")]
 
 
 def _path(tmp_path, arch, shape):
@@ -32,11 +34,19 @@ def _torch_loss(model, adapters, scale, tokens, labels):
     f64 = lambda a: torch.tensor(np.asarray(getattr(a, "data", a), np.float64))
     dense = lambda proj: f64(proj.weight.dequantize())
     d, n = c.head_dim, len(tokens)
-    inv = c.rope_base ** (-np.arange(0, d, 2) / d)
-    if model._rope_factors is not None:
-        inv = inv / np.asarray(model._rope_factors, np.float64)
-    ang = torch.tensor((np.arange(n) * c.rope_scale)[:, None] * inv[None])
-    cos, sin = torch.cos(ang)[:, None], torch.sin(ang)[:, None]
+    gemma = c.arch == "gemma3"
+
+    def tables(base, position_scale):
+        inv = base ** (-np.arange(0, d, 2) / d)
+        if model._rope_factors is not None:
+            inv = inv / np.asarray(model._rope_factors, np.float64)
+        ang = torch.tensor((np.arange(n) * position_scale)[:, None] * inv[None])
+        return torch.cos(ang)[:, None], torch.sin(ang)[:, None]
+
+    def sliding(i):  # Gemma3Config: every sixth layer is full attention
+        return gemma and (i + 1) % 6 != 0
+
+    rope_global, rope_local = tables(c.rope_base, c.rope_scale), tables(10_000.0, 1.0)
 
     def to_hf(y, n_head):  # output features from GGUF (adjacent-pair) order back to HF (half) order
         return y.reshape(n, n_head, d // 2, 2).transpose(-1, -2).reshape(n, n_head, d) if fam.rope == "normal" \
@@ -45,7 +55,7 @@ def _torch_loss(model, adapters, scale, tokens, labels):
     def rms(x, w):
         return x / torch.sqrt((x * x).mean(-1, keepdim=True) + c.rms_eps) * f64(w)
 
-    def rope(x):
+    def rope(x, cos, sin):
         h = d // 2
         return torch.cat([x[..., :h] * cos - x[..., h:] * sin, x[..., h:] * cos + x[..., :h] * sin], -1)
 
@@ -60,21 +70,29 @@ def _torch_loss(model, adapters, scale, tokens, labels):
         return y
 
     x = f64(model.embed.dequantize())[torch.tensor(tokens)]
+    if gemma:
+        x = x * c.hidden ** 0.5
+    query, key = torch.arange(n)[:, None], torch.arange(n)[None, :]
     for i, blk in enumerate(model.blocks):
+        post = (lambda y, w: rms(y, w)) if gemma else (lambda y, w: y)
         h = rms(x, blk.attn_norm)
         q, k = to_hf(proj(h, i, "q"), c.heads), to_hf(proj(h, i, "k"), c.kv_heads)
         v = proj(h, i, "v").reshape(n, c.kv_heads, d)
         if fam.qk_norm:
             q, k = rms(q, blk.attn.q_norm), rms(k, blk.attn.k_norm)
-        q, k = rope(q), rope(k)
+        cos_sin = rope_local if sliding(i) else rope_global
+        q, k = rope(q, *cos_sin), rope(k, *cos_sin)
         g = c.heads // c.kv_heads
         k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
         s = torch.einsum("thd,shd->hts", q, k) / d ** 0.5
-        s = s.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf"))
+        hidden_keys = (key > query) | ((query - key >= c.sliding_window) if sliding(i) else False)
+        s = s.masked_fill(hidden_keys, float("-inf"))
         o = torch.einsum("hts,shd->thd", torch.softmax(s, -1), v)
-        x = x + proj(o.reshape(n, -1), i, "o")
+        x = x + post(proj(o.reshape(n, -1), i, "o"), blk.post_attn_norm)
         h = rms(x, blk.ffn_norm)
-        x = x + proj(torch.nn.functional.silu(proj(h, i, "gate")) * proj(h, i, "up"), i, "down")
+        gate = proj(h, i, "gate")
+        act = torch.nn.functional.gelu(gate, approximate="tanh") if gemma else torch.nn.functional.silu(gate)
+        x = x + post(proj(act * proj(h, i, "up"), i, "down"), blk.post_ffn_norm)
     head = f64(model.output.weight.dequantize())
     logits = rms(x, model.out_norm) @ head.T
     return torch.nn.functional.cross_entropy(logits, torch.tensor(labels), ignore_index=-100)

@@ -34,7 +34,7 @@ ES_DEFAULTS = {"sigma": 0.05, "alpha": 0.05, "population": 16, "antithetic": Tru
 
 def add_arguments(p):
     p.add_argument("--model", required=True, type=InputFile("GGUF file"),
-                   help="GGUF model to fine-tune: llama, qwen2 or qwen3 architecture "
+                   help="GGUF model to fine-tune: llama, qwen2, qwen3 or gemma3 architecture "
                         "(for a first run, the model.gguf `fucina launch lm` saves)")
     add_data_arguments(p)
     add_chat_template_argument(p)

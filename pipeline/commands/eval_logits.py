@@ -15,7 +15,7 @@ DESCRIPTION = ("Run one forward pass of a GGUF model over --text or --tokens and
 
 def add_arguments(parser):
     parser.add_argument("--model", required=True, type=InputFile("GGUF file"),
-                        help="path to a GGUF model file (llama, qwen2 or qwen3 architecture)")
+                        help="path to a GGUF model file (llama, qwen2, qwen3 or gemma3 architecture)")
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", help="text to tokenize (special tokens such as <|im_start|> are parsed)")
     src.add_argument("--tokens", help="comma-separated token ids, e.g. 1,2,3")

@@ -34,7 +34,7 @@ def apply_threads(args):
 
 def add_sampling_arguments(parser):
     parser.add_argument("--model", required=True, type=InputFile("GGUF file"),
-                        help="path to a GGUF model file (llama, qwen2 or qwen3 architecture)")
+                        help="path to a GGUF model file (llama, qwen2, qwen3 or gemma3 architecture)")
     parser.add_argument("--max-tokens", type=int, default=128, help="maximum number of new tokens")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")

@@ -81,10 +81,6 @@ class TieReplay:
         monkeypatch.setattr(quants, "llama_activation_roundtrip", self)
         # the replay needs the rounded activations in f32: the integer path (kernels/qint.py) is turned off here
         monkeypatch.setattr(quants.FrozenWeight, "uses_integer_dot", lambda w, rows: False)
-        # numpy's OpenBLAS under the tiles: with MKL on AMD EPYC the wide Q4_K_S case leaves a 2.4e-2 gap that
-        # 8 tie flips do not explain (OpenBLAS: explained); the optional backend's ties are not yet understood
-        from kernels import blas
-        monkeypatch.setattr(blas, "_MKL", False)
 
     def __call__(self, qtype, x):
         y = self.original(qtype, x)

@@ -111,15 +111,15 @@ class Watch:
             while True:
                 msg = sub.recv(200)
                 now = time.monotonic()
+                if self.timeout_s is not None and now - t0 > self.timeout_s:  # checked first: a busy run never idles
+                    self.ended = "timeout"
+                    return
                 if msg is not None:
                     last, self.heard = now, self.heard + 1
                     yield msg
                     if msg["kind"] == "event" and msg["event"] == "run_finished" and not self.follow:
                         self.ended, self.finish = "finished", msg.get("detail")
                         return
-                elif self.timeout_s is not None and now - t0 > self.timeout_s:
-                    self.ended = "timeout"
-                    return
                 elif self.idle_s is not None and now - last > self.idle_s:
                     self.ended = "idle"
                     return

@@ -8,6 +8,11 @@ Deterministic for a given Python build: topics in sorted order, modules in
 list order, members sorted by name, documents separated by a blank line.
 Trade-off: the text differs slightly between Python versions, so the corpus
 digest is recorded in checkpoints rather than assumed.
+
+The docstrings are read in a fresh interpreter (`python -I -S` running this
+file), never in the calling process: a process that patched a stdlib member
+(pytest replaces `threading.excepthook`, a library may wrap `logging`) would
+otherwise train on different bytes than its own worker processes.
 """
 from __future__ import annotations
 
@@ -15,7 +20,10 @@ import functools
 import hashlib
 import importlib
 import inspect
+import json
 import os
+import subprocess
+import sys
 import warnings
 
 MODULES = ("builtins", "collections", "itertools", "functools", "json", "re", "os", "pathlib", "string",
@@ -40,12 +48,24 @@ def _docstrings(module_name):
     return docs
 
 
+def _all_docstrings() -> list:
+    return [d for m in MODULES for d in _docstrings(m)]
+
+
+@functools.lru_cache(maxsize=1)
+def clean_docstrings() -> tuple:
+    """The docstrings of MODULES as an unpatched interpreter of this Python sees them (see the module doc)."""
+    out = subprocess.run([sys.executable, "-I", "-S", os.path.abspath(__file__)], capture_output=True, timeout=300)
+    if out.returncode != 0:
+        raise RuntimeError(f"corpus: the docstring reader failed: {out.stderr.decode(errors='replace')[-500:]}")
+    return tuple(json.loads(out.stdout.decode("utf-8")))
+
+
 @functools.lru_cache(maxsize=1)
 def corpus_bytes() -> bytes:
     from pydoc_data.topics import topics
     docs = [topics[k] for k in sorted(topics)]
-    for m in MODULES:
-        docs.extend(_docstrings(m))
+    docs.extend(clean_docstrings())
     return "\n\n".join(d.strip() for d in docs if d.strip()).encode("utf-8")
 
 
@@ -64,9 +84,12 @@ def stdlib_documents() -> list:
 
     from pydoc_data.topics import topics
     docs = [topics[k] for k in sorted(topics)]
-    for m in MODULES:
-        docs.extend(_docstrings(m))
+    docs.extend(clean_docstrings())
     for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py"))):
         with open(path, encoding="utf-8", errors="replace") as fh:  # a stray non-UTF-8 byte must not stop the job
             docs.append(fh.read())
     return [d.strip() for d in docs if d.strip()]
+
+
+if __name__ == "__main__":  # the fresh interpreter of clean_docstrings()
+    sys.stdout.write(json.dumps(_all_docstrings()))

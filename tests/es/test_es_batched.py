@@ -35,7 +35,8 @@ def _setup(model, search, targets=("q", "v", "down")):
 
 
 @pytest.mark.parametrize("model, search", [("qwen3-mini-q8_0.gguf", "ab"), ("qwen3-mini-f32.gguf", "b"),
-                                           ("qwen3-tied-q4_k_s.gguf", "ab"), ("qwen2-mini-f32.gguf", "ab")])
+                                           ("qwen3-tied-q4_k_s.gguf", "ab"), ("qwen2-mini-f32.gguf", "ab"),
+                                           ("gemma3-gemma-mini-f32.gguf", "ab")])
 def test_batched_rewards_are_the_one_by_one_bits(model, search):
     from pipeline.es.finetune import batch_loss
     run, samples = _setup(os.path.join(FIXTURES, model), search)

@@ -130,6 +130,44 @@ def matmul_t_many(weights, x: np.ndarray) -> list:
     return outs
 
 
+def matmul_t_groups(weights, x3: np.ndarray) -> list:
+    """[matmul_t_many(weights, x3[j]) for every group j, stacked to [groups, N, n_out]], each tile of W
+    dequantized ONCE for all groups and then multiplied by each group's rows with exactly the BLAS call
+    (shape, operand layout) matmul_t_many makes for that group alone, so every group gets those bits:
+    BLAS's per-row results depend on how many rows a call has, so one GEMM over all groups' rows would not.
+    What the groups share is the dequantization and the streaming of W (ES members scoring the same rows)."""
+    groups, n, n_in = x3.shape
+    transposed = n < TRANSPOSE_BELOW_ROWS
+    xs = [np.ascontiguousarray(x3[j].T if transposed else x3[j], dtype=np.float32) for j in range(groups)]
+    tiles, outs = [], []
+    for qtype, raw, shape in weights:
+        if shape[1] != n_in:
+            raise ValueError(f"qgemm.matmul_t_groups: x must be [G, N, {shape[1]}] for W {tuple(shape)}, "
+                             f"got {x3.shape}")
+        raw = np.ascontiguousarray(raw, dtype=np.float32) if qtype == F32 else _check_raw(qtype, raw, shape)
+        out = np.empty((groups, n, shape[0]), np.float32)
+        rows = row_tile(shape)
+        tiles += [(qtype, raw, r0, min(shape[0], r0 + rows), out) for r0 in range(0, shape[0], rows)]
+        outs.append(out)
+
+    def tile(i):
+        qtype, raw, r0, r1, out = tiles[i]
+        if qtype == F32:
+            w = raw[r0:r1]
+        else:
+            kernel, unit, _ = dequant.TILE_KERNELS[qtype]
+            w = _buffer((r1 - r0) * n_in).reshape(r1 - r0, n_in)
+            kernel(raw[r0:r1], w, dequant.HALF_TO_FLOAT, 0, -(-n_in // unit))
+        for j in range(groups):  # matmul_t_many's call for group j alone, on the tile dequantized once
+            if transposed:
+                out[j, :, r0:r1] = gemm(w, xs[j], _buffer((r1 - r0) * n, "product").reshape(r1 - r0, -1)).T
+            else:
+                gemm(xs[j], w.T, out[j, :, r0:r1])
+
+    run_tiles(len(tiles), tile)
+    return outs
+
+
 def matmul(qtype: int, raw, g: np.ndarray, shape) -> np.ndarray:
     """g [N, n_out] f32 @ W -> [N, n_in] f32 (the input gradient of a frozen linear layer)."""
     n_out, n_in = shape

@@ -22,13 +22,20 @@ Cases (ms; ratio = baseline_ms / ms, above 1 means the case is faster):
                         ms per es-finetune iteration (NLL reward: population x
                         --finetune-batch samples, then the update) with
                         --member-batch members per pass, on N member processes
-                        (0 = in-process); baseline: the same iteration one
-                        member at a time in place. Notes give member-evals/s and
-                        scored tokens/s for both
-  es-finetune/generate  the same for a generation reward (rule:length, greedy up
+                        (0 = in-process); baselines: the same iteration one
+                        member at a time in place, and the plain batched forward
+                        of the same rows (every member's samples as ONE batch
+                        through the frozen weights: one GEMM per weight over all
+                        rows, no adapters, the same fused CE). Notes give
+                        member-evals/s and scored tokens/s, and the fraction of
+                        the plain forward's throughput (the issue's target >= 0.8)
+  es-finetune/generate-batched-wN
+                        the same for a generation reward (rule:length, greedy up
                         to --finetune-new-tokens through the KV cache), members
-                        one at a time (generation is not batched yet): notes
-                        give member-evals/s and generated tokens/s
+                        decoding in lock-step; baselines: one member at a time,
+                        and the plain lock-step decode of the same rows (all
+                        members x prompts in one infer_rows pass per token, no
+                        adapters)
 Use --cases finetune --finetune-model <the Qwen3-0.6B-shaped Q4_K file of
 tools/make_qwen3_06b_shaped.py> for the issue's figures; the default model is
 the tiny Q8_0 test fixture (a smoke run, not a measurement).
@@ -70,7 +77,7 @@ def _spirals_ms(workers, iterations, population):
     return result["median_ms_per_iteration"], result["median_cpu_ms_per_iteration"]
 
 
-def _finetune_run(model, args, member_batch=0, workers=0, reward="nll"):
+def _finetune_run(model, args, member_batch=0, workers=0, reward="nll", plain=False):
     from pathlib import Path
     import pipeline
     from ..commands.finetune import _load_tokenizer
@@ -106,26 +113,61 @@ def _finetune_run(model, args, member_batch=0, workers=0, reward="nll"):
         if run.pool is not None:
             run.pool.close()
     tokens = sum(len(samples[i % len(samples)].inputs) for i in range(args.finetune_batch))
-    return ms, tokens, Path(model).name
+    return ms, tokens, Path(model).name, _plain_forward_ms(run, reward, args) if plain else None
+
+
+def _plain_forward_ms(run, reward, args):
+    """ms of the plain batched forward of an iteration's rows (the population x batch, no adapters)."""
+    from ..autograd.tensor import Tensor, no_grad
+    from ..llm.generate import greedy_rows
+    from ..llm.quants import matmul_t_many
+    trainer, pop = run.trainer, args.finetune_population
+    idx = [i % len(run.scorer) for i in range(args.finetune_batch)]
+    if reward != "nll":
+        prompts = [run.scorer.items[i].prompt_ids for i in idx] * pop
+        return median_ms(lambda: greedy_rows(trainer.model, prompts, args.finetune_new_tokens,
+                                             run.scorer.stop_ids), repeat=args.repeat)
+
+    def project(i, targets, x):  # one product per weight over every member's rows
+        ws = [trainer.frozen(i, t) for t in targets]
+        ys = matmul_t_many([w.weight for w in ws], x.data.reshape(-1, ws[0].shape[1]))
+        for w, y in zip(ws, ys):
+            if w.bias is not None:
+                y += w.bias
+        return [Tensor(y.reshape(*x.shape[:-1], -1)) for y in ys]
+
+    def forward():
+        with no_grad():
+            for s in (run.samples[i] for i in idx):
+                h = trainer.embedded(s.inputs, rows=pop)
+                for i in range(trainer.config.layers):
+                    h = trainer.block(i, h, np.arange(len(s.inputs)), project)
+                h = trainer.final_norm(Tensor(h.data.reshape(-1, trainer.config.hidden)))
+                trainer.head_loss(h, np.tile(np.asarray(s.labels), pop), "sum")
+
+    return median_ms(forward, repeat=args.repeat)
 
 
 def finetune_rows(args):
+    """The es-finetune rows: NLL and a generation reward, one member at a time vs batched vs plain."""
     pop = args.finetune_population
     rows = []
-    one_ms, tokens, name = _finetune_run(args.finetune_model, args)
     per_s = lambda ms: pop / ms * 1e3  # noqa: E731
-    for workers in (int(w) for w in args.finetune_workers.split(",")):
-        ms, _, _ = _finetune_run(args.finetune_model, args, args.member_batch, workers)
-        rows.append({"case": f"es-finetune/nll-batched-w{workers}", "ms": ms, "baselines": {"one_at_a_time": one_ms},
-                     "notes": f"{name}, population {pop} x {args.finetune_batch} samples, member batch "
-                              f"{args.member_batch}: {per_s(ms):.1f} member-evals/s "
-                              f"({per_s(ms) * tokens:.0f} tokens/s) "
-                              f"vs one at a time {per_s(one_ms):.1f} ({per_s(one_ms) * tokens:.0f} tokens/s)"})
-    gen_ms, _, _ = _finetune_run(args.finetune_model, args, reward="rule:length=1,400")
-    rows.append({"case": "es-finetune/generate", "ms": gen_ms, "baselines": {"nll_one_at_a_time": one_ms},
-                 "notes": f"{name}, rule:length reward, greedy <= {args.finetune_new_tokens} tokens, members one at a "
-                          f"time: {per_s(gen_ms):.1f} member-evals/s, <= "
-                          f"{per_s(gen_ms) * args.finetune_batch * args.finetune_new_tokens:.0f} generated tokens/s"})
+    for reward, label in (("nll", "nll"), ("rule:length=1,400", "generate")):
+        one_ms, tokens, name, plain_ms = _finetune_run(args.finetune_model, args, reward=reward, plain=True)
+        if reward != "nll":
+            tokens = args.finetune_batch * args.finetune_new_tokens  # at most: a row may stop early
+        for workers in (int(w) for w in args.finetune_workers.split(",")):
+            ms, _, _, _ = _finetune_run(args.finetune_model, args, args.member_batch, workers, reward)
+            rows.append({"case": f"es-finetune/{label}-batched-w{workers}", "ms": ms,
+                         "baselines": {"one_at_a_time": one_ms, "plain_batched_forward": plain_ms},
+                         "notes": f"{name}, {reward}, population {pop} x {args.finetune_batch} samples"
+                                  f"{'' if reward == 'nll' else f', <= {args.finetune_new_tokens} new tokens'}, "
+                                  f"member batch {args.member_batch}: {per_s(ms):.2f} member-evals/s "
+                                  f"({per_s(ms) * tokens:.0f} tokens/s) vs one at a time {per_s(one_ms):.2f} "
+                                  f"({per_s(one_ms) * tokens:.0f} tokens/s); {plain_ms / ms:.2f} of the plain "
+                                  f"batched forward's throughput (which takes {plain_ms:.0f} ms; the iteration "
+                                  f"also draws the noise and updates)"})
     return rows
 
 

@@ -83,8 +83,9 @@ def add_arguments(p):
     p.add_argument("--workers", type=int, default=0, metavar="N",
                    help="score the members on N processes that map the GGUF read-only (0 = in this process); same bits")
     p.add_argument("--member-batch", type=int, default=0, metavar="K",
-                   help="score K members per pass as one batch through the frozen weights (NLL reward, LoRA "
-                        "search; the same bits as one at a time); 0 = one member at a time")
+                   help="score K members per pass as one batch through the frozen weights (any reward: "
+                        "generation rewards decode in lock-step; LoRA search; the same bits as one at a time); "
+                        "0 = one member at a time")
     p.add_argument("--threads", type=int, default=1,
                    help="BLAS/numba threads (default 1: the forwards are small; 0 = leave the pools alone)")
     p.add_argument("--prompt", default=None, help="held prompt for the BEFORE/AFTER answers (default: the first training instruction)")

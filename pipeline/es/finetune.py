@@ -48,7 +48,6 @@ from ..llm.finetune import ProcessPool, death
 from ..train.checkpoint import load_checkpoint, read_sentinel, save_checkpoint
 from ..train.trainer_state import TrainerState
 from .checkpoint import STRUCTURAL
-from .batched import chunked_rewards
 from .rewards import NLLScorer
 from .trainer import ESConfig, ESTrainer
 
@@ -96,9 +95,9 @@ class ESFinetune:
         self.member_batch = int(member_batch)
         if self.member_batch < 0:
             raise UserError(f"member batch must be >= 0, got {member_batch}")
-        if self.member_batch and (self.scorer.kind != "nll" or search == "full"):
-            raise UserError("--member-batch batches the NLL reward over LoRA adapters; generation rewards and "
-                            "--search full score members one at a time")
+        if self.member_batch and search == "full":
+            raise UserError("--member-batch batches members' LoRA adapters; --search full scores members one "
+                            "at a time")
         self.es = ESTrainer(es_config)
         if search == "full":
             from .full import writable_dense_weights
@@ -127,8 +126,7 @@ class ESFinetune:
             stats = self.es.step(lambda member: self.scorer.score(self.trainer, idx))
         elif self.pool is None:  # the rows theta + sigma*eps_m, member_batch of them per pass
             rows = self.es.split(self.es.materialize_members(range(self.es.config.population)))
-            batch = [self.samples[i] for i in idx]
-            stats = self.es.update(chunked_rewards(self.trainer, rows, batch, self.member_batch))
+            stats = self.es.update(self.scorer.score_members(self.trainer, rows, idx, self.member_batch))
         else:  # the rows theta + sigma*eps_m are bitwise what perturb(m) leaves, so the rewards are too
             rows = self.es.split(self.es.materialize_members(range(self.es.config.population)))
             adapters = {n: p.data for n, p in self.trainer.named_parameters()}
@@ -219,7 +217,7 @@ def _member_main(conn, model_path, trainer_kwargs, scorer, threads, member_batch
                 for name, arr in adapters.items():
                     params[name].data[...] = arr
                 stacked = {name: np.stack([rows[name] for rows in members]) for name in members[0]}
-                rewards = chunked_rewards(trainer, stacked, [scorer.samples[i] for i in idx], member_batch)
+                rewards = scorer.score_members(trainer, stacked, idx, member_batch)
             else:
                 for rows in members:  # rows: {searched name: this member's values}
                     for name, arr in {**adapters, **rows}.items():

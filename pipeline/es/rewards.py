@@ -24,7 +24,6 @@ Model output is only ever passed to it as a string; nothing here evals it.
 """
 from __future__ import annotations
 
-import copy
 import importlib.util
 import math
 import re
@@ -34,7 +33,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ..autograd.tensor import no_grad
 from ..errors import UserError
 
 RULES = ("format", "length", "regex")
@@ -177,6 +175,12 @@ class NLLScorer:
         from .finetune import batch_loss
         return -batch_loss(trainer, [self.samples[i] for i in idx])
 
+    def score_members(self, trainer, stacked: dict, idx, member_batch: int) -> list[float]:
+        """Every member of stacked {searched name: (members, ...)} on the batch idx, member_batch per pass."""
+        from .batched import chunked, member_nll_rewards
+        samples = [self.samples[i] for i in idx]
+        return chunked(lambda rows: member_nll_rewards(trainer, rows, samples), stacked, member_batch)
+
 
 @dataclass
 class GenerationScorer:
@@ -184,7 +188,9 @@ class GenerationScorer:
 
     Picklable before bind(): member processes receive the spec string and the
     items, and bind() there loads the tokenizer and the reward function (a
-    user's file is imported in the process that calls it).
+    user's file is imported in the process that calls it). Completions are
+    decoded in lock-step (pipeline/es/batched.py): the batch's prompts together,
+    and with score_members member_batch members together, the same bits.
     """
     items: list
     spec: str
@@ -193,13 +199,12 @@ class GenerationScorer:
     kind: str = "generate"
     _fn: object = field(default=None, repr=False)
     _tokenizer: object = field(default=None, repr=False)
-    _views: dict = field(default_factory=dict, repr=False)  # id(trainer) -> (trainer, its adapted_model)
 
     def __len__(self):
         return len(self.items)
 
     def __getstate__(self):
-        return {**self.__dict__, "_fn": None, "_tokenizer": None, "_views": {}}
+        return {**self.__dict__, "_fn": None, "_tokenizer": None}
 
     def bind(self, model_path, tokenizer=None):
         if tokenizer is None:
@@ -209,60 +214,29 @@ class GenerationScorer:
         self._tokenizer, self._fn = tokenizer, parse_reward(self.spec)
         return self
 
-    def completion(self, trainer, item) -> str:
-        if id(trainer) not in self._views:
-            self._views[id(trainer)] = (trainer, adapted_model(trainer))
-        ids = greedy_completion(self._views[id(trainer)][1], item.prompt_ids, self.max_new_tokens, self.stop_ids)
-        return self._tokenizer.decode(ids)
+    def completions(self, trainer, stacked: dict, k: int, idx) -> list:
+        """[member][item] completion texts of k members (stacked {}: the trainer's live adapters, k = 1)."""
+        from .batched import member_generations
+        prompts = [self.items[i].prompt_ids for i in idx]
+        ids = member_generations(trainer, stacked, k, prompts, self.max_new_tokens, self.stop_ids)
+        return [[self._tokenizer.decode(c) for c in member] for member in ids]
 
-    def score(self, trainer, idx) -> float:
+    def _mean_reward(self, texts, idx) -> float:
         total = 0.0
-        for i in idx:
+        for text, i in zip(texts, idx):
             item = self.items[i]
-            total += self._fn(item.prompt, self.completion(trainer, item), item.reference)
+            total += self._fn(item.prompt, text, item.reference)
         return total / len(idx)
 
+    def score(self, trainer, idx) -> float:
+        return self._mean_reward(self.completions(trainer, {}, 1, idx)[0], idx)
 
-# --- greedy decoding with the adapters in the projections -------------------------------------
-class _AdaptedProjection:
-    """A seam projection plus its LoRA delta, read live from the adapter's arrays (ES perturbs them in place)."""
+    def score_members(self, trainer, stacked: dict, idx, member_batch: int) -> list[float]:
+        """Every member of stacked {searched name: (members, ...)} on the batch idx, member_batch per pass."""
+        from .batched import chunked
 
-    def __init__(self, proj, adapter):
-        self.proj, self.adapter = proj, adapter
+        def chunk(rows):
+            k = len(next(iter(rows.values())))
+            return [self._mean_reward(texts, idx) for texts in self.completions(trainer, rows, k, idx)]
 
-    def infer(self, x):
-        from ..llm.lora import lora_forward
-        a = self.adapter
-        y = self.proj.infer(x)
-        d, _ = lora_forward(np.ascontiguousarray(x, dtype=np.float32), a.lora_a.data, a.lora_b.data, a.scale)
-        y += d  # the bits of the trainer's y + d
-        return y
-
-
-def adapted_model(trainer):
-    """The trainer's model with its adapted projections wrapped: the same frozen weights (shared, never
-    copied), whose infer() runs the KV-cache decoder with the adapters applied."""
-    from ..models.decoder import MLP, Attention, Block
-    model = trainer.model
-    blocks = []
-    for i, b in enumerate(model.blocks):
-        wrap = {t: (_AdaptedProjection(b.projection(t), trainer.layers[i][t]) if t in trainer.layers[i]
-                    else b.projection(t)) for t in ("q", "k", "v", "o", "gate", "up", "down")}
-        blocks.append(Block(b.attn_norm, Attention(wrap["q"], wrap["k"], wrap["v"], wrap["o"], b.attn.q_norm,
-                                                   b.attn.k_norm), b.ffn_norm, MLP(wrap["gate"], wrap["up"],
-                                                                                   wrap["down"])))
-    view = copy.copy(model)
-    view.blocks = blocks
-    return view
-
-
-def greedy_completion(model, prompt_ids, max_new_tokens: int, stop_ids=()) -> list[int]:
-    """Greedy token ids after prompt_ids through the KV cache (model: an adapted_model), the stop excluded."""
-    from ..llm.generate import generate
-    out = []
-    with no_grad():
-        for token in generate(model, prompt_ids, max_new_tokens, stop_ids=stop_ids):
-            if token in stop_ids:
-                break
-            out.append(token)
-    return out
+        return chunked(chunk, stacked, member_batch)

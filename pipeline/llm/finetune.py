@@ -238,13 +238,36 @@ class Trainer(Module):
         def project(i, targets, x):
             return self._projs(x, i, targets, step)
 
-        h = self._base.scale_embedding(Tensor(self._embed.rows(tokens.astype(np.int64)).reshape(1, n, c.hidden)))
+        h = self.embedded(tokens)
         for i in range(c.layers):
             if self.checkpoint_layers and step is not None:
                 h = ops.checkpoint(lambda x, i=i: self._base.block(i, x, pos, project), h)
             else:
                 h = self._base.block(i, h, pos, project)
-        return ops.rms_norm(ops.reshape(h, n, c.hidden), self._out_norm, c.rms_eps)
+        return self.final_norm(ops.reshape(h, n, c.hidden))
+
+    # --- the frozen forward's parts, for callers that run it with their own projections (ES's member batch)
+    def frozen(self, layer: int, target: str) -> Frozen:
+        """The constant weight (and bias) of projection `target` of layer `layer`."""
+        return self._layers[layer][target]
+
+    def embedded(self, tokens, rows: int = 1) -> Tensor:
+        """The embeddings of tokens [n] as the first block reads them, [rows, n, hidden] (rows identical copies)."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        row = self._embed.rows(tokens).reshape(1, tokens.size, self.config.hidden)
+        return self._base.scale_embedding(Tensor(np.ascontiguousarray(np.broadcast_to(row, (rows,) + row.shape[1:]))))
+
+    def block(self, i: int, h: Tensor, positions, project) -> Tensor:
+        """Decoder block i of the frozen model on h with projections from project(i, targets, x)."""
+        return self._base.block(i, h, positions, project)
+
+    def final_norm(self, h: Tensor) -> Tensor:
+        return ops.rms_norm(h, self._out_norm, self.config.rms_eps)
+
+    def head_loss(self, h: Tensor, labels, reduction="mean") -> Tensor:
+        """Cross-entropy of final-normed hidden states h [n, hidden] against next-token labels [n]."""
+        return linear_cross_entropy(h, self._head.dense(), np.asarray(labels).astype(np.int64),
+                                    ignore_index=self.ignore_index, reduction=reduction)
 
     def loss(self, tokens, labels, reduction="mean", loss_scale=None):
         """Cross-entropy of next-token labels (ignore_index masked); advances the step counter.
@@ -257,9 +280,7 @@ class Trainer(Module):
             raise UserError(f"labels shape {labels.shape} must equal tokens shape {np.shape(tokens)}")
         step = self.step
         self.step += 1
-        h = self.hidden(tokens, step)
-        loss = linear_cross_entropy(h, self._head.dense(), labels.astype(np.int64),
-                                    ignore_index=self.ignore_index, reduction=reduction)
+        loss = self.head_loss(self.hidden(tokens, step), labels, reduction)
         if loss_scale is not None:
             loss = loss * np.float32(loss_scale)
         return loss

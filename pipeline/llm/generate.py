@@ -51,15 +51,21 @@ def sample(logits: np.ndarray, s: Sampling, step: int) -> int:
     return int(order[min(int(np.searchsorted(np.cumsum(p), u, side="right")), len(order) - 1)])
 
 
-def generate(model, prompt_ids, max_tokens: int = 64, sampling: Sampling | None = None, stop_ids=(), cache=None):
-    """Yield up to max_tokens new token ids after prompt_ids; stops after a stop id or at the context end."""
-    sampling = sampling or Sampling()
+def _checked_prompt(model, prompt_ids) -> np.ndarray:
     prompt_ids = np.asarray(prompt_ids, dtype=np.int64)
     if prompt_ids.size == 0:
         raise UserError("generate: the prompt is empty (it encodes to zero tokens)")
     n_ctx = model.config.context_length
     if prompt_ids.size >= n_ctx:
         raise UserError(f"generate: the prompt has {prompt_ids.size} tokens; the model's context is {n_ctx}")
+    return prompt_ids
+
+
+def generate(model, prompt_ids, max_tokens: int = 64, sampling: Sampling | None = None, stop_ids=(), cache=None):
+    """Yield up to max_tokens new token ids after prompt_ids; stops after a stop id or at the context end."""
+    sampling = sampling or Sampling()
+    prompt_ids = _checked_prompt(model, prompt_ids)
+    n_ctx = model.config.context_length
     cache = cache if cache is not None else model.new_cache(min(n_ctx, prompt_ids.size + max_tokens))
     logits = model.infer(prompt_ids, cache)
     for step in range(max_tokens):
@@ -68,6 +74,39 @@ def generate(model, prompt_ids, max_tokens: int = 64, sampling: Sampling | None 
         if token in stop_ids or cache.length >= n_ctx:
             return
         logits = model.infer(np.array([token]), cache)
+
+
+def greedy_rows(model, prompts, max_tokens: int, stop_ids=(), adapt=None) -> list[list[int]]:
+    """[list(generate(model, p, max_tokens, stop_ids=stop_ids)) for p in prompts] (greedy), the rows decoded
+    in lock-step through model.infer_rows: prompts of one length prefill together, then every unfinished
+    row decodes its next token in one pass, so each weight is read once per step for all rows. A row
+    stops at a stop id (kept, as generate yields it) or at the context end. adapt(rows, layer, target, x3, y3)
+    adds per-row terms to the projections (infer_rows' hook; rows: the prompt indices of x3's rows).
+    Each row's tokens are the bits of generating it alone (infer_rows' contract)."""
+    prompts = [_checked_prompt(model, p) for p in prompts]
+    n_ctx = model.config.context_length
+
+    def infer(rows, ids):
+        hook = None if adapt is None else (lambda *args: adapt(rows, *args))
+        return model.infer_rows(ids, [caches[r] for r in rows], hook)
+
+    caches = [model.new_cache(min(n_ctx, p.size + max_tokens)) for p in prompts]
+    logits = [None] * len(prompts)
+    for length in sorted({p.size for p in prompts}):
+        rows = [r for r, p in enumerate(prompts) if p.size == length]
+        for r, row_logits in zip(rows, infer(rows, np.stack([prompts[r] for r in rows]))):
+            logits[r] = row_logits
+    out = [[] for _ in prompts]
+    active = list(range(len(prompts))) if max_tokens > 0 else []
+    for step in range(max_tokens):
+        for r in active:
+            out[r].append(int(np.argmax(logits[r])))  # sample()'s greedy rule: ties to the lowest id
+        active = [r for r in active if out[r][-1] not in stop_ids and caches[r].length < n_ctx]
+        if not active or step == max_tokens - 1:
+            break
+        for r, row_logits in zip(active, infer(active, np.array([[out[r][-1]] for r in active]))):
+            logits[r] = row_logits
+    return out
 
 
 def greedy(model, prompt_ids, n: int) -> list[int]:

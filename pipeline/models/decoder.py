@@ -16,7 +16,8 @@ its GGUF metadata and its Hugging Face module names.
 Trade-off: one block definition (`DecoderLM.block`) written with the autograd
 ops serves both from-scratch training (`forward`) and LoRA training
 (`pipeline.llm.finetune.Trainer`, which passes its own `project` function), and
-one no-grad numpy path with a KV cache (`infer`) serves generation, where frozen
+one no-grad numpy path with a KV cache (`infer_rows`: many rows in lock-step, each
+with its own cache, bitwise each row alone; `infer` is its one-row case) serves generation, where frozen
 quantized weights are consumed by a fused dequant-matvec (decode) or dequant +
 BLAS (prefill). Tests pin the two paths to each other and to llama.cpp.
 
@@ -43,7 +44,7 @@ from numba import njit
 from kernels import rng, workpool
 from ..autograd import Module, Tensor, no_grad, ops, parameter
 from ..errors import GGUFError, UserError
-from ..llm.quants import FrozenWeight, matmul_t_many, weight_rows
+from ..llm.quants import FrozenWeight, matmul_t_groups, matmul_t_many, weight_rows
 from ..untrusted import brief
 
 # the projections LoRA can adapt, in canonical order -> their llama.cpp tensor names (blk.<i>.<name>.weight)
@@ -303,6 +304,21 @@ def _infer_many(projs, x: np.ndarray) -> list:
     return [_infer(p, x) for p in projs]
 
 
+def _infer_rows(projs, x3: np.ndarray) -> list:
+    """[rows, seq, out] products of projections sharing the input x3 [rows, seq, in], each row with the
+    bits of `_infer_many(projs, x3[r])` alone: frozen weights are read once for all rows."""
+    if len(x3) == 1:
+        return [y[None] for y in (_infer_many(projs, x3[0]) if len(projs) > 1 else [_infer(projs[0], x3[0])])]
+    if all(type(p) is FrozenLinear for p in projs):
+        ys = matmul_t_groups([p.weight for p in projs], x3)
+        for p, y in zip(projs, ys):
+            if p.bias is not None:
+                y += p.bias
+        return ys
+    per_row = [_infer_many(projs, x) for x in x3]
+    return [np.stack([ys[i] for ys in per_row]) for i in range(len(projs))]
+
+
 def swiglu(gate, up):
     """silu(gate) * up as one op: the bits of ops.silu then ops.mul, in one pass
     each way with no [T, ffn] temporaries beyond the outputs."""
@@ -554,43 +570,77 @@ class DecoderLM(Module):
 
     def infer(self, ids, cache: KVCache | None = None, all_logits: bool = False) -> np.ndarray:
         """Append ids at cache.length; return logits of the last position [vocab] (all_logits: [seq, vocab])."""
-        c = self.config
         ids = self._check_ids(ids)
         if ids.ndim != 1:
-            raise UserError(f"{c.arch}.infer: ids must be one sequence [seq], got shape {ids.shape}")
+            raise UserError(f"{self.config.arch}.infer: ids must be one sequence [seq], got shape {ids.shape}")
         cache = cache if cache is not None else self.new_cache(len(ids))
-        pos0, t = cache.length, len(ids)
-        if pos0 + t > c.context_length:
-            raise UserError(f"context of {pos0 + t} tokens exceeds the model's context length {c.context_length}")
-        tables = {}  # (base, scale) -> (cos, sin) [t, 1, head_dim/2]: one pair per RoPE kind in the model
+        return self.infer_rows(ids[None], [cache], all_logits=all_logits)[0]
+
+    def infer_rows(self, ids, caches: list, adapt=None, all_logits: bool = False) -> np.ndarray:
+        """Append ids [rows, seq] (row r at caches[r].length, each row its own KVCache); return the logits of
+        each row's last position [rows, vocab] (all_logits: [rows, seq, vocab]).
+
+        Each row gets the bits `infer` gives it alone: norms, RoPE and the activation are per row;
+        attention runs per row against its own cache; the projections read each weight once for all rows
+        (quants.matmul_t_groups: the fused matvec computes every row alone; tiles are dequantized once and
+        multiplied per row with the call one row would make). adapt(layer, target, x3, y3), when given, adds
+        per-row terms to a layer projection's output y3 [rows, seq, out] in place from its input x3 (ES
+        members decoding in lock-step add each member's LoRA delta to its own rows)."""
+        c = self.config
+        ids = self._check_ids(ids)
+        if ids.ndim != 2 or len(caches) != ids.shape[0]:
+            raise UserError(f"{c.arch}.infer_rows: ids must be [rows, seq] with one cache per row, got shape "
+                            f"{ids.shape} and {len(caches)} caches")
+        n_rows, t = ids.shape
+        starts = [cache.length for cache in caches]
+        if max(starts) + t > c.context_length:
+            raise UserError(f"context of {max(starts) + t} tokens exceeds the model's context length "
+                            f"{c.context_length}")
+        tables = {}  # (base, scale) -> (cos, sin) [rows * t, 1, head_dim/2]: one pair per RoPE kind in the model
         for base, scale in sorted({c.layer_rope(li) for li in range(c.layers)}):
-            pos = np.arange(pos0, pos0 + t, dtype=np.float64) * scale
+            pos = np.concatenate([np.arange(p0, p0 + t, dtype=np.float64) for p0 in starts]) * scale
             tables[base, scale] = tuple(a[:, None, :] for a in
                                         ops.rope_tables(pos, c.head_dim, base, np.float32, self._rope_factors))
         interleaved = self.family.rope == "normal"
-        x = self.embed.data[ids] if isinstance(self.embed, Tensor) else weight_rows(self.embed, ids)
+        flat = ids.reshape(-1)
+        x = self.embed.data[flat] if isinstance(self.embed, Tensor) else weight_rows(self.embed, flat)
         x = self.scale_embedding(x.astype(np.float32))
         scale = c.attn_scale or None
+
+        def project(li, targets, h):
+            h3 = h.reshape(n_rows, t, -1)
+            ys = _infer_rows([self.blocks[li].projection(target) for target in targets], h3)
+            if adapt is not None:
+                for target, y3 in zip(targets, ys):
+                    adapt(li, target, h3, y3)
+            return [y.reshape(n_rows * t, -1) for y in ys]
+
         for li, blk in enumerate(self.blocks):
             cos, sin = tables[c.layer_rope(li)]
             h = _rms(x, blk.attn_norm.data, c.rms_eps)
-            q, k, v = _infer_many((blk.attn.q, blk.attn.k, blk.attn.v), h)
-            q, k, v = (q.reshape(t, c.heads, c.head_dim), k.reshape(t, c.kv_heads, c.head_dim),
-                       v.reshape(t, c.kv_heads, c.head_dim))
-            q = _norm_rope(q, blk.attn.q_norm, c.rms_eps, cos, sin, interleaved)
-            k = _norm_rope(k, blk.attn.k_norm, c.rms_eps, cos, sin, interleaved)
-            keys, values = cache.store(li, pos0, k, v)
-            x = x + _infer_post_norm(_infer(blk.attn.o, _attend(q, keys, values, pos0, scale, c.window(li))),
-                                     blk.post_attn_norm, c.rms_eps)
+            q, k, v = project(li, ("q", "k", "v"), h)
+            q, k, v = (q.reshape(-1, c.heads, c.head_dim), k.reshape(-1, c.kv_heads, c.head_dim),
+                       v.reshape(-1, c.kv_heads, c.head_dim))
+            q = _norm_rope(q, blk.attn.q_norm, c.rms_eps, cos, sin, interleaved).reshape(n_rows, t, c.heads, -1)
+            k = _norm_rope(k, blk.attn.k_norm, c.rms_eps, cos, sin, interleaved).reshape(n_rows, t, c.kv_heads, -1)
+            v = v.reshape(n_rows, t, c.kv_heads, c.head_dim)
+            attended = []
+            for r, (cache, p0) in enumerate(zip(caches, starts)):
+                keys, values = cache.store(li, p0, k[r], v[r])
+                attended.append(_attend(q[r], keys, values, p0, scale, c.window(li)))
+            a = attended[0] if n_rows == 1 else np.concatenate(attended)
+            x = x + _infer_post_norm(project(li, ("o",), a)[0], blk.post_attn_norm, c.rms_eps)
             h = _rms(x, blk.ffn_norm.data, c.rms_eps)
-            g, u = _infer_many((blk.mlp.gate, blk.mlp.up), h)
-            m = _infer(blk.mlp.down, _silu_mul(g, u) if self.family.activation == "silu"
-                       else _gelu_tanh_mul(g, u, self.llama_numerics))
+            g, u = project(li, ("gate", "up"), h)
+            m = project(li, ("down",), _silu_mul(g, u) if self.family.activation == "silu"
+                        else _gelu_tanh_mul(g, u, self.llama_numerics))[0]
             x = x + _infer_post_norm(m, blk.post_ffn_norm, c.rms_eps)
-        cache.length = pos0 + t
-        x = _rms(x if all_logits else x[-1:], self.out_norm.data, c.rms_eps)
-        logits = _infer(self.output, x)
-        return logits if all_logits else logits[0]
+        for cache, p0 in zip(caches, starts):
+            cache.length = p0 + t
+        x = x.reshape(n_rows, t, c.hidden)
+        x = _rms(x if all_logits else x[:, -1:], self.out_norm.data, c.rms_eps)
+        logits = _infer_rows([self.output], x)[0]
+        return logits if all_logits else logits[:, 0]
 
     def _check_ids(self, ids) -> np.ndarray:
         ids = np.asarray(ids.data if isinstance(ids, Tensor) else ids)

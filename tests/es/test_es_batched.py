@@ -35,9 +35,9 @@ def _setup(model, search, targets=("q", "v", "down")):
 
 
 @pytest.mark.parametrize("model, search", [("qwen3-mini-q8_0.gguf", "ab"), ("qwen3-mini-f32.gguf", "b"),
-                                           ("qwen3-tied-q4_k_s.gguf", "ab"), ("qwen2-mini-f32.gguf", "ab")])
+                                           ("qwen3-tied-q4_k_s.gguf", "ab"), ("qwen2-mini-f32.gguf", "ab"),
+                                           ("gemma3-gemma-mini-f32.gguf", "ab")])
 def test_batched_rewards_are_the_one_by_one_bits(model, search):
-    from pipeline.es.batched import chunked_rewards
     from pipeline.es.finetune import batch_loss
     run, samples = _setup(os.path.join(FIXTURES, model), search)
     run.iteration_step()  # B off zero, so every factor matters
@@ -49,7 +49,7 @@ def test_batched_rewards_are_the_one_by_one_bits(model, search):
         es.restore(m)
     rows = es.split(es.materialize_members(range(es.config.population)))
     for split in (1, 2, 4, 6):
-        assert chunked_rewards(run.trainer, rows, samples, split) == one_by_one, split
+        assert run.scorer.score_members(run.trainer, rows, [0, 1, 2], split) == one_by_one, split
     assert len(set(one_by_one)) > 1  # the members differ, so equal lists are not a coincidence
 
 
@@ -64,5 +64,93 @@ def test_member_batch_flag_same_bits_in_process_and_in_member_processes(capsys):
     for r in results[1:]:
         assert r["adapters_sha256"] == results[0]["adapters_sha256"]
         assert r["reward_stats"] == results[0]["reward_stats"]
-    rc = main(common + ["--member-batch", "2", "--reward", "rule:format"])
+    rc = main(common + ["--member-batch", "2", "--search", "full"])
     assert rc == 2 and "one at a time" in capsys.readouterr().err
+
+
+def test_member_batch_decodes_generation_rewards_in_lock_step_with_the_same_bits(capsys):
+    model = os.path.join(FIXTURES, "qwen3-mini-q8_0.gguf")
+    common = ["es-finetune", "--model", model, "--population", "6", "--batch", "2", "--max-new-tokens", "4",
+              "--iterations", "2", "--threads", "0", "--json", "--reward", "rule:length=8,12", "--sigma", "0.5"]
+    results = []
+    for extra in ([], ["--member-batch", "4"], ["--member-batch", "3", "--workers", "2"]):
+        assert main(common + extra) == 0
+        results.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    for r in results[1:]:
+        assert r["adapters_sha256"] == results[0]["adapters_sha256"]
+        assert r["reward_stats"] == results[0]["reward_stats"]
+
+
+class _Adapted:
+    """A test-side LoRA view through the model's documented projection seam: base infer + the delta."""
+
+    def __init__(self, proj, a, b, scale):
+        self.proj, self.a, self.b, self.scale = proj, a, b, scale
+
+    def infer(self, x):
+        from pipeline.llm.lora import lora_forward
+        return self.proj.infer(x) + lora_forward(np.ascontiguousarray(x), self.a, self.b, self.scale)[0]
+
+
+def _member_view(trainer, rows, m):
+    """trainer.model with member m's adapters (rows: {name: (k, ...)}) wrapped into its projections."""
+    import copy
+    from pipeline.models.decoder import MLP, Attention, Block
+    view = copy.copy(trainer.model)
+    view.blocks = []
+    for i, b in enumerate(trainer.model.blocks):
+        wrap = {}
+        for t in ("q", "k", "v", "o", "gate", "up", "down"):
+            ad = trainer.layers[i].get(t)
+            if ad is None:
+                wrap[t] = b.projection(t)
+                continue
+            name = f"layers.{i}.{t}.lora_"
+            factor_a = rows[name + "a"][m] if name + "a" in rows else ad.lora_a.data
+            factor_b = rows[name + "b"][m] if name + "b" in rows else ad.lora_b.data
+            wrap[t] = _Adapted(b.projection(t), factor_a, factor_b, ad.scale)
+        view.blocks.append(Block(b.attn_norm, Attention(wrap["q"], wrap["k"], wrap["v"], wrap["o"], b.attn.q_norm,
+                                                        b.attn.k_norm), b.ffn_norm,
+                                 MLP(wrap["gate"], wrap["up"], wrap["down"]), b.post_attn_norm, b.post_ffn_norm))
+    return view
+
+
+@pytest.mark.parametrize("model, search", [("qwen3-mini-q8_0.gguf", "ab"), ("qwen3-mini-f32.gguf", "b"),
+                                           ("qwen3-tied-q4_k_s.gguf", "ab"), ("qwen2-mini-f32.gguf", "ab"),
+                                           ("gemma3-gemma-mini-f32.gguf", "ab")])
+def test_lock_step_decoding_is_the_one_by_one_bits(model, search):
+    """Members x prompts decoded in lock-step (any member split): each row's tokens and logits are the bits
+    of that member alone through the plain KV-cache decoder with its adapters in the projections."""
+    from pipeline.es.batched import member_factors, member_generations
+    from pipeline.llm.generate import generate
+    from pipeline.llm.lora import lora_forward
+    run, _ = _setup(os.path.join(FIXTURES, model), search)
+    es, trainer, k = run.es, run.trainer, 4
+    gen = np.random.default_rng(3)
+    for _, p in trainer.named_parameters():  # adapters far from B = 0, so members decode differently
+        p.data[...] = gen.standard_normal(p.data.shape).astype(np.float32)
+    rows = es.split(es.materialize_members(range(k)))
+    prompts = [np.array([1, 5, 9, 2, 7, 3]), np.array([3, 4]), np.array([1, 5, 9, 2, 8, 6])]
+    alone = []
+    for m in range(k):
+        view = _member_view(trainer, rows, m)
+        alone.append([list(generate(view, p, 5)) for p in prompts])
+    for split in (1, 3, 4):
+        got = []
+        for start in range(0, k, split):
+            chunk = {n: v[start:start + split] for n, v in rows.items()}
+            got += member_generations(trainer, chunk, len(next(iter(chunk.values()))), prompts, 5)
+        assert got == alone, split
+    factors = member_factors(trainer, rows, k)  # and the logits themselves, bit for bit
+
+    def adapt(layer, target, x3, y3):
+        if target in factors[layer]:
+            a, b, scale = factors[layer][target]
+            for m in range(k):
+                y3[m] += lora_forward(x3[m], a[m], b[m], scale)[0]
+
+    ids = np.stack([prompts[0]] * k)
+    batched = trainer.model.infer_rows(ids, [trainer.model.new_cache(8) for _ in range(k)], adapt)
+    for m in range(k):
+        assert np.array_equal(batched[m], _member_view(trainer, rows, m).infer(prompts[0]))
+    assert not np.array_equal(batched[0], batched[1])  # the members differ, so equal bits are no coincidence

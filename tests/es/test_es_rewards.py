@@ -83,16 +83,17 @@ def test_user_reward_function_checks(tmp_path):
 
 
 def test_greedy_decoding_with_the_kv_cache_applies_the_adapters():
-    """The adapted KV-cache decoder gives the trainer's own (cache-free, full-recompute) greedy tokens."""
-    from pipeline.es.rewards import adapted_model, greedy_completion
+    """The lock-step KV-cache decoder with the live adapters (k = 1) gives the trainer's own (cache-free,
+    full-recompute) greedy tokens."""
+    from pipeline.es.batched import member_generations
     from pipeline.llm.finetune import Trainer
     trainer = Trainer.from_gguf(MODEL, targets=("q", "v", "down"), rank=4, seed=1)
     prompt = np.array([1, 5, 9, 2, 7], dtype=np.int64)
-    base = greedy_completion(adapted_model(trainer), prompt, 8)
+    [[base]] = member_generations(trainer, {}, 1, [prompt], 8)
     gen = np.random.default_rng(0)
     for _, p in trainer.named_parameters():
         p.data[...] = gen.standard_normal(p.data.shape).astype(np.float32)
-    adapted = greedy_completion(adapted_model(trainer), prompt, 8)
+    [[adapted]] = member_generations(trainer, {}, 1, [prompt], 8)
     assert adapted == trainer.generate(prompt, 8)
     assert adapted != base  # the adapters changed the answer, so they are in the decoder's projections
 

@@ -1,0 +1,34 @@
+"""Write Countdown SFT pairs (JSONL) for `fucina finetune --data`: the warm start of the ES Countdown demo.
+
+Each line is {"instruction": problem prompt, "response": "<answer>SOLUTION</answer>"} for problems
+0..N-1 of the built-in set of --seed (pipeline/es/countdown.py): the same prompts and reference
+responses `fucina es-finetune --task countdown` builds. Use a --seed other than the ES run's
+--task-seed so the ES problems are not the SFT ones (docs/es_finetune.md, "Countdown").
+
+    python tools/make_countdown_sft.py --out countdown-sft.jsonl --seed 1 --size 256
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pipeline.es.countdown import problems  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="the JSONL file to write")
+    ap.add_argument("--seed", type=int, default=1, help="problem set seed (default 1; ES uses 0)")
+    ap.add_argument("--size", type=int, default=256, help="number of problems")
+    args = ap.parse_args(argv)
+    with open(args.out, "w") as f:
+        for p in problems(args.seed, args.size):
+            f.write(json.dumps({"instruction": p.prompt, "response": f"<answer>{p.solution}</answer>"}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

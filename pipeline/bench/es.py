@@ -113,7 +113,7 @@ def finetune_rows(args):
     pop = args.finetune_population
     rows = []
     one_ms, tokens, name = _finetune_run(args.finetune_model, args)
-    per_s = lambda ms: pop / ms * 1e3  # noqa: E731
+    per_s = lambda ms: pop / ms * 1e3
     for workers in (int(w) for w in args.finetune_workers.split(",")):
         ms, _, _ = _finetune_run(args.finetune_model, args, args.member_batch, workers)
         rows.append({"case": f"es-finetune/nll-batched-w{workers}", "ms": ms, "baselines": {"one_at_a_time": one_ms},
@@ -155,7 +155,7 @@ def _noise_spirals_rows(args):
     inproc_ms, inproc_cpu = _spirals_ms(0, args.iterations, args.population)
     one_ms, one_cpu = _spirals_ms(1, args.iterations, args.population)
     two_ms, two_cpu = _spirals_ms(2, args.iterations, args.population)
-    per_s = lambda m: args.population / m * 1e3  # noqa: E731
+    per_s = lambda m: args.population / m * 1e3
     rows.append({"case": "es-spirals/workers-1", "ms": one_ms, "baselines": {"inprocess": inproc_ms},
                  "notes": f"{per_s(one_ms):.0f} member-evals/s, population {args.population}; CPU ms/iteration "
                           f"of the busiest scorer: in-process {inproc_cpu:.1f}, worker {one_cpu:.1f}"})

@@ -3,7 +3,6 @@ split, any number of member processes, quantized and f32 bases (qwen2: with bias
 import json
 import os
 
-import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 

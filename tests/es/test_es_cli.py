@@ -54,4 +54,5 @@ def test_bench_es_finetune_rows_smoke(capsys):
     import json
     rows = {r["case"]: r for r in json.loads(out.out)["results"]}
     assert set(rows) == {"es-finetune/nll-batched-w0", "es-finetune/generate"}
-    assert all(r["ms"] > 0 for r in rows.values()) and rows["es-finetune/nll-batched-w0"]["baselines"]["one_at_a_time"] > 0
+    assert all(r["ms"] > 0 for r in rows.values())
+    assert rows["es-finetune/nll-batched-w0"]["baselines"]["one_at_a_time"] > 0

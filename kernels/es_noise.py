@@ -245,7 +245,8 @@ def _u64(x):
 def gaussian_fill_fast(key, out, parallel=None):
     """out.flat[j] = value j of stream `key` (this module's mapping); in place, returns out."""
     if not isinstance(out, np.ndarray) or out.dtype not in (np.float32, np.float64):
-        raise TypeError(f"gaussian_fill_fast: out must be a float32/float64 numpy array, got {getattr(out, 'dtype', type(out))}")
+        raise TypeError("gaussian_fill_fast: out must be a float32/float64 numpy array, "
+                        f"got {getattr(out, 'dtype', type(out))}")
     if not out.flags.c_contiguous:
         raise ValueError("gaussian_fill_fast: out must be C-contiguous")
     _build(_gaussian_fill, out.size, parallel)(_u64(key), out.reshape(-1))
@@ -329,7 +330,8 @@ def weighted_sum(keys, coeffs, offsets, sizes, out, parallel=None, cache=None, c
     else:
         _check_f32("weighted_sum", "cache", cache, 2)
         cache_row = np.ascontiguousarray(cache_row, dtype=np.int64)
-        if cache.shape[1] != out.size or cache_row.shape != (keys.shape[0],) or cache_row.max(initial=-1) >= cache.shape[0]:
+        if (cache.shape[1] != out.size or cache_row.shape != (keys.shape[0],)
+                or cache_row.max(initial=-1) >= cache.shape[0]):
             raise ValueError(f"weighted_sum: cache {cache.shape} / cache_row {cache_row.shape} do not fit "
                              f"{keys.shape[0]} draws of {out.size} elements")
     work = int((cache_row < 0).sum()) * int(sizes.sum())

@@ -142,7 +142,8 @@ def _ce_backward_f32(logits, labels, ignore_index, smoothing, stats, row_scale, 
 
 def _check(logits, labels):
     if not isinstance(logits, np.ndarray) or logits.ndim != 2 or logits.dtype not in (np.float32, np.float64):
-        raise ValueError(f"cross_entropy kernel: logits must be 2-D float32/float64, got {getattr(logits, 'dtype', None)} {getattr(logits, 'shape', None)}")
+        raise ValueError("cross_entropy kernel: logits must be 2-D float32/float64, "
+                         f"got {getattr(logits, 'dtype', None)} {getattr(logits, 'shape', None)}")
     if labels.shape != (logits.shape[0],):
         raise ValueError(f"cross_entropy kernel: labels {labels.shape} must be ({logits.shape[0]},)")
     return np.ascontiguousarray(logits), np.ascontiguousarray(labels, dtype=np.int64)

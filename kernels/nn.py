@@ -128,7 +128,8 @@ def _rms_norm_bwd_span(g, x, w, rstd, gx, gw_partial, c0, c1):
 
 def _check_rows(op, x):
     if not isinstance(x, np.ndarray) or x.ndim != 2 or x.dtype not in (np.float32, np.float64):
-        raise ValueError(f"{op}: expected a 2-D float32/float64 array, got {getattr(x, 'dtype', type(x))} {getattr(x, 'shape', '')}")
+        raise ValueError(f"{op}: expected a 2-D float32/float64 array, "
+                         f"got {getattr(x, 'dtype', type(x))} {getattr(x, 'shape', '')}")
     return np.ascontiguousarray(x)
 
 
@@ -420,7 +421,8 @@ def rope_rotate(x, cos, sin):
     if not (isinstance(x, np.ndarray) and x.dtype == np.float32 and x.ndim == 3 and x.shape[2] % 2 == 0
             and cos.shape == sin.shape == (x.shape[0], x.shape[2] // 2) and cos.dtype == sin.dtype == np.float32):
         raise ValueError(f"rope: expected x float32 [R, H, D] and cos/sin float32 [R, D/2], got x "
-                         f"{getattr(x, 'dtype', None)}{getattr(x, 'shape', None)}, cos {cos.dtype}{cos.shape}, sin {sin.dtype}{sin.shape}")
+                         f"{getattr(x, 'dtype', None)}{getattr(x, 'shape', None)}, "
+                         f"cos {cos.dtype}{cos.shape}, sin {sin.dtype}{sin.shape}")
     x = np.ascontiguousarray(x)
     out = np.empty_like(x)
     cos, sin = np.ascontiguousarray(cos), np.ascontiguousarray(sin)
@@ -457,7 +459,8 @@ def _check_gemm(op, a, b, a_dim, b_dim):
           and a.dtype == b.dtype == np.float32 and a.shape[1] == b.shape[b_dim])
     if not ok:
         raise ValueError(f"{op}: expected float32 a [M, K] and b with K on axis {b_dim}, got "
-                         f"{getattr(a, 'dtype', None)}{getattr(a, 'shape', None)} and {getattr(b, 'dtype', None)}{getattr(b, 'shape', None)}")
+                         f"{getattr(a, 'dtype', None)}{getattr(a, 'shape', None)} and "
+                         f"{getattr(b, 'dtype', None)}{getattr(b, 'shape', None)}")
     return np.ascontiguousarray(a)
 
 

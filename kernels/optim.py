@@ -431,7 +431,8 @@ def _flat_f32(a, what):
 
 def _state(a, n, what):
     if not isinstance(a, np.ndarray) or a.dtype not in (np.float32, np.uint16):
-        raise TypeError(f"{what}: state must be float32 or uint16 (bf16 bits), got {getattr(a, 'dtype', type(a).__name__)}")
+        raise TypeError(f"{what}: state must be float32 or uint16 (bf16 bits), "
+                        f"got {getattr(a, 'dtype', type(a).__name__)}")
     if a.ndim != 1 or a.size != n or not a.flags.c_contiguous:
         raise ValueError(f"{what}: state must be a contiguous [{n}] array, got shape {a.shape}")
     return a
@@ -481,7 +482,8 @@ def lion_step(p, g, m, keep, neg_lr, beta1, one_minus_b1, beta2, one_minus_b2):
     p, g = _pg(p, g, "lion_step")
     _state(m, p.size, "lion_step exp_avg")
     f = np.float32
-    launch(lion_par, lion_ser, p.size, p, g, m, f(keep), f(neg_lr), f(beta1), f(one_minus_b1), f(beta2), f(one_minus_b2))
+    launch(lion_par, lion_ser, p.size, p, g, m,
+           f(keep), f(neg_lr), f(beta1), f(one_minus_b1), f(beta2), f(one_minus_b2))
 
 
 def muon_momentum(g, buf, w_buf, momentum, nesterov):
@@ -489,7 +491,8 @@ def muon_momentum(g, buf, w_buf, momentum, nesterov):
     g = _flat_f32(g, "muon_momentum g")
     _state(buf, g.size, "muon_momentum momentum_buffer")
     out = np.empty_like(g)
-    launch(muon_momentum_par, muon_momentum_ser, g.size, g, buf, out, np.float32(w_buf), np.float32(momentum), bool(nesterov))
+    launch(muon_momentum_par, muon_momentum_ser, g.size, g, buf, out,
+           np.float32(w_buf), np.float32(momentum), bool(nesterov))
     return out
 
 

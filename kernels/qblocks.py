@@ -25,7 +25,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 LANES = 32
-PREFETCH = 2048  # bytes ahead in the weight stream: the hardware prefetcher alone left decode at ~4.6 G weights/s from DRAM, this gives ~7
+# bytes ahead in the weight stream: the hardware prefetcher alone left decode at ~4.6 G weights/s from DRAM,
+# this gives ~7
+PREFETCH = 2048
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _VB, _VF = ir.VectorType(_I8, LANES), ir.VectorType(_F32, LANES)
 
@@ -112,7 +114,8 @@ def _k4_scales(h, d, dmin):
     low = ir.Constant(ir.VectorType(ir.IntType(1), 8), [1, 1, 1, 1, 0, 0, 0, 0])  # j < 4
     c = lambda v: ir.Constant(v8b, [v] * 8)
     s_src, m_src = pick([0, 1, 2, 3, 8, 9, 10, 11]), pick([4, 5, 6, 7, 8, 9, 10, 11])
-    s_top, m_top = h.b.shl(h.b.lshr(pick([0, 1, 2, 3, 0, 1, 2, 3]), c(6)), c(4)), h.b.shl(h.b.lshr(pick([0, 1, 2, 3, 4, 5, 6, 7]), c(6)), c(4))
+    s_top = h.b.shl(h.b.lshr(pick([0, 1, 2, 3, 0, 1, 2, 3]), c(6)), c(4))
+    m_top = h.b.shl(h.b.lshr(pick([0, 1, 2, 3, 4, 5, 6, 7]), c(6)), c(4))
     s = h.b.select(low, h.b.and_(s_src, c(63)), h.b.or_(h.b.and_(s_src, c(0xF)), s_top))
     m = h.b.select(low, h.b.and_(m_src, c(63)), h.b.or_(h.b.lshr(m_src, c(4)), m_top))
     return h.b.fmul(h.splat(d, v8f), h.b.uitofp(s, v8f)), h.b.fmul(h.splat(dmin, v8f), h.b.uitofp(m, v8f))
@@ -120,7 +123,8 @@ def _k4_scales(h, d, dmin):
 
 def _lane(h, v8, j):
     """Element j of an <8 x float> broadcast to 32 lanes."""
-    return h.b.shuffle_vector(v8, ir.Constant(v8.type, ir.Undefined), ir.Constant(ir.VectorType(_I32, LANES), [j] * LANES))
+    return h.b.shuffle_vector(v8, ir.Constant(v8.type, ir.Undefined),
+                              ir.Constant(ir.VectorType(_I32, LANES), [j] * LANES))
 
 
 def _w_q4_k(h, scalars):
@@ -183,8 +187,8 @@ def _high_bits(h, off):
     """<32 x i8>: lane l is bit l of the little-endian 32-bit word at b[o+off:], moved to bit 4 (Q5_0/Q5_1's qh)."""
     v4 = h.vload(1, o_arg(h), ir.VectorType(_I8, 4), off)
     spread = h.b.shuffle_vector(v4, ir.Constant(v4.type, ir.Undefined),
-                                ir.Constant(ir.VectorType(_I32, LANES), [l // 8 for l in range(LANES)]))
-    bit = h.b.and_(h.b.lshr(spread, ir.Constant(_VB, [l % 8 for l in range(LANES)])), h.bytes_const(1))
+                                ir.Constant(ir.VectorType(_I32, LANES), [lane // 8 for lane in range(LANES)]))
+    bit = h.b.and_(h.b.lshr(spread, ir.Constant(_VB, [lane % 8 for lane in range(LANES)])), h.bytes_const(1))
     return h.b.shl(bit, h.bytes_const(4))
 
 
@@ -470,7 +474,8 @@ def _lane_sum(typingctx, acc):
         while n > 1:
             n //= 2
             take = lambda start: builder.shuffle_vector(v, ir.Constant(v.type, ir.Undefined),
-                                                        ir.Constant(ir.VectorType(_I32, n), list(range(start, start + n))))
+                                                        ir.Constant(ir.VectorType(_I32, n),
+                                                                    list(range(start, start + n))))
             v = builder.fadd(take(0), take(n))
         return builder.extract_element(v, ir.Constant(_I32, 0))
     return types.float32(acc), codegen

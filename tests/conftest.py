@@ -9,7 +9,8 @@ import pytest
 # Test modules are imported in importlib mode (basenames repeat across folders);
 # helper modules beside the tests (e.g. tests/llm/test_export_fixtures.py) stay
 # importable by plain name because each test folder is on sys.path.
-for _d in sorted(p for p in pathlib.Path(__file__).parent.iterdir() if p.is_dir() and p.name not in ("goldens", "fixtures", "__pycache__")):
+for _d in sorted(p for p in pathlib.Path(__file__).parent.iterdir()
+                 if p.is_dir() and p.name not in ("goldens", "fixtures", "__pycache__")):
     if str(_d) not in sys.path:
         sys.path.append(str(_d))
 
@@ -30,4 +31,5 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "needs(module): parity test needs this importable module (torch, llama_cpp, ...)")
+    config.addinivalue_line("markers",
+                            "needs(module): parity test needs this importable module (torch, llama_cpp, ...)")

@@ -57,7 +57,8 @@ def main():
         "generator": "tools/gen_ce_goldens.py",
         "torch": torch.__version__, "numpy": np.__version__, "python": platform.python_version(),
         "reference": "torch.nn.functional.cross_entropy in float64 on float32 inputs",
-        "cases": {k: dict(zip(["rows", "classes", "scale", "ignore_index", "n_ignored", "reduction", "label_smoothing"], v))
+        "cases": {k: dict(zip(["rows", "classes", "scale", "ignore_index", "n_ignored", "reduction",
+                               "label_smoothing"], v))
                   for k, v in CASES.items()},
     }
     (OUT / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")

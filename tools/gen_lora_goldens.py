@@ -55,7 +55,8 @@ def gen_perm():
                            (37, 0xF0C1AA, 3), (1, 9, 0), (2, 9, 0), (100, 2**63 + 5, 2)]:
         cases.append({"n": n, "seed": seed, "epoch": epoch, "perm": _permutation(n, seed, epoch)})
     doc = {"generator": "tools/gen_lora_goldens.py (pure Python)", "python": platform.python_version(),
-           "contract": "Fisher-Yates over splitmix64 stream with state at(seed, epoch); j = next() % (i+1), i from n-1 down to 1",
+           "contract": "Fisher-Yates over splitmix64 stream with state at(seed, epoch); "
+                       "j = next() % (i+1), i from n-1 down to 1",
            "cases": cases}
     with open(os.path.join(OUT, "loader_perm.json"), "w") as f:
         json.dump(doc, f, indent=1)

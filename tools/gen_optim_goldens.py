@@ -64,7 +64,8 @@ def torch_cases():
             f"sgd_plain{tag}": case("sgd", {"lr": 0.05}, ieee_sqrt=ieee),
             f"sgd_momentum{tag}": case("sgd", {"lr": 0.05, "momentum": 0.9}, ieee_sqrt=ieee),
             f"sgd_dampening{tag}": case("sgd", {"lr": 0.05, "momentum": 0.9, "dampening": 0.3}, ieee_sqrt=ieee),
-            f"sgd_nesterov_wd{tag}": case("sgd", {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}, ieee_sqrt=ieee),
+            f"sgd_nesterov_wd{tag}": case("sgd", {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
+                                          ieee_sqrt=ieee),
             f"sgd_wd{tag}": case("sgd", {"lr": 0.05, "weight_decay": 0.1}, ieee_sqrt=ieee),
             f"adam{tag}": case("adam", {"lr": 0.01}, ieee_sqrt=ieee),
             f"adam_wd{tag}": case("adam", {"lr": 0.01, "weight_decay": 0.05}, ieee_sqrt=ieee),
@@ -72,10 +73,14 @@ def torch_cases():
             f"adamw_wd{tag}": case("adamw", {"lr": 0.01, "betas": [0.8, 0.99], "weight_decay": 0.1}, ieee_sqrt=ieee),
         })
     cases.update({
-        "sgd_momentum_bf16": case("sgd", {"lr": 0.05, "momentum": 0.9, "state_dtype": "bf16"}, bf16=["momentum_buffer"]),
-        "sgd_nesterov_bf16": case("sgd", {"lr": 0.05, "momentum": 0.9, "nesterov": True, "state_dtype": "bf16"}, bf16=["momentum_buffer"]),
-        "adamw_bf16_m": case("adamw", {"lr": 0.01, "weight_decay": 0.1, "state_dtype": "bf16"}, bf16=["exp_avg"], ieee_sqrt=True),
-        "adamw_bf16_mv": case("adamw", {"lr": 0.01, "weight_decay": 0.1, "state_dtype": "bf16", "second_moment_dtype": "bf16"},
+        "sgd_momentum_bf16": case("sgd", {"lr": 0.05, "momentum": 0.9, "state_dtype": "bf16"},
+                                  bf16=["momentum_buffer"]),
+        "sgd_nesterov_bf16": case("sgd", {"lr": 0.05, "momentum": 0.9, "nesterov": True, "state_dtype": "bf16"},
+                                  bf16=["momentum_buffer"]),
+        "adamw_bf16_m": case("adamw", {"lr": 0.01, "weight_decay": 0.1, "state_dtype": "bf16"}, bf16=["exp_avg"],
+                             ieee_sqrt=True),
+        "adamw_bf16_mv": case("adamw", {"lr": 0.01, "weight_decay": 0.1, "state_dtype": "bf16",
+                                        "second_moment_dtype": "bf16"},
                               bf16=["exp_avg", "exp_avg_sq"], ieee_sqrt=True),
         "adam_bf16_m": case("adam", {"lr": 0.01, "state_dtype": "bf16"}, bf16=["exp_avg"], ieee_sqrt=True),
     })
@@ -87,7 +92,8 @@ def muon_cases():
               ["bias", [32], "main"], ["embed", [50, 16], "fallback"]]
     return {
         "muon": case("muon", {"lr": 0.02}, shapes),
-        "muon_wd_plain_momentum": case("muon", {"lr": 0.02, "weight_decay": 0.1, "nesterov": False, "momentum": 0.9}, shapes),
+        "muon_wd_plain_momentum": case("muon", {"lr": 0.02, "weight_decay": 0.1, "nesterov": False, "momentum": 0.9},
+                                       shapes),
         "muon_rms": case("muon", {"lr": 0.01, "scale": "match_rms_adamw", "weight_decay": 0.01,
                                   "fallback": {"lr": 0.003, "weight_decay": 0.01}}, shapes),
         "muon_bf16": case("muon", {"lr": 0.02, "state_dtype": "bf16"}, shapes, bf16=["momentum_buffer"]),
@@ -297,7 +303,8 @@ def main():
         "versions": {"torch": torch.__version__, "apollo-torch": md.version("apollo-torch"),
                      "numpy": np.__version__, "python": platform.python_version()},
         "muon_reference": "Keller Jordan muon.py (muon_update, zeropower_via_newtonschulz5) transcribed in float32",
-        "inputs": "initial = 0.5*gaussian(derive_seed(seed, 10000+i)); grad(step) = (1+0.5 sin step)*gaussian(derive_seed(seed, 64*step+i))",
+        "inputs": "initial = 0.5*gaussian(derive_seed(seed, 10000+i)); "
+                  "grad(step) = (1+0.5 sin step)*gaussian(derive_seed(seed, 64*step+i))",
         "cases": cases,
     }
     (OUT / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")

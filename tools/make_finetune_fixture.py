@@ -48,7 +48,8 @@ def write_f16(path, layers, hidden, heads, kv_heads, head_dim, ffn, vocab, seed)
                             ("attn_output", (hidden, q)), ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)),
                             ("ffn_down", (hidden, ffn))):
             wr.add_tensor(p + name + ".weight", mat(*shape))
-        for name, n in (("attn_norm", hidden), ("ffn_norm", hidden), ("attn_q_norm", head_dim), ("attn_k_norm", head_dim)):
+        for name, n in (("attn_norm", hidden), ("ffn_norm", hidden),
+                        ("attn_q_norm", head_dim), ("attn_k_norm", head_dim)):
             wr.add_tensor(p + name + ".weight", np.ones(n, np.float32))
     wr.write_header_to_file()
     wr.write_kv_data_to_file()

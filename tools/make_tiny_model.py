@@ -217,7 +217,9 @@ def make_weights(shape: Shape, seed: int, arch: str = "qwen3") -> dict[str, np.n
 
 def versions() -> str:
     import tokenizers
-    return f"fucina tools/make_tiny_model.py; gguf-py {gguf.__version__ if hasattr(gguf, '__version__') else '0.19'}; tokenizers {tokenizers.__version__}; numpy {np.__version__}"
+    return (f"fucina tools/make_tiny_model.py; gguf-py {gguf.__version__ if hasattr(gguf, '__version__') else '0.19'}; "
+            f"tokenizers {tokenizers.__version__}; numpy {np.__version__}")
+
 
 
 def write_gguf(path, shape: Shape, seed: int = 0, dtype: str = "F32", name: str = "tiny-qwen3",

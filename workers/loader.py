@@ -17,7 +17,8 @@ class Loader(Worker):
 
     def setup(self):
         m = self.job.micro_batches
-        layout = [(f"{slot}/{name}", shape, dtype) for slot in range(2 * m) for name, shape, dtype in self.job.batch_layout()]
+        layout = [(f"{slot}/{name}", shape, dtype)
+                  for slot in range(2 * m) for name, shape, dtype in self.job.batch_layout()]
         self.segment = self.registry.create("batches", layout)
         self.descriptor = {"segment": self.segment.name, "tensors": self.segment.layout_wire(), "owner": self.id}
         self.logic = LoaderLogic(self.job)

@@ -62,7 +62,8 @@ class Optimizer(Worker):
             seg.tensors[f"optim/{n}"][...] = a
         seg.version = step
         self.sock.send("snapshot_ready", step, worker=self.id, gen=msg["gen"], segment=seg.name,
-                       tensors=seg.layout_wire(), meta={"optim": skeleton, "state": trainer_state(self.job, step).to_json()})
+                       tensors=seg.layout_wire(),
+                       meta={"optim": skeleton, "state": trainer_state(self.job, step).to_json()})
 
 
 def main(argv=None):

@@ -71,8 +71,9 @@ def main(argv=None) -> int:
             described["worker_key"] = os.path.join(os.path.abspath(os.path.dirname(key_path)), security.CLIENT_FILE)
         run_id = args.run_id or uuid.uuid4().hex[:10]
         with open(os.path.join(args.run_dir, "run.json"), "w") as fh:
-            json.dump({"run_id": run_id, "job": job.name, "endpoints": endpoints.to_wire(), "scheduler_pid": os.getpid(),
-                       "trainers": args.trainers, **described}, fh, indent=1)
+            json.dump({"run_id": run_id, "job": job.name, "endpoints": endpoints.to_wire(),
+                       "scheduler_pid": os.getpid(), "trainers": args.trainers, **described}, fh, indent=1)
+
         sched = Scheduler(job, args.run_dir, run_id, endpoints, trainers=args.trainers, resume=resume,
                           log=lambda m: print(m, file=sys.stderr, flush=True), liveness_s=args.liveness, key=key,
                           role_wait_s=args.role_wait)

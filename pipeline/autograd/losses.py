@@ -109,7 +109,8 @@ def linear_cross_entropy(x, w, labels, ignore_index=-100, reduction="mean", labe
     _check_options(op, reduction, label_smoothing)
     x, w = as_tensor(x), as_tensor(w)
     if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[1]:
-        raise OpError(f"{op}: x {x.shape} and weight {w.shape} do not fit (weight is [classes, hidden]; x's last dim must equal hidden)")
+        raise OpError(f"{op}: x {x.shape} and weight {w.shape} do not fit "
+                      "(weight is [classes, hidden]; x's last dim must equal hidden)")
     C, H = w.shape
     lead = x.shape[:-1]
     _, flat = _labels(op, labels, lead, C, ignore_index)

@@ -26,7 +26,8 @@ from .tensor import OpError, OpIndexError, Tensor, _state, enable_grad, grad_ena
 
 __all__ = [
     "as_tensor", "add", "sub", "mul", "div", "neg", "pow", "exp", "log", "tanh", "sigmoid", "silu", "gelu",
-    "relu", "sqrt", "abs", "clamp", "where", "stack", "matmul", "linear", "sum", "mean", "max", "reshape", "transpose", "permute", "index", "gather",
+    "relu", "sqrt", "abs", "clamp", "where", "stack", "matmul", "linear", "sum", "mean", "max", "reshape",
+    "transpose", "permute", "index", "gather",
     "embedding", "concat", "split", "softmax", "log_softmax", "rms_norm", "layer_norm", "rope", "rope_tables",
     "attention", "dropout", "to", "checkpoint",
 ]
@@ -231,7 +232,8 @@ def matmul(a, b):
     """a @ b with numpy semantics (batched, broadcast batch dims; 1-D operands promoted)."""
     a, b = as_tensor(a), as_tensor(b)
     if a.ndim < 1 or b.ndim < 1 or a.shape[-1] != b.shape[-2 if b.ndim > 1 else 0]:
-        raise OpError(f"matmul: shapes {a.shape} and {b.shape} are not aligned (last dim of a must equal the second-to-last of b)")
+        raise OpError(f"matmul: shapes {a.shape} and {b.shape} are not aligned "
+                      "(last dim of a must equal the second-to-last of b)")
     try:
         out = _compute(a.data) @ _compute(b.data)
     except ValueError:
@@ -266,7 +268,8 @@ def linear(x, w, b=None):
     16-bit constant or leaf; the product is computed in float32."""
     x, w = as_tensor(x), as_tensor(w)
     if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[1]:
-        raise OpError(f"linear: x {x.shape} and weight {w.shape} do not fit (weight is [out, in]; x's last dim must equal in)")
+        raise OpError(f"linear: x {x.shape} and weight {w.shape} do not fit "
+                      "(weight is [out, in]; x's last dim must equal in)")
     if b is not None:
         b = as_tensor(b)
         if b.shape != (w.shape[0],):
@@ -400,10 +403,12 @@ def gather(a, axis, idx):
     if ids.dtype.kind not in "iu":
         raise OpError(f"gather: index must be an integer array, got dtype {ids.dtype}")
     if ids.ndim != a.ndim:
-        raise OpError(f"gather: index rank {ids.ndim} (shape {ids.shape}) must equal input rank {a.ndim} (shape {a.shape})")
+        raise OpError(f"gather: index rank {ids.ndim} (shape {ids.shape}) "
+                      f"must equal input rank {a.ndim} (shape {a.shape})")
     axis = axis % a.ndim
     if ids.size and (ids.min() < 0 or ids.max() >= a.shape[axis]):
-        raise OpError(f"gather: index values must be in [0, {a.shape[axis]}) along axis {axis}, got [{ids.min()}, {ids.max()}]")
+        raise OpError(f"gather: index values must be in [0, {a.shape[axis]}) along axis {axis}, "
+                      f"got [{ids.min()}, {ids.max()}]")
     out = np.take_along_axis(a.data, ids, axis)
 
     def backward(g):
@@ -607,7 +612,8 @@ def rope(x, positions, theta=10000.0, freq_factors=None, interleaved=False):
     try:
         np.broadcast_shapes(pos.shape, x.shape[:-2])
     except ValueError:
-        raise OpError(f"rope: positions shape {pos.shape} does not broadcast to {x.shape[:-2]} (x shape {x.shape})") from None
+        raise OpError(f"rope: positions shape {pos.shape} does not broadcast to {x.shape[:-2]} "
+                      f"(x shape {x.shape})") from None
     X = _compute(x.data)
     cos, sin = _cached_rope_tables(pos, x.shape[-1], theta, X.dtype, freq_factors)
     if X.dtype == np.float32:  # one kernel pass each way; backward rotates by the negative angle
@@ -648,7 +654,8 @@ def attention(q, k, v, causal=True, offset=None, scale=None, window=0):
         raise OpError(f"attention: q, k, v must be [batch, seq, heads, head_dim], got {q.shape}, {k.shape}, {v.shape}")
     B, Sq, Hq, D = q.shape
     if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
-        raise OpError(f"attention: k {k.shape} and v {v.shape} must be equal and match q {q.shape} in batch and head_dim")
+        raise OpError(f"attention: k {k.shape} and v {v.shape} must be equal "
+                      f"and match q {q.shape} in batch and head_dim")
     Sk, Hkv = k.shape[1], k.shape[2]
     if Hq % Hkv:
         raise OpError(f"attention: query heads {Hq} must be a multiple of kv heads {Hkv}")

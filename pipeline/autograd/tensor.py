@@ -163,9 +163,12 @@ class Tensor:
         backward over it raises GraphError.
         """
         if not self.requires_grad:
-            raise GraphError("backward: this tensor does not require grad (no parameter with requires_grad=True reached it, or it was built under no_grad())")
+            raise GraphError("backward: this tensor does not require grad "
+                             "(no parameter with requires_grad=True reached it, or it was built under no_grad())")
         if self._consumed:
-            raise GraphError("backward: this graph was already differentiated; run the forward again (a graph can be walked once)")
+            raise GraphError("backward: this graph was already differentiated; "
+                             "run the forward again (a graph can be walked once)")
+
         if grad is None:
             if self.data.size != 1:
                 raise GraphError(f"backward: grad can be implied only for a scalar output, got shape {self.shape}")

@@ -61,7 +61,8 @@ def machine(threads=None):
         "platform": platform.platform(),
     }
     try:
-        import numpy, numba
+        import numpy
+        import numba
         info["numpy"] = numpy.__version__
         info["numba"] = numba.__version__
         from kernels.blas import backend

@@ -152,7 +152,7 @@ def finetune_rows(args):
     """The es-finetune rows: NLL and a generation reward, one member at a time vs batched vs plain."""
     pop = args.finetune_population
     rows = []
-    per_s = lambda ms: pop / ms * 1e3  # noqa: E731
+    per_s = lambda ms: pop / ms * 1e3
     for reward, label in (("nll", "nll"), ("rule:length=1,400", "generate")):
         one_ms, tokens, name, plain_ms = _finetune_run(args.finetune_model, args, reward=reward, plain=True)
         if reward != "nll":

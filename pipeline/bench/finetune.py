@@ -26,7 +26,8 @@ HELP = "LoRA fine-tune step time (rank-8 q+v, seq 128) in-process and --trainers
 
 
 def add_arguments(p):
-    p.add_argument("--model", required=True, help="Qwen3 GGUF (e.g. a Qwen3-0.6B-shaped Q4_K_S from tools/make_finetune_fixture.py)")
+    p.add_argument("--model", required=True,
+                   help="Qwen3 GGUF (e.g. a Qwen3-0.6B-shaped Q4_K_S from tools/make_finetune_fixture.py)")
     p.add_argument("--seq", type=int, default=128, help="sequence length (input positions)")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank")
     p.add_argument("--targets", default="q,v", help="adapted projections")
@@ -204,12 +205,14 @@ def run(args):
 
     rows.append({"case": "step/in-process", "ms": ms, "cpu_ms": cpu, "baselines": baselines,
                  "baseline_cpu_ms": {"torch_f32": torch_cpu}, "supervised_tok_s": n_sup / ms * 1e3,
-                 "peak_rss_mb": peak_rss_mb(), "notes": f"{desc}; base stays in its file format; {cpu_note(cpu, torch_cpu)}"})
+                 "peak_rss_mb": peak_rss_mb(),
+                 "notes": f"{desc}; base stays in its file format; {cpu_note(cpu, torch_cpu)}"})
     if not args.no_trainers:
         samples = [sample, _sample(model.config.vocab_size, args.seq, seed=1)]
         ms_in, _ = _time_windows(_session(args, model, samples, 2), args.steps)
         per_process = max(1, (args.threads or 2) // 2)
-        pool = TrainerPool(2, args.model, dict(targets=tuple(args.targets.split(",")), rank=args.rank, alpha=2.0 * args.rank),
+        pool = TrainerPool(2, args.model,
+                           dict(targets=tuple(args.targets.split(",")), rank=args.rank, alpha=2.0 * args.rank),
                            threads=per_process)
         try:
             ms_pool, _ = _time_windows(_session(args, model, samples, 2, pool=pool), args.steps)
@@ -223,5 +226,6 @@ def run(args):
                      "supervised_tok_s": 2 * n_sup / ms_pool * 1e3, "peak_rss_mb": peak_rss_mb(),
                      "child_peak_rss_mb": max(child_rss) if None not in child_rss else None,
                      "notes": f"{desc}; 2 processes x {per_process} threads; trainers' own peak RSS "
-                              f"{' / '.join('?' if r is None else f'{r:.0f}' for r in child_rss)} MB (parent's is peak_rss_mb)"})
+                              f"{' / '.join('?' if r is None else f'{r:.0f}' for r in child_rss)} MB "
+                              "(parent's is peak_rss_mb)"})
     return rows

@@ -27,8 +27,10 @@ HELP = "Qwen3 GGUF prefill/decode tok/s and peak RSS, with llama.cpp ratios when
 
 
 def add_arguments(parser):
-    parser.add_argument("--model", required=True, help="path to a Qwen3 GGUF (e.g. from tools/make_qwen3_06b_shaped.py)")
-    parser.add_argument("--threads", type=int, default=2, help="threads for Fucina (numba+BLAS) and llama.cpp (default 2)")
+    parser.add_argument("--model", required=True,
+                        help="path to a Qwen3 GGUF (e.g. from tools/make_qwen3_06b_shaped.py)")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="threads for Fucina (numba+BLAS) and llama.cpp (default 2)")
     parser.add_argument("--decode-tokens", type=int, default=16, help="tokens timed in the decode case (default 16)")
     parser.add_argument("--repeat", type=int, default=3, help="timed repetitions per case; the median is reported")
     parser.add_argument("--blas-threads", type=int, default=1,
@@ -105,8 +107,9 @@ def _kernel_rows(path, threads, repeat):
     gg = GGUFFile(path)
     read_gbs, copy_gbs, peak = _machine_limits(threads, repeat)
     rows = [{"case": "machine/memory_read", "ms": (256 << 20) / read_gbs / 1e6, "baselines": {}, "gbps": read_gbs,
-             "copy_gbps": copy_gbs, "peak_gflops": peak, "notes": f"numpy sum of 256 MB: {read_gbs:.1f} GB/s (copy {copy_gbs:.1f} GB/s "
-                                           f"read+write); f32 BLAS 1024^3 at {threads} thread(s): {peak:.1f} GFLOP/s"}]
+             "copy_gbps": copy_gbs, "peak_gflops": peak,
+             "notes": f"numpy sum of 256 MB: {read_gbs:.1f} GB/s (copy {copy_gbs:.1f} GB/s "
+                      f"read+write); f32 BLAS 1024^3 at {threads} thread(s): {peak:.1f} GFLOP/s"}]
     seen = set()
     for name in gg.tensor_names:
         if not name.endswith(".weight") or ".attn_" not in name and ".ffn_" not in name:

@@ -15,7 +15,8 @@ import numpy as np
 from . import median_ms
 
 NAME = "ops"
-HELP = "cross-entropy (plain and fused with the projection), RMSNorm and attention forward+backward vs composed numpy and torch"
+HELP = ("cross-entropy (plain and fused with the projection), RMSNorm and attention forward+backward "
+        "vs composed numpy and torch")
 
 
 def add_arguments(parser):

@@ -17,7 +17,8 @@ from pipeline.llm.export import load_adapters, merge, resolve_alpha, write_lora_
 from pipeline.llm.gguf_write import FILE_TYPES, TARGETS, transcode
 
 NAME = "export-gguf"
-HELP = "merge LoRA adapters into a dense GGUF, transcode/quantize a GGUF (llama.cpp byte-exact), or write a LoRA adapter GGUF"
+HELP = ("merge LoRA adapters into a dense GGUF, transcode/quantize a GGUF (llama.cpp byte-exact), "
+        "or write a LoRA adapter GGUF")
 DESCRIPTION = __doc__.split("\n", 1)[1].strip() + (
     "\n\nThe adapter file stores A and B but NOT alpha: pass --alpha with the training-time value, "
     "or let it default to config.lora.alpha recorded in the checkpoint's trainer_state.json.")
@@ -25,7 +26,8 @@ DESCRIPTION = __doc__.split("\n", 1)[1].strip() + (
 
 def add_arguments(parser):
     parser.formatter_class = RawDescriptionHelpFormatter
-    parser.add_argument("--from-gguf", metavar="GGUF", help="source GGUF: the dense base to merge into, or the file to transcode")
+    parser.add_argument("--from-gguf", metavar="GGUF",
+                        help="source GGUF: the dense base to merge into, or the file to transcode")
     parser.add_argument("--adapters", metavar="DIR",
                         help="fine-tune checkpoint directory (adapters.safetensors + trainer_state.json)")
     parser.add_argument("--alpha", metavar="A",
@@ -36,7 +38,8 @@ def add_arguments(parser):
                         help="transcode matrix weights to this type (llama-quantize policy; norms and 1-D tensors keep "
                              "their type; K-quants need rows %% 256 == 0, else the source type is kept and reported; "
                              "already-quantized tensors are copied verbatim). Omit for a verbatim copy")
-    parser.add_argument("--lora-out", metavar="GGUF", help="write a llama.cpp LoRA adapter GGUF here (needs --adapters and --base)")
+    parser.add_argument("--lora-out", metavar="GGUF",
+                        help="write a llama.cpp LoRA adapter GGUF here (needs --adapters and --base)")
     parser.add_argument("--base", metavar="GGUF",
                         help="with --lora-out: the base model the adapter is for (names, shapes, architecture); "
                              "defaults to --from-gguf")
@@ -48,12 +51,14 @@ def run(args):
         if not args.adapters or not base:
             raise UserError("--lora-out needs --adapters DIR and --base BASE.gguf")
         if args.out or args.dtype:
-            raise UserError("--lora-out writes only the adapter; run merge/transcode (--out/--dtype) as a separate command")
+            raise UserError("--lora-out writes only the adapter; "
+                            "run merge/transcode (--out/--dtype) as a separate command")
         adapters = load_adapters(args.adapters)
         alpha = resolve_alpha(args.alpha, adapters)
         print(f"export-gguf: adapter GGUF  adapters={args.adapters} base={base} alpha={alpha:g} rank={adapters.rank}")
         write_lora_gguf(adapters, alpha, base, args.lora_out)
-        print(f"wrote {args.lora_out}: {len(adapters.pairs)} lora_a/lora_b pairs (targets {','.join(adapters.targets)})")
+        print(f"wrote {args.lora_out}: {len(adapters.pairs)} lora_a/lora_b pairs "
+              f"(targets {','.join(adapters.targets)})")
         return 0
     if not args.from_gguf or not args.out:
         raise UserError("need --from-gguf SRC and --out OUT (or --adapters, --base and --lora-out for an adapter GGUF)")

@@ -23,7 +23,8 @@ def add_arguments(parser):
 def run(args):
     adapters = load_adapters(args.adapters)
     alpha = resolve_alpha(args.alpha, adapters)
-    print(f"export-peft: adapters={args.adapters} alpha={alpha:g} rank={adapters.rank} targets={','.join(adapters.targets)}")
+    print(f"export-peft: adapters={args.adapters} alpha={alpha:g} rank={adapters.rank} "
+          f"targets={','.join(adapters.targets)}")
     write_peft(adapters, alpha, args.out, args.base_model)
     print(f"wrote {args.out}/adapter_config.json and adapter_model.safetensors ({2 * len(adapters.pairs)} tensors)")
     return 0

@@ -26,16 +26,19 @@ def add_arguments(parser):
         p.add_argument("--trainers", type=int, default=1,
                        help="trainer processes (one compute thread each unless --threads)")
         p.add_argument("--inprocess", action="store_true", help="run every task inline in this process (same bits)")
-        p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint dir or a run dir's latest checkpoint")
+        p.add_argument("--resume", metavar="DIR",
+                       help="continue from a checkpoint dir or a run dir's latest checkpoint")
         p.add_argument("--run-dir", metavar="DIR",
                        help="run directory (default: runs/<job>-<time>, which runs/<job>-latest then points to; "
                             "or the resumed run's dir)")
         p.add_argument("--threads", type=int, default=1, help="BLAS/numba threads per worker (and in-process)")
-        p.add_argument("--port", type=int, default=None, help="use tcp://HOST:PORT (+1 for events) instead of ipc:// sockets")
+        p.add_argument("--port", type=int, default=None,
+                       help="use tcp://HOST:PORT (+1 for events) instead of ipc:// sockets")
         p.add_argument("--host", default="127.0.0.1", help="interface the tcp:// sockets bind (loopback unless told)")
         p.add_argument("--liveness", type=float, default=5.0,
                        help="seconds without a heartbeat before a worker is declared lost and its work re-run")
-        p.add_argument("--json", action="store_true", help="print only a JSON summary (steps, final_loss, params_sha256, ...)")
+        p.add_argument("--json", action="store_true",
+                       help="print only a JSON summary (steps, final_loss, params_sha256, ...)")
         p.add_argument("--quiet", action="store_true", help="no live progress")
         add_flags(p, job_cls.Spec)
 

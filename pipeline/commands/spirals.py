@@ -34,7 +34,8 @@ def add_arguments(parser):
     parser.add_argument("--optimizer", action="append", metavar="NAME",
                         help="run only these recipes (repeatable or comma-separated): "
                              "sgd, adam, adamw, muon, apollo, apollo-mini, lion, groups (default: all)")
-    parser.add_argument("--steps", type=int, default=2000, help="full-batch steps per run; the checkpoint is at steps/2")
+    parser.add_argument("--steps", type=int, default=2000,
+                        help="full-batch steps per run; the checkpoint is at steps/2")
     parser.add_argument("--run-dir", default=None,
                         help="directory for the checkpoints (<run-dir>/<optimizer>/checkpoint-step-N); "
                              "default: a temporary directory removed at exit")
@@ -86,7 +87,8 @@ def run(args):
             runs.append(r)
             verdict = "bit-exact" if r["bit_exact"] else "NOT bit-exact"
             say(f"[{name}] trained {args.steps} steps: loss {r['loss']:.4g}  accuracy {100 * r['accuracy']:.1f}%")
-            say(f"[{name}] resume from step {r['resume_from']}: max |delta param| = {r['resume_max_abs_diff']:g} ({verdict})")
+            say(f"[{name}] resume from step {r['resume_from']}: "
+                f"max |delta param| = {r['resume_max_abs_diff']:g} ({verdict})")
             say(f"[{name}] inference from checkpoint: accuracy {100 * r['inference_accuracy']:.1f}%")
     seconds = time.perf_counter() - t0
     broken = [r["name"] for r in runs if not r["bit_exact"]]

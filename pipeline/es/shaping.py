@@ -38,7 +38,8 @@ def sanitize(rewards, population: int) -> tuple[np.ndarray, int]:
         raise RewardError(f"expected {population} rewards (one per member), got {r.size}")
     finite = np.isfinite(r)
     if not finite.any():
-        raise RewardError(f"all {population} rewards are non-finite (e.g. {r[0]}); iteration refused, parameters unchanged")
+        raise RewardError(f"all {population} rewards are non-finite (e.g. {r[0]}); "
+                          "iteration refused, parameters unchanged")
     n_bad = int(r.size - finite.sum())
     if n_bad:
         r[~finite] = r[finite].min()

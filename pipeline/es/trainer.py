@@ -138,7 +138,8 @@ class ESTrainer:
             if slot.name == name:
                 raise ESConfigError(f"add_param: duplicate name {name!r}")
             if np.shares_memory(slot.array, arr):
-                raise ESConfigError(f"add_param {name!r}: shares memory with {slot.name!r} (register tied storage once)")
+                raise ESConfigError(f"add_param {name!r}: shares memory with {slot.name!r} "
+                                    "(register tied storage once)")
         if self._active is not None:
             raise ESStateError(f"add_param {name!r}: member {self._active[0]} is applied; restore it first")
         offset = self._slots[-1].offset + self._slots[-1].size if self._slots else 0

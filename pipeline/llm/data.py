@@ -410,7 +410,8 @@ class Loader:
         self._fill()
 
     def _fill(self):
-        self.perm = epoch_permutation(self.n, self.seed, self.epoch) if self.order == "shuffled" else list(range(self.n))
+        self.perm = (epoch_permutation(self.n, self.seed, self.epoch) if self.order == "shuffled"
+                     else list(range(self.n)))
 
     def next(self):
         if self.index >= self.n:

@@ -251,7 +251,8 @@ def write_peft(adapters: Adapters, alpha: float, out_dir, base_model: str = "") 
     for p in adapters.pairs:
         prefix = f"base_model.model.model.layers.{p.layer}.{modules[p.target]}"
         tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(p.a, np.float32)
-        tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(fam.hf_rows(p.target, p.b, heads, kv_heads), np.float32)
+        tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(fam.hf_rows(p.target, p.b, heads, kv_heads),
+                                                                  np.float32)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

@@ -175,7 +175,9 @@ class _ExactWriter(GGUFWriter):
     def _pack_val(self, val, vtype, add_vtype, sub_type=None):
         if vtype == GGUFValueType.ARRAY and len(val) == 0:
             head = self._pack("I", vtype) if add_vtype else b""
-            return head + self._pack("I", sub_type if sub_type is not None else GGUFValueType.UINT8) + self._pack("Q", 0)
+            return (head + self._pack("I", sub_type if sub_type is not None else GGUFValueType.UINT8)
+                    + self._pack("Q", 0))
+
         return super()._pack_val(val, vtype, add_vtype, sub_type)
 
 
@@ -273,7 +275,8 @@ def transcode(src, dst, dtype: str, log=None) -> list[tuple[str, str, str, str]]
     if dtype is not None and dtype.lower() in MIXES:
         matrices = [(t.name, t.shape[-1]) for t in contents.tensors if is_matrix_weight(t)]
         mix = mix_types(matrices, dtype.lower(), _block_count(contents))
-    plans = [(t, *((t.qtype, "verbatim") if target is None else plan_tensor(t, *mix.get(t.name, (target, "converted")))))
+    plans = [(t, *((t.qtype, "verbatim") if target is None
+                   else plan_tensor(t, *mix.get(t.name, (target, "converted")))))
              for t in contents.tensors]
     if target is not None and not any(new != t.qtype for t, new, _ in plans):
         raise UserError(_nothing_to_convert(src, dtype, plans, contents.tensors))

@@ -74,7 +74,8 @@ def lora_delta(x, a, b, scale, dropout_p=0.0, dropout_seed=None):
     x: [..., in] float32 Tensor; a: [rank, in]; b: [out, rank]. Returns [..., out].
     """
     if x.shape[-1] != a.shape[1] or a.shape[0] != b.shape[1]:
-        raise ValueError(f"lora_delta: x {x.shape}, A {a.shape}, B {b.shape} do not chain (x[..., in] @ A[r, in].T @ B[out, r].T)")
+        raise ValueError(f"lora_delta: x {x.shape}, A {a.shape}, B {b.shape} do not chain "
+                         "(x[..., in] @ A[r, in].T @ B[out, r].T)")
     lead = x.shape[:-1]
     x2 = np.ascontiguousarray(x.data, dtype=np.float32).reshape(-1, a.shape[1])
     y, h = lora_forward(x2, a.data, b.data, scale, keep_mask_or_none(dropout_seed, x2.shape, dropout_p))
@@ -93,14 +94,16 @@ class LoraAdapter(Module):
 
     def __init__(self, in_dim, out_dim, rank=8, alpha=16.0, dropout=0.0, seed=0, prefix="adapter"):
         if not (isinstance(rank, (int, np.integer)) and 1 <= rank <= min(in_dim, out_dim)):
-            raise UserError(f"{prefix}: LoRA rank must be an integer in [1, min(in, out)] = [1, {min(in_dim, out_dim)}], got {rank}")
+            raise UserError(f"{prefix}: LoRA rank must be an integer in [1, min(in, out)] = "
+                            f"[1, {min(in_dim, out_dim)}], got {rank}")
         if not (0.0 <= dropout < 1.0):
             raise UserError(f"{prefix}: LoRA dropout must be in [0, 1), got {dropout}")
         self.in_dim, self.out_dim, self.rank = int(in_dim), int(out_dim), int(rank)
         self.alpha, self.dropout = float(alpha), float(dropout)
         self.scale = np.float32(self.alpha / self.rank)
         self.prefix = prefix
-        self.lora_a = parameter(kaiming_uniform(seed, (self.rank, self.in_dim), fan_in=self.in_dim), name=f"{prefix}.lora_a")
+        self.lora_a = parameter(kaiming_uniform(seed, (self.rank, self.in_dim), fan_in=self.in_dim),
+                                name=f"{prefix}.lora_a")
         self.lora_b = parameter(np.zeros((self.out_dim, self.rank), dtype=np.float32), name=f"{prefix}.lora_b")
 
     def named_parameters(self, prefix=None, trainable_only=True):
@@ -123,7 +126,8 @@ class LoraAdapter(Module):
 
     def _check_weight(self, w, where):
         if tuple(w.shape) != (self.out_dim, self.in_dim):
-            raise UserError(f"{where}: {self.prefix}: base weight shape {tuple(w.shape)} != adapter [out, in] = {(self.out_dim, self.in_dim)}")
+            raise UserError(f"{where}: {self.prefix}: base weight shape {tuple(w.shape)} "
+                            f"!= adapter [out, in] = {(self.out_dim, self.in_dim)}")
 
     def merge_into(self, weight):
         """Fold the adapter into a dense float32 base weight IN PLACE.
@@ -133,16 +137,19 @@ class LoraAdapter(Module):
         """
         if isinstance(weight, Tensor):
             if weight.requires_grad:
-                raise UserError(f"merge_into: {self.prefix}: the base weight requires grad; merge only into a frozen (no-grad) weight")
+                raise UserError(f"merge_into: {self.prefix}: the base weight requires grad; "
+                                "merge only into a frozen (no-grad) weight")
         if _looks_quantized(weight):
             raise UserError(f"merge_into: {self.prefix}: {QUANTIZED_MERGE_REFUSAL}")
         weight = _dense(weight)
         if not isinstance(weight, np.ndarray) or weight.dtype != np.float32:
             dtype = getattr(weight, "dtype", type(weight).__name__)
-            raise UserError(f"merge_into: {self.prefix}: in-place merge needs a float32 weight, got {dtype}; use merged_f16 for float16 bases")
+            raise UserError(f"merge_into: {self.prefix}: in-place merge needs a float32 weight, got {dtype}; "
+                            "use merged_f16 for float16 bases")
         self._check_weight(weight, "merge_into")
         if not weight.flags.writeable:
-            raise UserError(f"merge_into: {self.prefix}: the base weight is read-only (memory-mapped?); merge into a copy")
+            raise UserError(f"merge_into: {self.prefix}: the base weight is read-only (memory-mapped?); "
+                            "merge into a copy")
         weight += self._delta_weight()
         return weight
 
@@ -152,7 +159,8 @@ class LoraAdapter(Module):
             raise UserError(f"merged_f16: {self.prefix}: {QUANTIZED_MERGE_REFUSAL}")
         w = _dense(weight)
         if not isinstance(w, np.ndarray) or w.dtype != np.float16:
-            raise UserError(f"merged_f16: {self.prefix}: expected a float16 base weight, got {getattr(w, 'dtype', type(w).__name__)}")
+            raise UserError(f"merged_f16: {self.prefix}: expected a float16 base weight, "
+                            f"got {getattr(w, 'dtype', type(w).__name__)}")
         self._check_weight(w, "merged_f16")
         return (w.astype(np.float32) + self._delta_weight()).astype(np.float16)
 

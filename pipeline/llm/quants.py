@@ -74,7 +74,8 @@ class FrozenWeight:
     for many rows (prefill, training; kernels/qgemm.py). `matmul(g)` computes g @ W
     (the backward of a frozen linear) the same tiled way. It carries no gradient.
 
-    `integer_dot` (default False: opt-in until it is faster than the f32 kernels): forwards that record no graph (under autograd's no_grad():
+    `integer_dot` (default False: opt-in until it is faster than the f32 kernels): forwards that record
+    no graph (under autograd's no_grad():
     inference, ES member evaluation, evaluation passes) of at most INTEGER_MAX_ROWS activation
     rows (decode) through Q8_0/Q4_0/Q5_0/Q4_K/Q5_K/Q6_K weights quantize their activations the way
     llama.cpp does and take integer block dot products (kernels/qint.py); a forward with

@@ -85,7 +85,8 @@ class Apollo(Optimizer):
         for field, value in (("state_dtype", state_dtype), ("second_moment_dtype", second_moment_dtype)):
             if state_dtype_name(value, f"Apollo: {field}") != "f32":
                 raise OptimizerConfigError(f"Apollo: {field}={value!r} is not supported: APOLLO state stays float32 "
-                                           "(its moments are rank-compressed already and its scaling norms read them directly)")
+                                           "(its moments are rank-compressed already "
+                                           "and its scaling norms read them directly)")
         self.state_dtype = "f32"
         self._fallback_ids = set()
         self._proj_cache = {}

@@ -103,8 +103,9 @@ class Slot:
         data = self.tensor.data
         if data.dtype == np.float32:
             if not (data.flags.c_contiguous and data.flags.writeable):
-                raise UserError(f"optimizer step: parameter {self.name!r} now holds a non-contiguous or read-only array "
-                                f"(shape {data.shape}); updates are in place, so assign a contiguous writeable array")
+                raise UserError(f"optimizer step: parameter {self.name!r} now holds a non-contiguous or read-only "
+                                f"array (shape {data.shape}); updates are in place, "
+                                "so assign a contiguous writeable array")
             return data
         if self.master is None or self.published is not data:
             # first step, or the user swapped the param's array: (re)take the master
@@ -134,7 +135,8 @@ class ParamGroup:
             return self.optimizer.lr
         if key == "params":
             return [s.tensor for s in self.optimizer.slots]
-        raise KeyError(f"param group: only 'lr' and 'params' are available, not {key!r} (hyperparameters are optimizer attributes)")
+        raise KeyError(f"param group: only 'lr' and 'params' are available, not {key!r} "
+                       "(hyperparameters are optimizer attributes)")
 
     def __setitem__(self, key, value):
         if key != "lr":
@@ -190,11 +192,15 @@ class Optimizer:
             raise OptimizerConfigError(f"{where}.add_param: expected a Tensor, got {type(tensor).__name__}")
         data = tensor.data
         if data.dtype not in (np.float32, np.float16, BF16):
-            raise OptimizerConfigError(f"{where}.add_param({name or ''}): parameter dtype must be float32, float16 or bfloat16, got {data.dtype}")
+            raise OptimizerConfigError(f"{where}.add_param({name or ''}): parameter dtype must be float32, "
+                                       f"float16 or bfloat16, got {data.dtype}")
         if not data.flags.c_contiguous or not data.flags.writeable:
-            raise OptimizerConfigError(f"{where}.add_param({name or ''}): parameter array must be C-contiguous and writeable (shape {data.shape})")
+            raise OptimizerConfigError(f"{where}.add_param({name or ''}): parameter array must be C-contiguous "
+                                       f"and writeable (shape {data.shape})")
         if id(tensor) in self._ids:
-            raise OptimizerConfigError(f"{where}.add_param: parameter {name or tensor.name or ''!s} is already registered as {self._ids[id(tensor)]!r} (each parameter belongs to exactly one slot)")
+            raise OptimizerConfigError(f"{where}.add_param: parameter {name or tensor.name or ''!s} is already "
+                                       f"registered as {self._ids[id(tensor)]!r} "
+                                       "(each parameter belongs to exactly one slot)")
         if name is None:
             name = f"param.{len(self._ids)}"
         name = str(name)
@@ -232,7 +238,8 @@ class Optimizer:
         if g is None:
             return None
         if not isinstance(g, np.ndarray) or g.dtype != np.float32 or g.shape != slot.tensor.data.shape:
-            raise UserError(f"{type(self).__name__}.step: gradient of {slot.name!r} must be float32 with shape {slot.tensor.data.shape}, "
+            raise UserError(f"{type(self).__name__}.step: gradient of {slot.name!r} must be float32 "
+                            f"with shape {slot.tensor.data.shape}, "
                             f"got {getattr(g, 'dtype', type(g).__name__)} {getattr(g, 'shape', '')}")
         if not g.flags.c_contiguous:
             g = np.ascontiguousarray(g)
@@ -318,7 +325,8 @@ class Optimizer:
             prefix = f"{slot.name}."
             step_key = prefix + "step"
             if step_key not in scalars:
-                raise CheckpointMissing(f"{source}: no entry for slot {slot.name!r} (field {step_key!r}); was it registered under another name?")
+                raise CheckpointMissing(f"{source}: no entry for slot {slot.name!r} (field {step_key!r}); "
+                                        "was it registered under another name?")
             step = int(scalars[step_key])
             known.add(step_key)
             new_state = {}
@@ -329,18 +337,22 @@ class Optimizer:
             extra = {}
             for key in self._extra_keys(slot):
                 if prefix + key in tensors:
-                    extra[key] = np.float32(_check_array(tensors[prefix + key], prefix + key, (1,), np.float32, source)[0])
+                    extra[key] = np.float32(
+                        _check_array(tensors[prefix + key], prefix + key, (1,), np.float32, source)[0])
                     known.add(prefix + key)
             master = None
             if prefix + "master" in tensors:
                 if not slot.is_16bit:
-                    raise DTypeMismatchError(f"{source}: {prefix}master is stored but parameter {slot.name!r} is float32 (a 16-bit run's state?)")
-                master = _check_array(tensors[prefix + "master"], prefix + "master", slot.tensor.data.shape, np.float32, source).copy()
+                    raise DTypeMismatchError(f"{source}: {prefix}master is stored but parameter {slot.name!r} "
+                                             "is float32 (a 16-bit run's state?)")
+                master = _check_array(tensors[prefix + "master"], prefix + "master", slot.tensor.data.shape,
+                                      np.float32, source).copy()
                 known.add(prefix + "master")
             staged.append((slot, step, new_state, extra, master))
         unknown = sorted((set(tensors) | set(scalars)) - known)
         if unknown:
-            raise CheckpointMissing(f"{source}: entries not matching any registered slot: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+            raise CheckpointMissing(f"{source}: entries not matching any registered slot: "
+                                    f"{unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
         for slot, step, new_state, extra, master in staged:  # everything validated: now apply
             slot.step, slot.state, slot.extra = step, new_state, extra
             if master is not None:
@@ -355,7 +367,8 @@ class Optimizer:
         mine = self.config()
         for field in self.STRUCTURAL:
             if field not in stored:
-                raise ConfigMismatchError(f"{source}: structural field 'config.{field}' missing (configured {mine[field]!r})")
+                raise ConfigMismatchError(f"{source}: structural field 'config.{field}' missing "
+                                          f"(configured {mine[field]!r})")
             if stored[field] != mine[field]:
                 error = DTypeMismatchError if field.endswith("dtype") else ConfigMismatchError
                 raise error(f"{source}: structural field 'config.{field}' is {stored[field]!r} in the checkpoint, "
@@ -369,7 +382,8 @@ class CheckpointMissing(ConfigMismatchError):
 def _check_array(arr, key, shape, dtype, source):
     arr = np.asarray(arr)
     if arr.dtype != np.dtype(dtype):
-        raise DTypeMismatchError(f"{source}: {key} is stored as {arr.dtype}, configured {np.dtype(dtype)} (no implicit f32<->bf16 conversion)")
+        raise DTypeMismatchError(f"{source}: {key} is stored as {arr.dtype}, configured {np.dtype(dtype)} "
+                                 "(no implicit f32<->bf16 conversion)")
     if tuple(arr.shape) != tuple(shape):
         raise ConfigMismatchError(f"{source}: {key} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
     return arr

@@ -60,6 +60,8 @@ def scale_gradients(target, factor):
 
 def _writable(g):
     if not isinstance(g, np.ndarray) or g.dtype != np.float32 or not g.flags.c_contiguous or not g.flags.writeable:
-        raise OptimizerConfigError(f"clip/scale: gradients are scaled in place and must be writeable C-contiguous float32 "
-                                   f"arrays, got {getattr(g, 'dtype', type(g).__name__)} {getattr(g, 'shape', '')}")
+        raise OptimizerConfigError("clip/scale: gradients are scaled in place and must be writeable C-contiguous "
+                                   f"float32 arrays, got {getattr(g, 'dtype', type(g).__name__)} "
+                                   f"{getattr(g, 'shape', '')}")
+
     return g

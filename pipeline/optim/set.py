@@ -78,10 +78,12 @@ class OptimizerSet:
 
     def load_state_dict(self, sd, source="optimizer state"):
         if not isinstance(sd, dict) or sd.get("type") != self.TYPE:
-            raise ConfigMismatchError(f"{source}: field 'type' is {sd.get('type') if isinstance(sd, dict) else None!r}, expected 'set'")
+            raise ConfigMismatchError(f"{source}: field 'type' is "
+                                      f"{sd.get('type') if isinstance(sd, dict) else None!r}, expected 'set'")
         stored = (sd.get("config") or {}).get("members", [])
         if len(stored) != len(self.members):
-            raise ConfigMismatchError(f"{source}: field 'config.members' has {len(stored)} members, this set has {len(self.members)}")
+            raise ConfigMismatchError(f"{source}: field 'config.members' has {len(stored)} members, "
+                                      f"this set has {len(self.members)}")
         for i, (m, info) in enumerate(zip(self.members, stored)):
             prefix = f"{i}."
             sub = {"type": info.get("type"), "config": info.get("config"),

@@ -56,7 +56,7 @@ class Supervisor:
             sched += ["--resume", resume]
         if port:
             sched += ["--port", str(port), "--host", host, "--key", server_key]
-        worker = lambda role: [sys.executable, "-m", f"workers.{role}", *conn, "--threads", str(threads)]  # noqa: E731
+        worker = lambda role: [sys.executable, "-m", f"workers.{role}", *conn, "--threads", str(threads)]
         self.commands = {"scheduler": sched, "loader": worker("loader"), "optimizer": worker("optimizer"),
                          "checkpointer": worker("checkpointer")}
         for i in range(trainers):

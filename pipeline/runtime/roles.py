@@ -63,10 +63,12 @@ class OptimizerLogic:
             return 0
         state = ckpt.read_state(resume)
         if state.config.get("job") != self.job.name:
-            raise ConfigMismatchError(f"{resume}: checkpoint of job {state.config.get('job')!r}, resuming job {self.job.name!r}")
+            raise ConfigMismatchError(f"{resume}: checkpoint of job {state.config.get('job')!r}, "
+                                      f"resuming job {self.job.name!r}")
         if state.accum_steps != self.job.micro_batches:
             raise ConfigMismatchError(f"{resume}/trainer_state.json: accum_steps {state.accum_steps} "
-                                      f"(micro-batches per step) but the job has micro_batches={self.job.micro_batches}")
+                                      "(micro-batches per step) "
+                                      f"but the job has micro_batches={self.job.micro_batches}")
         return ckpt.restore(resume, self.named, self.opt)
 
     def step(self, step: int, slots: list[dict]) -> dict:

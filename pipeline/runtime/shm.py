@@ -148,7 +148,8 @@ class Registry:
         try:
             shm = shared_memory.SharedMemory(name=name)
         except FileNotFoundError:
-            raise FileNotFoundError(f"shm: segment {name!r} does not exist (its owner exited or never created it)") from None
+            raise FileNotFoundError(f"shm: segment {name!r} does not exist "
+                                    "(its owner exited or never created it)") from None
         _untrack(shm)
         seg = Segment(shm, specs, owner=False)
         self.attached[name] = seg

@@ -44,7 +44,8 @@ def _split(value, path, tensors):
     if isinstance(value, dict):
         for key in value:
             if not isinstance(key, str):
-                raise CheckpointError(f"optimizer state: key {key!r} at {'/'.join(path) or 'top level'} is not a string")
+                raise CheckpointError(f"optimizer state: key {key!r} at {'/'.join(path) or 'top level'} "
+                                      "is not a string")
         return {key: _split(v, path + [key], tensors) for key, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_split(v, path + [str(i)], tensors) for i, v in enumerate(value)]
@@ -99,7 +100,8 @@ def read_optimizer(path) -> dict:
     """Read an optimizer state file back into the state_dict() structure."""
     tensors, meta = read_safetensors(path)
     if meta.get("format") != FORMAT or "state" not in meta:
-        raise CheckpointError(f"{path}: not a Fucina optimizer state file (metadata 'format' is {meta.get('format')!r})")
+        raise CheckpointError(f"{path}: not a Fucina optimizer state file "
+                              f"(metadata 'format' is {meta.get('format')!r})")
     # bounded nesting: _join recurses once per level, as the decoder does
     skeleton = parse_json(meta["state"], f"{path}: corrupt optimizer state metadata", CheckpointError,
                           max_depth=_MAX_STATE_DEPTH)
@@ -137,4 +139,5 @@ def load_optimizer(path, opt) -> None:
     except CheckpointError as e:
         raise type(e)(f"{path}: {e}") from None
     except (KeyError, ValueError, TypeError, AttributeError, IndexError) as e:  # a state it could not even parse
-        raise CheckpointError(f"{path}: optimizer state does not fit {type(opt).__name__} ({type(e).__name__}: {e})") from None
+        raise CheckpointError(f"{path}: optimizer state does not fit {type(opt).__name__} "
+                              f"({type(e).__name__}: {e})") from None

@@ -108,7 +108,8 @@ def atomic_write_bytes(path, data: bytes) -> None:
 def _as_array(value, name):
     arr = value.data if isinstance(value, Tensor) else value
     if not isinstance(arr, np.ndarray):
-        raise CheckpointError(f"state dict entry {name!r}: expected a numpy array or Tensor, got {type(value).__name__}")
+        raise CheckpointError(f"state dict entry {name!r}: expected a numpy array or Tensor, "
+                              f"got {type(value).__name__}")
     if arr.dtype.byteorder == ">":  # the format is little-endian
         arr = arr.byteswap().view(arr.dtype.newbyteorder("<"))
     if arr.dtype not in _TAGS:
@@ -150,7 +151,8 @@ def save_state_dict(path, tensors, metadata: dict[str, str] | None = None) -> No
     header, offset = {"__metadata__": metadata}, 0
     for name in order:
         arr = arrays[name]
-        header[name] = {"dtype": _TAGS[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        header[name] = {"dtype": _TAGS[arr.dtype], "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + arr.nbytes]}
         offset += arr.nbytes
     head = json.dumps(header, separators=(",", ":")).encode("utf-8")
     head += b" " * (-len(head) % 8)  # the spec's padding: the data starts 8-byte aligned
@@ -218,7 +220,8 @@ def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     (header_len,) = struct.unpack("<Q", blob[:8].tobytes())
     if header_len > _MAX_HEADER or 8 + header_len > len(blob):
         raise SafetensorsError(
-            f"{path}: truncated or corrupt safetensors file (header claims {header_len} bytes, file has {len(blob) - 8})")
+            f"{path}: truncated or corrupt safetensors file "
+            f"(header claims {header_len} bytes, file has {len(blob) - 8})")
     try:
         text = blob[8:8 + header_len].tobytes().decode("utf-8")
     except UnicodeDecodeError as e:
@@ -308,7 +311,9 @@ def assign_state(targets, stored: dict[str, np.ndarray], source="state dict", st
                 f"{source}: tensor {name!r} has shape {list(arr.shape)} in the file, {list(t.data.shape)} in the model")
         if arr.dtype != t.data.dtype:
             raise DTypeMismatchError(
-                f"{source}: tensor {name!r} is {dtype_tag(arr.dtype)} in the file, {dtype_tag(t.data.dtype)} in the model "
+                f"{source}: tensor {name!r} is {dtype_tag(arr.dtype)} in the file, "
+                f"{dtype_tag(t.data.dtype)} in the model "
+
                 "(no implicit conversion: convert the model or the file explicitly)")
     if dry_run:
         return report

@@ -69,7 +69,8 @@ def test_fused_matches_composed(rand, chunk_rows, reduction):
     for fused in (False, True):
         x, w = Tensor(x0, requires_grad=True), Tensor(w0, requires_grad=True)
         if fused:
-            loss = ag.linear_cross_entropy(x, w, labels, reduction=reduction, label_smoothing=0.05, chunk_rows=chunk_rows)
+            loss = ag.linear_cross_entropy(x, w, labels, reduction=reduction, label_smoothing=0.05,
+                                           chunk_rows=chunk_rows)
         else:
             loss = ag.cross_entropy(ag.linear(x, w), labels, reduction=reduction, label_smoothing=0.05)
         loss.backward(up)
@@ -219,7 +220,8 @@ def test_frozen_head_all_ignored_and_fallbacks(head_calls, rand):
     assert loss == 0 and not gx.any() and head_calls == []
     with ag.no_grad():  # no gradient wanted: the plain forward
         ag.linear_cross_entropy(Tensor(x0, requires_grad=True), w0, np.arange(4))
-    ag.linear_cross_entropy(Tensor(x0, requires_grad=True, dtype=np.float64), Tensor(w0, dtype=np.float64), np.arange(4))
+    ag.linear_cross_entropy(Tensor(x0, requires_grad=True, dtype=np.float64), Tensor(w0, dtype=np.float64),
+                            np.arange(4))
     assert head_calls == []
     ag.linear_cross_entropy(Tensor(x0, requires_grad=True), w0, np.arange(4))
     assert head_calls == [4]

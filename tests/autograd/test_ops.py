@@ -49,7 +49,9 @@ def test_linear(gradcheck, rand):
     gradcheck(ag.linear, rand(2, 3, 4), rand(5, 4), rand(5))
     gradcheck(lambda x, w: ag.linear(x, w), rand(3, 4), rand(5, 4))
     x, w, b = rand(3, 4), rand(5, 4), rand(5)
-    np.testing.assert_allclose(ag.linear(Tensor(x, dtype=np.float64), Tensor(w, dtype=np.float64), Tensor(b, dtype=np.float64)).data, x @ w.T + b)
+    np.testing.assert_allclose(
+        ag.linear(Tensor(x, dtype=np.float64), Tensor(w, dtype=np.float64), Tensor(b, dtype=np.float64)).data,
+        x @ w.T + b)
 
 
 @pytest.mark.parametrize("reduce", ["sum", "mean"])
@@ -129,7 +131,8 @@ def test_rms_norm(gradcheck, rand):
     gradcheck(lambda x: ag.rms_norm(x), rand(4, 6))
     x, w = rand(3, 8), rand(8)
     ref = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6) * w
-    np.testing.assert_allclose(ag.rms_norm(Tensor(x, dtype=np.float64), Tensor(w, dtype=np.float64)).data, ref, rtol=1e-12)
+    np.testing.assert_allclose(ag.rms_norm(Tensor(x, dtype=np.float64), Tensor(w, dtype=np.float64)).data, ref,
+                               rtol=1e-12)
 
 
 def test_layer_norm(gradcheck, rand):

@@ -65,7 +65,8 @@ def test_attention_matches_sdpa(r, hq, hkv, sq, sk):
 
     def torch_attn(q, k, v):  # [b, s, h, d] -> sdpa's [b, h, s, d]
         g = hq // hkv
-        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(g, 1), v.transpose(1, 2).repeat_interleave(g, 1)
+        qt = q.transpose(1, 2)
+        kt, vt = k.transpose(1, 2).repeat_interleave(g, 1), v.transpose(1, 2).repeat_interleave(g, 1)
         mask = torch.arange(sk)[None, :] <= (sk - sq + torch.arange(sq))[:, None]
         return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask).transpose(1, 2)
 

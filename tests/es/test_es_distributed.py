@@ -50,15 +50,18 @@ def test_member_handler_against_a_mock_coordinator():
     coord = _task()
     desc, raw = protocol.slot_frames(coord.trainer.named_arrays())
     member = Member()
-    assert member.handle({"kind": "iter", "it": 0, "catchup": None, "members": [0], "center": False}, [])[0][0] == "failed"
+    refused = member.handle({"kind": "iter", "it": 0, "catchup": None, "members": [0], "center": False}, [])
+    assert refused[0][0] == "failed"
     assert member.handle({"kind": "welcome", "run": coord.run_config, "it": 0, "slots": desc}, raw) == []
-    [(kind, fields, _)] = member.handle({"kind": "iter", "it": 0, "catchup": None, "members": [3, 7], "center": True}, [])
+    [(kind, fields, _)] = member.handle({"kind": "iter", "it": 0, "catchup": None, "members": [3, 7], "center": True},
+                                        [])
     assert kind == "rewards" and fields["members"] == [3, 7]
     assert np.array_equal(fields["rewards"], coord.rewards([3, 7]))
     assert fields["center"] == list(coord.center())
     rewards = coord.rewards(range(24))
     coord.trainer.update(rewards)  # what every replica does with the shared reward vector
-    [(kind, fields, frames)] = member.handle({"kind": "fetch", "it": 1, "catchup": rewards.tolist(), "frames": True}, [])
+    [(kind, fields, frames)] = member.handle({"kind": "fetch", "it": 1, "catchup": rewards.tolist(), "frames": True},
+                                             [])
     assert kind == "params" and fields["sha256"] == params_sha256(coord.trainer.named_arrays()) and len(frames) == 6
     with pytest.raises(RuntimeError, match="replica is at iteration 1, asked for 3"):
         member.handle({"kind": "iter", "it": 3, "catchup": None, "members": [0], "center": False}, [])

@@ -47,7 +47,8 @@ def test_checkpoint_layout_and_es_fields(tmp_path, capsys):
     rc, s, _ = _run(capsys, "--iterations", "2", "--save", str(tmp_path / "r"), "--save-every", "1")
     assert rc == 0
     final = tmp_path / "r"
-    assert sorted(p.name for p in final.iterdir()) == ["adapters.safetensors", "checkpoint-step-1", "trainer_state.json"]
+    assert sorted(p.name for p in final.iterdir()) == ["adapters.safetensors", "checkpoint-step-1",
+                                                       "trainer_state.json"]
     assert (final / "checkpoint-step-1" / "trainer_state.json").is_file()
     assert not (final / "checkpoint-step-1" / "optimizer.safetensors").exists()
     state = json.loads((final / "trainer_state.json").read_text())
@@ -55,7 +56,8 @@ def test_checkpoint_layout_and_es_fields(tmp_path, capsys):
     assert state["step"] == 2 and cfg["es_iteration"] == 2
     assert cfg["es_population"] == 4 and cfg["es_antithetic"] is True and cfg["es_restore_mode"] == "snapshot"
     assert cfg["lora"]["rank"] == 8 and cfg["lora"]["targets"] == ["q", "v"] and cfg["es_search"] == "ab"
-    assert set(state["loader"]) == {"seed", "epoch", "index"} and state["loader"]["index"] == 4  # 2 iterations x batch 2
+    # 2 iterations x batch 2
+    assert set(state["loader"]) == {"seed", "epoch", "index"} and state["loader"]["index"] == 4
     from safetensors.numpy import load_file
     tensors = load_file(final / "adapters.safetensors")
     assert sorted(tensors)[0] == "layers.0.q.lora_a" and len(tensors) == 2 * 2 * 2
@@ -148,7 +150,8 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
 @pytest.mark.slow
 def test_default_run_lowers_the_pirate_loss(capsys):
     """The default ES settings on the fixture, 60 iterations (population 16 x batch 5): a measurable drop."""
-    rc = main(["es-finetune", "--model", MODEL, "--iterations", "60", "--max-new-tokens", "3", "--threads", "0", "--json"])
+    rc = main(["es-finetune", "--model", MODEL, "--iterations", "60", "--max-new-tokens", "3", "--threads", "0",
+               "--json"])
     out = capsys.readouterr()
     assert rc == 0, out.err
     s = json.loads(out.out.strip().splitlines()[-1])

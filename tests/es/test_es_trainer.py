@@ -248,7 +248,8 @@ def test_anchor_decay_l2_and_l1():
         tr.update(r)
         plain.update(r)
         d = b - anchor
-        want = anchor + (d * np.float32(1 - 0.2) if kind == "l2" else np.sign(d) * np.maximum(np.abs(d) - np.float32(0.2), 0))
+        want = anchor + (d * np.float32(1 - 0.2) if kind == "l2"
+                         else np.sign(d) * np.maximum(np.abs(d) - np.float32(0.2), 0))
         np.testing.assert_allclose(a, want, rtol=1e-6, atol=1e-7)
         if kind == "l1":
             assert (a == anchor).any()  # soft-thresholding zeroes small deltas exactly

@@ -2,8 +2,8 @@
 
 The contract: lane l (0..31) accumulates, in f32 and block order, w[k] * x[k] for
 k = l mod 32, where w is the exact gguf-py dequantized weight; the 32 lanes are
-then summed as a tree (lane l + lane l+16, then l + l+8, ... down to one). The emulation below does exactly that in numpy, so any
-change of operation order, FMA contraction or lane layout in the IR shows up.
+then summed as a tree (lane l + lane l+16, then l + l+8, ... down to one). The emulation below does
+exactly that in numpy, so any change of operation order, FMA contraction or lane layout in the IR shows up.
 """
 import sys
 from pathlib import Path

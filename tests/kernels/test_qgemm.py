@@ -113,7 +113,8 @@ def test_bad_shapes_are_named():
 @pytest.mark.parametrize("rows", [5, qgemm.TRANSPOSE_BELOW_ROWS + 3])
 def test_matmul_t_many_equals_one_by_one(rows, small_tiles):
     """Both BLAS orientations (few rows: W @ x.T; many rows: x @ W.T), mixed formats in one dispatch."""
-    ws = [(int(qt), *weight(qt, n, 256, seed=i)) for i, (qt, n) in enumerate([(QT.Q4_K, 80), (QT.F32, 48), (QT.BF16, 40)])]
+    ws = [(int(qt), *weight(qt, n, 256, seed=i))
+          for i, (qt, n) in enumerate([(QT.Q4_K, 80), (QT.F32, 48), (QT.BF16, 40)])]
     x = np.random.default_rng(8).standard_normal((rows, 256)).astype(np.float32)
     outs = qgemm.matmul_t_many([(qt, raw, w.shape) for qt, raw, w in ws], x)
     for (qt, raw, w), got in zip(ws, outs):

@@ -86,10 +86,10 @@ def block_integers(qt, raw, n):
     ql, qh = b[:, :, :128].astype(np.int64), b[:, :, 128:192].astype(np.int64)
     w = np.empty((rows, b.shape[1], 256), np.int64)
     for half in range(2):
-        l, h = ql[..., 64 * half:64 * half + 64], qh[..., 32 * half:32 * half + 32]
+        lo, hi = ql[..., 64 * half:64 * half + 64], qh[..., 32 * half:32 * half + 32]
         for t in range(4):
             w[..., 128 * half + 32 * t:128 * half + 32 * t + 32] = (
-                ((l[..., (t & 1) * 32:(t & 1) * 32 + 32] >> (4 * (t >> 1))) & 15) | (((h >> (2 * t)) & 3) << 4))
+                ((lo[..., (t & 1) * 32:(t & 1) * 32 + 32] >> (4 * (t >> 1))) & 15) | (((hi >> (2 * t)) & 3) << 4))
     scales = b[:, :, 192:208].view(np.int8).astype(np.int64)
     return (w - 32).reshape(rows, n), np.repeat(scales, 16, axis=-1).reshape(rows, n), f16(b, 208), None
 

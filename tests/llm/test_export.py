@@ -139,8 +139,10 @@ def test_merge_via_cli_defaults_alpha_from_trainer_state(bases, tmp_path, capsys
     code, stdout, _ = _run(["export-gguf", "--from-gguf", str(bases["f16"]), "--adapters", str(tmp_path / "run"),
                             "--alpha", "4", "--out", str(tmp_path / "m4.gguf")], capsys)
     assert code == 0 and "alpha=4" in stdout
-    d16 = read_gguf(out).tensor("blk.0.attn_q.weight").dense() - read_gguf(bases["f16"]).tensor("blk.0.attn_q.weight").dense()
-    d4 = read_gguf(tmp_path / "m4.gguf").tensor("blk.0.attn_q.weight").dense() - read_gguf(bases["f16"]).tensor("blk.0.attn_q.weight").dense()
+    d16 = (read_gguf(out).tensor("blk.0.attn_q.weight").dense()
+           - read_gguf(bases["f16"]).tensor("blk.0.attn_q.weight").dense())
+    d4 = (read_gguf(tmp_path / "m4.gguf").tensor("blk.0.attn_q.weight").dense()
+          - read_gguf(bases["f16"]).tensor("blk.0.attn_q.weight").dense())
     assert np.abs(d16).max() > 3 * np.abs(d4).max()
 
 

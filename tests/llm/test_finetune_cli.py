@@ -3,7 +3,6 @@ processes == in-process, accumulation, checkpoints, verify-grads, clear errors."
 import json
 import os
 
-import numpy as np
 import pytest
 
 from pipeline.cli import main

@@ -28,8 +28,10 @@ def model_from_arrays(cfg, z):
     blocks = []
     for i in range(cfg.layers):
         p = f"blk.{i}."
-        attn = Attention(lin(p + "q"), lin(p + "k"), lin(p + "v"), lin(p + "o"), vec(p + "attn_q_norm"), vec(p + "attn_k_norm"))
-        blocks.append(Block(vec(p + "attn_norm"), attn, vec(p + "ffn_norm"), MLP(lin(p + "gate"), lin(p + "up"), lin(p + "down"))))
+        attn = Attention(lin(p + "q"), lin(p + "k"), lin(p + "v"), lin(p + "o"),
+                         vec(p + "attn_q_norm"), vec(p + "attn_k_norm"))
+        blocks.append(Block(vec(p + "attn_norm"), attn, vec(p + "ffn_norm"),
+                            MLP(lin(p + "gate"), lin(p + "up"), lin(p + "down"))))
     embed = parameter(z["token_embd"], "token_embd")
     return Qwen3(cfg, embed, blocks, vec("output_norm"), Linear(embed))
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from fuzz_cases import GGML_F16, GGML_F32, GGML_Q8_0, STRING, U8, U32, array, gguf_bytes, kv, small_gguf, string, u32
+from fuzz_cases import GGML_F32, GGML_Q8_0, STRING, U8, U32, array, gguf_bytes, kv, small_gguf, string, u32
 
 from pipeline.cli import main
 from pipeline.errors import GGUFError, UserError

@@ -45,7 +45,8 @@ def test_delta_matches_numpy_reference_with_and_without_dropout():
     ad = LoraAdapter(8, 5, rank=3, alpha=6, dropout=0.25, seed=3)
     ad.lora_b.data[:] = _x((5, 3), seed=4)
     x = _x((2, 4, 8))
-    np.testing.assert_allclose(ad.delta(Tensor(x)).data, _reference_delta(x, ad.lora_a.data, ad.lora_b.data, 2.0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ad.delta(Tensor(x)).data, _reference_delta(x, ad.lora_a.data, ad.lora_b.data, 2.0),
+                               rtol=1e-5, atol=1e-6)
     mask = dropout_keep_mask(99, (8, 8), 0.25).reshape(2, 4, 8)
     # the mask contract: keep iff uniform(at(seed, i)) < 1 - p, scaled by 1/(1-p)
     u = uniform(99, (2, 4, 8), dtype=np.float64)
@@ -76,7 +77,8 @@ def test_gradients_match_finite_differences(seed, p):
             for eps in (1e-2, -1e-2):
                 t.data[i] = keep + eps
                 with np.errstate(all="ignore"):
-                    vals.append(float(np.sum(lora_delta(Tensor(x.data), Tensor(a.data), Tensor(b.data), np.float32(1.5), p, seed).data.astype(np.float64) * w)))
+                    delta = lora_delta(Tensor(x.data), Tensor(a.data), Tensor(b.data), np.float32(1.5), p, seed)
+                    vals.append(float(np.sum(delta.data.astype(np.float64) * w)))
             t.data[i] = keep
             num[i] = (vals[0] - vals[1]) / 2e-2
         np.testing.assert_allclose(t.grad, num, rtol=2e-3, atol=2e-3)
@@ -131,4 +133,5 @@ def test_merged_f16_returns_new_array():
     out = ad.merged_f16(w16)
     assert out.dtype == np.float16 and out is not w16
     np.testing.assert_array_equal(w16, before)
-    np.testing.assert_array_equal(out, (before.astype(np.float32) + ad.scale * ad.lora_b.data @ ad.lora_a.data).astype(np.float16))
+    np.testing.assert_array_equal(
+        out, (before.astype(np.float32) + ad.scale * ad.lora_b.data @ ad.lora_a.data).astype(np.float16))

@@ -155,7 +155,8 @@ def test_committed_fixtures_match_llama_cpp(name):
 CORPUS = [
     "Hello world!", "   runs   of  spaces\t\ttabs\n\n\r\n newlines ", "digits 1234567890 3.14159 -42 0x1F 2026-11-29",
     "punctuation!?.,;:'\"()[]{}<>@#$%^&*-_=+\\|/~`", "def f(x):\n    return x ** 2  # code\n\tindent",
-    "emoji 🔥🚀😀👍🏽 ZWJ 👨‍👩‍👧", "中文字符和日本語のテキスト、한국어", "café naïve Ärger Ελληνικά русский עברית العربية",
+    "emoji 🔥🚀😀👍🏽 ZWJ 👨‍👩‍👧", "中文字符和日本語のテキスト、한국어",
+    "café naïve Ärger Ελληνικά русский עברית العربية",
     "don't it's we'll they've I'm you'd SHE'S", "<|im_start|>user\nhi<|im_end|>\n<think>\n\n</think>\n\n",
     "a" * 50 + " " + "ab" * 20, "\n", " ", "x\u00a0y\u2003z", "tabs\tand\u3000ideographic space",
 ]

@@ -174,7 +174,8 @@ UNEXPLAINED = set()
 def _marks(s, k):
     marks = [] if (s, k) in FAST else [pytest.mark.slow]
     if (s, k) in UNEXPLAINED:
-        marks.append(pytest.mark.xfail(strict=True, reason="a later mismatch is not a single rounding tie (see UNEXPLAINED)"))
+        marks.append(pytest.mark.xfail(strict=True,
+                                       reason="a later mismatch is not a single rounding tie (see UNEXPLAINED)"))
     return marks
 
 
@@ -183,7 +184,7 @@ CASES = [pytest.param(s, k, id=f"{s}-{k}", marks=_marks(s, k))
 
 
 @pytest.mark.parametrize("shape,kind", CASES)
-def test_quantized_logit_gaps_are_rounding_ties(files, shape, kind, monkeypatch, request):
+def test_quantized_logit_gaps_are_rounding_ties(files, shape, kind, monkeypatch, request):  # noqa: F811 (the fixture)
     from kernels import blas
     if (shape, kind) == ("wide", "Q4_K_S") and blas.backend() == "mkl":
         # measured 2026-12-01 on AMD EPYC: with MKL under the tiles a 2.4e-2 gap at one position is not

@@ -1,4 +1,5 @@
-"""Quantization encoders: byte-exact against llama.cpp (committed goldens + live parity), thread-invariant, checked input."""
+"""Quantization encoders: byte-exact against llama.cpp (committed goldens + live parity), thread-invariant,
+checked input."""
 import ctypes
 from pathlib import Path
 

@@ -4,7 +4,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.autograd import Module, Tensor, cross_entropy, no_grad, ops, parameter
+from pipeline.autograd import Module, Tensor, cross_entropy, ops, parameter
 from pipeline.errors import UserError
 from pipeline.llm.generate import Sampling, generate, greedy
 from pipeline.models.qwen3 import FrozenLinear, Qwen3, Qwen3Config
@@ -52,7 +52,8 @@ def test_frozen_gguf_model_has_no_parameters_and_passes_gradients_to_adapters():
         def __init__(self, base, rank=2):
             self.base = base
             self.in_features, self.out_features = base.in_features, base.out_features
-            self.a = parameter(np.random.default_rng(0).standard_normal((rank, base.in_features)).astype(np.float32) * 0.1)
+            self.a = parameter(
+                np.random.default_rng(0).standard_normal((rank, base.in_features)).astype(np.float32) * 0.1)
             self.b = parameter(np.zeros((base.out_features, rank), np.float32))
 
         def forward(self, x):

@@ -81,7 +81,10 @@ def test_missing_tokenizer(tmp_path):
     import numpy as np
     wr = gguf.GGUFWriter(str(tmp_path / "notok.gguf"), arch="qwen3")
     wr.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
-    wr.write_header_to_file(); wr.write_kv_data_to_file(); wr.write_tensors_to_file(); wr.close()
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
     with pytest.raises(UserError, match="notok.gguf: the GGUF has no tokenizer"):
         Tokenizer.from_gguf(GGUFFile(tmp_path / "notok.gguf"))
 

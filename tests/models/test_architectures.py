@@ -188,7 +188,8 @@ def test_qwen2_requires_its_biases(tmp_path):
 
 def test_qwen2_refuses_a_q_wider_than_hidden_as_llama_cpp_does(tmp_path):
     p = mk.write_gguf(tmp_path / "wide.gguf", mk.SHAPES["wide"], arch="qwen2")
-    with pytest.raises(UserError, match=r"wide.gguf: qwen2 needs heads x head_dim == embedding_length .* 4 x 128 != 256"):
+    with pytest.raises(UserError,
+                       match=r"wide.gguf: qwen2 needs heads x head_dim == embedding_length .* 4 x 128 != 256"):
         load_model(p)
 
 

@@ -26,8 +26,9 @@ pytestmark = [pytest.mark.parity, pytest.mark.needs("llama_cpp")]
 FAST = [("llama", "mini", "F32"), ("llama", "llama3", "F32"), ("llama", "linear", "F32"), ("llama", "biased", "F32"),
         ("qwen2", "untied", "F32"),
         ("llama", "tied", "Q4_K_S"), ("qwen2", "tied", "Q8_0")]
+# qwen2 refuses wide q (as llama.cpp does) + [("llama", "llama3", "Q5_K_M"), ("llama", "biased", "Q8_0")]
 SLOW = [(a, s, k) for a in ("llama", "qwen2") for s in ("tied", "untied", "wide") for k in ("F32", "Q8_0", "Q4_K_S")
-        if (a, s, k) not in FAST and (a, s) != ("qwen2", "wide")]  # qwen2 refuses wide q (as llama.cpp does) + [("llama", "llama3", "Q5_K_M"), ("llama", "biased", "Q8_0")]
+        if (a, s, k) not in FAST and (a, s) != ("qwen2", "wide")]
 CASES = [pytest.param(*c, id="-".join(c)) for c in FAST] + [pytest.param(*c, id="-".join(c), marks=pytest.mark.slow)
                                                             for c in SLOW]
 

@@ -85,7 +85,8 @@ def test_directory_layout_and_sentinel(tmp_path, fake_momentum):
     raw = json.loads((d / "trainer_state.json").read_text())
     assert raw["step"] == 2 and raw["loader"] == {"epoch": 0, "index": 2} and raw["accum_steps"] == 1
     save_checkpoint(d, TrainerState(step=2), model, opt, adapters=True)
-    assert sorted(p.name for p in d.iterdir()) == ["adapters.safetensors", "optimizer.safetensors", "trainer_state.json"]
+    assert sorted(p.name for p in d.iterdir()) == ["adapters.safetensors", "optimizer.safetensors",
+                                                   "trainer_state.json"]
     save_checkpoint(d, TrainerState(step=2), model)  # a re-save without optimizer leaves none behind
     assert sorted(p.name for p in d.iterdir()) == ["model.safetensors", "trainer_state.json"]
 

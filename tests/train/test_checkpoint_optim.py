@@ -179,5 +179,6 @@ def test_bf16_params_resume_bit_exact_through_their_f32_masters(tmp_path):
     steps(resumed, opt2, 3, 6)
     assert all(model[n].data.tobytes() == resumed[n].data.tobytes() for n in model)
     f32_model = {n: Tensor(t.data.astype(np.float32), requires_grad=True) for n, t in make_model(2).items()}
-    with pytest.raises(DTypeMismatchError, match=r"model\.safetensors: tensor '(w|b)' is BF16 in the file, F32 in the model"):
+    with pytest.raises(DTypeMismatchError,
+                       match=r"model\.safetensors: tensor '(w|b)' is BF16 in the file, F32 in the model"):
         load_checkpoint(d, f32_model)

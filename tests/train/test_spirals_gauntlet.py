@@ -67,7 +67,8 @@ def test_resume_in_another_process_with_two_threads_is_bit_exact(tmp_path, name)
     run_recipe(RECIPES[name], tmp_path, steps=20)
     run = tmp_path / name
     subprocess.run([sys.executable, "-c", REPLAY, name, str(run), "2"], cwd=ROOT, check=True, timeout=300)
-    final, replayed = load_state_dict(step_dir(run, 20) / "model.safetensors"), load_state_dict(run / "replayed.safetensors")
+    final = load_state_dict(step_dir(run, 20) / "model.safetensors")
+    replayed = load_state_dict(run / "replayed.safetensors")
     assert final.keys() == replayed.keys()
     assert all(final[n].tobytes() == replayed[n].tobytes() for n in final)
 

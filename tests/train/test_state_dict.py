@@ -59,7 +59,8 @@ def test_file_is_plain_safetensors(tmp_path):
 
 def test_mixed_dtypes_and_odd_sizes_open_in_the_library(tmp_path):
     path = tmp_path / "mixed.safetensors"
-    src = {"h3": np.arange(3, dtype=np.float16), "d": np.arange(5, dtype=np.float64), "scalar": np.array(2.5, np.float32),
+    src = {"h3": np.arange(3, dtype=np.float16), "d": np.arange(5, dtype=np.float64),
+           "scalar": np.array(2.5, np.float32),
            "empty": np.zeros((0, 4), np.float32), "flag": np.array([True, False]), "i8": np.arange(7, dtype=np.int8),
            "b": np.arange(3, dtype=np.float32).astype(BF16)}
     save_state_dict(path, src)

@@ -142,7 +142,8 @@ def test_workers_exit_within_seconds_when_the_scheduler_dies(tmp_path):
     roles = ["loader", "optimizer", "checkpointer", "trainer", "trainer"]
     sched = subprocess.Popen([sys.executable, "-m", "workers.scheduler", "--job", "lm", "--run-dir", str(tmp_path),
                               "--trainers", "2", "--spec-json", json.dumps(_spec(LONG_LM))],
-                             cwd=ROOT, env=env(OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             cwd=ROOT, env=env(OMP_NUM_THREADS="1"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     workers = [subprocess.Popen([sys.executable, "-m", f"workers.{r}", "--run-dir", str(tmp_path)], cwd=ROOT,
                                 env=env(OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                for r in roles]

@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -28,8 +29,8 @@ def spec(tmp_path_factory):
     base = tmp_path_factory.mktemp("pretrain")
     return {"preset": "tiny", "data": write_jsonl(base / "docs.jsonl", small_documents()), "vocab_size": 320,
             "seq": 256, "batch_tokens": 512, "micro_batches": 2, "steps": 4, "warmup": 1,
-            "checkpoint_every": 2, "eval_every": 2, "val_windows": 2, "sample_tokens": 4, "prompts": "The |def ",
-            "cache_dir": str(base / "cache")}
+            "checkpoint_every": 2, "eval_every": 2, "val_windows": 2, "sample_tokens": 4, "sample_every": 2,
+            "prompts": "The |def ", "cache_dir": str(base / "cache")}
 
 
 def _run(run_dir, spec, resume=None):
@@ -42,10 +43,17 @@ def full(spec, tmp_path_factory):
     return _run(tmp_path_factory.mktemp("full"), spec)
 
 
-def test_resumed_run_has_the_same_bits(full, spec, tmp_path):
-    resumed = _run(tmp_path, spec, resume=os.path.join(full["run_dir"], "checkpoint-step-2"))
+def test_resumed_run_has_the_same_bits_and_time_lapse(full, spec, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(full["run_dir"], run_dir)  # the run stopped after step 4 resumes in place from step 2
+    with open(full["samples"]) as fh:  # step 4's lines made stale: the resumed run must rewrite them
+        stale = [{**r, "text": "stale"} if r["step"] == 4 else r for r in map(json.loads, fh)]
+    (run_dir / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in stale))
+    resumed = _run(run_dir, spec, resume=str(run_dir / "checkpoint-step-2"))
     assert resumed["start_step"] == 2 and resumed["params_sha256"] == full["params_sha256"]
     assert ckpt.params_sha256(ckpt.read_params(full["checkpoint"])) == full["params_sha256"]
+    with open(full["samples"], "rb") as fh:  # steps 2 and 4 once each: 4 rewritten, not repeated
+        assert (run_dir / "samples.jsonl").read_bytes() == fh.read()
 
 
 def test_sequence_length_warm_up_keeps_the_batch_tokens(spec):
@@ -91,6 +99,30 @@ def test_model_gguf_loads_with_the_trained_tokenizer_and_same_logits(full, spec)
     loaded = load_model(gg)
     np.testing.assert_allclose(loaded.infer(np.array(ids), all_logits=True), ours.infer(np.array(ids), all_logits=True),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_export_gguf_from_checkpoint(full, spec, tmp_path, capsys):
+    from pipeline.cli import main
+    final = tmp_path / "final.gguf"  # the last checkpoint is the final model: the same file, byte for byte
+    assert main(["export-gguf", "--from-checkpoint", full["run_dir"], "--out", str(final)]) == 0
+    assert final.read_bytes() == open(full["gguf"], "rb").read()
+    mid = tmp_path / "mid.gguf"
+    assert main(["export-gguf", "--from-checkpoint", os.path.join(full["run_dir"], "checkpoint-step-2"),
+                 "--out", str(mid)]) == 0
+    job = Pretrain(build(Pretrain.Spec, spec))
+    ids = job.tok.encode("The for statement", add_special_tokens=False).ids
+    assert Tokenizer.from_gguf(GGUFFile(str(mid))).encode("The for statement") == ids
+    order = [n for n, _, _ in job.param_layout()]
+    ours = job.bind(list(ckpt.read_params(os.path.join(full["run_dir"], "checkpoint-step-2"), order=order).items()))
+    np.testing.assert_allclose(load_model(str(mid)).infer(np.array(ids), all_logits=True),
+                               ours.infer(np.array(ids), all_logits=True), rtol=1e-5, atol=1e-5)
+    half = tmp_path / "half.gguf"
+    assert main(["export-gguf", "--from-checkpoint", full["run_dir"], "--dtype", "f16", "--out", str(half)]) == 0
+    gg = GGUFFile(str(half))
+    assert gg.tensor_type("blk.0.attn_q.weight") == "F16" and gg.tensor_type("output_norm.weight") == "F32"
+    assert main(["export-gguf", "--from-checkpoint", full["run_dir"], "--dtype", "q8_0", "--out",
+                 str(tmp_path / "q.gguf")]) == 2 and "second pass" in capsys.readouterr().err
+    assert not (tmp_path / "q.gguf").exists()
 
 
 def test_bad_specs_are_one_error(spec):
@@ -146,3 +178,5 @@ def test_two_trainers_and_a_pipeline_resume_equal_inprocess(full, spec, tmp_path
     resumed = _launch(tmp_path / "resumed", spec, "--trainers", "2", "--resume",
                       os.path.join(full["run_dir"], "checkpoint-step-2"))
     assert two["params_sha256"] == full["params_sha256"] == resumed["params_sha256"]
+    with open(full["samples"], "rb") as fh:
+        assert (tmp_path / "two" / "samples.jsonl").read_bytes() == fh.read()

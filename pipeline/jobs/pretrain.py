@@ -22,11 +22,13 @@ a step never waits for a shuffle and data order needs no state beyond the step.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 
+import ml_dtypes
 import numpy as np
 
 from kernels import rng
@@ -38,7 +40,7 @@ from ..models.qwen3 import Qwen3, Qwen3Config
 from ..optim import context_at, warmup_hold_linear_cooldown
 from .base import Job, bind_module, zero_copy_grads
 from .lm_export import write_model_gguf
-from .recipes import adamw, muon_adamw
+from .recipes import adamw, is_hidden_matrix, muon_adamw
 from .spec import field
 
 # preset -> (layers, width, heads, seq, batch_tokens); head width 64 (tiny: 32), ffn ~ 8/3 width
@@ -80,6 +82,7 @@ class PretrainSpec:
     weight_decay: float = field(0.0, "decoupled weight decay on matrices")
     warmup: int = field(20, "warm-up steps")
     cooldown: float = field(0.3, "share of the run spent cooling the LR linearly to 0")
+    bf16: bool = field(False, "bf16 block matrices in forward/backward through f32 masters (the optimizer's)")
     clip: float = field(1.0, "clip the global gradient norm to this (0: off); the pre-clip norm is logged")
     checkpoint_every: int = field(50, "checkpoint cadence in steps (each checkpoint gets a sample at the end)")
     eval_every: int = field(25, "validation loss every N steps (0: off)")
@@ -218,9 +221,10 @@ class Pretrain(Job):
         t = int(batch["window"][0])
         rows = self.micro_tokens() // t
         tokens = batch["tokens"][: rows * (t + 1)].reshape(rows, t + 1)
-        logits = model(tokens[:, :-1])
-        loss = cross_entropy(logits, tokens[:, 1:], reduction="sum") * np.float32(1.0 / self.batch_tokens)
-        loss.backward()
+        with bf16_hidden_matrices(model, self.spec.bf16):
+            logits = model(tokens[:, :-1])
+            loss = cross_entropy(logits, tokens[:, 1:], reduction="sum") * np.float32(1.0 / self.batch_tokens)
+            loss.backward()
         zero_copy_grads(model, grads)
         return float(loss.data), rows
 
@@ -280,6 +284,24 @@ class Pretrain(Job):
         with open(os.path.join(run_dir, "pretrain.json"), "w") as fh:
             json.dump({"bpb_per_nat": self.bpb_per_nat, "val_bytes": self.val_bytes, **extras}, fh, indent=1)
         return extras
+
+
+@contextlib.contextmanager
+def bf16_hidden_matrices(model, on=True):
+    """The block matrices as bf16 for one forward/backward, their f32 masters put back after. linear takes
+    the bf16 values (multiplied in f32: numpy has no bf16 GEMM, so this is bf16 storage with f32
+    accumulation) and hands an f32 gradient to the same Tensor - the straight-through gradient of mixed
+    precision - which the optimizer applies to the f32 master. The rounding is elementwise (round to
+    nearest even), so the bits stay independent of threads and trainers."""
+    tensors = [t for n, t in model.named_parameters() if on and is_hidden_matrix(n, t.data)]
+    masters = [t.data for t in tensors]
+    for t in tensors:
+        t.data = t.data.astype(ml_dtypes.bfloat16)
+    try:
+        yield
+    finally:
+        for t, master in zip(tensors, masters):
+            t.data = master
 
 
 def model_config(spec, vocab_size) -> Qwen3Config:

@@ -180,3 +180,32 @@ def test_two_trainers_and_a_pipeline_resume_equal_inprocess(full, spec, tmp_path
     assert two["params_sha256"] == full["params_sha256"] == resumed["params_sha256"]
     with open(full["samples"], "rb") as fh:
         assert (tmp_path / "two" / "samples.jsonl").read_bytes() == fh.read()
+
+
+def _micro_grads(job, params, bf16):
+    job.spec.bf16 = bf16
+    model = job.bind(list(params.items()))
+    batch = {name: np.zeros(shape, dtype) for name, shape, dtype in job.batch_layout()}
+    job.fill_batch(3, 1, batch)
+    grads = {n: np.zeros(shape, dtype) for n, shape, dtype in job.param_layout()}
+    loss, _ = job.micro_grad(model, batch, grads)
+    return loss, grads
+
+
+def test_bf16_matrices_are_the_f32_math_on_rounded_masters(spec):
+    """--bf16 = the same forward/backward on block matrices rounded to bf16; the f32 masters stay untouched."""
+    import ml_dtypes
+    from pipeline.jobs.recipes import is_hidden_matrix
+    job = Pretrain(build(Pretrain.Spec, spec))
+    masters = {n: a.copy() for n, a in job.init_params()}
+    before = {n: a.copy() for n, a in masters.items()}
+    loss, grads = _micro_grads(job, masters, bf16=True)
+    assert all(np.array_equal(masters[n], before[n]) and masters[n].dtype == np.float32 for n in masters)
+    assert all(g.dtype == np.float32 for g in grads.values())
+    rounded = {n: a.astype(ml_dtypes.bfloat16).astype(np.float32) if is_hidden_matrix(n, a) else a
+               for n, a in masters.items()}
+    assert any(not np.array_equal(rounded[n], masters[n]) for n in masters)  # the rounding does something
+    ref_loss, ref_grads = _micro_grads(job, rounded, bf16=False)
+    assert loss == ref_loss and all(np.array_equal(grads[n], ref_grads[n]) for n in grads)
+    f32_loss, _ = _micro_grads(job, masters, bf16=False)
+    assert f32_loss != loss

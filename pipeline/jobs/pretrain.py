@@ -90,7 +90,8 @@ class PretrainSpec:
     val_share: float = field(0.02, "share of the corpus bytes held out (whole documents)")
     sample_tokens: int = field(48, "greedy sample length per prompt (0: no samples)")
     sample_every: int = field(50, "greedy samples of the prompts every N steps and at the last (the time-lapse)")
-    prompts: str = field("The |def |import ", "greedy-sample prompts, separated by |")
+    prompts: str = field("The|def|class|import", "greedy-sample prompts, separated by | (a trailing space is a "
+                                                  "token of its own to a BPE, which words seldom follow)")
     gguf_dtype: str = field("F32", "model.gguf tensor type: F32 or F16", choices=("F32", "F16"))
     cache_dir: str = field("runs/cache", "where trained tokenizers and token streams are cached")
     seed: int = field(0, "seed for init and data order")

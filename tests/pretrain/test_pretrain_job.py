@@ -150,15 +150,20 @@ print(json.dumps(ids))
 
 @pytest.mark.parity
 @pytest.mark.needs("llama_cpp")
-def test_llama_cpp_loads_model_gguf_with_the_same_ids_and_logits(full, spec, tmp_path):
+@pytest.mark.parametrize("source", ["model.gguf", "checkpoint-step-2"])
+def test_llama_cpp_loads_model_gguf_with_the_same_ids_and_logits(full, spec, tmp_path, source):
+    from pipeline.cli import main
     job = Pretrain(build(Pretrain.Spec, spec))
+    path = full["gguf"] if source == "model.gguf" else str(tmp_path / "mid.gguf")
+    if source != "model.gguf":  # a mid-run checkpoint through export-gguf --from-checkpoint
+        assert main(["export-gguf", "--from-checkpoint", os.path.join(full["run_dir"], source), "--out", path]) == 0
     text = "The for statement <|im_start|>user\nhi"
-    proc = subprocess.run([sys.executable, "-c", _LLAMA, full["gguf"], text, str(tmp_path / "logits.npy")],
+    proc = subprocess.run([sys.executable, "-c", _LLAMA, path, text, str(tmp_path / "logits.npy")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     ids = json.loads(proc.stdout.strip().splitlines()[-1])
     assert ids == job.tok.encode(text, add_special_tokens=False).ids
-    ours = load_model(full["gguf"]).infer(np.array(ids), all_logits=True)
+    ours = load_model(path).infer(np.array(ids), all_logits=True)
     # F32 weights, width 64: float32 sums over <= 192 terms differ by summation order only (~1e-5 relative);
     # llama.cpp's F32 path keeps activations in F32, so the bound of the lm job's parity test holds here too
     np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), ours, rtol=1e-3, atol=1e-3)

@@ -44,6 +44,7 @@ class Optimizer(Worker):
         extra = {}
         if eval_due(self.job, step + 1):
             extra["eval"] = self.logic.evaluate()
+        self.logic.after_step(step + 1, self.run_dir)
         self.sock.send("stepped", step + 1, worker=self.id, gen=msg["gen"], ms=(time.perf_counter() - t0) * 1e3,
                        **info, **extra)
 

@@ -1,14 +1,17 @@
 """`fucina export-gguf`: merge LoRA adapters into a dense GGUF, transcode/quantize a GGUF, or write an adapter GGUF.
 
-Three modes, chosen by the flags (merge and quantize are separate passes by
+Four modes, chosen by the flags (merge and quantize are separate passes by
 design, so the final file has exactly one quantization in its history):
 
   merge      --from-gguf BASE --adapters RUN_DIR [--alpha A] --out MERGED.gguf
   transcode  --from-gguf SRC [--dtype q4_k] --out OUT.gguf   (no --dtype: verbatim, byte-identical copy)
   adapter    --adapters RUN_DIR --base BASE.gguf [--alpha A] --lora-out ADAPTER.gguf
+  checkpoint --from-checkpoint CHECKPOINT_DIR [--dtype f32|f16] --out MODEL.gguf   (a pretrain or sft
+             checkpoint, with the run's tokenizer embedded)
 """
 from __future__ import annotations
 
+import importlib
 from collections import Counter
 
 from pipeline.commands._args import RawDescriptionHelpFormatter
@@ -28,6 +31,9 @@ def add_arguments(parser):
     parser.formatter_class = RawDescriptionHelpFormatter
     parser.add_argument("--from-gguf", metavar="GGUF",
                         help="source GGUF: the dense base to merge into, or the file to transcode")
+    parser.add_argument("--from-checkpoint", metavar="DIR",
+                        help="a pretrain or sft checkpoint directory (checkpoint-step-N/) to write as a dense GGUF "
+                             "with the run's tokenizer; --dtype f32 or f16 (default: the run's gguf_dtype)")
     parser.add_argument("--adapters", metavar="DIR",
                         help="fine-tune checkpoint directory (adapters.safetensors + trainer_state.json)")
     parser.add_argument("--alpha", metavar="A",
@@ -45,7 +51,31 @@ def add_arguments(parser):
                              "defaults to --from-gguf")
 
 
+def from_checkpoint(args):
+    from pipeline.jobs import get_job
+    from pipeline.runtime import ckpt
+    if not args.out:
+        raise UserError("--from-checkpoint needs --out MODEL.gguf")
+    if args.adapters or args.from_gguf or args.lora_out or args.alpha is not None:
+        raise UserError("--from-checkpoint takes only --out and --dtype")
+    if args.dtype not in (None, "f32", "f16"):
+        raise UserError(f"--from-checkpoint writes f32 or f16; quantize in a second pass: export-gguf --from-gguf "
+                        f"{args.out} --dtype {args.dtype} --out FINAL")
+    where = ckpt.resolve(args.from_checkpoint)  # a checkpoint, or a run dir: its newest checkpoint
+    state = ckpt.read_state(where)
+    job = state.config.get("job")
+    export = getattr(importlib.import_module(get_job(job).__module__), "gguf_from_checkpoint", None)
+    if export is None:
+        raise UserError(f"{args.from_checkpoint}: a checkpoint of job {job!r}; --from-checkpoint exports pretrain "
+                        "and sft checkpoints")
+    path = export(where, state, args.out, args.dtype and args.dtype.upper())
+    print(f"wrote {path}: {where} (job {job}, step {state.step // state.accum_steps})")
+    return 0
+
+
 def run(args):
+    if args.from_checkpoint:
+        return from_checkpoint(args)
     if args.lora_out:
         base = args.base or args.from_gguf
         if not args.adapters or not base:

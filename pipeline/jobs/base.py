@@ -15,6 +15,9 @@ The roles never know what model they train. A job supplies:
   lr_factor(step)          -> float multiplier of the base lr (pure in the step)
   schedule_fields()        -> dict recorded in the checkpoint sentinel
   validate(model)          -> float or None (run by the optimizer every eval_every)
+  after_step(step, model, run_dir)  run by the optimizer on the parameters of
+                            version `step` (e.g. the pretrain time-lapse); must
+                            be idempotent: a replayed step runs it again
   finish(run_dir, params)  -> dict of extras for the summary (sample, exports)
 
 Trade-off: jobs hand over flat named arrays rather than a model object, so the
@@ -60,6 +63,9 @@ class Job:
 
     def validate(self, model):
         return None
+
+    def after_step(self, step, model, run_dir):
+        pass
 
     def finish(self, run_dir, params, log=print):
         return {}

@@ -14,18 +14,21 @@ token cross-entropy scaled by 1/batch_tokens. Optimizer: Muon on block matrices 
 and norms (or AdamW on all); LR warm-up, hold, linear cool-down; global clipping (the pre-clip norm is the
 logged grad norm). Validation: mean cross-entropy on fixed held-out windows of the full length; bits per
 byte = its summed nats / (ln 2 * the UTF-8 bytes of those target tokens), a fixed ratio of it.
-At the end: val loss and bpb, greedy samples of every checkpoint (samples.jsonl), plots, model.gguf.
+Time-lapse: every `sample_every` steps the optimizer role, which holds the parameters, appends greedy
+samples of the prompts to samples.jsonl. At the end: val loss and bpb, plots, model.gguf.
 
 Trade-off: windows are drawn anywhere in the stream (across document boundaries, as nanochat does), so
 a step never waits for a shuffle and data order needs no state beyond the step.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 
+import ml_dtypes
 import numpy as np
 
 from kernels import rng
@@ -37,7 +40,7 @@ from ..models.qwen3 import Qwen3, Qwen3Config
 from ..optim import context_at, warmup_hold_linear_cooldown
 from .base import Job, bind_module, zero_copy_grads
 from .lm_export import write_model_gguf
-from .recipes import adamw, muon_adamw
+from .recipes import adamw, is_hidden_matrix, muon_adamw
 from .spec import field
 
 # preset -> (layers, width, heads, seq, batch_tokens); head width 64 (tiny: 32), ffn ~ 8/3 width
@@ -79,13 +82,16 @@ class PretrainSpec:
     weight_decay: float = field(0.0, "decoupled weight decay on matrices")
     warmup: int = field(20, "warm-up steps")
     cooldown: float = field(0.3, "share of the run spent cooling the LR linearly to 0")
+    bf16: bool = field(False, "bf16 block matrices in forward/backward through f32 masters (the optimizer's)")
     clip: float = field(1.0, "clip the global gradient norm to this (0: off); the pre-clip norm is logged")
     checkpoint_every: int = field(50, "checkpoint cadence in steps (each checkpoint gets a sample at the end)")
     eval_every: int = field(25, "validation loss every N steps (0: off)")
     val_windows: int = field(8, "held-out windows of `seq` tokens for the validation loss")
     val_share: float = field(0.02, "share of the corpus bytes held out (whole documents)")
     sample_tokens: int = field(48, "greedy sample length per prompt (0: no samples)")
-    prompts: str = field("The |def |import ", "greedy-sample prompts, separated by |")
+    sample_every: int = field(50, "greedy samples of the prompts every N steps and at the last (the time-lapse)")
+    prompts: str = field("The|def|class|import", "greedy-sample prompts, separated by | (a trailing space is a "
+                                                  "token of its own to a BPE, which words seldom follow)")
     gguf_dtype: str = field("F32", "model.gguf tensor type: F32 or F16", choices=("F32", "F16"))
     cache_dir: str = field("runs/cache", "where trained tokenizers and token streams are cached")
     seed: int = field(0, "seed for init and data order")
@@ -93,8 +99,9 @@ class PretrainSpec:
     def validate(self):
         if self.steps < 1 and self.tokens < 1:
             raise UserError("pretrain: steps (or tokens) must be >= 1")
-        if min(self.micro_batches, self.val_windows) < 1 or self.seq < 0 or self.batch_tokens < 0:
-            raise UserError("pretrain: micro_batches and val_windows must be >= 1, seq and batch_tokens >= 0")
+        if min(self.micro_batches, self.val_windows) < 1 or min(self.seq, self.batch_tokens, self.sample_every) < 0:
+            raise UserError("pretrain: micro_batches and val_windows must be >= 1, seq, batch_tokens and "
+                            "sample_every >= 0")
         if not 0 < self.val_share < 1:
             raise UserError(f"pretrain: val_share must be in (0, 1), got {self.val_share}")
         seq, batch_tokens = self.shape()[3:]
@@ -130,14 +137,11 @@ class Pretrain(Job):
                                   self.corpus.train_docs, self.eot_id)
         self.val = token_stream(s.cache_dir, self.corpus.digest, self.tok_digest, "val", self.tok,
                                 self.corpus.val_docs, self.eot_id)
-        layers, width, heads, self.seq, self.batch_tokens = s.shape()
+        self.seq, self.batch_tokens = s.shape()[3:]
         if len(self.train) <= self.seq + 1:
             raise UserError(f"pretrain: the corpus has {len(self.train)} training tokens; a window needs "
                             f"{self.seq + 1} (give more text or a smaller --seq)")
-        head_dim = 32 if s.preset == "tiny" else 64
-        self.config = Qwen3Config(vocab_size=self.tok.get_vocab_size(), hidden=width, layers=layers, heads=heads,
-                                  kv_heads=heads, head_dim=head_dim, ffn=(8 * width // 3 + 63) // 64 * 64,
-                                  context_length=self.seq, rope_base=10_000.0, tied_output=False)
+        self.config = model_config(s, self.tok.get_vocab_size())
         self.val_rows = self._val_rows()
         lengths = np.array(bpe_train.token_byte_lengths(self.tok), np.int64)
         self.val_bytes = int(lengths[self.val_rows[:, 1:]].sum())
@@ -150,7 +154,7 @@ class Pretrain(Job):
         s = self.spec
         if s.tokenizer:
             return (*bpe_train.load_tokenizer(s.tokenizer), s.tokenizer)
-        path = os.path.join(s.cache_dir, f"tokenizer-{self.corpus.digest}-{s.vocab_size}-{s.pre}.json")
+        path = tokenizer_cache_path(s, self.corpus.digest)
         cached(path, lambda tmp: bpe_train.save_tokenizer(
             bpe_train.train_bpe(self.corpus.train_docs, s.vocab_size, s.pre), tmp))
         return (*bpe_train.load_tokenizer(path), path)
@@ -218,9 +222,10 @@ class Pretrain(Job):
         t = int(batch["window"][0])
         rows = self.micro_tokens() // t
         tokens = batch["tokens"][: rows * (t + 1)].reshape(rows, t + 1)
-        logits = model(tokens[:, :-1])
-        loss = cross_entropy(logits, tokens[:, 1:], reduction="sum") * np.float32(1.0 / self.batch_tokens)
-        loss.backward()
+        with bf16_hidden_matrices(model, self.spec.bf16):
+            logits = model(tokens[:, :-1])
+            loss = cross_entropy(logits, tokens[:, 1:], reduction="sum") * np.float32(1.0 / self.batch_tokens)
+            loss.backward()
         zero_copy_grads(model, grads)
         return float(loss.data), rows
 
@@ -229,7 +234,7 @@ class Pretrain(Job):
         with no_grad():
             return float(cross_entropy(model(self.val_rows[:, :-1]), self.val_rows[:, 1:]).data)
 
-    # --- the end of a run ------------------------------------------------------------
+    # --- the time-lapse -------------------------------------------------------------
     def greedy(self, model, prompt: str, n: int) -> str:
         ids = ([self.eot_id] + self.tok.encode(prompt, add_special_tokens=False).ids)[-self.config.context_length:]
         cache = model.new_cache(self.config.context_length)
@@ -247,53 +252,115 @@ class Pretrain(Job):
     def samples(self, model) -> dict:
         return {p: self.greedy(model, p, self.spec.sample_tokens) for p in self.samples_prompts()}
 
+    def sample_due(self, step) -> bool:
+        every = self.spec.sample_every
+        return self.spec.sample_tokens > 0 and (step == self.steps or (every > 0 and step % every == 0))
+
+    def after_step(self, step, model, run_dir):
+        if self.sample_due(step):
+            append_samples(os.path.join(run_dir, "samples.jsonl"), step, self.samples(model))
+
+    # --- the end of a run ------------------------------------------------------------
     def finish(self, run_dir, params, log=print):
-        from ..llm.bpe_train import gguf_vocab
-        from ..runtime import ckpt
         run_dir = os.path.abspath(run_dir)
         model = self.bind(list(params.items()))
         val_loss = self.validate(model)
         extras = {"val_loss": val_loss, "val_bpb": val_loss * self.bpb_per_nat, "tokenizer": self.tokenizer_path,
                   "corpus": self.corpus.digest, "train_tokens": int(len(self.train)),
                   "tokens_seen": self.steps * self.batch_tokens}
-        if self.spec.sample_tokens > 0:
-            extras["samples"], last = write_samples(self, run_dir, ckpt)
-            for text in last:
-                log(f"pretrain: greedy sample: {text!r}")
-        weights = {n: (w.data if hasattr(w, "data") else w) for n, w in model.named_weights().items()}
-        path = os.path.join(run_dir, "model.gguf")
-        write_model_gguf(path, self.config, weights, dtype=self.spec.gguf_dtype, name="fucina-pretrain",
-                         description=f"fucina pretrain {self.spec.preset}; corpus {self.corpus.digest}; "
-                                     f"tokenizer {self.tok_digest}; steps {self.steps}",
-                         vocab=gguf_vocab(self.tok), pre=self.pre)
+        samples = os.path.join(run_dir, "samples.jsonl")
+        if self.spec.sample_tokens > 0 and os.path.exists(samples):
+            extras["samples"] = samples
+            for record in read_samples(samples):
+                if record["step"] == self.steps:
+                    log(f"pretrain: greedy sample: {record['text']!r}")
+        path = write_gguf(os.path.join(run_dir, "model.gguf"), model, self.spec.gguf_dtype, self.spec,
+                          self.tok, self.pre, self.corpus.digest, self.tok_digest, self.steps)
         extras["gguf"] = path
         from .pretrain_plot import plot_pretrain
         extras["pretrain_plot"] = plot_pretrain(run_dir, self)
+        extras["pretrain_plot_log"] = plot_pretrain(run_dir, self, log_steps=True,
+                                                    out=os.path.join(run_dir, "pretrain-log.png"))
         log(f"pretrain: val loss {val_loss:.4f} nats, {extras['val_bpb']:.4f} bits per byte; wrote {path}")
         with open(os.path.join(run_dir, "pretrain.json"), "w") as fh:
             json.dump({"bpb_per_nat": self.bpb_per_nat, "val_bytes": self.val_bytes, **extras}, fh, indent=1)
         return extras
 
 
-def write_samples(job, run_dir, ckpt):
-    """samples.jsonl: the greedy samples of every checkpoint in step order (the time-lapse), written whole.
-    -> (path, the texts of the last checkpoint, which is the final step's)."""
-    path = os.path.join(run_dir, "samples.jsonl")
-    lines, last = [], []
-    steps = sorted(int(d.rsplit("-", 1)[1]) for d in os.listdir(run_dir) if d.startswith("checkpoint-step-")
-                   and os.path.exists(os.path.join(run_dir, d, "trainer_state.json")))
-    order = [n for n, _, _ in job.param_layout()]
-    for step in steps:
-        params = ckpt.read_params(ckpt.checkpoint_dir(run_dir, step), order=order)
-        view = job.bind([(n, np.array(params[n], np.float32)) for n in order])
-        last = list(job.samples(view).values())
-        for prompt, text in zip(job.samples_prompts(), last):
-            lines.append(json.dumps({"step": step, "prompt": prompt, "text": text}, ensure_ascii=False))
+@contextlib.contextmanager
+def bf16_hidden_matrices(model, on=True):
+    """The block matrices as bf16 for one forward/backward, their f32 masters put back after. linear takes
+    the bf16 values (multiplied in f32: numpy has no bf16 GEMM, so this is bf16 storage with f32
+    accumulation) and hands an f32 gradient to the same Tensor - the straight-through gradient of mixed
+    precision - which the optimizer applies to the f32 master. The rounding is elementwise (round to
+    nearest even), so the bits stay independent of threads and trainers."""
+    tensors = [t for n, t in model.named_parameters() if on and is_hidden_matrix(n, t.data)]
+    masters = [t.data for t in tensors]
+    for t in tensors:
+        t.data = t.data.astype(ml_dtypes.bfloat16)
+    try:
+        yield
+    finally:
+        for t, master in zip(tensors, masters):
+            t.data = master
+
+
+def model_config(spec, vocab_size) -> Qwen3Config:
+    layers, width, heads, seq, _ = spec.shape()
+    return Qwen3Config(vocab_size=vocab_size, hidden=width, layers=layers, heads=heads, kv_heads=heads,
+                       head_dim=32 if spec.preset == "tiny" else 64, ffn=(8 * width // 3 + 63) // 64 * 64,
+                       context_length=seq, rope_base=10_000.0, tied_output=False)
+
+
+def tokenizer_cache_path(spec, corpus_digest) -> str:
+    return os.path.join(spec.cache_dir, f"tokenizer-{corpus_digest}-{spec.vocab_size}-{spec.pre}.json")
+
+
+def write_gguf(path, model, dtype, spec, tok, pre, corpus_digest, tok_digest, steps) -> str:
+    """model.gguf of a pretrain model: qwen3 arch, the trained tokenizer embedded."""
+    from ..llm.bpe_train import gguf_vocab
+    weights = {n: (w.data if hasattr(w, "data") else w) for n, w in model.named_weights().items()}
+    return write_model_gguf(path, model.config, weights, dtype=dtype, name="fucina-pretrain",
+                            description=f"fucina pretrain {spec.preset}; corpus {corpus_digest}; "
+                                        f"tokenizer {tok_digest}; steps {steps}",
+                            vocab=gguf_vocab(tok), pre=pre)
+
+
+def gguf_from_checkpoint(ckpt_dir, state, out, dtype=None) -> str:
+    """`fucina export-gguf --from-checkpoint`: the checkpoint's weights with the run's tokenizer (the given
+    --tokenizer, or the cached one of the recorded corpus digest), checked against the recorded digest."""
+    from ..llm import bpe_train
+    from ..runtime import ckpt
+    from .spec import build
+    spec = build(PretrainSpec, state.config["spec"])
+    corpus_digest, tok_digest = state.schedule.get("corpus"), state.schedule.get("tokenizer")
+    path = spec.tokenizer or tokenizer_cache_path(spec, corpus_digest)
+    tok, pre, digest = bpe_train.load_tokenizer(path)
+    if digest != tok_digest:
+        raise UserError(f"{path}: tokenizer sha256 {digest} but {ckpt_dir}/trainer_state.json records "
+                        f"schedule.tokenizer {tok_digest} (the tokenizer changed since the run)")
+    config = model_config(spec, tok.get_vocab_size())
+    model = Qwen3.init_random(config, seed=spec.seed)
+    bind_module(model, ckpt.read_params(ckpt_dir, order=[n for n, _ in model.named_parameters()]))
+    return write_gguf(out, model, dtype or spec.gguf_dtype, spec, tok, pre, corpus_digest, tok_digest,
+                      state.step // state.accum_steps)
+
+
+def read_samples(path) -> list:
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def append_samples(path, step, samples: dict):
+    """Add the lines of `step` to samples.jsonl, dropping any of this step or later first: a resumed or
+    replayed step rewrites its lines instead of duplicating them. Whole-file temp + rename (the file is
+    small), so a crash leaves the previous version."""
+    kept = [r for r in read_samples(path) if r["step"] < step] if os.path.exists(path) else []
+    kept += [{"step": step, "prompt": p, "text": t} for p, t in samples.items()]
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write("".join(line + "\n" for line in lines))
+        fh.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept))
     os.replace(tmp, path)
-    return path, last
 
 
 JOB = Pretrain

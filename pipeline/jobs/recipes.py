@@ -23,10 +23,18 @@ def adamw(named, lr, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8):
                         AdamW(flat, lr=lr, betas=betas, eps=eps, weight_decay=0.0))
 
 
-def muon_adamw(named, lr, adamw_lr, weight_decay=0.0, fallback_names=("embed", "output.weight")):
+FALLBACK_NAMES = ("embed", "output.weight")  # matrices that are not hidden: the embedding and the head
+
+
+def is_hidden_matrix(name, array) -> bool:
+    """A block matrix: what Muon trains (and pretrain's --bf16 stores in bf16)."""
+    return array.ndim >= 2 and name not in FALLBACK_NAMES
+
+
+def muon_adamw(named, lr, adamw_lr, weight_decay=0.0):
     """Muon on hidden matrices; AdamW (Muon's embedded fallback) on embeddings, head and vectors."""
-    hidden = [(n, t) for n, t in named if t.data.ndim >= 2 and n not in fallback_names]
-    fallback = [(n, t) for n, t in named if t.data.ndim < 2 or n in fallback_names]
+    hidden = [(n, t) for n, t in named if is_hidden_matrix(n, t.data)]
+    fallback = [(n, t) for n, t in named if not is_hidden_matrix(n, t.data)]
     return Muon(hidden, lr=lr, weight_decay=weight_decay,
                 fallback={"lr": adamw_lr, "betas": (0.9, 0.95), "eps": 1e-10, "weight_decay": 0.0},
                 fallback_params=fallback)

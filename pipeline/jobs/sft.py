@@ -132,16 +132,37 @@ class SFT(Job):
         return float(loss.data), len(batch["inputs"])
 
     def finish(self, run_dir, params, log=print):
-        md = self.gguf.metadata
-        vocab = (md["tokenizer.ggml.tokens"], md["tokenizer.ggml.token_type"], md["tokenizer.ggml.merges"])
-        model = self.bind(list(params.items()))
-        weights = {n: (w.data if hasattr(w, "data") else w) for n, w in model.named_weights().items()}
-        path = os.path.join(os.path.abspath(run_dir), "model.gguf")
-        write_model_gguf(path, self.config, weights, name="fucina-sft", vocab=vocab,
-                         pre=md.get("tokenizer.ggml.pre", "qwen2"),
-                         description=f"fucina sft of {os.path.basename(self.spec.model)}; steps {self.spec.steps}")
+        path = write_gguf(os.path.join(os.path.abspath(run_dir), "model.gguf"), self.bind(list(params.items())),
+                          self.gguf, self.spec, self.spec.steps)
         log(f"sft: wrote {path}")
         return {"gguf": path}
+
+
+def write_gguf(path, model, source_gguf, spec, steps, dtype="F32") -> str:
+    """model.gguf of an SFT model: the source GGUF's tokenizer (tokens, types, merges, pre) embedded."""
+    md = source_gguf.metadata
+    vocab = (md["tokenizer.ggml.tokens"], md["tokenizer.ggml.token_type"], md["tokenizer.ggml.merges"])
+    weights = {n: (w.data if hasattr(w, "data") else w) for n, w in model.named_weights().items()}
+    return write_model_gguf(path, model.config, weights, dtype=dtype, name="fucina-sft", vocab=vocab,
+                            pre=md.get("tokenizer.ggml.pre", "qwen2"),
+                            description=f"fucina sft of {os.path.basename(spec.model)}; steps {steps}")
+
+
+def gguf_from_checkpoint(ckpt_dir, state, out, dtype=None) -> str:
+    """`fucina export-gguf --from-checkpoint`: the checkpoint's weights with the source model's tokenizer."""
+    from ..llm.gguf import GGUFFile
+    from ..models.qwen3 import Qwen3
+    from ..models.registry import load_model
+    from ..runtime import ckpt
+    from .spec import build
+    spec = build(SFTSpec, state.config["spec"])
+    if not os.path.isfile(spec.model):
+        raise UserError(f"{ckpt_dir}/trainer_state.json: config.spec.model {spec.model}: no such file (the "
+                        "source model.gguf supplies the tokenizer and config)")
+    source = GGUFFile(spec.model)
+    model = Qwen3.init_random(load_model(source).config, seed=0)
+    bind_module(model, ckpt.read_params(ckpt_dir, order=[n for n, _ in model.named_parameters()]))
+    return write_gguf(out, model, source, spec, state.step // state.accum_steps, dtype or "F32")
 
 
 JOB = SFT

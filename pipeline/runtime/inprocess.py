@@ -50,6 +50,7 @@ def run_inprocess(job, run_dir, resume=None, log=print, on_step=None):
                       "tokens_per_s": job.rows_per_step() * job.tokens_per_row() / max(time.perf_counter() - t0, 1e-9)}
             if eval_due(job, done):
                 record["eval"], record["eval_name"] = optimizer.evaluate(), job.eval_name
+            optimizer.after_step(done, run_dir)
             metrics.write(record)
             on_step and on_step(record)
             if checkpoint_due(job, done):

@@ -81,10 +81,17 @@ class OptimizerLogic:
         self.opt.zero_grad()
         return {"lr": float(self.opt.lr_holders()[0].lr), "grad_norm": float(norm)}
 
-    def evaluate(self):
+    def _view(self):
         if self.trainer_view is None:
             self.trainer_view = self.job.bind(list(self.params.items()))
-        return self.job.validate(self.trainer_view)
+        return self.trainer_view
+
+    def evaluate(self):
+        return self.job.validate(self._view())
+
+    def after_step(self, step: int, run_dir: str):
+        """The job's hook on the parameters of version `step` (the optimizer holds them)."""
+        self.job.after_step(step, self._view(), run_dir)
 
     def snapshot(self):
         """(param copies, optimizer skeleton, optimizer tensors) - what a checkpoint holds."""

@@ -52,5 +52,5 @@ def test_pretrain_inprocess_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2 and summary["val_bpb"] > 0
-    for name in ("model.gguf", "samples.jsonl", "pretrain.png", "metrics.jsonl", "pretrain.json"):
+    for name in ("model.gguf", "samples.jsonl", "pretrain.png", "pretrain-log.png", "metrics.jsonl", "pretrain.json"):
         assert (run_dir / name).is_file(), name

@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -28,8 +29,8 @@ def spec(tmp_path_factory):
     base = tmp_path_factory.mktemp("pretrain")
     return {"preset": "tiny", "data": write_jsonl(base / "docs.jsonl", small_documents()), "vocab_size": 320,
             "seq": 256, "batch_tokens": 512, "micro_batches": 2, "steps": 4, "warmup": 1,
-            "checkpoint_every": 2, "eval_every": 2, "val_windows": 2, "sample_tokens": 4, "prompts": "The |def ",
-            "cache_dir": str(base / "cache")}
+            "checkpoint_every": 2, "eval_every": 2, "val_windows": 2, "sample_tokens": 4, "sample_every": 2,
+            "prompts": "The |def ", "cache_dir": str(base / "cache")}
 
 
 def _run(run_dir, spec, resume=None):
@@ -42,10 +43,17 @@ def full(spec, tmp_path_factory):
     return _run(tmp_path_factory.mktemp("full"), spec)
 
 
-def test_resumed_run_has_the_same_bits(full, spec, tmp_path):
-    resumed = _run(tmp_path, spec, resume=os.path.join(full["run_dir"], "checkpoint-step-2"))
+def test_resumed_run_has_the_same_bits_and_time_lapse(full, spec, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(full["run_dir"], run_dir)  # the run stopped after step 4 resumes in place from step 2
+    with open(full["samples"]) as fh:  # step 4's lines made stale: the resumed run must rewrite them
+        stale = [{**r, "text": "stale"} if r["step"] == 4 else r for r in map(json.loads, fh)]
+    (run_dir / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in stale))
+    resumed = _run(run_dir, spec, resume=str(run_dir / "checkpoint-step-2"))
     assert resumed["start_step"] == 2 and resumed["params_sha256"] == full["params_sha256"]
     assert ckpt.params_sha256(ckpt.read_params(full["checkpoint"])) == full["params_sha256"]
+    with open(full["samples"], "rb") as fh:  # steps 2 and 4 once each: 4 rewritten, not repeated
+        assert (run_dir / "samples.jsonl").read_bytes() == fh.read()
 
 
 def test_sequence_length_warm_up_keeps_the_batch_tokens(spec):
@@ -93,6 +101,30 @@ def test_model_gguf_loads_with_the_trained_tokenizer_and_same_logits(full, spec)
                                rtol=1e-5, atol=1e-5)
 
 
+def test_export_gguf_from_checkpoint(full, spec, tmp_path, capsys):
+    from pipeline.cli import main
+    final = tmp_path / "final.gguf"  # the last checkpoint is the final model: the same file, byte for byte
+    assert main(["export-gguf", "--from-checkpoint", full["run_dir"], "--out", str(final)]) == 0
+    assert final.read_bytes() == open(full["gguf"], "rb").read()
+    mid = tmp_path / "mid.gguf"
+    assert main(["export-gguf", "--from-checkpoint", os.path.join(full["run_dir"], "checkpoint-step-2"),
+                 "--out", str(mid)]) == 0
+    job = Pretrain(build(Pretrain.Spec, spec))
+    ids = job.tok.encode("The for statement", add_special_tokens=False).ids
+    assert Tokenizer.from_gguf(GGUFFile(str(mid))).encode("The for statement") == ids
+    order = [n for n, _, _ in job.param_layout()]
+    ours = job.bind(list(ckpt.read_params(os.path.join(full["run_dir"], "checkpoint-step-2"), order=order).items()))
+    np.testing.assert_allclose(load_model(str(mid)).infer(np.array(ids), all_logits=True),
+                               ours.infer(np.array(ids), all_logits=True), rtol=1e-5, atol=1e-5)
+    half = tmp_path / "half.gguf"
+    assert main(["export-gguf", "--from-checkpoint", full["run_dir"], "--dtype", "f16", "--out", str(half)]) == 0
+    gg = GGUFFile(str(half))
+    assert gg.tensor_type("blk.0.attn_q.weight") == "F16" and gg.tensor_type("output_norm.weight") == "F32"
+    assert main(["export-gguf", "--from-checkpoint", full["run_dir"], "--dtype", "q8_0", "--out",
+                 str(tmp_path / "q.gguf")]) == 2 and "second pass" in capsys.readouterr().err
+    assert not (tmp_path / "q.gguf").exists()
+
+
 def test_bad_specs_are_one_error(spec):
     with pytest.raises(UserError, match="multiple of every window length"):
         build(Pretrain.Spec, {**spec, "batch_tokens": 500})
@@ -118,15 +150,20 @@ print(json.dumps(ids))
 
 @pytest.mark.parity
 @pytest.mark.needs("llama_cpp")
-def test_llama_cpp_loads_model_gguf_with_the_same_ids_and_logits(full, spec, tmp_path):
+@pytest.mark.parametrize("source", ["model.gguf", "checkpoint-step-2"])
+def test_llama_cpp_loads_model_gguf_with_the_same_ids_and_logits(full, spec, tmp_path, source):
+    from pipeline.cli import main
     job = Pretrain(build(Pretrain.Spec, spec))
+    path = full["gguf"] if source == "model.gguf" else str(tmp_path / "mid.gguf")
+    if source != "model.gguf":  # a mid-run checkpoint through export-gguf --from-checkpoint
+        assert main(["export-gguf", "--from-checkpoint", os.path.join(full["run_dir"], source), "--out", path]) == 0
     text = "The for statement <|im_start|>user\nhi"
-    proc = subprocess.run([sys.executable, "-c", _LLAMA, full["gguf"], text, str(tmp_path / "logits.npy")],
+    proc = subprocess.run([sys.executable, "-c", _LLAMA, path, text, str(tmp_path / "logits.npy")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     ids = json.loads(proc.stdout.strip().splitlines()[-1])
     assert ids == job.tok.encode(text, add_special_tokens=False).ids
-    ours = load_model(full["gguf"]).infer(np.array(ids), all_logits=True)
+    ours = load_model(path).infer(np.array(ids), all_logits=True)
     # F32 weights, width 64: float32 sums over <= 192 terms differ by summation order only (~1e-5 relative);
     # llama.cpp's F32 path keeps activations in F32, so the bound of the lm job's parity test holds here too
     np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), ours, rtol=1e-3, atol=1e-3)
@@ -146,3 +183,34 @@ def test_two_trainers_and_a_pipeline_resume_equal_inprocess(full, spec, tmp_path
     resumed = _launch(tmp_path / "resumed", spec, "--trainers", "2", "--resume",
                       os.path.join(full["run_dir"], "checkpoint-step-2"))
     assert two["params_sha256"] == full["params_sha256"] == resumed["params_sha256"]
+    with open(full["samples"], "rb") as fh:
+        assert (tmp_path / "two" / "samples.jsonl").read_bytes() == fh.read()
+
+
+def _micro_grads(job, params, bf16):
+    job.spec.bf16 = bf16
+    model = job.bind(list(params.items()))
+    batch = {name: np.zeros(shape, dtype) for name, shape, dtype in job.batch_layout()}
+    job.fill_batch(3, 1, batch)
+    grads = {n: np.zeros(shape, dtype) for n, shape, dtype in job.param_layout()}
+    loss, _ = job.micro_grad(model, batch, grads)
+    return loss, grads
+
+
+def test_bf16_matrices_are_the_f32_math_on_rounded_masters(spec):
+    """--bf16 = the same forward/backward on block matrices rounded to bf16; the f32 masters stay untouched."""
+    import ml_dtypes
+    from pipeline.jobs.recipes import is_hidden_matrix
+    job = Pretrain(build(Pretrain.Spec, spec))
+    masters = {n: a.copy() for n, a in job.init_params()}
+    before = {n: a.copy() for n, a in masters.items()}
+    loss, grads = _micro_grads(job, masters, bf16=True)
+    assert all(np.array_equal(masters[n], before[n]) and masters[n].dtype == np.float32 for n in masters)
+    assert all(g.dtype == np.float32 for g in grads.values())
+    rounded = {n: a.astype(ml_dtypes.bfloat16).astype(np.float32) if is_hidden_matrix(n, a) else a
+               for n, a in masters.items()}
+    assert any(not np.array_equal(rounded[n], masters[n]) for n in masters)  # the rounding does something
+    ref_loss, ref_grads = _micro_grads(job, rounded, bf16=False)
+    assert loss == ref_loss and all(np.array_equal(grads[n], ref_grads[n]) for n in grads)
+    f32_loss, _ = _micro_grads(job, masters, bf16=False)
+    assert f32_loss != loss

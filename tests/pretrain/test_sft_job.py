@@ -56,6 +56,9 @@ def test_sft_resumed_has_the_same_bits_and_writes_a_loadable_gguf(spec, tmp_path
     ids = np.array(Tokenizer.from_gguf(GGUFFile(full["gguf"])).encode("<|im_start|>user\nhi"))
     assert not np.array_equal(before.infer(ids), after.infer(ids))  # the weights did move
     assert Tokenizer.from_gguf(GGUFFile(full["gguf"])).tokens == Tokenizer.from_gguf(GGUFFile(spec["model"])).tokens
+    from pipeline.cli import main  # the last checkpoint exported is the run's model.gguf, byte for byte
+    assert main(["export-gguf", "--from-checkpoint", str(tmp_path / "full"), "--out", str(tmp_path / "x.gguf")]) == 0
+    assert (tmp_path / "x.gguf").read_bytes() == open(full["gguf"], "rb").read()
 
 
 def test_sft_bad_input(spec, tmp_path):

@@ -16,6 +16,8 @@ The roles never know what model they train. A job supplies:
   schedule_fields()        -> dict recorded in the checkpoint sentinel
   validate(model)          -> float or None (run by the optimizer every eval_every)
   finish(run_dir, params)  -> dict of extras for the summary (sample, exports)
+  checkpoint_config()      -> dict merged into the sentinel's config (what exports read back)
+  adapters_only            True: the weights file is adapters.safetensors (a LoRA job)
 
 Trade-off: jobs hand over flat named arrays rather than a model object, so the
 same bytes can live in a numpy array (in-process) or a shared-memory segment.
@@ -31,6 +33,7 @@ class Job:
     name = "job"
     Spec = None
     eval_name = "eval"  # what validate() measures, for plots and the live view
+    adapters_only = False  # True names the checkpoint's weights adapters.safetensors
 
     def __init__(self, spec):
         self.spec = spec
@@ -62,6 +65,9 @@ class Job:
         return None
 
     def finish(self, run_dir, params, log=print):
+        return {}
+
+    def checkpoint_config(self):
         return {}
 
 

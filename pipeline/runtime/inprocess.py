@@ -54,7 +54,8 @@ def run_inprocess(job, run_dir, resume=None, log=print, on_step=None):
             on_step and on_step(record)
             if checkpoint_due(job, done):
                 p, skeleton, tensors = optimizer.snapshot()
-                path = ckpt.write_checkpoint(checkpoint_dir(run_dir, done), p, skeleton, tensors, trainer_state(job, done))
+                path = ckpt.write_checkpoint(checkpoint_dir(run_dir, done), p, skeleton, tensors,
+                                             trainer_state(job, done), adapters=job.adapters_only)
                 metrics.write({"kind": "event", "event": "checkpoint_committed", "detail": {"path": path, "step": done}})
         final = {n: a for n, a in params.items()}
         extras = job.finish(run_dir, final, log=log)

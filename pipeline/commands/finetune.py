@@ -218,7 +218,7 @@ def run(args):
     log(f"BEFORE  {job.prompt()!r} -> {before!r}")
     if start >= args.steps:
         log(f"nothing to do: the run is already at step {start} of --steps {args.steps}")
-        summary = {"steps": start, "after": before, "adapters_sha256": _sha(trainer)}
+        summary = {"steps": start, "adapters_sha256": _sha(trainer)}
     else:
         os.makedirs(run_dir, exist_ok=True)
         log(f"run dir {run_dir} (watch it with `fucina monitor --run-dir {run_dir}`)")
@@ -234,7 +234,10 @@ def run(args):
                              threads=max(1, args.threads), quiet=args.json)
             with _progress(job.steps, args.json, sup.events_endpoint, sup.client_key):
                 summary = sup.run()
-    log(f"AFTER   {job.prompt()!r} -> {summary['after']!r}")
+    if summary.get("run_dir"):  # the trained adapters, wherever they were trained
+        trainer.load_adapter_tensors(ckpt.read_params(summary["run_dir"], order=order), source=summary["run_dir"])
+    after = job.answer(trainer)
+    log(f"AFTER   {job.prompt()!r} -> {after!r}")
     losses, elapsed_ms, supervised = _this_run(job, summary.get("run_dir"), start)
     if losses:
         drop = 100.0 * (1.0 - losses[-1] / losses[0]) if losses[0] else 0.0
@@ -244,7 +247,7 @@ def run(args):
             f"checkpoint-step-N/, metrics.jsonl, loss.png)")
     if args.json:
         print(json.dumps({"initial_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
-                          "before": before, "after": summary["after"], "steps": summary["steps"],
+                          "before": before, "after": after, "steps": summary["steps"],
                           "adapters_sha256": summary["adapters_sha256"],
                           "params_sha256": summary.get("params_sha256"), "run_dir": summary.get("run_dir"),
                           "mode": mode, "ms_per_step": elapsed_ms / max(1, len(losses)),

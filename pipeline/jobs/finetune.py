@@ -11,7 +11,7 @@ Model: the frozen GGUF memory-mapped read-only in every process (the OS shares i
 constants of the graph; the parameters are the adapters only (`layers.<i>.<target>.lora_{a,b}`, pure in
 the seed). Optimizer: AdamW by default (any of adam, lion, sgd, muon), linear warm-up then constant LR,
 global clipping. Checkpoints: adapters.safetensors, optimizer.safetensors, trainer_state.json (last);
-at the end the final checkpoint is also committed at the run dir itself, and the AFTER answer computed.
+at the end the final checkpoint is also committed at the run dir itself.
 
 Trade-off: one sample per micro-batch in a slot sized for the longest sample (with its length), so a
 short sample moves a few padding bytes but never computes on them.
@@ -210,14 +210,14 @@ class Finetune(Job):
         return self.tokenizer.decode(trainer.generate(ids, self.spec.max_new_tokens, stop_ids=self.template.stop_ids))
 
     def finish(self, run_dir, params, log=print):
+        """Commit the final checkpoint at the run dir itself. The AFTER answer is the command's: greedy decoding
+        without a KV cache can outlast the workers' patience for the scheduler's heartbeats, which finish holds."""
         from ..llm.finetune import adapters_sha256
         from ..runtime import ckpt
         trainer = self.bind(list(params.items()))
-        final = ckpt.checkpoint_dir(run_dir, self.steps)
-        ckpt.publish(final, run_dir)
-        after = self.answer(trainer)
+        ckpt.publish(ckpt.checkpoint_dir(run_dir, self.steps), run_dir)
         log(f"finetune: the final checkpoint is also at {os.path.abspath(run_dir)}")
-        return {"after": after, "adapters_sha256": adapters_sha256(trainer)}
+        return {"adapters_sha256": adapters_sha256(trainer)}
 
 
 JOB = Finetune

@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -74,25 +73,23 @@ def test_stopped_and_resumed_on_the_runtime(reference, tmp_path):
 
 
 def test_monitor_attaches_to_a_running_finetune(tmp_path):
+    """The monitor is started first and waits for the run (a tiny step takes milliseconds once warm: a monitor
+    started after the run could miss it), then follows it to run_finished."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "pipeline.cli", "finetune", "--model", MODEL, *FLAGS, "--save", str(run_dir),
-           "--json", "--steps", "8", "--trainers", "1"]
-    run = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    monitor = [sys.executable, "-m", "pipeline.cli", "monitor", "--run-dir", str(run_dir), "--jsonl", "--wait", "300",
+               "--timeout", "600"]
+    mon = subprocess.Popen(monitor, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        t_end = time.time() + 300
-        while not (run_dir / "run.json").exists() and time.time() < t_end:  # the scheduler writes it when it binds
-            time.sleep(0.1)
-        mon = subprocess.run([sys.executable, "-m", "pipeline.cli", "monitor", "--run-dir", str(run_dir), "--jsonl",
-                              "--wait", "300", "--timeout", "600"], env=_env(), cwd=ROOT, capture_output=True,
-                             text=True, timeout=700)
-        summary = json.loads(run.communicate(timeout=300)[0].strip().splitlines()[-1])
+        summary = _finetune(run_dir, "--steps", "40", "--trainers", "1")
+        out, err = mon.communicate(timeout=300)
     finally:
-        if run.poll() is None:
-            run.kill()
-    assert mon.returncode == 0, mon.stderr[-2000:]
-    records = [json.loads(line) for line in mon.stdout.splitlines() if line.strip()]
+        if mon.poll() is None:
+            mon.kill()
+    assert mon.returncode == 0, err[-2000:]
+    records = [json.loads(line) for line in out.splitlines() if line.strip()]
     metrics = [r for r in records if r["kind"] == "metrics"]
-    assert metrics and all(r["total"] == 8 and r["loss"] > 0 and r["tokens_per_s"] > 0 for r in metrics)
+    assert metrics, records
+    assert all(r["total"] == 40 and r["loss"] > 0 and r["tokens_per_s"] > 0 for r in metrics)
     finished = [r for r in records if r["kind"] == "event" and r["event"] == "run_finished"]
     assert finished and finished[-1]["detail"]["adapters_sha256"] == summary["adapters_sha256"]
     assert metrics[-1]["loss"] == summary["final_loss"]

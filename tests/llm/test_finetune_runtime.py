@@ -93,3 +93,17 @@ def test_monitor_attaches_to_a_running_finetune(tmp_path):
     finished = [r for r in records if r["kind"] == "event" and r["event"] == "run_finished"]
     assert finished and finished[-1]["detail"]["adapters_sha256"] == summary["adapters_sha256"]
     assert metrics[-1]["loss"] == summary["final_loss"]
+
+
+def test_the_procfile_starts_a_finetune_from_a_job_file(tmp_path):
+    job_file = tmp_path / "finetune.toml"
+    job_file.write_text(f'model = "{MODEL}"\nsteps = 3\ntargets = "q,v"\nmicro_batches = 2\n')
+    honcho = os.path.join(os.path.dirname(sys.executable), "honcho")
+    out = subprocess.run([honcho, "start", "-c", "trainer=1"], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                         env=_env(PYTHON=sys.executable, JOB="finetune", CONFIG=str(job_file),
+                                  RUN_DIR=str(tmp_path / "run")))
+    assert '"event": "run_finished"' in out.stdout, out.stdout[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["job"] == "finetune" and summary["steps"] == 3
+    assert (tmp_path / "run" / "adapters.safetensors").is_file() and (tmp_path / "run" / "loss.png").is_file()
+    _no_segments_left(tmp_path / "run")

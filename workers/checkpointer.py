@@ -32,7 +32,7 @@ class Checkpointer(Worker):
         faulty = "checkpointer:" in os.environ.get("FUCINA_FAULT", "")
         state = TrainerState.from_json(msg["meta"]["state"], source=f"snapshot {msg['segment']}")
         path = ckpt.write_checkpoint(msg["dir"], params, msg["meta"]["optim"], optim, state,
-                                     on_file=after_weights if faulty else None)
+                                     on_file=after_weights if faulty else None, adapters=self.job.adapters_only)
         del params, optim
         self.registry.detach(msg["segment"])
         unlink_name(msg["segment"])

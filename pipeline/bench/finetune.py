@@ -1,9 +1,12 @@
 """`fucina bench finetune`: ms per optimizer step of the LoRA fine-tune on a GGUF.
 
 Rank-8 LoRA on q+v (the defaults) at sequence length 128, AdamW, clip 1.0, on
-one synthetic sample (random tokens, the first quarter masked as prompt):
-in-process with the base kept in its file format, and an accumulation window
-of 2 run in-process vs on `--trainers 2` processes. The torch baseline runs the same LoRA on the
+one synthetic sample (random tokens, the first quarter masked as prompt),
+in-process with the base kept in its file format. The runtime rows run the
+`finetune` job itself on two synthetic pairs (one accumulation window of 2
+per step): in-process vs 1 trainer process vs 2, each compute process on the
+same threads, the median of the scheduler's own step times after the first
+(warm-up) step. The torch baseline runs the same LoRA on the
 dequantized f32 weights with the same thread count, in the same run; its steps
 alternate with ours (one of each, repeated), so a machine whose speed drifts
 over minutes slows both sides alike.
@@ -22,7 +25,7 @@ from . import timed
 from ..runtime.metrics import peak_rss_mb
 
 NAME = "finetune"
-HELP = "LoRA fine-tune step time (rank-8 q+v, seq 128) in-process and --trainers 2, vs torch"
+HELP = "LoRA fine-tune step time (rank-8 q+v, seq 128) vs torch; the finetune job in-process vs 1 and 2 trainers"
 
 
 def add_arguments(p):
@@ -34,7 +37,7 @@ def add_arguments(p):
     p.add_argument("--steps", type=int, default=3, help="timed optimizer steps per case (median reported)")
     p.add_argument("--threads", type=int, default=2, help="BLAS/numba threads, torch gets the same (0 = leave as is)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
-    p.add_argument("--no-trainers", action="store_true", help="skip the --trainers 2 cases")
+    p.add_argument("--no-trainers", action="store_true", help="skip the runtime rows (in-process vs 1 and 2 trainers)")
 
 
 def _sample(vocab, seq, seed=0):
@@ -45,18 +48,67 @@ def _sample(vocab, seq, seed=0):
     return Sample(ids[:-1].copy(), labels, seq // 4 + 1)
 
 
-def _session(args, model, samples, accum, pool=None):
+def _session(args, model, samples, accum):
     from pipeline.llm.data import Loader
     from pipeline.llm.finetune import Session, Trainer
     from pipeline.optim import AdamW
     targets = tuple(args.targets.split(","))
     trainer = Trainer(model, targets=targets, rank=args.rank, alpha=2.0 * args.rank)
     opt = AdamW(trainer.named_parameters(), lr=1e-3, weight_decay=0.0)
-    return Session(trainer, opt, samples, Loader(len(samples)), accum_steps=accum, pool=pool)
+    return Session(trainer, opt, samples, Loader(len(samples)), accum_steps=accum)
 
 
-def _time_windows(session, steps):
-    return timed(session.window, steps)
+def _runtime_rows(args, desc):
+    """One accumulation window of 2 synthetic pairs per step: the finetune job in-process, on 1 and on 2
+    trainer processes (each compute process on `per_process` threads). -> rows."""
+    import dataclasses
+    import json
+    import os
+    import tempfile
+
+    from ..jobs.finetune import Finetune, FinetuneSpec
+    from ..runtime.inprocess import run_inprocess
+    from ..runtime.launch import Supervisor
+    from ..runtime.metrics import read_metrics
+    from ..threads import pin_threads
+    words = np.random.default_rng(0).choice(["ahoy", "matey", "sail", "sea", "ship", "crew", "gold"], (2, args.seq))
+    per_process = max(1, (args.threads or 2) // 2)
+    with tempfile.TemporaryDirectory(prefix="fucina-bench-finetune-") as tmp:
+        data = os.path.join(tmp, "pairs.jsonl")
+        with open(data, "w") as fh:
+            for i, w in enumerate(words):
+                fh.write(json.dumps({"instruction": f"pair {i}", "response": " ".join(w[: args.seq // 4])}) + "\n")
+        spec = FinetuneSpec(model=os.path.abspath(args.model), data=data, steps=args.steps + 1, micro_batches=2,
+                            seq_max=4 * args.seq, rank=args.rank, alpha=2.0 * args.rank, targets=args.targets,
+                            lr=1e-3, max_new_tokens=0)
+        spec.validate()
+
+        def median_step_ms(run_dir):
+            ms = [r["step_ms"] for r in read_metrics(run_dir) if r.get("kind") == "metrics" and r["step"] > 1]
+            return float(np.median(ms))
+
+        pin_threads(per_process)
+        run_inprocess(Finetune(spec), os.path.join(tmp, "inprocess"), log=lambda m: None)
+        in_ms = median_step_ms(os.path.join(tmp, "inprocess"))
+        if args.threads:
+            pin_threads(args.threads)
+        job_tokens = sum(len(s.inputs) for s in Finetune(spec).window(0))
+        rows = [{"case": "runtime window accum2/in-process", "ms": in_ms, "baselines": {},
+                 "tokens_s": job_tokens / in_ms * 1e3,
+                 "notes": f"{desc}; the finetune job; {job_tokens} tokens per window; "
+                          f"1 process x {per_process} threads"}]
+        trainer_ms = {}
+        for n in (1, 2):
+            run_dir = os.path.join(tmp, f"trainers-{n}")
+            Supervisor("finetune", dataclasses.asdict(spec), run_dir, trainers=n, threads=per_process,
+                       quiet=True).run()
+            trainer_ms[n] = median_step_ms(run_dir)
+            base = {"in_process": in_ms} if n == 1 else {"in_process": in_ms, "trainers_1": trainer_ms[1]}
+            rows.append({"case": f"runtime window accum2/trainers {n}", "ms": trainer_ms[n], "baselines": base,
+                         "tokens_s": job_tokens / trainer_ms[n] * 1e3,
+                         "notes": f"{desc}; {n} trainer process(es) x {per_process} threads; targets: 1 trainer >= "
+                                  "0.9x in-process, 2 trainers >= 1.6x 1 trainer"})
+    return rows
 
 
 def _timed_alternating(fns, steps):
@@ -178,7 +230,6 @@ def _torch_step(model, sample, args):
 
 
 def run(args):
-    from pipeline.llm.finetune import TrainerPool
     from pipeline.models.registry import load_model
     from pipeline.threads import pin_threads
     if args.threads:
@@ -208,24 +259,5 @@ def run(args):
                  "peak_rss_mb": peak_rss_mb(),
                  "notes": f"{desc}; base stays in its file format; {cpu_note(cpu, torch_cpu)}"})
     if not args.no_trainers:
-        samples = [sample, _sample(model.config.vocab_size, args.seq, seed=1)]
-        ms_in, _ = _time_windows(_session(args, model, samples, 2), args.steps)
-        per_process = max(1, (args.threads or 2) // 2)
-        pool = TrainerPool(2, args.model,
-                           dict(targets=tuple(args.targets.split(",")), rank=args.rank, alpha=2.0 * args.rank),
-                           threads=per_process)
-        try:
-            ms_pool, _ = _time_windows(_session(args, model, samples, 2, pool=pool), args.steps)
-            child_rss = pool.worker_peak_rss_mb  # each trainer's own VmHWM, sent with its answers
-        finally:
-            pool.close()
-        base = {"in_process_accum2": ms_in}
-        if torch_ms:
-            base["torch_f32_x2"] = 2 * torch_ms
-        rows.append({"case": "window accum2/trainers 2", "ms": ms_pool, "baselines": base,
-                     "supervised_tok_s": 2 * n_sup / ms_pool * 1e3, "peak_rss_mb": peak_rss_mb(),
-                     "child_peak_rss_mb": max(child_rss) if None not in child_rss else None,
-                     "notes": f"{desc}; 2 processes x {per_process} threads; trainers' own peak RSS "
-                              f"{' / '.join('?' if r is None else f'{r:.0f}' for r in child_rss)} MB "
-                              "(parent's is peak_rss_mb)"})
+        rows += _runtime_rows(args, desc)
     return rows

@@ -14,6 +14,7 @@ import time
 
 from ..errors import UserError
 from ..llm.chat import add_chat_template_argument
+from ..jobs.finetune import OPTIMIZERS
 from ._args import InputFile
 
 NAME = "finetune"
@@ -44,12 +45,20 @@ def add_arguments(p):
                    help="samples per optimizer step, token-weighted (default 5: the whole pirate set per step; a resumed run keeps the checkpoint's)")
     p.add_argument("--seq-max", type=int, default=256, help="truncate samples to this many input tokens")
     p.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout probability on the adapter input, in [0, 1)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer of the adapters")
     p.add_argument("--state-dtype", choices=("f32", "bf16"), default="f32", help="dtype of the AdamW moments")
     p.add_argument("--checkpoint-layers", action="store_true", help="recompute each layer in backward (less memory, same bits)")
-    p.add_argument("--save", metavar="DIR", help="write the final checkpoint directory here")
+    p.add_argument("--save", metavar="DIR", help="the run directory: the final checkpoint is committed here "
+                   "(default: runs/finetune-<time>)")
     p.add_argument("--save-every", type=int, default=0, metavar="N", help="also save DIR/checkpoint-step-N every N optimizer steps (needs --save)")
-    p.add_argument("--load", metavar="DIR", help="resume from a checkpoint directory (adapters, optimizer, step counter, loader position)")
-    p.add_argument("--trainers", type=int, default=0, metavar="N", help="run each window's micro-batches on N trainer processes (0 = in this process); same bits")
+    p.add_argument("--load", metavar="DIR", help="the older spelling of --resume DIR")
+    p.add_argument("--trainers", type=int, default=0, metavar="N",
+                   help="run the job on the multiprocess runtime with N trainer processes (they map the GGUF "
+                        "read-only); 0 = every task in this process, the quickest for small models; same bits")
+    p.add_argument("--inprocess", action="store_true", help="run every task inline in this process (the default "
+                   "unless --trainers N)")
+    p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint dir or a run dir's newest checkpoint "
+                   "(adapters, optimizer, step; the checkpoint's accum_steps, lr and warm-up win over the flags)")
     p.add_argument("--threads", type=int, default=0, help="BLAS/numba threads per process (0 = leave as is)")
     p.add_argument("--prompt", default=None, help="held prompt for the BEFORE/AFTER answers (default: the first training instruction)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="length of the BEFORE/AFTER greedy answers (tokens; bytes on a byte-level model)")
@@ -82,63 +91,64 @@ def _targets(text):
 
 
 def _check_args(args):
-    for flag, value, low in (("--steps", args.steps, 0), ("--accum-steps", args.accum_steps, 1), ("--seq-max", args.seq_max, 1),
-                             ("--trainers", args.trainers, 0), ("--save-every", args.save_every, 0), ("--max-new-tokens", args.max_new_tokens, 0)):
+    for flag, value, low in (("--steps", args.steps, 0), ("--accum-steps", args.accum_steps, 1),
+                             ("--seq-max", args.seq_max, 1), ("--trainers", args.trainers, 0),
+                             ("--save-every", args.save_every, 0), ("--max-new-tokens", args.max_new_tokens, 0)):
         if value < low:
             raise UserError(f"{flag} must be >= {low}, got {value}")
     if args.save_every and not args.save:
         raise UserError("--save-every needs --save DIR (the periodic checkpoints go to DIR/checkpoint-step-N)")
     if args.lr <= 0:
         raise UserError(f"--lr must be positive, got {args.lr}")
+    if args.inprocess and args.trainers:
+        raise UserError(f"--inprocess runs every task in this process; it cannot have --trainers {args.trainers}")
+    if args.load and args.resume and args.load != args.resume:
+        raise UserError("--load is the older spelling of --resume: give one of them")
+
+
+def _resume_point(path):
+    """The checkpoint to resume from: a checkpoint dir, or a run dir's newest committed one (its
+    checkpoint-step-N/ or, if it has none, the run dir itself, where a finished run commits its final state)."""
+    from ..runtime import ckpt
+    latest = ckpt.latest_checkpoint(path)
+    return latest if latest is not None else ckpt.resolve(path)
+
+
+def spec_of(args, resume=None):
+    """The finetune job's spec from the flags; a resumed run keeps the checkpoint's window, lr and warm-up."""
+    import os
+    from ..jobs.finetune import FinetuneSpec
+    from ..jobs.spec import build
+    fields = dict(model=os.path.abspath(args.model), data=os.path.abspath(args.data) if args.data else "",
+                  format=args.format, instruction_key=args.instruction_key, response_key=args.response_key,
+                  max_record_bytes=args.max_record_bytes, chat_template=args.chat_template or "",
+                  steps=max(args.steps, 1), micro_batches=args.accum_steps, seq_max=args.seq_max, shuffle=args.shuffle,
+                  seed=args.seed, data_seed=-1 if args.data_seed is None else args.data_seed, rank=args.rank,
+                  alpha=args.alpha, targets=args.targets, dropout=args.dropout,
+                  checkpoint_layers=args.checkpoint_layers, optimizer=args.optimizer, lr=args.lr, warmup=args.warmup,
+                  clip=args.clip, state_dtype=args.state_dtype, checkpoint_every=args.save_every,
+                  prompt=args.prompt or "", max_new_tokens=args.max_new_tokens)
+    if resume is not None:
+        from ..runtime import ckpt
+        stored = ckpt.read_state(resume).config.get("spec") or {}
+        for name in ("micro_batches", "lr", "warmup"):  # the checkpoint's window and lr win over the flags
+            fields[name] = stored.get(name, fields[name])
+    return build(FinetuneSpec, fields, where="flags")
 
 
 def build(args, log):
-    """Model, tokenizer, samples, trainer, optimizer, loader and session from the flags (+ --load)."""
+    """Session, tokenizer and the rest from the flags, for --verify-grads (which probes one process's trainer)."""
+    from ..jobs.finetune import Finetune
     from ..llm import data as sft
-    from ..llm.finetune import Session, Trainer, TrainerPool, check_resume_config, lora_config
-    from ..llm.chat import ChatTemplate
-    from ..llm.gguf import open_gguf
-    from ..models.registry import load_model
-    from ..optim import AdamW
-    from ..train.checkpoint import load_checkpoint, read_sentinel
-
-    state = None
-    if args.load:
-        state = read_sentinel(args.load)
-        args.accum_steps = state.accum_steps  # the checkpoint's window and lr win over the flags
-        args.lr = float(state.schedule.get("lr", args.lr))
-        args.warmup = int(state.schedule.get("warmup", args.warmup))
-    gg = open_gguf(args.model)
-    model = load_model(gg)
-    tokenizer = _load_tokenizer(gg)
-    encoder, template = sft.RawEncoder(tokenizer), ChatTemplate.from_gguf(gg, getattr(args, "chat_template", None))
-    if args.data:
-        pairs, source = load_data(args), args.data
-    else:
-        pairs, source = list(sft.PIRATE_PAIRS), "pirate pair"
-    options = sft.EncodeOptions(seq_max=args.seq_max)
-    samples = sft.encode_all(encoder, template, pairs, options, source=source)
-    trainer_kwargs = dict(targets=_targets(args.targets), rank=args.rank, alpha=args.alpha, dropout=args.dropout,
-                          seed=args.seed, checkpoint_layers=args.checkpoint_layers)
-    trainer = Trainer(model, **trainer_kwargs)
-    optimizer = AdamW(trainer.named_parameters(), lr=args.lr, weight_decay=0.0, state_dtype=args.state_dtype)
+    from ..llm.finetune import Session
+    job = Finetune(spec_of(args))
+    trainer = job.trainer()
+    optimizer = job.make_optimizer(trainer.named_parameters())
     order = "shuffled" if args.shuffle else "sequential"
-    data_seed = args.seed if args.data_seed is None else args.data_seed
-    loader = sft.Loader(len(samples), order, seed=data_seed)
-    if state is not None:
-        check_resume_config(state.config, trainer, f"{args.load}/trainer_state.json")
-        load_checkpoint(args.load, model=trainer, optimizer=optimizer, accum_steps=state.accum_steps)
-        trainer.step = state.step
-        loader = sft.Loader.from_state(len(samples), order, state.loader)
-        log(f"resumed {args.load}: optimizer step {state.step // state.accum_steps}, micro-batch {state.step}, "
-            f"loader epoch {loader.epoch} index {loader.index}; accum_steps {args.accum_steps} and lr {args.lr:g} from the checkpoint")
-    pool = TrainerPool(args.trainers, args.model, trainer_kwargs, threads=max(1, args.threads or 1)) if args.trainers else None
-    session = Session(trainer, optimizer, samples, loader, accum_steps=args.accum_steps, clip=args.clip,
-                      lr=args.lr, warmup=args.warmup, pool=pool)
-    run_config = {"model": str(args.model), "lora": lora_config(trainer), "lr": args.lr, "accum_steps": args.accum_steps,
-                  "seq_max": args.seq_max, "state_dtype": args.state_dtype, "data": args.data or "builtin:pirate",
-                  "order": order, "checkpoint_layers": args.checkpoint_layers}
-    return session, tokenizer, encoder, template, pairs, options, run_config
+    loader = sft.Loader(len(job.samples), order, seed=args.seed if args.data_seed is None else args.data_seed)
+    session = Session(trainer, optimizer, job.samples, loader, accum_steps=args.accum_steps, clip=args.clip,
+                      lr=args.lr, warmup=args.warmup)
+    return session, job
 
 
 def _load_tokenizer(gg):
@@ -157,20 +167,20 @@ def _load_tokenizer(gg):
                      add_bos=bool(md.get("tokenizer.ggml.add_bos_token", False)), source=str(gg.path))
 
 
-def _answer(trainer, tokenizer, encoder, template, prompt, options, max_new):
-    from ..llm.data import encode_prompt
-    ids = encode_prompt(encoder, template, prompt, options)
-    return tokenizer.decode(trainer.generate(ids, max_new, stop_ids=template.stop_ids))
-
-
-def _bar(done, total, width=20):
-    filled = width if total == 0 else int(width * done / total)
-    return "[" + "#" * filled + "-" * (width - filled) + "]"
+def _default_run_dir():
+    import os
+    return os.path.join("runs", f"finetune-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 def run(args):
-    from ..llm.finetune import adapters_sha256
+    import os
+
+    from ..jobs.finetune import Finetune
+    from ..jobs.spec import to_dict
+    from ..llm.finetune import check_resume_config
+    from ..runtime import ckpt
     from ..threads import pin_threads
+    from .launch import _progress
 
     _check_args(args)
     if args.threads:
@@ -180,54 +190,90 @@ def run(args):
     def log(msg):
         print(msg, file=out, flush=True)
 
-    session, tokenizer, encoder, template, pairs, options, run_config = build(args, log)
-    trainer = session.trainer
-    try:
-        log(f"fucina finetune: {args.model} ({trainer.config.layers} layers, hidden {trainer.config.hidden}); "
-            f"LoRA rank {trainer.rank} alpha {trainer.alpha:g} on {','.join(trainer.targets)}: "
-            f"{trainer.n_parameters():,} trainable parameters; {len(pairs)} pairs; lr {args.lr:g}; "
-            f"accum {args.accum_steps}; {'trainers ' + str(args.trainers) if args.trainers else 'in-process'}")
-        if args.verify_grads:
-            from ..llm.finetune import verify_grads
-            ok = verify_grads(session, log)
-            return 0 if ok else 1
-        prompt = args.prompt or pairs[0].instruction
-        before = _answer(trainer, tokenizer, encoder, template, prompt, options, args.max_new_tokens)
-        log(f"BEFORE  {prompt!r} -> {before!r}")
-        first = session.macro_step
-        losses, t_start, tokens_total, supervised_total = [], time.perf_counter(), 0, 0
-        while session.macro_step < args.steps:
-            t0 = time.perf_counter()
-            loss, n_tok, n_sup = session.window()
-            dt = time.perf_counter() - t0
-            losses.append(loss)
-            tokens_total += n_tok
-            supervised_total += n_sup
-            step = session.macro_step
-            log(f"step {step:4d}/{args.steps}  loss {loss:8.4f}  {n_tok / dt:7.1f} tok/s  {n_sup / dt:6.1f} sup tok/s  "
-                f"{dt * 1e3:7.0f} ms  {_bar(step - first, args.steps - first)}")
-            if args.save_every and step % args.save_every == 0 and step < args.steps:
-                from ..train.checkpoint import step_dir
-                session.save(step_dir(args.save, step), run_config)
-        elapsed = time.perf_counter() - t_start
-        after = _answer(trainer, tokenizer, encoder, template, prompt, options, args.max_new_tokens)
-        log(f"AFTER   {prompt!r} -> {after!r}")
-        if not losses:
-            log(f"nothing to do: the run is already at step {session.macro_step} of --steps {args.steps}")
+    if args.verify_grads:
+        from ..llm.finetune import verify_grads
+        session, job = build(args, log)
+        log(_banner(args, job, "in-process"))
+        return 0 if verify_grads(session, log) else 1
+    resume = args.resume or args.load
+    resume = str(_resume_point(resume)) if resume else None
+    job = Finetune(spec_of(args, resume))
+    trainer = job.trainer()
+    order = [n for n, _, _ in job.param_layout()]
+    start = 0
+    if resume:
+        state = ckpt.read_state(resume)
+        check_resume_config(state.config, trainer, f"{resume}/trainer_state.json")
+        trainer.load_adapter_tensors(ckpt.read_params(resume, order=order), source=resume)
+        start = state.macro_step
+        log(f"resumed {resume}: optimizer step {start}; accum_steps {job.spec.micro_batches} and lr "
+            f"{job.spec.lr:g} from the checkpoint")
+    in_step_dir = resume and os.path.basename(resume).startswith("checkpoint-step-")
+    run_dir = args.save or (os.path.dirname(resume) if in_step_dir else resume) or _default_run_dir()
+    if not resume and (ckpt.latest_checkpoint(run_dir) or ckpt.is_committed(run_dir)):
+        raise UserError(f"{run_dir} already holds checkpoints: pass --resume {run_dir} or choose another --save DIR")
+    mode = "in-process" if not args.trainers else f"trainers {args.trainers}"
+    log(_banner(args, job, mode))
+    before = job.answer(trainer)
+    log(f"BEFORE  {job.prompt()!r} -> {before!r}")
+    if start >= args.steps:
+        log(f"nothing to do: the run is already at step {start} of --steps {args.steps}")
+        summary = {"steps": start, "adapters_sha256": _sha(trainer)}
+    else:
+        os.makedirs(run_dir, exist_ok=True)
+        log(f"run dir {run_dir} (watch it with `fucina monitor --run-dir {run_dir}`)")
+        if not args.trainers:
+            from ..runtime.inprocess import run_inprocess
+            with _progress(job.steps, args.json) as on_step:
+                summary = run_inprocess(job, run_dir, resume=resume, log=log, on_step=on_step)
+            from ..runtime.metrics import plot_run
+            summary["plot"] = plot_run(run_dir)
         else:
-            drop = 100.0 * (1.0 - losses[-1] / losses[0]) if losses[0] else 0.0
-            log(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} ({drop:.1f}% lower) in {len(losses)} steps, "
-                f"{elapsed:.1f} s, {supervised_total / elapsed:.1f} supervised tok/s")
-        if args.save:
-            session.save(args.save, run_config)
-            log(f"saved {args.save} (adapters.safetensors, optimizer.safetensors, trainer_state.json)")
-        if args.json:
-            print(json.dumps({"initial_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
-                              "before": before, "after": after, "steps": session.macro_step,
-                              "adapters_sha256": adapters_sha256(trainer),
-                              "ms_per_step": 1e3 * elapsed / max(1, len(losses)),
-                              "supervised_tokens_per_s": supervised_total / elapsed if losses else None}))
-        return 0
-    finally:
-        if session.pool is not None:
-            session.pool.close()
+            from ..runtime.launch import Supervisor
+            sup = Supervisor("finetune", to_dict(job.spec), run_dir, trainers=args.trainers, resume=resume,
+                             threads=max(1, args.threads), quiet=args.json)
+            with _progress(job.steps, args.json, sup.events_endpoint, sup.client_key):
+                summary = sup.run()
+    if summary.get("run_dir"):  # the trained adapters, wherever they were trained
+        trainer.load_adapter_tensors(ckpt.read_params(summary["run_dir"], order=order), source=summary["run_dir"])
+    after = job.answer(trainer)
+    log(f"AFTER   {job.prompt()!r} -> {after!r}")
+    losses, elapsed_ms, supervised = _this_run(job, summary.get("run_dir"), start)
+    if losses:
+        drop = 100.0 * (1.0 - losses[-1] / losses[0]) if losses[0] else 0.0
+        log(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} ({drop:.1f}% lower) in {len(losses)} steps, "
+            f"{summary['elapsed_s']:.1f} s, {supervised / max(summary['elapsed_s'], 1e-9):.1f} supervised tok/s")
+        log(f"saved {run_dir} (adapters.safetensors, optimizer.safetensors, trainer_state.json; "
+            f"checkpoint-step-N/, metrics.jsonl, loss.png)")
+    if args.json:
+        print(json.dumps({"initial_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
+                          "before": before, "after": after, "steps": summary["steps"],
+                          "adapters_sha256": summary["adapters_sha256"],
+                          "params_sha256": summary.get("params_sha256"), "run_dir": summary.get("run_dir"),
+                          "mode": mode, "ms_per_step": elapsed_ms / max(1, len(losses)),
+                          "supervised_tokens_per_s": 1e3 * supervised / elapsed_ms if losses else None}))
+    return 0
+
+
+def _banner(args, job, mode):
+    t, c = job.trainer(), job.trainer().config
+    return (f"fucina finetune: {args.model} ({c.layers} layers, hidden {c.hidden}); LoRA rank {t.rank} alpha "
+            f"{t.alpha:g} on {','.join(t.targets)}: {t.n_parameters():,} trainable parameters; {len(job.pairs)} pairs; "
+            f"lr {job.spec.lr:g}; accum {job.spec.micro_batches}; {job.spec.optimizer}; {mode}")
+
+
+def _sha(trainer):
+    from ..llm.finetune import adapters_sha256
+    return adapters_sha256(trainer)
+
+
+def _this_run(job, run_dir, start):
+    """(losses of the steps this run made, their summed step ms, their supervised tokens) from metrics.jsonl
+    (the last record of a step wins: a restarted generation re-logs the steps it re-ran)."""
+    from ..runtime.metrics import read_metrics
+    if not run_dir:
+        return [], 0.0, 0
+    records = {r["step"]: r for r in read_metrics(run_dir) if r.get("kind") == "metrics" and r["step"] > start}
+    steps = sorted(records)
+    supervised = sum(job.supervised_tokens(step - 1) for step in steps)
+    return [records[s]["loss"] for s in steps], sum(records[s].get("step_ms", 0.0) for s in steps), supervised

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 
 JOBS = {"spirals": "pipeline.jobs.spirals", "lm": "pipeline.jobs.lm", "pretrain": "pipeline.jobs.pretrain",
-        "sft": "pipeline.jobs.sft"}
+        "sft": "pipeline.jobs.sft", "finetune": "pipeline.jobs.finetune"}
 
 
 def get_job(name: str):

@@ -19,6 +19,8 @@ The roles never know what model they train. A job supplies:
                             version `step` (e.g. the pretrain time-lapse); must
                             be idempotent: a replayed step runs it again
   finish(run_dir, params)  -> dict of extras for the summary (sample, exports)
+  checkpoint_config()      -> dict merged into the sentinel's config (what exports read back)
+  adapters_only            True: the weights file is adapters.safetensors (a LoRA job)
 
 Trade-off: jobs hand over flat named arrays rather than a model object, so the
 same bytes can live in a numpy array (in-process) or a shared-memory segment.
@@ -34,6 +36,7 @@ class Job:
     name = "job"
     Spec = None
     eval_name = "eval"  # what validate() measures, for plots and the live view
+    adapters_only = False  # True names the checkpoint's weights adapters.safetensors
 
     def __init__(self, spec):
         self.spec = spec
@@ -68,6 +71,9 @@ class Job:
         pass
 
     def finish(self, run_dir, params, log=print):
+        return {}
+
+    def checkpoint_config(self):
         return {}
 
 

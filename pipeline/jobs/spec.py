@@ -28,7 +28,8 @@ def add_flags(parser: argparse.ArgumentParser, spec_cls):
     group = parser.add_argument_group(f"{spec_cls.__name__} fields (override the TOML/defaults)")
     for f in dataclasses.fields(spec_cls):
         flag = "--" + f.name.replace("_", "-")
-        help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
+        shown = "off" if f.default is False else f.default  # a bare "False" reads as a value to pass
+        help_text = f"{f.metadata.get('help', '')} (default: {shown})"
         if f.type in ("bool", bool):
             group.add_argument(flag, dest=f"job_{f.name}", default=None, action=argparse.BooleanOptionalAction,
                                help=help_text)

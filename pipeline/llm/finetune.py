@@ -39,7 +39,6 @@ from pipeline.autograd.losses import linear_cross_entropy
 from pipeline.autograd.module import Module
 from pipeline.autograd.tensor import Tensor, no_grad
 from pipeline.errors import UserError
-from pipeline.runtime.metrics import peak_rss_mb
 
 from pipeline.models.decoder import PROJECTIONS, swiglu  # noqa: F401 (swiglu: re-exported for its kernel tests)
 
@@ -340,20 +339,20 @@ def adapters_sha256(trainer):
 
 
 class Session:
-    """One fine-tuning run: trainer + optimizer + encoded samples + loader.
+    """Accumulation windows in this process, for the probes of `--verify-grads` and the benchmarks (a
+    training run is the `finetune` job on pipeline/runtime, which computes the same bits).
 
     A macro step is one accumulation window of `accum_steps` micro-batches:
     token-weighted normalisation (reduction='sum', scale 1/total_valid over
-    the window), ONE clip, ONE optimizer step. Micro-batch gradients are summed
-    in window-index order, whether computed here or by `pool` workers, so the
-    bits do not depend on where they ran.
+    the window), ONE clip, ONE optimizer step; backward passes accumulate the
+    micro-batch gradients in window-index order.
     """
 
-    def __init__(self, trainer, optimizer, samples, loader, accum_steps=1, clip=1.0, lr=1e-3, warmup=0, pool=None):
+    def __init__(self, trainer, optimizer, samples, loader, accum_steps=1, clip=1.0, lr=1e-3, warmup=0):
         if accum_steps < 1:
             raise UserError(f"accum_steps must be >= 1, got {accum_steps}")
         self.trainer, self.optimizer, self.samples, self.loader = trainer, optimizer, samples, loader
-        self.accum_steps, self.clip, self.base_lr, self.warmup, self.pool = int(accum_steps), clip, float(lr), int(warmup), pool
+        self.accum_steps, self.clip, self.base_lr, self.warmup = int(accum_steps), clip, float(lr), int(warmup)
         keep_freed_memory()
 
     @property
@@ -374,18 +373,13 @@ class Session:
             raise UserError(f"window of samples {idx} has no supervised token")
         scale = 1.0 / total_valid
         first_step = self.trainer.step
-        if self.pool is None:
-            losses = []
-            for i in idx:
-                s = self.samples[i]
-                with single_thread_blas():  # small GEMMs on one BLAS thread; big ones tile on our threads (kernels/nn.py)
-                    loss = self.trainer.loss(s.inputs, s.labels, reduction="sum", loss_scale=scale)
-                    loss.backward()
-                losses.append(loss.item())
-        else:
-            tasks = [(k, first_step + k, self.samples[i].inputs, self.samples[i].labels, scale) for k, i in enumerate(idx)]
-            losses = self.pool.run(self.trainer, tasks)
-            self.trainer.step = first_step + len(idx)
+        losses = []
+        for i in idx:
+            s = self.samples[i]
+            with single_thread_blas():  # small GEMMs on one BLAS thread; big ones tile on our threads (kernels/nn.py)
+                loss = self.trainer.loss(s.inputs, s.labels, reduction="sum", loss_scale=scale)
+                loss.backward()
+            losses.append(loss.item())
         self.optimizer.lr = self.lr_at(first_step // self.accum_steps)
         if self.clip:
             self.optimizer.clip_grad_norm(self.clip)
@@ -395,19 +389,6 @@ class Session:
         for v in losses:  # the sum of the scaled sums IS the window's mean CE
             window_loss += v
         return window_loss, sum(len(self.samples[i].inputs) for i in idx), total_valid
-
-    # --- checkpoints --------------------------------------------------------
-    def state(self, config):
-        from pipeline.train.trainer_state import TrainerState
-        return TrainerState(step=self.trainer.step, accum_steps=self.accum_steps,
-                            seeds={"lora": self.trainer.seed, "data": self.loader.seed},
-                            loader=self.loader.state(),
-                            schedule={"name": "warmup_constant", "lr": self.base_lr, "warmup": self.warmup},
-                            config=config)
-
-    def save(self, directory, config):
-        from pipeline.train.checkpoint import save_checkpoint
-        return save_checkpoint(directory, self.state(config), model=self.trainer, optimizer=self.optimizer, adapters=True)
 
 
 def lora_config(trainer):
@@ -432,35 +413,10 @@ def check_resume_config(stored, trainer, source):
                                       f"{mine[key]!r}; pass the checkpoint's value (--{key} …) to resume")
 
 
-# --- trainer processes -----------------------------------------------------------
-def _worker_main(conn, model_path, trainer_kwargs, threads):
-    """A trainer process: maps the GGUF read-only, answers micro-batch tasks with gradients."""
-    from pipeline.threads import pin_threads
-    pin_threads(threads)
-    keep_freed_memory()
-    trainer = Trainer.from_gguf(model_path, **trainer_kwargs)
-    params = dict(trainer.named_parameters())
-    conn.send("ready")
-    while True:
-        msg = conn.recv()
-        if msg is None:
-            break
-        weights, tasks = msg
-        for name, arr in weights.items():
-            params[name].data[...] = arr
-        results = []
-        for k, step, inputs, labels, scale in tasks:
-            trainer.zero_grad()
-            trainer.step = step
-            with single_thread_blas():
-                loss = trainer.loss(inputs, labels, reduction="sum", loss_scale=scale)
-                loss.backward()
-            results.append((k, loss.item(), {n: p.grad for n, p in params.items()}))
-        conn.send((results, peak_rss_mb()))
-
-
+# --- worker processes ------------------------------------------------------------
 class ProcessPool:
-    """N spawned worker processes, each on its own Pipe, that answer "ready" once
+    """(Only es-finetune's MemberPool still uses it; fine-tuning runs on pipeline/runtime.)
+    N spawned worker processes, each on its own Pipe, that answer "ready" once
     started (the OS shares a mapped GGUF's pages between them). Subclasses add
     the request/answer protocol; close() sends None and joins."""
 
@@ -504,45 +460,6 @@ def death(exitcode) -> str:
         hint = " (the kernel's out-of-memory killer sends this; see dmesg)" if -exitcode == signal.SIGKILL else ""
         return f"killed by {name}{hint}, so it left no traceback"
     return f"it exited with code {exitcode} (an exception in it prints its traceback above)"
-
-
-class TrainerPool(ProcessPool):
-    """N trainer processes (spawned; the OS shares the mapped GGUF's pages between them).
-
-    Micro-batch k of a window goes to process k % N; the parent adds the
-    returned gradients into the adapters' .grad in k order, exactly as
-    in-process backward passes would, so the bits match the in-process run.
-    `worker_peak_rss_mb[j]` is process j's own VmHWM as of its last answer.
-    """
-
-    def __init__(self, n, model_path, trainer_kwargs, threads=1):
-        super().__init__(n, _worker_main, (str(model_path), trainer_kwargs, threads), f"a trainer process on {model_path}")
-        self.worker_peak_rss_mb = [None] * n
-
-    def run(self, trainer, tasks):
-        weights = {n: p.data for n, p in trainer.named_parameters()}
-        n = len(self.conns)
-        for j, conn in enumerate(self.conns):
-            conn.send((weights, [t for t in tasks if t[0] % n == j]))
-        results = {}
-        for j, conn in enumerate(self.conns):
-            try:
-                answer = conn.recv()
-            except (EOFError, OSError):
-                self.procs[j].join(timeout=5)
-                raise UserError(f"trainer process {j} died: {death(self.procs[j].exitcode)}") from None
-            answer, self.worker_peak_rss_mb[j] = answer
-            for k, loss, grads in answer:
-                results[k] = (loss, grads)
-        params = trainer.named_parameters()
-        for k in range(len(tasks)):  # index order, never arrival order
-            for name, p in params:
-                g = results[k][1][name]
-                if p.grad is None:
-                    p.grad = np.array(g, dtype=np.float32, copy=True)
-                else:
-                    p.grad += g
-        return [results[k][0] for k in range(len(tasks))]
 
 
 # --- gradient verification on a real model ----------------------------------------

@@ -67,17 +67,19 @@ def trainer_state(job, step: int) -> TrainerState:
     return TrainerState(step=step * m, accum_steps=m, seeds={"init": job.spec.seed, "data": job.spec.seed},
                         loader={"seed": job.spec.seed, "rows_consumed": step * job.rows_per_step()},
                         schedule={"total": job.steps, **job.schedule_fields()},
-                        config={"job": job.name, "spec": to_dict(job.spec)})
+                        config={"job": job.name, "spec": to_dict(job.spec), **job.checkpoint_config()})
 
 
 def write_checkpoint(ckpt_dir, params: dict, optim_skeleton: dict, optim_tensors: dict, state: TrainerState,
-                     on_file=None):
-    """Write one checkpoint from arrays; `on_file(name)` after the weights (fault-injection hook)."""
+                     on_file=None, adapters=False):
+    """Write one checkpoint from arrays; `on_file(name)` after the weights (fault-injection hook);
+    adapters=True names the weights adapters.safetensors (a LoRA job's)."""
     model = {n: Tensor(a, requires_grad=True) for n, a in params.items()}
     ckpt_dir = Path(ckpt_dir)
     remove_dead_writers_temp_files(ckpt_dir)
     if on_file is None:
-        protocol.save_checkpoint(ckpt_dir, state, model=model, optimizer=_FrozenState(optim_skeleton, optim_tensors))
+        protocol.save_checkpoint(ckpt_dir, state, model=model, optimizer=_FrozenState(optim_skeleton, optim_tensors),
+                                 adapters=adapters)
         return str(ckpt_dir)
     # the same protocol in two calls, so a fault can strike between the files (sentinel still last)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -85,10 +87,28 @@ def write_checkpoint(ckpt_dir, params: dict, optim_skeleton: dict, optim_tensors
     if sentinel.exists():
         sentinel.unlink()
     from ..train.state_dict import save_state_dict
-    save_state_dict(ckpt_dir / "model.safetensors", list(model.items()), metadata={"format": "fucina.weights/1"})
-    on_file("model.safetensors")
-    protocol.save_checkpoint(ckpt_dir, state, model=model, optimizer=_FrozenState(optim_skeleton, optim_tensors))
+    weights = protocol.WEIGHT_FILES[1 if adapters else 0]
+    save_state_dict(ckpt_dir / weights, list(model.items()), metadata={"format": "fucina.weights/1"})
+    on_file(weights)
+    protocol.save_checkpoint(ckpt_dir, state, model=model, optimizer=_FrozenState(optim_skeleton, optim_tensors),
+                             adapters=adapters)
     return str(ckpt_dir)
+
+
+def publish(ckpt_dir, dest) -> str:
+    """Commit a copy of the committed checkpoint `ckpt_dir` at `dest` (its files, the sentinel last), so a run
+    dir is itself its final checkpoint (what `fucina finetune --save DIR` always wrote)."""
+    from ..train.state_dict import atomic_write_bytes
+    src, dest = Path(ckpt_dir), Path(dest)
+    protocol.read_sentinel(src)  # only a committed checkpoint is published
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / protocol.SENTINEL).unlink(missing_ok=True)  # uncommit before overwriting anything
+    names = [protocol.weights_file(src).name, protocol.OPTIMIZER_FILE]
+    for name in {*protocol.WEIGHT_FILES, protocol.OPTIMIZER_FILE} - set(names):
+        (dest / name).unlink(missing_ok=True)  # nothing stale from an earlier publish
+    for name in [*names, protocol.SENTINEL]:
+        atomic_write_bytes(dest / name, (src / name).read_bytes())
+    return str(dest)
 
 
 def remove_dead_writers_temp_files(ckpt_dir: Path) -> list[str]:

@@ -56,7 +56,7 @@ def run_inprocess(job, run_dir, resume=None, log=print, on_step=None):
             if checkpoint_due(job, done):
                 p, skeleton, tensors = optimizer.snapshot()
                 path = ckpt.write_checkpoint(checkpoint_dir(run_dir, done), p, skeleton, tensors,
-                                             trainer_state(job, done))
+                                             trainer_state(job, done), adapters=job.adapters_only)
                 metrics.write({"kind": "event", "event": "checkpoint_committed",
                                "detail": {"path": path, "step": done}})
         final = {n: a for n, a in params.items()}

@@ -1,5 +1,6 @@
-"""`fucina finetune` end to end on a tiny GGUF: resume bit-exactness, trainer
-processes == in-process, accumulation, checkpoints, verify-grads, clear errors."""
+"""`fucina finetune` end to end on a tiny GGUF (the finetune job run in-process): resume bit-exactness,
+the job == today's accumulation windows, checkpoints, verify-grads, clear errors. The multiprocess runs
+(1 and 2 trainers, a trainer killed, resumed) are in test_finetune_runtime.py."""
 import json
 import os
 
@@ -16,6 +17,11 @@ def model_path():
     return os.path.join(ROOT, "tests", "fixtures", "qwen3-mini-q8_0.gguf")
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a run without --save gets runs/finetune-<time> in the working directory
+
+
 def _run(capsys, *argv):
     rc = main(["finetune", "--targets", "q,v", "--accum-steps", "1", *argv, "--json", "--max-new-tokens", "3"])
     out = capsys.readouterr()
@@ -30,27 +36,38 @@ def test_stop_and_resume_is_bit_identical(model_path, tmp_path, capsys):
     assert rc == 0 and full["steps"] == 4
     rc, half, _ = _run(capsys, "--model", model_path, "--steps", "2", "--save", str(tmp_path / "a"), *COMMON)
     assert rc == 0 and half["adapters_sha256"] != full["adapters_sha256"]
+    state = json.loads((tmp_path / "a" / "trainer_state.json").read_text())
+    assert state["step"] == 4 and state["accum_steps"] == 2
+    assert state["config"]["lora"]["alpha"] == 16.0 and state["config"]["lora"]["rank"] == 8
+    assert state["config"]["job"] == "finetune" and state["loader"]["rows_consumed"] == 4
     # the resumed run keeps the checkpoint's accum_steps and lr even if the flags say otherwise
     rc, resumed, err = _run(capsys, "--model", model_path, "--steps", "4", "--load", str(tmp_path / "a"),
                             "--accum-steps", "2", "--shuffle", "--dropout", "0.1", "--lr", "1e-1")
     assert rc == 0, err
     assert resumed["adapters_sha256"] == full["adapters_sha256"]
     assert resumed["final_loss"] == full["final_loss"]
-    state = json.loads((tmp_path / "a" / "trainer_state.json").read_text())
-    assert state["step"] == 4 and state["accum_steps"] == 2
-    assert state["config"]["lora"]["alpha"] == 16.0 and state["config"]["lora"]["rank"] == 8
-    assert set(state["loader"]) == {"seed", "epoch", "index"}
+    assert resumed["params_sha256"] == full["params_sha256"]
     from safetensors.numpy import load_file
     names = sorted(load_file(tmp_path / "a" / "adapters.safetensors"))
     assert names[0] == "layers.0.q.lora_a" and len(names) == 2 * 2 * 2
 
 
-def test_trainer_processes_equal_in_process(model_path, capsys):
-    rc, inproc, _ = _run(capsys, "--model", model_path, "--steps", "2", *COMMON)
-    rc2, fanned, err = _run(capsys, "--model", model_path, "--steps", "2", "--trainers", "2", *COMMON)
-    assert rc == rc2 == 0, err
-    assert fanned["adapters_sha256"] == inproc["adapters_sha256"]
-    assert fanned["final_loss"] == inproc["final_loss"]
+def test_the_job_computes_what_accumulation_windows_in_one_process_compute(model_path, capsys):
+    """The finetune job (loader slots, pre-scaled micro-batch gradients reduced in index order, the
+    optimizer role) against Session.window, the plain loop of backward passes over the Loader's order."""
+    import argparse
+    from pipeline.commands import finetune as command
+    from pipeline.llm.finetune import adapters_sha256
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    args = parser.parse_args(["--model", model_path, "--targets", "q,v", "--steps", "3", *COMMON,
+                              "--warmup", "2", "--clip", "0.5"])
+    session, _ = command.build(args, log=lambda m: None)
+    windows = [session.window()[0] for _ in range(3)]
+    rc, job_run, err = _run(capsys, "--model", model_path, "--steps", "3", *COMMON, "--warmup", "2", "--clip", "0.5")
+    assert rc == 0, err
+    assert job_run["adapters_sha256"] == adapters_sha256(session.trainer)
+    assert job_run["initial_loss"] == windows[0] and job_run["final_loss"] == windows[-1]
 
 
 def test_save_every_and_checkpoint_layers(model_path, tmp_path, capsys):
@@ -60,7 +77,9 @@ def test_save_every_and_checkpoint_layers(model_path, tmp_path, capsys):
     assert rc == rc2 == 0
     assert ckpt["adapters_sha256"] == plain["adapters_sha256"]
     assert (tmp_path / "r" / "checkpoint-step-1" / "trainer_state.json").is_file()
-    assert (tmp_path / "r" / "adapters.safetensors").is_file()
+    assert (tmp_path / "r" / "checkpoint-step-1" / "adapters.safetensors").is_file()
+    assert (tmp_path / "r" / "adapters.safetensors").is_file() and (tmp_path / "r" / "trainer_state.json").is_file()
+    assert (tmp_path / "r" / "metrics.jsonl").is_file() and (tmp_path / "r" / "loss.png").is_file()
 
 
 def test_loss_falls_and_json_summary(model_path, capsys):
@@ -96,3 +115,8 @@ def test_bad_inputs_are_one_line_errors(model_path, tmp_path, capsys):
     assert rc == 2 and "targets" in err
     rc, _, err = _run(capsys, "--model", model_path, "--save-every", "2")
     assert rc == 2 and "--save" in err
+    rc, _, err = _run(capsys, "--model", model_path, "--inprocess", "--trainers", "2")
+    assert rc == 2 and "--inprocess" in err
+    assert _run(capsys, "--model", model_path, "--steps", "1", "--save", str(tmp_path / "d"))[0] == 0
+    rc, _, err = _run(capsys, "--model", model_path, "--steps", "1", "--save", str(tmp_path / "d"))
+    assert rc == 2 and "already holds checkpoints" in err and "--resume" in err

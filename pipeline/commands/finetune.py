@@ -29,10 +29,12 @@ def add_arguments(p):
                         "(for a first run, the model.gguf `fucina launch lm` saves)")
     add_data_arguments(p)
     add_chat_template_argument(p)
-    p.add_argument("--shuffle", action="store_true", help="shuffled sample order (Fisher-Yates per epoch, seeded by --data-seed)")
+    p.add_argument("--shuffle", action="store_true", help="shuffled sample order (Fisher-Yates per epoch, seeded by "
+                                                          "--data-seed)")
     p.add_argument("--seed", type=int, default=42, help="seed of the adapter init and dropout streams")
     p.add_argument("--data-seed", type=int, default=None, help="seed of the shuffled order (default: --seed)")
-    p.add_argument("--steps", type=int, default=30, help="train until this many optimizer steps in total (a resumed run continues from its checkpoint)")
+    p.add_argument("--steps", type=int, default=30, help="train until this many optimizer steps in total (a resumed "
+                                                         "run continues from its checkpoint)")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank r")
     p.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (the delta is scaled by alpha/rank)")
     p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (a resumed run keeps the checkpoint's); "
@@ -40,17 +42,22 @@ def add_arguments(p):
     p.add_argument("--warmup", type=int, default=0, help="linear learning-rate warm-up over this many optimizer steps")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip, once per window (0 = off)")
     p.add_argument("--targets", default="q,k,v,o,gate,up,down",
-                   help="comma-separated projections to adapt, any of q,k,v,o,gate,up,down (q,v is the classic choice for large models)")
+                   help="comma-separated projections to adapt, any of q,k,v,o,gate,up,down (q,v is the classic choice "
+                        "for large models)")
     p.add_argument("--accum-steps", type=int, default=5,
-                   help="samples per optimizer step, token-weighted (default 5: the whole pirate set per step; a resumed run keeps the checkpoint's)")
+                   help="samples per optimizer step, token-weighted (default 5: the whole pirate set per step; a "
+                        "resumed run keeps the checkpoint's)")
     p.add_argument("--seq-max", type=int, default=256, help="truncate samples to this many input tokens")
-    p.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout probability on the adapter input, in [0, 1)")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="LoRA dropout probability on the adapter input, in [0, 1)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer of the adapters")
     p.add_argument("--state-dtype", choices=("f32", "bf16"), default="f32", help="dtype of the AdamW moments")
-    p.add_argument("--checkpoint-layers", action="store_true", help="recompute each layer in backward (less memory, same bits)")
+    p.add_argument("--checkpoint-layers", action="store_true", help="recompute each layer in backward (less memory, "
+                                                                    "same bits)")
     p.add_argument("--save", metavar="DIR", help="the run directory: the final checkpoint is committed here "
                    "(default: runs/finetune-<time>)")
-    p.add_argument("--save-every", type=int, default=0, metavar="N", help="also save DIR/checkpoint-step-N every N optimizer steps (needs --save)")
+    p.add_argument("--save-every", type=int, default=0, metavar="N", help="also save DIR/checkpoint-step-N every N "
+                                                                          "optimizer steps (needs --save)")
     p.add_argument("--load", metavar="DIR", help="the older spelling of --resume DIR")
     p.add_argument("--trainers", type=int, default=0, metavar="N",
                    help="run the job on the multiprocess runtime with N trainer processes (they map the GGUF "
@@ -60,10 +67,14 @@ def add_arguments(p):
     p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint dir or a run dir's newest checkpoint "
                    "(adapters, optimizer, step; the checkpoint's accum_steps, lr and warm-up win over the flags)")
     p.add_argument("--threads", type=int, default=0, help="BLAS/numba threads per process (0 = leave as is)")
-    p.add_argument("--prompt", default=None, help="held prompt for the BEFORE/AFTER answers (default: the first training instruction)")
-    p.add_argument("--max-new-tokens", type=int, default=48, help="length of the BEFORE/AFTER greedy answers (tokens; bytes on a byte-level model)")
-    p.add_argument("--verify-grads", action="store_true", help="instead of training: zero-structure, grad-norm audit, Taylor and frozen-base checks; exit 1 on failure")
-    p.add_argument("--json", action="store_true", help="print one JSON summary line on stdout (progress goes to stderr)")
+    p.add_argument("--prompt", default=None, help="held prompt for the BEFORE/AFTER answers (default: the first "
+                                                  "training instruction)")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="length of the BEFORE/AFTER greedy answers (tokens; "
+                                                                  "bytes on a byte-level model)")
+    p.add_argument("--verify-grads", action="store_true", help="instead of training: zero-structure, grad-norm audit, "
+                                                               "Taylor and frozen-base checks; exit 1 on failure")
+    p.add_argument("--json", action="store_true", help="print one JSON summary line on stdout (progress goes to "
+                                                       "stderr)")
 
 
 def add_data_arguments(p):

@@ -175,7 +175,8 @@ class Trainer(Module):
                  checkpoint_layers=False, ignore_index=IGNORE_INDEX):
         bad = [t for t in targets if t not in TARGETS]
         if bad or not targets:
-            raise UserError(f"targets must be a non-empty subset of {','.join(TARGETS)}, got {','.join(targets) or '(none)'}")
+            raise UserError(f"targets must be a non-empty subset of {','.join(TARGETS)}, got "
+                            f"{','.join(targets) or '(none)'}")
         self._model, self.config = model, model.config
         self._base = model.with_constant_norms()  # its block never sends a gradient into the base
         self._layers = [{t: Frozen(b.projection(t)) for t in TARGETS} for b in model.blocks]  # per layer: constants
@@ -216,7 +217,8 @@ class Trainer(Module):
     def _dropout_seed(self, step, layer, target):
         if step is None or self.dropout == 0.0:
             return None
-        return derive_seed(self._dropout_base, (step * self.config.layers + layer) * len(TARGETS) + TARGETS.index(target))
+        stream = (step * self.config.layers + layer) * len(TARGETS) + TARGETS.index(target)
+        return derive_seed(self._dropout_base, stream)
 
     def _projs(self, x, i, targets, step):
         """The adapted projections `targets` of layer i on one input x."""
@@ -228,9 +230,11 @@ class Trainer(Module):
         """Final-normed hidden states [T, hidden]; step None = eval (no dropout)."""
         tokens = np.asarray(tokens)
         if tokens.ndim != 1 or tokens.size == 0 or tokens.dtype.kind not in "iu":
-            raise UserError(f"tokens must be a non-empty 1-D integer sequence, got shape {tokens.shape} dtype {tokens.dtype}")
+            raise UserError(f"tokens must be a non-empty 1-D integer sequence, got shape {tokens.shape} dtype "
+                            f"{tokens.dtype}")
         if tokens.min() < 0 or tokens.max() >= self.config.vocab_size:
-            raise UserError(f"token ids must be in [0, {self.config.vocab_size}), got range [{tokens.min()}, {tokens.max()}]")
+            raise UserError(f"token ids must be in [0, {self.config.vocab_size}), got range [{tokens.min()}, "
+                            f"{tokens.max()}]")
         c, n = self.config, tokens.size
         pos = np.arange(n)
 
@@ -318,12 +322,14 @@ class Trainer(Module):
         missing = sorted(set(params) - set(tensors))
         extra = sorted(set(tensors) - set(params))
         if missing or extra:
-            raise UserError(f"{source}: adapter names do not match this trainer (missing {missing[:4]}, unexpected {extra[:4]}); "
+            raise UserError(f"{source}: adapter names do not match this trainer (missing {missing[:4]}, unexpected "
+                            f"{extra[:4]}); "
                             f"check --targets and the model")
         for n, p in params.items():
             arr = np.asarray(tensors[n])
             if arr.shape != p.shape or arr.dtype != np.float32:
-                raise UserError(f"{source}: tensor {n} is {arr.dtype}{list(arr.shape)}, expected float32{list(p.shape)}")
+                raise UserError(f"{source}: tensor {n} is {arr.dtype}{list(arr.shape)}, expected "
+                                f"float32{list(p.shape)}")
             p.data[...] = arr
 
 
@@ -500,7 +506,8 @@ def verify_grads(session, log, warmup_steps=3, taylor_lrs=(1e-4, 3e-4, 1e-3)):
         if all(not np.any(p.data) for n, p in params if n.endswith("lora_b")):
             a_zero = all(not np.any(g) for n, g in grads.items() if n.endswith("lora_a"))
             b_live = all(np.any(g) for n, g in grads.items() if n.endswith("lora_b"))
-            check("zero structure at init", a_zero and b_live, f"B == 0: every dL/dA == 0: {a_zero}; every dL/dB != 0: {b_live}")
+            check("zero structure at init", a_zero and b_live, f"B == 0: every dL/dA == 0: {a_zero}; every dL/dB != "
+                                                               f"0: {b_live}")
         else:
             log("  [SKIP] zero structure at init: the adapters were loaded with B != 0")
 
@@ -512,7 +519,8 @@ def verify_grads(session, log, warmup_steps=3, taylor_lrs=(1e-4, 3e-4, 1e-3)):
         l_again, _ = loss_and_grads()
         check("frozen base", no_base_grad and constants and only_adapters and l_again == l0,
               f"{len(frozen)} projections are constants: {constants}; {len(base)} base tensors hold no gradient: "
-              f"{no_base_grad}; parameters are adapters only: {only_adapters}; repeated loss bitwise equal: {l_again == l0}")
+              f"{no_base_grad}; parameters are adapters only: {only_adapters}; repeated loss bitwise equal: "
+              f"{l_again == l0}")
 
         for _ in range(warmup_steps):
             session.window()

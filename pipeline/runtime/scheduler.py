@@ -33,6 +33,7 @@ from __future__ import annotations
 import hmac
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -108,6 +109,7 @@ class Scheduler:
         self.snapshots_asked = set()  # (gen, step): never ask twice (a snapshot segment name is per step)
         self.committed_steps = set()
         self.summary = None
+        self.finishing = None  # the thread running job.finish, while the loop keeps answering heartbeats
         self.t_start = time.monotonic()
 
     # --- wiring ------------------------------------------------------------
@@ -450,8 +452,26 @@ class Scheduler:
         if self.writes_inflight or self.writes_pending:
             return
         path = checkpoint_dir(self.run_dir, final)
-        params = ckpt.read_params(path, order=[n for n, _, _ in self.job.param_layout()])
-        extras = self.job.finish(self.run_dir, params, log=self.log)
+        if self.finishing is None:
+            # job.finish (a sample, model.gguf) may take longer than the workers' liveness: it runs beside
+            # the loop, which goes on answering heartbeats, so no worker leaves (and is re-spawned) meanwhile
+            params = ckpt.read_params(path, order=[n for n, _, _ in self.job.param_layout()])
+            outcome = {}
+
+            def finish():
+                try:
+                    outcome["extras"] = self.job.finish(self.run_dir, params, log=self.log)
+                except BaseException as e:  # noqa: BLE001 - re-raised in the loop's thread below
+                    outcome["error"] = e
+            self.finishing = (threading.Thread(target=finish, name="job-finish", daemon=True), params, outcome)
+            self.finishing[0].start()
+            return
+        thread, params, outcome = self.finishing
+        if thread.is_alive():
+            return
+        if "error" in outcome:
+            raise outcome["error"]
+        extras = outcome["extras"]
         self.summary = {"job": self.job.name, "mode": "pipeline", "trainers": self.trainers_wanted,
                         "steps": final, "final_loss": self.losses.get(final),
                         "params_sha256": ckpt.params_sha256(params), "checkpoint": os.path.abspath(path),

@@ -172,3 +172,14 @@ def _spec(flags):
 
 def test_spec_helper_round_trips():
     assert _spec(["--steps", "3", "--optimizer", "muon"]) == {"steps": 3, "optimizer": "muon"}
+
+
+@pytest.mark.slow
+def test_a_long_job_finish_keeps_the_workers_alive(tmp_path):
+    """job.finish (here a 200-token sample and model.gguf) outlasts a 1 s liveness: heartbeats go on meanwhile."""
+    flags = dict(zip(LONG_LM[::2], LONG_LM[1::2]))
+    flags.update({"--steps": "4", "--checkpoint-every": "2", "--sample-tokens": "200", "--eval-every": "0"})
+    out = launch("lm", tmp_path, "--trainers", "1", "--liveness", "1", *[x for kv in flags.items() for x in kv])
+    assert out["respawns"] == 0
+    with open(os.path.join(tmp_path, "workers.log"), errors="replace") as fh:
+        assert "no heartbeat" not in fh.read()

@@ -74,8 +74,9 @@ class FrozenWeight:
     for many rows (prefill, training; kernels/qgemm.py). `matmul(g)` computes g @ W
     (the backward of a frozen linear) the same tiled way. It carries no gradient.
 
-    `integer_dot` (default False: opt-in until it is faster than the f32 kernels): forwards that record no graph (under autograd's no_grad():
-    inference, ES member evaluation, evaluation passes) of at most INTEGER_MAX_ROWS activation
+    `integer_dot` (default True: on AVX2 the decode-sized integer kernels beat the f32 matvec, docs/models.md):
+    forwards that record no graph (under autograd's no_grad(): inference, ES member evaluation, evaluation
+    passes) of at most INTEGER_MAX_ROWS activation
     rows (decode) through Q8_0/Q4_0/Q5_0/Q4_K/Q5_K/Q6_K weights quantize their activations the way
     llama.cpp does and take integer block dot products (kernels/qint.py); a forward with
     gradients on keeps f32 activations (the training contract). Many rows (prefill) stay on the
@@ -84,7 +85,7 @@ class FrozenWeight:
     """
 
     FUSED_MAX_ROWS = 4  # below this many activation rows the fused kernel wins (docs/models.md)
-    integer_dot = False  # opt-in (set True on an instance or the class): equal speed at best today, Q8_0 2x slower
+    integer_dot = True  # set False (on an instance or the class) to keep no-grad decode on the f32 matvec
     INTEGER_MAX_ROWS = FUSED_MAX_ROWS  # no-grad calls with more rows use the f32 GEMM (faster today)
 
     def __init__(self, fmt: Format, raw, shape: tuple[int, int], name: str = ""):

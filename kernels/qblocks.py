@@ -491,6 +491,30 @@ def _lane_sum(typingctx, acc):
 # the f32 rounding is llama.cpp's own. Integer sums are exact, so the order inside a lane is free; the
 # products are written as sign-extended i16 pairs so LLVM selects vpmaddwd on AVX2.
 _V8F, _V8I, _V16I = ir.VectorType(_F32, 8), ir.VectorType(_I32, 8), ir.VectorType(_I32, 16)
+_V16S = ir.VectorType(ir.IntType(16), 16)
+
+
+def _target_has_avx2() -> bool:
+    """True when numba compiles for a CPU with AVX2 (its host, or NUMBA_CPU_NAME/NUMBA_CPU_FEATURES when set).
+    FUCINA_INTEGER_ISA=portable forces the portable IR (to check it on an AVX2 machine)."""
+    import os
+
+    import llvmlite.binding as llvm
+    from numba.core import config
+    if os.environ.get("FUCINA_INTEGER_ISA", "").lower() == "portable":
+        return False
+    if config.CPU_FEATURES:
+        return "+avx2" in config.CPU_FEATURES.split(",")
+    if config.CPU_NAME and config.CPU_NAME != "host":
+        return False  # a named CPU without a feature list: we cannot tell, stay portable
+    return bool(llvm.get_host_cpu_features().get("avx2", False))
+
+
+# The integer kernels' two code paths compute the same exact i32 lane sums (so the same bits): on AVX2 the
+# x86 intrinsics vpmaddubsw (u8 x s8 pairs -> i16) + vpmaddwd (i16 pairs x i16 scale -> i32), what llama.cpp
+# runs; elsewhere portable sext/mul/shuffle IR. LLVM does not form vpmaddubsw from the portable IR inside
+# the kernels (it proved the nibbles' ranges and chose zext/vpmullw chains), hence the explicit intrinsics.
+AVX2 = _target_has_avx2()
 
 
 def _pair_sums(h, w, x):
@@ -511,6 +535,31 @@ def _fold_lanes(h, v16):
     return h.b.add(pick(0), pick(1))
 
 
+def _x86(h, name, ret, *args):
+    fn = cgutils.get_or_insert_function(h.b.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return h.b.call(fn, list(args))
+
+
+def _lane_sums(h, w, x, scale16=None, w_unsigned=False):
+    """<8 x i32>: lane k = sum over elements 4k..4k+3 of w * x * scale (llama.cpp's lane k) for <32 x i8> w and
+    signed x; scale16 (an i16 per pair of elements, <16 x i16>) defaults to 1. Exact: |w| <= 128 and |x| <= 127
+    keep every u8 x s8 pair sum inside i16 (vpmaddubsw never saturates here), and |scale| < 256 keeps every i32
+    lane far from overflow. w_unsigned: w holds 4/5-bit values (0..31, vpmaddubsw's unsigned side as is), else
+    signed."""
+    if not AVX2:
+        part = _pair_sums(h, w, x)  # w_unsigned values are all < 128 (4/5-bit): sign extension reads them right
+        if scale16 is not None:
+            part = h.b.mul(part, h.b.sext(scale16, _V16I))
+        return _fold_lanes(h, part)
+    if not w_unsigned:  # |w| . (x * sign(w)): the signed product as an unsigned x signed one (mul_sum_i8_pairs)
+        x = _x86(h, "llvm.x86.avx2.psign.b", _VB, x, w)
+        w = h.b.select(h.b.icmp_signed("<", w, h.bytes_const(0)), h.b.sub(h.bytes_const(0), w), w)
+    pairs = _x86(h, "llvm.x86.avx2.pmadd.ub.sw", _V16S, w, x)
+    if scale16 is None:
+        scale16 = ir.Constant(_V16S, [1] * 16)
+    return _x86(h, "llvm.x86.avx2.pmadd.wd", _V8I, pairs, scale16)
+
+
 def _fma_into(h, arg, scale, lanes):
     """acc[arg][0:n] = fma(scale, float(lanes), acc): _mm256_fmadd_ps / _mm_fmadd_ps (llvm.fma, exact)."""
     vf = ir.VectorType(_F32, lanes.type.count)
@@ -519,8 +568,9 @@ def _fma_into(h, arg, scale, lanes):
     h.b.store(h.b.call(fn, [h.splat(scale, vf), h.b.sitofp(lanes, vf), h.b.load(p, align=4)]), p, align=4)
 
 
-def _splat_i32(h, v, n):
-    return h.splat(h.b.sext(v, _I32) if v.type != _I32 else v, ir.VectorType(_I32, n))
+def _scale16(h, s, j):
+    """<16 x i16>: the unsigned 6-bit byte s[j] of <8 x i8> s in every lane (a K-quant sub-block scale)."""
+    return h.splat(h.b.zext(h.b.extract_element(s, ir.Constant(_I32, j)), ir.IntType(16)), _V16S)
 
 
 def _k4_scale_bytes(h):
@@ -542,7 +592,7 @@ def _idot_32(w_of_block, sig):
     """(sig, codegen) of a 32-weight block intrinsic (acc, b, o, q, qo, d): acc[0:8] = fma(d, lanes(w . q), acc)."""
     def codegen(context, builder, signature, args):
         h = _IR(context, builder, signature, args)
-        _fma_into(h, 0, h.ptrs[5], _fold_lanes(h, _pair_sums(h, w_of_block(h), h.vload(3, h.ptrs[4], _VB))))
+        _fma_into(h, 0, h.ptrs[5], _lane_sums(h, w_of_block(h), h.vload(3, h.ptrs[4], _VB)))
         return context.get_dummy_value()
     return sig, codegen
 
@@ -577,10 +627,9 @@ def idot_q4_k(typingctx, acc, b, o, q, qo, d, accm, sums, so, dmin):
         total = None
         for j in range(8):
             w = h.bits(h.vload(1, o_arg(h), _VB, 16 + (j // 2) * 32), 4 * (j % 2), 0xF)
-            part = _pair_sums(h, w, h.vload(3, h.ptrs[4], _VB, 32 * j))
-            part = h.b.mul(part, _splat_i32(h, h.b.zext(h.b.extract_element(s, ir.Constant(_I32, j)), _I32), 16))
+            part = _lane_sums(h, w, h.vload(3, h.ptrs[4], _VB, 32 * j), _scale16(h, s, j), w_unsigned=True)
             total = part if total is None else h.b.add(total, part)
-        _fma_into(h, 0, h.ptrs[5], _fold_lanes(h, total))
+        _fma_into(h, 0, h.ptrs[5], total)
         prod = h.b.mul(h.b.zext(m, _V8I), h.vload(7, h.ptrs[8], _V8I))
         und = ir.Constant(_V8I, ir.Undefined)
         v4i = ir.VectorType(_I32, 4)
@@ -605,13 +654,12 @@ def idot_q6_k(typingctx, acc, b, o, q, qo, d):
             for t in range(4):
                 ql = h.bits(h.vload(1, o_arg(h), _VB, hh * 64 + (t & 1) * 32), 4 * (t >> 1), 0xF)
                 w = h.b.sub(h.b.or_(ql, h.b.shl(h.bits(qh, 2 * t, 3), h.bytes_const(4))), h.bytes_const(32))
-                part = _pair_sums(h, w, h.vload(3, h.ptrs[4], _VB, 32 * (hh * 4 + t)))
                 g = hh * 8 + t * 2  # pair lanes 0..7 are weights 0..15 (scale g), 8..15 weights 16..31 (g + 1)
                 sc = h.b.sext(h.b.shuffle_vector(scales, ir.Constant(scales.type, ir.Undefined),
-                                                 ir.Constant(_V16I, [g] * 8 + [g + 1] * 8)), _V16I)
-                part = h.b.mul(part, sc)
+                                                 ir.Constant(_V16I, [g] * 8 + [g + 1] * 8)), _V16S)
+                part = _lane_sums(h, w, h.vload(3, h.ptrs[4], _VB, 32 * (hh * 4 + t)), sc)
                 total = part if total is None else h.b.add(total, part)
-        _fma_into(h, 0, h.ptrs[5], _fold_lanes(h, total))
+        _fma_into(h, 0, h.ptrs[5], total)
         return context.get_dummy_value()
     return types.void(acc, b, o, q, qo, d), codegen
 
@@ -629,10 +677,9 @@ def idot_q5_k(typingctx, acc, b, o, q, qo, d, accm, sums, so, dmin):
         for j in range(8):
             lo = h.bits(h.vload(1, o_arg(h), _VB, 48 + (j // 2) * 32), 4 * (j % 2), 0xF)
             w = h.b.or_(lo, h.b.shl(h.bits(qh, j, 1), h.bytes_const(4)))
-            part = _pair_sums(h, w, h.vload(3, h.ptrs[4], _VB, 32 * j))
-            part = h.b.mul(part, _splat_i32(h, h.b.zext(h.b.extract_element(s, ir.Constant(_I32, j)), _I32), 16))
+            part = _lane_sums(h, w, h.vload(3, h.ptrs[4], _VB, 32 * j), _scale16(h, s, j), w_unsigned=True)
             total = part if total is None else h.b.add(total, part)
-        _fma_into(h, 0, h.ptrs[5], _fold_lanes(h, total))
+        _fma_into(h, 0, h.ptrs[5], total)
         prod = h.b.mul(h.b.zext(m, _V8I), h.vload(7, h.ptrs[8], _V8I))
         mins = h.b.extract_element(prod, ir.Constant(_I32, 0))
         for k in range(1, 8):  # an exact integer sum: any order

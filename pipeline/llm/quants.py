@@ -74,9 +74,9 @@ class FrozenWeight:
     for many rows (prefill, training; kernels/qgemm.py). `matmul(g)` computes g @ W
     (the backward of a frozen linear) the same tiled way. It carries no gradient.
 
-    `integer_dot` (default False: opt-in until it is faster than the f32 kernels): forwards that record
-    no graph (under autograd's no_grad():
-    inference, ES member evaluation, evaluation passes) of at most INTEGER_MAX_ROWS activation
+    `integer_dot` (default True: on AVX2 the decode-sized integer kernels beat the f32 matvec, docs/models.md):
+    forwards that record no graph (under autograd's no_grad(): inference, ES member evaluation, evaluation
+    passes) of at most INTEGER_MAX_ROWS activation
     rows (decode) through Q8_0/Q4_0/Q5_0/Q4_K/Q5_K/Q6_K weights quantize their activations the way
     llama.cpp does and take integer block dot products (kernels/qint.py); a forward with
     gradients on keeps f32 activations (the training contract). Many rows (prefill) stay on the
@@ -85,7 +85,7 @@ class FrozenWeight:
     """
 
     FUSED_MAX_ROWS = 4  # below this many activation rows the fused kernel wins (docs/models.md)
-    integer_dot = False  # opt-in (set True on an instance or the class): equal speed at best today, Q8_0 2x slower
+    integer_dot = True  # set False (on an instance or the class) to keep no-grad decode on the f32 matvec
     INTEGER_MAX_ROWS = FUSED_MAX_ROWS  # no-grad calls with more rows use the f32 GEMM (faster today)
 
     def __init__(self, fmt: Format, raw, shape: tuple[int, int], name: str = ""):
@@ -175,28 +175,6 @@ def matmul_t_many(weights: list, x) -> list:
     else:
         ys = qgemm.matmul_t_many([(int(w.format.qtype), w.raw, w.shape) for w in weights], x2)
     return [y.reshape(*np.shape(x)[:-1], w.shape[0]) for w, y in zip(weights, ys)]
-
-
-def matmul_t_groups(weights: list, x3) -> list:
-    """[matmul_t_many(weights, x3[j]) for every group j, stacked to [groups, N, n_out]] with the same bits,
-    reading each weight once for all groups where a kernel allows it: the fused matvec computes every
-    row alone (so its rows can be stacked), the tiled GEMM dequantizes each tile once for all groups
-    (qgemm.matmul_t_groups). Groups are ES members, or rows decoding in lock-step, that share nothing
-    but the weights. Paths whose per-row bits depend on the call (f32 BLAS for a few rows, the integer
-    dots, llama numerics) are called group by group."""
-    import numpy as np
-    from kernels import dequant, qgemm
-    x3 = np.ascontiguousarray(x3, dtype=np.float32)
-    groups, n, n_in = x3.shape
-    few = n <= FrozenWeight.FUSED_MAX_ROWS
-    if groups == 1 or any(w.llama_numerics or w.uses_integer_dot(n) or w.shape[1] != n_in
-                          or (few and w.format.qtype == QT.F32) for w in weights):
-        per_group = [matmul_t_many(weights, x3[j]) for j in range(groups)]
-        return [np.stack([ys[i] for ys in per_group]) for i in range(len(weights))]
-    if few:
-        ys = dequant.matvec_many([(int(w.format.qtype), w.raw) for w in weights], x3.reshape(groups * n, n_in))
-        return [y.reshape(groups, n, w.shape[0]) for w, y in zip(weights, ys)]
-    return qgemm.matmul_t_groups([(int(w.format.qtype), w.raw, w.shape) for w in weights], x3)
 
 
 def weight_rows(w: FrozenWeight, ids):

@@ -568,6 +568,7 @@ class DecoderLM(Module):
     def new_cache(self, capacity: int = 256) -> KVCache:
         return KVCache(self.config, capacity)
 
+    @no_grad()  # records no graph: the no-grad kernels (integer decode dots, FrozenWeight) apply
     def infer(self, ids, cache: KVCache | None = None, all_logits: bool = False) -> np.ndarray:
         """Append ids at cache.length; return logits of the last position [vocab] (all_logits: [seq, vocab])."""
         ids = self._check_ids(ids)

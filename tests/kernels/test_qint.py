@@ -192,7 +192,7 @@ def test_frozen_weight_takes_the_integer_path_only_without_gradients():
     from pipeline.llm.quants import FORMATS, FrozenWeight, matmul_t_many
     raw = random_blocks(QT.Q4_K, 48, 256, seed=9)
     fw = FrozenWeight(FORMATS[QT.Q4_K], raw, (48, 256), "w")
-    fw.integer_dot = True  # opt-in
+    assert fw.integer_dot  # the default
     x = np.random.default_rng(10).standard_normal((3, 256)).astype(np.float32)  # decode-sized
     integer = qint.matmul_t_many([(int(QT.Q4_K), raw)], x)[0]
     f32 = dequant.matvec_rows(int(QT.Q4_K), raw, x)  # the fused f32 decode kernel
@@ -207,3 +207,19 @@ def test_frozen_weight_takes_the_integer_path_only_without_gradients():
         np.testing.assert_array_equal(fw.matmul_t(many), np.repeat(integer, 3, axis=0))
         fw.llama_numerics, fw.integer_dot = False, False
         np.testing.assert_array_equal(fw.matmul_t(x), f32)
+
+
+@pytest.mark.slow
+def test_portable_ir_gives_the_same_bits(tmp_path):
+    """The portable IR (non-AVX2 targets; forced by FUCINA_INTEGER_ISA=portable) against the same model: the
+    bitwise test above in a fresh process with its own numba cache, so no AVX2 code is reused."""
+    import os
+    import subprocess
+    env = dict(os.environ, FUCINA_INTEGER_ISA="portable", NUMBA_CACHE_DIR=str(tmp_path))
+    probe = subprocess.run([sys.executable, "-c", "from kernels import qblocks; print(qblocks.AVX2)"], env=env,
+                           capture_output=True, text=True, check=True)
+    assert probe.stdout.strip() == "False"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "bitwise_equals_llama_model or thread_count"], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.stdout.strip().splitlines()[-1].startswith("8 passed"), run.stdout[-500:]

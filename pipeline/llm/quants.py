@@ -177,6 +177,28 @@ def matmul_t_many(weights: list, x) -> list:
     return [y.reshape(*np.shape(x)[:-1], w.shape[0]) for w, y in zip(weights, ys)]
 
 
+def matmul_t_groups(weights: list, x3) -> list:
+    """[matmul_t_many(weights, x3[j]) for every group j, stacked to [groups, N, n_out]] with the same bits,
+    reading each weight once for all groups where a kernel allows it: the fused matvec computes every
+    row alone (so its rows can be stacked), the tiled GEMM dequantizes each tile once for all groups
+    (qgemm.matmul_t_groups). Groups are ES members, or rows decoding in lock-step, that share nothing
+    but the weights. Paths whose per-row bits depend on the call (f32 BLAS for a few rows, the integer
+    dots, llama numerics) are called group by group."""
+    import numpy as np
+    from kernels import dequant, qgemm
+    x3 = np.ascontiguousarray(x3, dtype=np.float32)
+    groups, n, n_in = x3.shape
+    few = n <= FrozenWeight.FUSED_MAX_ROWS
+    if groups == 1 or any(w.llama_numerics or w.uses_integer_dot(n) or w.shape[1] != n_in
+                          or (few and w.format.qtype == QT.F32) for w in weights):
+        per_group = [matmul_t_many(weights, x3[j]) for j in range(groups)]
+        return [np.stack([ys[i] for ys in per_group]) for i in range(len(weights))]
+    if few:
+        ys = dequant.matvec_many([(int(w.format.qtype), w.raw) for w in weights], x3.reshape(groups * n, n_in))
+        return [y.reshape(groups, n, w.shape[0]) for w, y in zip(weights, ys)]
+    return qgemm.matmul_t_groups([(int(w.format.qtype), w.raw, w.shape) for w in weights], x3)
+
+
 def weight_rows(w: FrozenWeight, ids):
     """Dequantize only the rows `ids` of w (embedding lookup) -> f32 [len(ids), n_in]."""
     import numpy as np

@@ -257,11 +257,21 @@ def run(args):
             es_run.pool.close()
 
 
+def _answer(trainer, tokenizer, encoder, template, prompt, options, max_new):
+    from ..llm.data import encode_prompt
+    ids = encode_prompt(encoder, template, prompt, options)
+    return tokenizer.decode(trainer.generate(ids, max_new, stop_ids=template.stop_ids))
+
+
+def _bar(done, total, width=20):
+    filled = width if total == 0 else int(width * done / total)
+    return "[" + "#" * filled + "-" * (width - filled) + "]"
+
+
 def _train(args, log, es_run, tokenizer, encoder, template, pairs, options, run_config):
     from ..es.finetune import batch_loss
     from ..es.spirals import params_sha256
     from ..llm.finetune import adapters_sha256
-    from .finetune import _answer, _bar
 
     trainer, cfg = es_run.trainer, es_run.es.config
     eval_set = es_run.samples[:args.eval_samples]

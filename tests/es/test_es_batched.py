@@ -121,6 +121,7 @@ def _member_view(trainer, rows, m):
 def test_lock_step_decoding_is_the_one_by_one_bits(model, search):
     """Members x prompts decoded in lock-step (any member split): each row's tokens and logits are the bits
     of that member alone through the plain KV-cache decoder with its adapters in the projections."""
+    from pipeline.autograd import no_grad
     from pipeline.es.batched import member_factors, member_generations
     from pipeline.llm.generate import generate
     from pipeline.llm.lora import lora_forward
@@ -150,7 +151,8 @@ def test_lock_step_decoding_is_the_one_by_one_bits(model, search):
                 y3[m] += lora_forward(x3[m], a[m], b[m], scale)[0]
 
     ids = np.stack([prompts[0]] * k)
-    batched = trainer.model.infer_rows(ids, [trainer.model.new_cache(8) for _ in range(k)], adapt)
+    with no_grad():  # as every decode runs (DecoderLM.infer is no-grad: the integer dots apply to its few rows)
+        batched = trainer.model.infer_rows(ids, [trainer.model.new_cache(8) for _ in range(k)], adapt)
     for m in range(k):
         assert np.array_equal(batched[m], _member_view(trainer, rows, m).infer(prompts[0]))
     assert not np.array_equal(batched[0], batched[1])  # the members differ, so equal bits are no coincidence

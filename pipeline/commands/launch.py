@@ -25,6 +25,9 @@ def add_arguments(parser):
         p = sub.add_parser(name, help=_summary(doc), description=doc, formatter_class=parser.formatter_class)
         p.add_argument("--trainers", type=int, default=1,
                        help="trainer processes (one compute thread each unless --threads)")
+        p.add_argument("--remote-trainers", type=int, default=0, metavar="N",
+                       help="of the --trainers, N run as remote trainers (tcp with --port: parameters, batches and "
+                            "gradients travel as frames instead of shared memory; see docs/cluster.md)")
         p.add_argument("--inprocess", action="store_true", help="run every task inline in this process (same bits)")
         p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint dir or a run dir's latest checkpoint")
         p.add_argument("--run-dir", metavar="DIR",
@@ -71,6 +74,11 @@ def run(args) -> int:
     spec = from_args(job_cls.Spec, args)
     if args.trainers < 1:
         raise UserError(f"--trainers must be >= 1, got {args.trainers}")
+    if not 0 <= args.remote_trainers <= args.trainers:
+        raise UserError(f"--remote-trainers must be between 0 and --trainers ({args.trainers}), "
+                        f"got {args.remote_trainers}")
+    if args.remote_trainers and not args.port and not args.inprocess:
+        raise UserError("--remote-trainers needs --port P: remote trainers connect over tcp:// with the run's key")
     from ..runtime import ckpt
     if args.resume:
         args.resume = ckpt.resolve(args.resume)  # a bad --resume fails here, before anything is written
@@ -98,7 +106,8 @@ def run(args) -> int:
     else:
         from ..runtime.launch import Supervisor
         sup = Supervisor(args.job, to_dict(spec), run_dir, trainers=args.trainers, resume=args.resume,
-                         threads=args.threads, port=args.port, host=args.host, liveness=args.liveness, quiet=quiet)
+                         threads=args.threads, port=args.port, host=args.host, liveness=args.liveness, quiet=quiet,
+                         remote_trainers=args.remote_trainers)
         with _progress(spec.steps, quiet, sup.events_endpoint, sup.client_key) as _:
             summary = sup.run()
     if args.json:

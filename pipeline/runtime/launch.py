@@ -30,7 +30,7 @@ MAX_RESPAWNS = 10
 
 class Supervisor:
     def __init__(self, job_name, spec: dict, run_dir, trainers=1, resume=None, threads=1, port=None,
-                 host="127.0.0.1", liveness=5.0, env=None, quiet=False):
+                 host="127.0.0.1", liveness=5.0, env=None, quiet=False, remote_trainers=0):
         self.run_dir = os.path.abspath(run_dir)
         self.run_id = uuid.uuid4().hex[:10]
         self.trainers, self.threads, self.quiet = trainers, threads, quiet
@@ -59,8 +59,11 @@ class Supervisor:
         worker = lambda role: [sys.executable, "-m", f"workers.{role}", *conn, "--threads", str(threads)]  # noqa: E731
         self.commands = {"scheduler": sched, "loader": worker("loader"), "optimizer": worker("optimizer"),
                          "checkpointer": worker("checkpointer")}
-        for i in range(trainers):
-            self.commands[f"trainer-{i}"] = worker("trainer")
+        if remote_trainers and not port:
+            raise FucinaError("launch: remote trainers talk tcp:// (CURVE): give --port")
+        for i in range(trainers):  # the last `remote_trainers` of them are fed by frames, not shared memory
+            remote = ["--remote"] if i >= trainers - remote_trainers else []
+            self.commands[f"trainer-{i}"] = [*worker("trainer"), *remote]
         self.procs: dict[str, subprocess.Popen] = {}
         self.respawns = 0
         self.log_path = os.path.join(self.run_dir, "workers.log")

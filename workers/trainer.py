@@ -58,6 +58,12 @@ class Trainer(Worker):
         step, k, slot = msg["step"], msg["k"], msg["slot"]
         self.fault("grad", step)
         t0 = time.perf_counter()
+        if not self.owners:  # the first task: can this host map the run's segments at all?
+            try:
+                self._rebind(msg["params"])
+            except FileNotFoundError:  # leave (bye: the task is re-queued) instead of failing the run
+                raise SystemExit(f"{self.id}: this host cannot map the run's shared memory "
+                                 f"({msg['params']['segment']}); start the trainer with --remote") from None
         self._rebind(msg["params"])
         if self.params_seg.version != step:  # a task from before a restart: refuse, the scheduler re-queues
             self.sock.send("grad_done", step, worker=self.id, gen=msg["gen"], k=k, loss=0.0, rows=0, ms=0.0, stale=True)

@@ -140,3 +140,39 @@ def test_remote_trainers_get_frames_and_only_their_own_gradients_land(remote_rig
     spin(sched, fakes)
     assert slot_is(k2, 2.0) and sched.grads[k2][0] == "done"
     assert fakes["r2"].take("params", wait_s=0.2) == [] and fakes["r2"].take("grad")
+
+
+def test_a_trainer_without_remote_that_cannot_map_the_segments_leaves_and_its_task_is_requeued(tmp_path):
+    """The segments named in its task do not exist on its host: it exits naming --remote; the run goes on."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from test_scheduler import _job, start
+    ep = ipc_endpoints(str(tmp_path))
+    sched = Scheduler(_job(), str(tmp_path), RUN_ID, ep, trainers=1, log=lambda m: None, liveness_s=5.0)
+    fakes = {n: Fake(ep, n, n) for n in ("loader", "optimizer", "checkpointer")}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    trainer = subprocess.Popen([sys.executable, "-m", "workers.trainer", "--connect", ep.control],
+                               cwd=root, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": root})
+    try:
+        t_end = time.monotonic() + 300
+        while not sched.role("trainer") and time.monotonic() < t_end:
+            spin(sched, fakes, 0.2)
+        assert len(sched.role("trainer")) == 1
+        start(sched, fakes)  # its first task names segments (desc()) that no host has
+        while trainer.poll() is None and time.monotonic() < t_end:
+            spin(sched, fakes, 0.2)
+        spin(sched, fakes, 0.5)
+        assert trainer.wait(timeout=10) == 1
+        said = trainer.stderr.read()
+        assert "cannot map the run's shared memory" in said and "start the trainer with --remote" in said
+        assert not sched.role("trainer") and all(v[0] != "issued" for v in sched.grads.values())
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        for f in fakes.values():
+            f.sock.close()
+        sched.close()

@@ -76,16 +76,8 @@ def alive(pid):
         return False
 
 
+
 def free_port_pair(host="127.0.0.1"):
     """A port P with P and P+1 free on `host` (a tcp run binds control on P, events on P+1)."""
-    import socket
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind((host, 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind((host, port + 1))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free pair of ports on {host}")
+    from pipeline.commands.launch import free_port_pair as free
+    return free(host)

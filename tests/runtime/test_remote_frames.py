@@ -176,3 +176,12 @@ def test_a_trainer_without_remote_that_cannot_map_the_segments_leaves_and_its_ta
         for f in fakes.values():
             f.sock.close()
         sched.close()
+
+
+def test_the_remote_bench_counts_the_bytes_a_step_ships():
+    from pipeline.bench.pipeline import _ship
+    params = [np.zeros((3, 5), np.float32), np.zeros(7, np.float32)]
+    batch = [np.zeros(9, np.int64)]
+    ms, nbytes = _ship(params, batch, micro_batches=3, steps=2)
+    assert nbytes == {"params": 88, "batches": 3 * 72, "grads": 3 * 88}  # parameters once, M batches, M gradients
+    assert ms > 0

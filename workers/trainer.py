@@ -8,12 +8,22 @@ copied into the shared slot only if the parameters are still of the task's
 version: a trainer paused mid-task (and re-run elsewhere meanwhile) that
 wakes after the step has moved on answers `stale` instead of writing into a
 slot a later step now owns - the window left is the copy itself.
+
+With --remote (another host, a Ray actor: no access to the scheduler host's
+shared memory) the same computation runs on private arrays: parameters of
+version v arrive as buffer frames in a `params` message when v changes, the
+batch as frames after each `grad`, and the gradient goes back as frames after
+`grad_done` (pipeline/runtime/remote.py). The bits are the same as a local
+trainer's: the same function of the same bytes, with the same thread pinning.
 """
+import os
+import socket
 import sys
 import time
 
 import numpy as np
 
+from pipeline.runtime import remote
 from pipeline.runtime.roles import TrainerLogic
 from pipeline.runtime.worker import Worker, run_worker
 
@@ -48,6 +58,12 @@ class Trainer(Worker):
         step, k, slot = msg["step"], msg["k"], msg["slot"]
         self.fault("grad", step)
         t0 = time.perf_counter()
+        if not self.owners:  # the first task: can this host map the run's segments at all?
+            try:
+                self._rebind(msg["params"])
+            except FileNotFoundError:  # leave (bye: the task is re-queued) instead of failing the run
+                raise SystemExit(f"{self.id}: this host cannot map the run's shared memory "
+                                 f"({msg['params']['segment']}); start the trainer with --remote") from None
         self._rebind(msg["params"])
         if self.params_seg.version != step:  # a task from before a restart: refuse, the scheduler re-queues
             self.sock.send("grad_done", step, worker=self.id, gen=msg["gen"], k=k, loss=0.0, rows=0, ms=0.0, stale=True)
@@ -69,8 +85,56 @@ class Trainer(Worker):
                        ms=(time.perf_counter() - t0) * 1e3)
 
 
+class RemoteTrainer(Trainer):
+    """A trainer fed by buffer frames instead of shared memory (see the module docstring)."""
+
+    remote = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.id = f"{self.role}-{socket.gethostname()}-{os.getpid()}"  # pids repeat across hosts
+
+    def setup(self):
+        layout = self.job.param_layout()
+        self.names = [n for n, _, _ in layout]
+        self.params = {n: np.empty(shape, dtype=dtype) for n, shape, dtype in layout}
+        self.version = None      # (gen, step) of the parameters in self.params
+        self.logic = TrainerLogic(self.job, self.params)
+        self.private = {n: np.empty_like(a) for n, a in self.params.items()}
+        self.batch = {}
+        self.in_flight = None    # the tracker of our last gradient frames: ZeroMQ may still read them
+
+    def on_params(self, msg):
+        specs = [(t["name"], tuple(t["shape"]), t["dtype"]) for t in msg["tensors"]]
+        mine = [(n, tuple(a.shape), a.dtype.name) for n, a in self.params.items()]
+        if specs != mine:
+            raise ValueError(f"the run's parameter layout {specs} is not this job's {mine}")
+        self.version = None  # until every frame is in: a refused message leaves no half-new version behind
+        remote.from_frames(self.sock.buffers, [self.params[n] for n in self.names])
+        self.version = (msg["gen"], msg["step"])
+
+    def on_grad(self, msg):
+        step, k, slot = msg["step"], msg["k"], msg["slot"]
+        self.fault("grad", step)
+        t0 = time.perf_counter()
+        if self.version != (msg["gen"], step):  # parameters of another version: the scheduler re-ships
+            self.sock.send("grad_done", step, worker=self.id, gen=msg["gen"], k=k, loss=0.0, rows=0, ms=0.0, stale=True)
+            return
+        prefix = f"{slot}/"
+        specs = [t for t in msg["batch"]["tensors"] if t["name"].startswith(prefix)]
+        arrays = remote.arrays_for(specs)
+        remote.from_frames(self.sock.buffers, [arrays[t["name"]] for t in specs])
+        batch = {name[len(prefix):]: a for name, a in arrays.items()}
+        if self.in_flight is not None:
+            self.in_flight.wait()  # our previous gradient frames are views of self.private
+        loss, rows = self.logic.compute(batch, self.private)
+        self.in_flight = self.sock.send("grad_done", step, worker=self.id, gen=msg["gen"], k=k, loss=loss, rows=rows,
+                                        ms=(time.perf_counter() - t0) * 1e3,
+                                        buffers=remote.to_frames(self.private[n] for n in self.names))
+
+
 def main(argv=None):
-    return run_worker(Trainer, argv)
+    return run_worker(Trainer, argv, remote_cls=RemoteTrainer)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,15 @@ records in metrics.jsonl, after dropping warm-up steps. Cases:
   lm/messaging            per-step time not spent computing in trainers/optimizer (1 trainer)
 
 Targets (issue 6): trainers-2 >= 1.6x trainers-1 on 2 cores; trainers-1 >= 0.9x inprocess.
+
+With --remote it measures instead what a remote trainer (docs/cluster.md) adds
+per optimizer step, on loopback tcp with CURVE, for the lm shape and the
+pretrain presets: the scheduler's ROUTER ships parameters once and M batches
+as frames (remote.py, the same calls the run makes), a DEALER on a thread
+copies them in as the remote trainer does and answers each with a gradient
+of the parameters' size, which the ROUTER copies into a slot. No compute: the
+row is the wire cost alone; `bytes` over a link's bandwidth is what a real
+network adds (docs/cluster.md has the arithmetic).
 Trade-off: whole runs, not micro-benchmarks - startup is excluded, but
 everything a user pays per step (messages, shared memory, scheduling) is in.
 """
@@ -23,8 +32,11 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
+
 NAME = "pipeline"
-HELP = "lm job step time: --inprocess vs --trainers 1 vs --trainers 2 vs 1 trainer x 2 threads"
+HELP = ("lm job step time: --inprocess vs --trainers 1 vs --trainers 2 vs 1 trainer x 2 threads; "
+        "--remote: bytes and ms per step of shipping tensors to a remote trainer")
 
 
 def add_arguments(parser):
@@ -33,6 +45,11 @@ def add_arguments(parser):
     parser.add_argument("--keep", action="store_true", help="keep the run directories (printed in notes)")
     parser.add_argument("--cases", default="inprocess,trainers-1,trainers-2,trainers-1x2threads",
                         help="comma-separated subset of the cases to run")
+    parser.add_argument("--remote", action="store_true",
+                        help="instead: per-step bytes and ms of shipping parameters, batches and gradients to a "
+                             "remote trainer over loopback tcp, for the lm shape and --presets")
+    parser.add_argument("--presets", default="tiny,d4,d6",
+                        help="with --remote: the pretrain presets to measure (tiny, d4, d6, d8)")
 
 
 def _config():
@@ -58,7 +75,113 @@ def _run(root, name, steps, *flags):
     return [r for r in records if r.get("kind") == "metrics"], run_dir
 
 
+def _shapes_lm():
+    """(parameter arrays, one micro-batch's arrays, micro-batches) of the default lm job."""
+    from ..jobs import get_job
+    from ..jobs.spec import build
+    job_cls = get_job("lm")
+    job = job_cls(build(job_cls.Spec, {}))
+    return ([np.zeros(shape, dtype) for _, shape, dtype in job.param_layout()],
+            [np.zeros(shape, dtype) for _, shape, dtype in job.batch_layout()], job.micro_batches)
+
+
+def _shapes_pretrain(preset):
+    """The same for a pretrain preset, with the default BPE vocabulary (no tokenizer is trained)."""
+    from ..jobs.pretrain import PretrainSpec, window_lengths
+    from ..jobs.spec import build
+    from ..models.qwen3 import Qwen3, Qwen3Config
+    s = build(PretrainSpec, {"preset": preset})
+    layers, width, heads, seq, batch_tokens = s.shape()
+    config = Qwen3Config(vocab_size=s.vocab_size, hidden=width, layers=layers, heads=heads, kv_heads=heads,
+                         head_dim=32 if preset == "tiny" else 64, ffn=(8 * width // 3 + 63) // 64 * 64,
+                         context_length=seq, rope_base=10_000.0, tied_output=False)
+    params = [np.zeros_like(t.data) for _, t in Qwen3.init_random(config, seed=0).named_parameters()]
+    m = batch_tokens // s.micro_batches
+    shortest = window_lengths(seq, s.seq_warmup)[0]
+    return params, [np.zeros(m + m // shortest, np.int64), np.zeros(1, np.int64)], s.micro_batches
+
+
+def _ship(params, batch, micro_batches, steps):
+    """Median ms of one step's traffic to a remote trainer over loopback tcp + CURVE; -> (ms, bytes by kind)."""
+    import threading
+    import time
+
+    from ..runtime import remote, security
+    from ..runtime.transport import DealerSocket, RouterSocket, ServerContext
+    keydir = tempfile.mkdtemp(prefix="fucina-bench-keys-")
+    server_path, client_path = security.create_run_keys(keydir)
+    server = ServerContext(security.load_server_key(server_path))
+    router = RouterSocket("tcp://127.0.0.1:0", server.ctx, server.key)
+    dealer = DealerSocket(router.endpoint, key=security.load_client_key(client_path))
+    held = {"params": [np.empty_like(a) for a in params], "batch": [np.empty_like(a) for a in batch]}
+    gradient = [np.ones_like(a) for a in params]
+    slot = [np.empty_like(a) for a in params]
+    stop = threading.Event()
+
+    def trainer():  # what RemoteTrainer does with frames, minus the compute
+        while not stop.is_set():
+            msg = dealer.recv(50)
+            if not msg:
+                continue
+            remote.from_frames(dealer.buffers, held["params" if msg["kind"] == "params" else "batch"])
+            if msg["kind"] == "grad":
+                dealer.send("grad_done", msg["step"], worker="bench", gen=0, k=msg["k"], loss=0.0, rows=0, ms=0.0,
+                            buffers=remote.to_frames(gradient)).wait()
+    thread = threading.Thread(target=trainer, daemon=True)
+    dealer.send("hello", role="trainer", worker="bench", pid=0, token="t", remote=True)
+    identity, _ = router.recv(10000)
+    thread.start()
+    times = []
+    try:
+        for step in range(steps + 1):  # the first step connects and warms up: left out
+            t0 = time.perf_counter()
+            router.send(identity, "params", step, gen=0, tensors=[], buffers=remote.to_frames(params))
+            for k in range(micro_batches):
+                router.send(identity, "grad", step, gen=0, k=k, slot=k, batch=_NO_DESC, params=_NO_DESC,
+                            grads=_NO_DESC, buffers=remote.to_frames(batch))
+                got = None
+                while got is None:
+                    got = router.recv(10000)
+                remote.from_frames(router.buffers, slot)
+            times.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        stop.set()
+        thread.join()
+        dealer.close()
+        router.close()
+        server.close()
+        import shutil
+        shutil.rmtree(keydir, ignore_errors=True)
+    nbytes = {"params": sum(a.nbytes for a in params), "batches": micro_batches * sum(a.nbytes for a in batch),
+              "grads": micro_batches * sum(a.nbytes for a in params)}
+    return statistics.median(times[1:]), nbytes
+
+
+_NO_DESC = {"segment": "", "tensors": [], "owner": ""}
+
+
+def _remote_rows(args):
+    cases = {"lm": _shapes_lm}
+    for preset in [p.strip() for p in args.presets.split(",") if p.strip()]:
+        cases[f"pretrain-{preset}"] = lambda preset=preset: _shapes_pretrain(preset)
+    rows = []
+    for name, shapes in cases.items():
+        params, batch, micro_batches = shapes()
+        ms, nbytes = _ship(params, batch, micro_batches, args.steps)
+        total = sum(nbytes.values())
+        gbit = total * 8 / 1e9 * 1e3  # ms per step on a 1 Gbit/s link, bandwidth alone
+        rows.append({"case": f"remote/{name}", "ms": round(ms, 2), "baselines": {},
+                     "config": {"micro_batches": micro_batches, **nbytes, "bytes_per_step": total},
+                     "notes": f"{total / 1e6:.2f} MB/step (params {nbytes['params'] / 1e6:.2f} once, "
+                              f"batches {nbytes['batches'] / 1e6:.3f}, grads {nbytes['grads'] / 1e6:.2f}); "
+                              f"{total / 1e6 / (ms / 1e3):.0f} MB/s on loopback; >= {gbit:.0f} ms/step at 1 Gbit/s; "
+                              f"load avg {os.getloadavg()[0]:.1f}"})
+    return rows
+
+
 def run(args):
+    if args.remote:
+        return _remote_rows(args)
     config = _config()
     root = tempfile.mkdtemp(prefix="fucina-bench-pipeline-")
     every = {"inprocess": ["--inprocess", "--threads", "1"], "trainers-1": ["--trainers", "1", "--threads", "1"],

@@ -25,6 +25,13 @@ def add_arguments(parser):
         p = sub.add_parser(name, help=_summary(doc), description=doc, formatter_class=parser.formatter_class)
         p.add_argument("--trainers", type=int, default=1,
                        help="trainer processes (one compute thread each unless --threads)")
+        p.add_argument("--remote-trainers", type=int, default=0, metavar="N",
+                       help="of the --trainers, N run as remote trainers (tcp with --port: parameters, batches and "
+                            "gradients travel as frames instead of shared memory; see docs/cluster.md)")
+        p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                       help="place the trainers as Ray actors (one CPU each) on the cluster at ADDRESS (default: "
+                            "RAY_ADDRESS, else a local Ray); needs the extra fucina[ray]; the other roles run here, "
+                            "over tcp (--port, a free one if not given; --host must be reachable from the nodes)")
         p.add_argument("--inprocess", action="store_true", help="run every task inline in this process (same bits)")
         p.add_argument("--resume", metavar="DIR",
                        help="continue from a checkpoint dir or a run dir's latest checkpoint")
@@ -60,6 +67,21 @@ def _point_latest(run_dir, job, say):
     os.replace(tmp, link)  # atomic: a reader sees the old run or the new one, never no link
 
 
+def free_port_pair(host):
+    """A port P with P and P+1 free on `host` (control and events)."""
+    import socket
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind((host, 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind((host, port + 1))
+            except OSError:
+                continue
+            return port
+    raise UserError(f"launch: no free pair of tcp ports on {host}")
+
+
 def _run_dir(args):
     if args.run_dir:
         return args.run_dir
@@ -74,6 +96,17 @@ def run(args) -> int:
     spec = from_args(job_cls.Spec, args)
     if args.trainers < 1:
         raise UserError(f"--trainers must be >= 1, got {args.trainers}")
+    if not 0 <= args.remote_trainers <= args.trainers:
+        raise UserError(f"--remote-trainers must be between 0 and --trainers ({args.trainers}), "
+                        f"got {args.remote_trainers}")
+    if args.ray is not None:
+        if args.inprocess:
+            raise UserError("--ray places workers; --inprocess runs none: choose one")
+        from ..runtime.ray_place import require_ray
+        require_ray()  # before anything is written
+        args.port = args.port or free_port_pair(args.host)
+    if args.remote_trainers and not args.port and not args.inprocess:
+        raise UserError("--remote-trainers needs --port P: remote trainers connect over tcp:// with the run's key")
     from ..runtime import ckpt
     if args.resume:
         args.resume = ckpt.resolve(args.resume)  # a bad --resume fails here, before anything is written
@@ -101,7 +134,8 @@ def run(args) -> int:
     else:
         from ..runtime.launch import Supervisor
         sup = Supervisor(args.job, to_dict(spec), run_dir, trainers=args.trainers, resume=args.resume,
-                         threads=args.threads, port=args.port, host=args.host, liveness=args.liveness, quiet=quiet)
+                         threads=args.threads, port=args.port, host=args.host, liveness=args.liveness, quiet=quiet,
+                         remote_trainers=args.remote_trainers, ray=args.ray)
         with _progress(spec.steps, quiet, sup.events_endpoint, sup.client_key) as _:
             summary = sup.run()
     if args.json:

@@ -8,6 +8,10 @@ end, Ctrl-C, SIGTERM, a crash - it terminates the children and then removes
 every shared-memory segment carrying the run's prefix, including those of
 SIGKILLed workers that could not clean up after themselves.
 
+With `ray` (an address, or "" for a local or RAY_ADDRESS cluster) the
+trainers are Ray actors instead of children (ray_place.py); the other roles
+stay here.
+
 Trade-off: re-spawning lives here rather than in the scheduler so the scheduler
 also runs unsupervised under honcho (Procfile), where nobody re-spawns.
 """
@@ -30,7 +34,7 @@ MAX_RESPAWNS = 10
 
 class Supervisor:
     def __init__(self, job_name, spec: dict, run_dir, trainers=1, resume=None, threads=1, port=None,
-                 host="127.0.0.1", liveness=5.0, env=None, quiet=False):
+                 host="127.0.0.1", liveness=5.0, env=None, quiet=False, remote_trainers=0, ray=None):
         self.run_dir = os.path.abspath(run_dir)
         self.run_id = uuid.uuid4().hex[:10]
         self.trainers, self.threads, self.quiet = trainers, threads, quiet
@@ -59,8 +63,17 @@ class Supervisor:
         worker = lambda role: [sys.executable, "-m", f"workers.{role}", *conn, "--threads", str(threads)]
         self.commands = {"scheduler": sched, "loader": worker("loader"), "optimizer": worker("optimizer"),
                          "checkpointer": worker("checkpointer")}
-        for i in range(trainers):
-            self.commands[f"trainer-{i}"] = worker("trainer")
+        if remote_trainers and not port:
+            raise FucinaError("launch: remote trainers talk tcp:// (CURVE): give --port")
+        if ray is not None and not port:
+            raise FucinaError("launch: Ray trainers connect back over tcp:// (CURVE): give --port")
+        self.ray, self.ray_trainers = ray, None
+        self.ray_command = [sys.executable, "-m", "workers.trainer", "--connect", endpoints.control,
+                            "--threads", str(threads), "--remote"]
+        self.client_key_path = client_key if port else None
+        for i in range(0 if ray is not None else trainers):  # the last `remote_trainers` are fed by frames
+            remote = ["--remote"] if i >= trainers - remote_trainers else []
+            self.commands[f"trainer-{i}"] = [*worker("trainer"), *remote]
         self.procs: dict[str, subprocess.Popen] = {}
         self.respawns = 0
         self.log_path = os.path.join(self.run_dir, "workers.log")
@@ -89,6 +102,10 @@ class Supervisor:
         try:
             for name in self.commands:
                 self.spawn(name)
+            if self.ray is not None:
+                from .ray_place import RayTrainers
+                self.ray_trainers = RayTrainers(self.ray, self.trainers, self.ray_command, self.client_key_path,
+                                                self.env)
             while True:
                 code = self.procs["scheduler"].poll()
                 if code is not None:
@@ -99,6 +116,8 @@ class Supervisor:
                             raise FucinaError(f"launch: workers died {self.respawns} times; see {self.log_path}")
                         self.respawns += 1
                         self.spawn(name)
+                if self.ray_trainers is not None:
+                    self.respawns += self.ray_trainers.poll()
                 time.sleep(0.05)
             if code != 0:
                 raise FucinaError(f"launch: the scheduler exited with status {code}{self._scheduler_said()}; "
@@ -122,6 +141,8 @@ class Supervisor:
         return f" ({lines[-1]})" if lines else ""
 
     def shutdown(self, grace_s=5.0):
+        if self.ray_trainers is not None:
+            self.ray_trainers.close()
         for p in self.procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

@@ -4,7 +4,9 @@ Wire format: one ZeroMQ frame holding a msgpack map
     {"kind": str, "v": SCHEMA_VERSION, "step": int, "seq": int, ...fields}
 Tensors never travel in messages: they live in shared memory and messages carry
 descriptors (see shm.py). msgpack only, never pickle: a peer can send us bytes
-but never code.
+but never code. The one exception is a trainer started with --remote: its
+tensors follow the message as raw buffer frames whose count and sizes the
+receiver checks against the layout it knows (remote.py).
 
 Trade-off: schemas are plain dicts checked against a table of typed fields
 rather than classes; that keeps encode/decode one function each and lets a
@@ -112,12 +114,15 @@ KINDS: dict[str, dict] = {
     "snapshot": {"gen": INT},                               # optimizer: copy params+state to a shm segment
     "write": {"segment": STR, "tensors": TENSORS, "meta": MAP, "dir": STR},  # checkpointer: write a dir
     "shutdown": {"reason": STR},                            # any worker: exit now
+    "params": {"gen": INT, "tensors": TENSORS},             # remote trainer: parameters of version `step`
+                                                            # follow as buffer frames (remote.py)
     # PUB (metrics and events)
     "metrics": {"loss": OPT_NUM, "lr": NUM, "grad_norm": NUM, "tokens_per_s": NUM, "step_ms": NUM,
                 "roles": NUMS_BY_ROLE},
     "event": {"event": STR, "detail": MAP},
 }
 OPTIONAL: dict[str, dict] = {
+    "hello": {"remote": BOOL},          # a trainer that cannot map this host's shared memory (remote.py)
     "heartbeat": {"token": STR},        # a worker's: the token of its hello (the scheduler's echo has none)
     "grad_done": {"stale": BOOL},       # the trainer refused: its parameters are of another version
     "stepped": {"eval": OPT_NUM},

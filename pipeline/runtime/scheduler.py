@@ -24,6 +24,11 @@ incumbent is declared dead - it never displaces a live one. A role missing for
 A local worker whose process exits (its pid is gone) is declared dead at
 once, without waiting out the heartbeat liveness.
 
+A trainer whose hello says `remote` (it cannot map this host's shared memory)
+gets its parameters and batch as buffer frames cut from the segments, and its
+gradient frames are copied into its slot here (remote.py); it is watched by
+heartbeats only, since its pid is another host's.
+
 Trade-off: one hub process sees every message (simple, auditable ordering) at
 the cost of one extra hop per task and a single point of failure - which is
 why every worker exits when the scheduler's heartbeats stop.
@@ -43,7 +48,8 @@ from . import ckpt
 from .metrics import MetricsLog, plot_run
 from .ckpt import checkpoint_dir
 from .roles import checkpoint_due
-from .shm import run_prefix
+from .remote import FrameError, SegmentViews, from_frames, to_frames
+from .shm import Registry, run_prefix
 from .transport import LIVENESS_S, Liveness, Publisher, RouterSocket, ServerContext, process_exited
 
 SINGLETONS = ("loader", "optimizer", "checkpointer")
@@ -66,6 +72,8 @@ class Peer:
     token: str = ""             # the secret its heartbeats carry
     local: bool = False         # its pid was a live process here at hello: watch it
     task: tuple | None = None   # (gen, step, k) for trainers, (step,) for the checkpointer
+    remote: bool = False        # a trainer fed by buffer frames instead of shared memory
+    shipped: tuple | None = None  # (gen, version) of the parameters a remote trainer holds
     born: float = field(default_factory=time.monotonic)
 
 
@@ -110,6 +118,7 @@ class Scheduler:
         self.committed_steps = set()
         self.summary = None
         self.finishing = None  # the thread running job.finish, while the loop keeps answering heartbeats
+        self.views = None            # attached segments, once a remote trainer needs them
         self.t_start = time.monotonic()
 
     # --- wiring ------------------------------------------------------------
@@ -155,6 +164,8 @@ class Scheduler:
             self.close()
 
     def close(self):
+        if self.views is not None:
+            self.views.close()
         self.metrics.close()
         self.router.close()
         self.pub.close()
@@ -218,8 +229,13 @@ class Scheduler:
             self.router.send(identity, "shutdown", reason=f"worker id {wid!r} is taken by a live connection")
             self.log(f"[scheduler] refused a hello as {wid!r} ({role}): that id is taken by a live connection")
             return
-        local = msg["pid"] > 0 and not process_exited(msg["pid"])
-        peer = Peer(wid, role, identity, msg["pid"], token=msg["token"], local=local)
+        remote = msg.get("remote", False)
+        if remote and role != "trainer":
+            self.router.send(identity, "shutdown", reason=f"only a trainer can run remote, not a {role}")
+            self.log(f"[scheduler] refused a remote {role} {wid!r}: only trainers run remote")
+            return
+        local = not remote and msg["pid"] > 0 and not process_exited(msg["pid"])
+        peer = Peer(wid, role, identity, msg["pid"], token=msg["token"], local=local, remote=remote)
         self.by_identity[identity] = peer
         self.liveness.beat(wid)
         if role in SINGLETONS and self.one(role) is not None:
@@ -232,7 +248,8 @@ class Scheduler:
         self.peers[peer.id] = peer
         self.liveness.beat(peer.id)
         self.send(peer, "welcome", worker=peer.id, run=self.run_description())
-        self.event("worker_joined", worker=peer.id, role=peer.role, pid=peer.pid)
+        self.event("worker_joined", worker=peer.id, role=peer.role, pid=peer.pid,
+                   **({"remote": True} if peer.remote else {}))
 
     def drop_queued(self, peer, why):
         self.queued[peer.role].remove(peer)
@@ -296,6 +313,12 @@ class Scheduler:
             if current:
                 self.grads.pop(msg["k"], None)  # re-queue
             return
+        if peer.remote:
+            try:
+                from_frames(self.router.buffers, self.grad_slot(msg["k"]))
+            except FrameError as e:
+                self.grads.pop(msg["k"], None)  # re-queue: another trainer runs it
+                return self.drop(peer, msg, f"its gradient frames do not fit slot {msg['k']}: {e}")
         self.role_ms["trainer"] += msg["ms"]
         self.grads[msg["k"]] = ("done", msg["loss"], msg["rows"])
 
@@ -430,8 +453,7 @@ class Scheduler:
                 peer = idle.pop(0)
                 peer.task = (self.gen, self.cur, k)
                 self.grads[k] = ("issued", peer.id)
-                self.send(peer, "grad", self.cur, gen=self.gen, k=k, slot=(self.cur % 2) * self.M + k,
-                          batch=self.descs["batch"], params=self.descs["params"], grads=self.descs["grads"])
+                self.send_grad(peer, k)
         if (optimizer and not self.optimizer_busy and len(self.grads) == self.M
                 and all(v[0] == "done" for v in self.grads.values())):
             loss = 0.0
@@ -440,6 +462,30 @@ class Scheduler:
             self.losses[self.cur + 1] = loss
             self.optimizer_busy = True
             self.send(optimizer, "step", self.cur, gen=self.gen, micro_batches=self.M)
+
+    def send_grad(self, peer, k):
+        """A grad task: descriptors for a local trainer; for a remote one the frames it cannot map."""
+        slot = (self.cur % 2) * self.M + k
+        fields = {"gen": self.gen, "k": k, "slot": slot, "batch": self.descs["batch"],
+                  "params": self.descs["params"], "grads": self.descs["grads"]}
+        if not peer.remote:
+            return self.send(peer, "grad", self.cur, **fields)
+        if self.views is None:
+            self.views = SegmentViews(Registry(self.run_id, "scheduler"))
+        if peer.shipped != (self.gen, self.cur):  # parameters travel once per version, not per task
+            params = self.views.tensors(self.descs["params"])
+            specs = self.descs["params"]["tensors"]
+            self.send(peer, "params", self.cur, gen=self.gen, tensors=specs,
+                      buffers=to_frames(params[t["name"]] for t in specs))
+            peer.shipped = (self.gen, self.cur)
+        batch = self.views.tensors(self.descs["batch"])
+        names = [t["name"] for t in self.descs["batch"]["tensors"] if t["name"].startswith(f"{slot}/")]
+        self.send(peer, "grad", self.cur, buffers=to_frames(batch[n] for n in names), **fields)
+
+    def grad_slot(self, k) -> list:
+        """The views of gradient slot k in parameter order (what a remote trainer's frames fill)."""
+        grads = self.views.tensors(self.descs["grads"])
+        return [grads[f"{k}/{name}"] for name, _, _ in self.job.param_layout()]
 
     def maybe_finish(self):
         final = self.job.steps

@@ -98,21 +98,27 @@ class RouterSocket:
     def __init__(self, endpoint: str, ctx=None, key=None):
         self.ctx = ctx or zmq.Context.instance()
         self.sock = _socket(self.ctx, zmq.ROUTER)
+        self.buffers = []
         _bind(self.sock, endpoint, key)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def send(self, identity: bytes, kind: str, step: int = 0, **fields):
-        self.sock.send_multipart([identity, messages.pack(kind, step, **fields)])
+    def send(self, identity: bytes, kind: str, step: int = 0, buffers=(), **fields):
+        """`buffers`: tensor frames after the body (remote.py), sent without copying them."""
+        self.sock.send_multipart([identity, messages.pack(kind, step, **fields), *buffers], copy=not buffers)
 
     def recv(self, timeout_ms: int):
-        """(identity, message) or None on timeout; undecodable frames come back as (identity, None), logged."""
+        """(identity, message) or None on timeout; undecodable frames come back as (identity, None), logged.
+
+        Frames after the body (a remote trainer's gradient) are left in `self.buffers` until the next recv."""
+        self.buffers = []
         if not self.sock.poll(timeout_ms):
             return None
-        frames = self.sock.recv_multipart()
-        if len(frames) != 2:
+        frames = self.sock.recv_multipart(copy=False)
+        if len(frames) < 2:
             log.warning("dropped a control message with %d frames (want identity + body)", len(frames))
-            return frames[0], None
-        return frames[0], messages.decode(frames[1])
+            return frames[0].bytes, None
+        self.buffers = [f.buffer for f in frames[2:]]
+        return frames[0].bytes, messages.decode(frames[1].bytes)
 
     def close(self):
         self.sock.close(0)
@@ -124,16 +130,26 @@ class DealerSocket:
     def __init__(self, endpoint: str, ctx=None, key=None):
         self.ctx = ctx or zmq.Context.instance()
         self.sock = _socket(self.ctx, zmq.DEALER)
+        self.buffers = []
         _connect(self.sock, endpoint, key)
 
-    def send(self, kind: str, step: int = 0, **fields):
-        self.sock.send(messages.pack(kind, step, **fields))
+    def send(self, kind: str, step: int = 0, buffers=(), **fields):
+        """`buffers`: tensor frames after the body (remote.py); -> a tracker, done once ZeroMQ let go of them."""
+        if not buffers:
+            self.sock.send(messages.pack(kind, step, **fields))
+            return None
+        return self.sock.send_multipart([messages.pack(kind, step, **fields), *buffers], copy=False, track=True)
 
     def recv(self, timeout_ms: int):
-        """A message, None on timeout, or False for a dropped (invalid) frame."""
+        """A message, None on timeout, or False for a dropped (invalid) frame.
+
+        Frames after the body (tensors for a remote trainer) are left in `self.buffers` until the next recv."""
+        self.buffers = []
         if not self.sock.poll(timeout_ms):
             return None
-        msg = messages.decode(self.sock.recv())
+        frames = self.sock.recv_multipart(copy=False)
+        self.buffers = [f.buffer for f in frames[1:]]
+        msg = messages.decode(frames[0].bytes)
         return msg if msg is not None else False
 
     def close(self):

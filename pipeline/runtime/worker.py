@@ -66,6 +66,7 @@ def client_key(args, endpoint: str):
 
 class Worker:
     role = "worker"
+    remote = False  # True: fed by buffer frames, maps no shared memory (workers/trainer.py --remote)
 
     def __init__(self, endpoint: str, threads: int = 1, key=None):
         self.endpoint, self.threads, self.key = endpoint, threads, key
@@ -86,7 +87,8 @@ class Worker:
         heartbeat = None
         token = secrets.token_hex(16)  # only heartbeats carrying it keep this worker alive at the scheduler
         try:
-            self.sock.send("hello", role=self.role, worker=self.id, pid=os.getpid(), token=token)
+            self.sock.send("hello", role=self.role, worker=self.id, pid=os.getpid(), token=token,
+                           **({"remote": True} if self.remote else {}))
             heartbeat = HeartbeatThread(self.endpoint, self.id, token, self.key)
             heartbeat.start()
             welcome = self._await_welcome()
@@ -156,10 +158,17 @@ class Worker:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def run_worker(cls, argv=None) -> int:
+def run_worker(cls, argv=None, remote_cls=None) -> int:
+    """`remote_cls`: the class a `--remote` worker runs (a role that can run on another host)."""
     parser = argparse.ArgumentParser(prog=f"python -m workers.{cls.role}", description=cls.__doc__)
     worker_arguments(parser)
+    if remote_cls is not None:
+        parser.add_argument("--remote", action="store_true",
+                            help="this host cannot map the scheduler host's shared memory: receive parameters and "
+                                 "batches and send gradients as frames over the connection (tcp:// with --key)")
     args = parser.parse_args(argv)
+    if getattr(args, "remote", False):
+        cls = remote_cls
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     endpoint = control_endpoint(args)
     try:

@@ -74,3 +74,10 @@ def alive(pid):
             return fh.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+
+def free_port_pair(host="127.0.0.1"):
+    """A port P with P and P+1 free on `host` (a tcp run binds control on P, events on P+1)."""
+    from pipeline.commands.launch import free_port_pair as free
+    return free(host)

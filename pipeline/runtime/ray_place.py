@@ -1,0 +1,97 @@
+"""Ray as the placement engine for trainers: `fucina launch JOB --ray [ADDRESS] --trainers N`.
+
+Each trainer is a Ray actor holding one CPU (spread over the cluster's nodes);
+the actor runs `python -m workers.trainer --remote --connect tcp://... --key
+FILE` as its child, with the same pinned thread environment a local trainer
+gets, and waits for it. The scheduler, loader, optimizer and checkpointer
+stay on the launching host under the ordinary Supervisor.
+
+Faults: a trainer process that exits non-zero returns from the actor's
+`run`, and the launcher calls `run` again (counted as a respawn, as for a
+local worker). An actor process that dies is restarted by Ray
+(`max_restarts`) and its pending `run` re-submitted (`max_task_retries`);
+its trainer child dies with it (PR_SET_PDEATHSIG), and the scheduler re-runs
+the lost task exactly as for a local trainer - the bits do not change.
+
+The key travels to the actors as the text of worker.key through Ray's own
+channels (each actor writes it to a private 0600 file for the trainer):
+the Ray cluster is trusted with it, as it is with running our code. Only
+strings and ints are passed to the actors.
+"""
+from __future__ import annotations
+
+from ..errors import UserError
+
+EXTRA = "fucina[ray]"
+
+
+def require_ray():
+    try:
+        import ray
+    except ImportError:
+        raise UserError(f"--ray needs Ray, which is not installed: pip install '{EXTRA}'") from None
+    return ray
+
+
+def _die_with_parent():
+    """preexec_fn of the trainer child: SIGKILL it when the actor process dies (Linux prctl)."""
+    import ctypes
+    import signal
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
+class TrainerActor:
+    """One trainer placed by Ray (decorated with ray.remote in RayTrainers)."""
+
+    def run(self, command: list, key_text: str, env: dict) -> int:
+        import os
+        import subprocess
+        import tempfile
+        keydir = tempfile.mkdtemp(prefix="fucina-ray-key-")  # 0700
+        path = os.path.join(keydir, "worker.key")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(key_text)
+        try:
+            return subprocess.call([*command, "--key", path], env=env, preexec_fn=_die_with_parent)
+        finally:
+            os.unlink(path)
+            os.rmdir(keydir)
+
+    def pid(self) -> int:
+        import os
+        return os.getpid()
+
+
+class RayTrainers:
+    """N trainer actors; `poll()` re-runs the ones whose trainer exited with an error."""
+
+    def __init__(self, address, n, command, key_path, env):
+        ray = self.ray = require_ray()
+        self.connected_here = not ray.is_initialized()
+        if self.connected_here:
+            ray.init(address=address or None, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": env["PYTHONPATH"]}})
+        with open(key_path) as fh:
+            self.key_text = fh.read()
+        self.command, self.env = command, env
+        actor = ray.remote(num_cpus=1, max_restarts=-1, max_task_retries=-1, scheduling_strategy="SPREAD")(
+            TrainerActor)
+        self.actors = [actor.remote() for _ in range(n)]
+        self.runs = {a: a.run.remote(self.command, self.key_text, self.env) for a in self.actors}
+
+    def poll(self) -> int:
+        """Re-start trainers that exited with an error; -> how many were re-started."""
+        done, _ = self.ray.wait(list(self.runs.values()), timeout=0, num_returns=len(self.runs))
+        again = 0
+        for actor, ref in list(self.runs.items()):
+            if ref in done and self.ray.get(ref) != 0:  # 0: told to stop; 75 (replaced) or a crash: again
+                self.runs[actor] = actor.run.remote(self.command, self.key_text, self.env)
+                again += 1
+        return again
+
+    def close(self):
+        for actor in self.actors:
+            self.ray.kill(actor, no_restart=True)
+        if self.connected_here:
+            self.ray.shutdown()

@@ -1,0 +1,97 @@
+"""Ray places the trainers: `fucina launch --ray ADDRESS` on a local head gives the in-process bits,
+also after a trainer actor is SIGKILLed mid-run (Ray restarts it, the scheduler re-runs its task)."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from helpers import ROOT, SPIRALS, env, events, first_metric, free_port_pair, launch_cmd, wait_for
+from pipeline.jobs import get_job
+from pipeline.jobs.spec import build
+from pipeline.runtime.inprocess import run_inprocess
+from pipeline.threads import pin_threads
+
+STEPS = SPIRALS.index("--steps") + 1
+FLAGS = [*SPIRALS[:STEPS], "240", *SPIRALS[STEPS + 1:], "--liveness", "2"]
+SPEC = {"steps": 240, "batch": 32, "micro_batches": 4, "checkpoint_every": 20, "eval_every": 20}  # = FLAGS
+
+
+def test_without_ray_the_flag_is_one_error_naming_the_extra(tmp_path):
+    hide = tmp_path / "no-ray" / "ray"  # a `ray` that fails to import, first on the path: Ray is "not installed"
+    hide.mkdir(parents=True)
+    (hide / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+    out = subprocess.run(launch_cmd("spirals", tmp_path / "r", "--ray", "--trainers", "2"), capture_output=True,
+                         text=True, env=env(PYTHONPATH=f"{hide.parent}{os.pathsep}{ROOT}"), cwd=ROOT, timeout=120)
+    assert out.returncode != 0 and "pip install 'fucina[ray]'" in out.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def _has_ray():
+    import importlib.util
+    return importlib.util.find_spec("ray") is not None
+
+
+@pytest.fixture
+def ray_head():
+    """A local Ray head on loopback (its own process group, ended by id afterwards) -> its address."""
+    if not _has_ray():
+        pytest.skip("ray is not installed (pip install 'fucina[ray]')")
+    port = free_port_pair()
+    temp = tempfile.mkdtemp(prefix="fray-")  # short: Ray's unix sockets live under it (108-byte paths)
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--num-cpus", "2", "--port", str(port),
+                             "--node-ip-address", "127.0.0.1", "--include-dashboard=false",
+                             "--disable-usage-stats", "--temp-dir", temp],
+                            env=env(RAY_USAGE_STATS_ENABLED="0"), cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 0)):
+            try:
+                os.killpg(head.pid, sig)  # the head and the daemons it started share its group
+            except ProcessLookupError:
+                break
+            time.sleep(wait)
+        head.wait()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _parent(pid):
+    with open(f"/proc/{pid}/stat") as fh:
+        return int(fh.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.slow
+def test_ray_placed_trainers_killed_once_give_the_inprocess_bits(tmp_path, ray_head):
+    pin_threads(1)
+    job_cls = get_job("spirals")
+    reference = run_inprocess(job_cls(build(job_cls.Spec, SPEC)), str(tmp_path / "ref"), log=lambda m: None)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(launch_cmd("spirals", run_dir, "--ray", ray_head, "--trainers", "2", *FLAGS),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT)
+    try:
+        wait_for(lambda: first_metric(str(run_dir)), timeout=400)
+        joined = [e for e in events(str(run_dir), "worker_joined") if e["detail"].get("remote")]
+        assert len(joined) == 2
+        actor = _parent(joined[0]["detail"]["pid"])  # the trainer's parent is the Ray actor's process
+        os.kill(actor, signal.SIGKILL)
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        summary = json.loads(out.strip().splitlines()[-1])
+        assert summary["params_sha256"] == reference["params_sha256"]
+        killed = joined[0]["detail"]["worker"]
+        lost = [e for e in events(str(run_dir), "worker_lost") if e["detail"]["worker"] == killed]
+        assert lost and lost[0]["step"] < SPEC["steps"]  # the kill landed mid-run
+        rejoined = [e for e in events(str(run_dir), "worker_joined") if e["detail"].get("remote")]
+        assert len(rejoined) == 3  # Ray restarted the actor and its trainer joined again
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

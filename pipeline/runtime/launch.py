@@ -30,7 +30,9 @@ MAX_RESPAWNS = 10
 
 class Supervisor:
     def __init__(self, job_name, spec: dict, run_dir, trainers=1, resume=None, threads=1, port=None,
-                 host="127.0.0.1", liveness=5.0, env=None, quiet=False):
+                 host="127.0.0.1", liveness=5.0, env=None, quiet=False, local_workers=None):
+        """trainers: the trainers (es_members for an ES job) the run waits for; local_workers: how many of
+        them to spawn here (default all; the rest connect from elsewhere)."""
         self.run_dir = os.path.abspath(run_dir)
         self.run_id = uuid.uuid4().hex[:10]
         self.trainers, self.threads, self.quiet = trainers, threads, quiet
@@ -57,10 +59,15 @@ class Supervisor:
         if port:
             sched += ["--port", str(port), "--host", host, "--key", server_key]
         worker = lambda role: [sys.executable, "-m", f"workers.{role}", *conn, "--threads", str(threads)]  # noqa: E731
-        self.commands = {"scheduler": sched, "loader": worker("loader"), "optimizer": worker("optimizer"),
-                         "checkpointer": worker("checkpointer")}
-        for i in range(trainers):
-            self.commands[f"trainer-{i}"] = worker("trainer")
+        from ..jobs import ES_JOBS
+        local = trainers if local_workers is None else local_workers
+        if job_name in ES_JOBS:  # the ES task kind: es_members only
+            self.commands = {"scheduler": sched}
+            self.commands.update({f"es_member-{i}": worker("es_member") for i in range(local)})
+        else:
+            self.commands = {"scheduler": sched, "loader": worker("loader"), "optimizer": worker("optimizer"),
+                             "checkpointer": worker("checkpointer")}
+            self.commands.update({f"trainer-{i}": worker("trainer") for i in range(local)})
         self.procs: dict[str, subprocess.Popen] = {}
         self.respawns = 0
         self.log_path = os.path.join(self.run_dir, "workers.log")

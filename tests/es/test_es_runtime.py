@@ -208,3 +208,18 @@ def test_on_tcp_an_es_member_without_the_key_is_never_heard(tmp_path):
         keyed.close()
         ctx.term()
         sched.close()
+
+
+def test_the_monitor_shows_an_es_iterations_reward_stats():
+    import io
+
+    from pipeline.runtime.monitor import metrics_line, plain_view
+    stats = {"reward_mean": -0.5, "reward_std": 0.25, "reward_min": -1.0, "reward_max": -0.125, "evals_per_s": 800.0,
+             "step_ms": 20.0, "eval": 0.75, "eval_name": "center accuracy"}
+    msg = messages.parse(messages.pack("es_metrics", 4, total=0, **stats))
+    line = metrics_line(msg)
+    assert line.startswith("iteration 4  mean -0.5000  std 0.2500  min -1.0000  max -0.1250"), line
+    assert "center accuracy 0.7500" in line and "800 member-evals/s" in line
+    out = io.StringIO()
+    plain_view([msg, messages.parse(messages.pack("event", 4, event="worker_lost", detail={"worker": "w"}))], out)
+    assert out.getvalue().splitlines() == [line, "step 4: worker_lost worker=w"]

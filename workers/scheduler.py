@@ -16,6 +16,7 @@ from pipeline.jobs import get_job
 from pipeline.jobs.spec import build, check_fields, load_toml
 from pipeline.runtime import ckpt
 from pipeline.runtime import security
+from pipeline.runtime.es_scheduler import ESScheduler
 from pipeline.runtime.scheduler import ROLE_WAIT_S, RunFailed, Scheduler
 from pipeline.runtime.shm import exit_on_signals
 from pipeline.runtime.transport import ipc_endpoints, tcp_endpoints
@@ -24,12 +25,13 @@ from pipeline.threads import pin_threads
 
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m workers.scheduler", description=__doc__)
-    p.add_argument("--job", required=True, help="built-in job name (spirals, lm)")
+    p.add_argument("--job", required=True, help="built-in job name (spirals, lm, pretrain, sft, es-spirals)")
     p.add_argument("--config", help="TOML file of job fields")
     p.add_argument("--spec-json", help="job fields as a JSON object (what `fucina launch` passes)")
     p.add_argument("--run-dir", required=True, help="run directory (checkpoints, metrics.jsonl, sockets)")
     p.add_argument("--run-id", default=None, help="shared-memory name prefix for this run (default: random)")
-    p.add_argument("--trainers", type=int, default=1, help="trainers to wait for before starting")
+    p.add_argument("--trainers", type=int, default=1,
+                   help="trainers (es_members for an ES job) to wait for before starting")
     p.add_argument("--resume", default=None,
                    help="checkpoint dir or run dir to resume from; 'auto': the run dir's latest checkpoint if any")
     p.add_argument("--port", type=int, default=None, help="use tcp:// on this port (+1 for events) instead of ipc://")
@@ -73,8 +75,8 @@ def main(argv=None) -> int:
         with open(os.path.join(args.run_dir, "run.json"), "w") as fh:
             json.dump({"run_id": run_id, "job": job.name, "endpoints": endpoints.to_wire(),
                        "scheduler_pid": os.getpid(), "trainers": args.trainers, **described}, fh, indent=1)
-
-        sched = Scheduler(job, args.run_dir, run_id, endpoints, trainers=args.trainers, resume=resume,
+        scheduler_class = ESScheduler if getattr(job, "kind", "") == "es" else Scheduler
+        sched = scheduler_class(job, args.run_dir, run_id, endpoints, trainers=args.trainers, resume=resume,
                           log=lambda m: print(m, file=sys.stderr, flush=True), liveness_s=args.liveness, key=key,
                           role_wait_s=args.role_wait)
         sched.serve()  # writes summary.json

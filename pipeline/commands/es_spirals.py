@@ -2,31 +2,33 @@
 from __future__ import annotations
 
 import json
-import signal
+import os
 import sys
+import time
 
 from ..errors import UserError
 
 NAME = "es-spirals"
 HELP = "train the spirals MLP from random init with evolution strategies (no backward), in-process or over workers"
 DESCRIPTION = """Pure ES (no gradients anywhere) on the two-spirals MLP until 100% training
-accuracy. Members are scored in-process or by es-member worker processes
-(local, or remote ones joining over tcp:// with `python -m workers.es_member
---connect tcp://HOST:PORT`). The final sha256 of the parameters is the same
-for any number of workers, in-process, after a stop-and-resume, and when a
-worker dies mid-run."""
+accuracy, as a job of the pipeline runtime: the scheduler hands (iteration,
+member) tasks to es_member worker processes (local, or remote ones joining
+over tcp:// with `python -m workers.es_member --connect tcp://HOST:PORT --key
+RUN_DIR/worker.key`), or scores them in this process (--inprocess). The final
+sha256 of the parameters is the same for any number of workers, in-process,
+after a stop-and-resume, and when a worker dies mid-run. `fucina monitor
+RUN_DIR` watches a running one."""
 
 
 def add_arguments(p):
-    p.add_argument("--workers", type=int, default=1, help="local es-member worker processes")
+    p.add_argument("--workers", "--members", type=int, default=1, dest="workers",
+                   help="local es_member worker processes")
     p.add_argument("--inprocess", action="store_true", help="score members in this process (no workers)")
     p.add_argument("--remote-workers", type=int, default=0,
                    help="also wait for this many workers to connect to --bind (e.g. from other hosts)")
     p.add_argument("--bind", default=None,
-                   help="coordinator endpoint, e.g. tcp://0.0.0.0:5555 (default: a private ipc:// socket)")
-    p.add_argument("--key-dir", default=None,
-                   help="tcp:// only: where this run's fresh CURVE keys go (default: --out, else a private temp dir); "
-                        "remote workers need its worker.key: --key DIR/worker.key")
+                   help="scheduler endpoint tcp://HOST:PORT (events on PORT+1; CURVE keys are made fresh in the "
+                        "run dir, remote workers need its worker.key); default: the run dir's ipc:// sockets")
     p.add_argument("--seed", type=int, default=0, help="ES noise seed")
     p.add_argument("--model-seed", type=int, default=0, help="SpiralsMLP init seed")
     p.add_argument("--data-seed", type=int, default=0, help="spirals data noise seed")
@@ -41,46 +43,93 @@ def add_arguments(p):
     p.add_argument("--noise", choices=["iid", "correlated"], default="iid", help="noise scheme")
     p.add_argument("--max-iterations", type=int, default=None,
                    help="stop after this many iterations even if not converged (an absolute count)")
-    p.add_argument("--out", default=None, help="run directory for checkpoint-step-N/ directories")
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N iterations into --out (0: never)")
+    p.add_argument("--out", default=None,
+                   help="run directory: checkpoint-step-N/, metrics.jsonl, summary.json, sockets "
+                        "(default: runs/es-spirals-<time>, or the resumed run's dir)")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="checkpoint every N iterations (0: only the final one)")
     p.add_argument("--resume", default=None, help="resume from this checkpoint (or the latest one in this run dir)")
-    p.add_argument("--progress-every", type=int, default=500, help="print progress every N iterations (0: quiet)")
+    p.add_argument("--progress-every", type=int, default=500,
+                   help="--inprocess: print progress every N iterations (0: quiet)")
     p.add_argument("--liveness", type=float, default=10.0,
                    help="seconds of silence before a worker is declared dead (must exceed the longest task, "
                         "including a worker's first-call numba compilation)")
     p.add_argument("--kill-worker-at", type=int, default=None,
-                   help="fault-injection demo: SIGKILL one local worker at this iteration")
+                   help="fault-injection demo: one es_member SIGKILLs itself at this iteration (it is re-spawned)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 
-def _terminate(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
+def spec_of(args) -> dict:
+    """The es-spirals job fields the flags give (pipeline/es/run.py ESSpiralsSpec)."""
+    from ..es.spirals import ALPHA, SIGMA
+    return {"iterations": args.max_iterations or 0, "population": args.population,
+            "sigma": SIGMA if args.sigma is None else args.sigma, "alpha": ALPHA if args.alpha is None else args.alpha,
+            "seed": args.seed, "model_seed": args.model_seed, "data_seed": args.data_seed, "reward": args.reward,
+            "antithetic": not args.no_antithetic, "shaping": args.shaping, "noise": args.noise,
+            "save_every": args.save_every}
+
+
+def run_dir_of(args, name) -> str:
+    """--out, else the resumed run's dir, else runs/<name>-<time>; refuses a dir holding another run."""
+    from ..runtime import ckpt
+    if args.resume:
+        args.resume = ckpt.resolve(args.resume)  # a bad --resume fails here, before anything is written
+    run_dir = args.out or (os.path.dirname(os.path.abspath(args.resume)) if args.resume
+                           else os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"))
+    if not args.resume and ckpt.latest_checkpoint(run_dir):
+        raise UserError(f"{run_dir} already holds checkpoints: pass --resume {run_dir} or choose another --out")
+    return run_dir
+
+
+def tcp_bind(bind: str | None) -> tuple[str, int | None]:
+    """--bind tcp://HOST:PORT -> (host, port); None -> ipc:// (port None)."""
+    if bind is None:
+        return "127.0.0.1", None
+    host, sep, port = bind.removeprefix("tcp://").rpartition(":")
+    if not bind.startswith("tcp://") or not sep or not port.isdigit():
+        raise UserError(f"--bind {bind!r}: give tcp://HOST:PORT")
+    return host, int(port)
 
 
 def run(args) -> int:
-    from ..es.run import RunOptions, run_spirals
-    from ..es.spirals import SpiralsTask, spirals_config
+    from ..jobs import get_job
+    from ..jobs.spec import build
 
-    if args.save_every and not args.out:
-        raise UserError("--save-every needs --out DIR")
     if args.workers < 0 or args.remote_workers < 0:
         raise UserError("--workers/--remote-workers must be >= 0")
-    es = spirals_config(population=args.population, sigma=args.sigma, alpha=args.alpha, seed=args.seed,
-                        antithetic=not args.no_antithetic, shaping=args.shaping, noise=args.noise)
-    task = SpiralsTask(es, model_seed=args.model_seed, data_seed=args.data_seed, reward=args.reward)
     workers = 0 if args.inprocess else args.workers
     if workers == 0 and args.remote_workers == 0 and not args.inprocess:
         raise UserError("--workers 0 needs --inprocess or --remote-workers N")
-    log = (lambda msg: print(msg, file=sys.stderr, flush=True))
-    log(f"es-spirals: {'in-process' if workers + args.remote_workers == 0 else f'{workers} local + {args.remote_workers} remote worker(s)'}"
-        f", {es.to_dict()}, model_seed {args.model_seed}")
-    opts = RunOptions(workers=workers, remote_workers=args.remote_workers, bind=args.bind,
-                      max_iterations=args.max_iterations, save_every=args.save_every, out=args.out,
-                      resume=args.resume, progress_every=args.progress_every, liveness=args.liveness,
-                      key_dir=args.key_dir,
-                      kill_worker_at=args.kill_worker_at, log=log)
-    signal.signal(signal.SIGTERM, _terminate)  # SIGTERM unwinds like Ctrl-C: workers are shut down, sockets removed
-    result = run_spirals(task, opts)
+    if args.remote_workers and args.bind is None:
+        raise UserError("--remote-workers needs --bind tcp://HOST:PORT (remote workers connect over tcp://)")
+    job_cls = get_job(NAME)
+    spec = spec_of(args)
+    job = job_cls(build(job_cls.Spec, spec))
+    job.make_task()  # a bad ES setting (an odd antithetic population, ...) fails here, before anything starts
+    host, port = tcp_bind(args.bind)
+    run_dir = run_dir_of(args, NAME)
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+    mode = "in-process" if args.inprocess else f"{workers} local + {args.remote_workers} remote worker(s)"
+    log(f"es-spirals: {mode}, run dir {run_dir}, {json.dumps(spec)}")
+    if args.inprocess:
+        from ..es.run import run_es_inprocess
+        from ..threads import pin_threads
+        pin_threads(1)
+        result = run_es_inprocess(job, run_dir, resume=args.resume, log=log, progress_every=args.progress_every)
+    else:
+        from ..runtime.launch import Supervisor
+        env = dict(os.environ)
+        if args.kill_worker_at is not None:
+            env["FUCINA_FAULT"] = f"es_member:eval:{args.kill_worker_at}"
+        sup = Supervisor(NAME, spec, run_dir, trainers=workers + args.remote_workers, resume=args.resume,
+                         port=port, host=host, liveness=args.liveness, env=env, local_workers=workers)
+        if args.remote_workers:
+            key = f" --key {os.path.join(sup.run_dir, 'worker.key')}" if port else ""
+            log(f"waiting for {args.remote_workers} remote worker(s): python -m workers.es_member "
+                f"--connect tcp://{host}:{port}{key}")
+        result = sup.run()
     if args.json:
         print(json.dumps(result))
     else:

@@ -1,153 +1,201 @@
-"""The ES-spirals driver: one loop over two interchangeable backends.
+"""ES as a job of the one runtime: the spec, the replica, and the iteration logic both ways of running share.
 
-Trade-off: the loop (center check, update, checkpoint, progress) is written
-once; a backend only answers "rewards and center of iteration t" and
-"commit these rewards". The in-process backend scores all members inline
-with the same batched code the workers run, so in-process, 1 worker, N
-workers, tcp workers, a resumed run and a run that lost a worker all produce
-the same bits (tests pin the final sha256 across all of them).
+An ES iteration t is: score the center theta_t (stop if it reached 100%
+training accuracy or t == iterations), score every member (iteration t,
+member m) - the tasks -, apply the update from the rewards (theta_{t+1}) and,
+every save_every iterations, write checkpoint-step-{t+1}. `ESRun` holds the
+replica of the process that drives the run and does every step but the member
+scoring; `run_es_inprocess` scores the members inline with the same batched
+code the es_member workers run (pipeline/runtime/es_scheduler.py hands them
+out), so in-process, 1 member, N members, a resumed run and a run that lost a
+member produce the same bits (tests pin the final sha256 across all of them).
 
-Iteration t: score theta_t (the center) and every member; stop if the center
-is at 100% training accuracy or t == max_iterations; else apply the update
-(theta_{t+1}) and, every save_every iterations, write checkpoint-step-{t+1}.
+Trade-off: the driver keeps a replica of its own and applies every update
+itself (one extra update per iteration, in parallel with the members'), so a
+checkpoint and the final digest need no parameter transfer: parameters cross
+the wire only to a member that joins or lags (es_state), and at the end every
+member's sha256 is compared with the driver's.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
-import shutil
 import time
-from contextlib import ExitStack
-from dataclasses import dataclass, field
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
-from ..runtime import security
-from ..train.checkpoint import latest_checkpoint, step_dir
+from ..errors import UserError
+from ..jobs.spec import field
+from ..runtime.ckpt import checkpoint_dir, latest_checkpoint
+from ..runtime.metrics import MetricsLog
 from .checkpoint import load_es_checkpoint, save_es_checkpoint
-from .coordinator import Coordinator
-from .spirals import SpiralsTask, params_sha256
+from .spirals import ALPHA, SIGMA, SpiralsTask, params_sha256, spirals_config
 
 
-class InProcess:
-    """Every member scored inline, in this process, with one BLAS thread."""
+@dataclasses.dataclass
+class ESSpiralsSpec:
+    iterations: int = field(0, "stop after this many iterations, an absolute count (0: when the center "
+                               "reaches 100% training accuracy)")
+    population: int = field(128, "ES population")
+    sigma: float = field(SIGMA, "perturbation scale (tuned, see docs/es.md)")
+    alpha: float = field(ALPHA, "step size (tuned, see docs/es.md)")
+    seed: int = field(0, "ES noise seed")
+    model_seed: int = field(0, "SpiralsMLP init seed")
+    data_seed: int = field(0, "spirals data noise seed")
+    reward: str = field("nll", "nll: -mean CE; acc: accuracy + 0.1*exp(-CE), bounded", choices=SpiralsTask.REWARDS)
+    antithetic: bool = field(True, "(+eps, -eps) member pairs")
+    shaping: str = field("z_score", "fitness shaping", choices=("z_score", "centered_ranks"))
+    noise: str = field("iid", "noise scheme", choices=("iid", "correlated"))
+    save_every: int = field(0, "checkpoint every N iterations (0: only the final one)")
 
-    def __init__(self, task: SpiralsTask):
-        self.task = task
 
-    def iteration(self, it):
-        trainer = self.task.trainer
-        assert trainer.iteration == it
-        cpu0 = time.process_time()
-        center = self.task.center()
-        rewards = self.task.rewards(range(trainer.config.population))
-        self.busiest_cpu_ms = (time.process_time() - cpu0) * 1e3
-        return rewards, center
+class ESSpiralsJob:
+    """`es-spirals`: the spirals MLP from random init by pure ES; a task is one (iteration, member)."""
 
-    def commit(self, rewards):
-        cpu0 = time.process_time()
-        self.task.trainer.update(rewards)  # a worker does this at the start of its next task
-        self.busiest_cpu_ms += (time.process_time() - cpu0) * 1e3
+    name = "es-spirals"
+    kind = "es"
+    Spec = ESSpiralsSpec
+    eval_name = "center accuracy"
+    micro_batches = 0  # no micro-batch plan: an iteration's tasks are its members
 
-    def sync_replica(self):
-        pass
+    def __init__(self, spec: ESSpiralsSpec):
+        self.spec = spec
+        if spec.population < 1 or spec.iterations < 0 or spec.save_every < 0:
+            raise UserError("es-spirals: population must be >= 1, iterations and save_every >= 0")
+
+    @property
+    def steps(self):
+        return self.spec.iterations
+
+    @property
+    def population(self):
+        return self.spec.population
+
+    def make_task(self) -> SpiralsTask:
+        s = self.spec
+        es = spirals_config(population=s.population, sigma=s.sigma, alpha=s.alpha, seed=s.seed,
+                            antithetic=s.antithetic, shaping=s.shaping, noise=s.noise)
+        return SpiralsTask(es, model_seed=s.model_seed, data_seed=s.data_seed, reward=s.reward)
+
+
+JOB = ESSpiralsJob
+
+
+def load_state(trainer, tensors: list[dict], data: list[bytes], iteration: int, source: str):
+    """Copy a state transfer (es_state) into the replica after checking every name, dtype and shape."""
+    named = trainer.named_arrays()
+    if len(tensors) != len(named) or len(data) != len(named):
+        raise UserError(f"{source}: {len(tensors)} tensor(s)/{len(data)} buffer(s), the replica has {len(named)}")
+    for (name, arr), spec, raw in zip(named, tensors, data):
+        if (spec["name"] != name or spec["dtype"] != arr.dtype.str or list(spec["shape"]) != list(arr.shape)
+                or len(raw) != arr.nbytes):
+            raise UserError(f"{source}: tensor {spec['name']!r} {spec['dtype']} {spec['shape']} does not match "
+                            f"the replica's {name!r} {arr.dtype.str} {list(arr.shape)}")
+    for (name, arr), raw in zip(named, data):
+        np.copyto(arr, np.frombuffer(raw, dtype=arr.dtype).reshape(arr.shape))
+    trainer.iteration = iteration
+
+
+def state_fields(trainer) -> dict:
+    """The es_state fields of a replica: tensor specs and their bytes, registration order."""
+    named = trainer.named_arrays()
+    return {"tensors": [{"name": n, "dtype": a.dtype.str, "shape": list(a.shape), "offset": 0} for n, a in named],
+            "data": [np.ascontiguousarray(a).tobytes() for _, a in named]}
+
+
+class ESRun:
+    """The driving replica: resume, stop test, update, checkpoints, metrics and the summary."""
+
+    def __init__(self, job, run_dir, resume=None, log=print):
+        self.job, self.run_dir, self.log = job, run_dir, log
+        self.task = job.make_task()
+        self.trainer = self.task.trainer
+        self.resumed_from = None
+        if resume:
+            path = latest_checkpoint(resume) or resume
+            load_es_checkpoint(path, self.trainer)
+            self.resumed_from = os.path.abspath(path)
+            log(f"resumed from {path} at iteration {self.trainer.iteration}")
+        self.start = self.trainer.iteration
+        self.center = None
+        os.makedirs(run_dir, exist_ok=True)
+        self.metrics = MetricsLog(run_dir)
+        self.durations = []  # seconds per committed iteration
+        self.begin()
+
+    def begin(self):
+        """The clock starts (again) here: when the members are in, not while processes start."""
+        self.t0 = self.last_t = time.perf_counter()
+
+    @property
+    def iteration(self) -> int:
+        return self.trainer.iteration
+
+    def finished(self) -> bool:
+        """Score the center theta_t; True when the run stops at this iteration."""
+        self.center = self.task.center()
+        return self.center[1] == 1.0 or (self.job.steps > 0 and self.iteration >= self.job.steps)
+
+    def commit(self, rewards) -> dict:
+        """Apply iteration t's rewards (member order) -> the es_metrics record of iteration t+1."""
+        rewards = np.asarray(rewards, dtype=np.float64)
+        self.trainer.update(rewards)
+        done = self.iteration
+        now = time.perf_counter()
+        step_s, self.last_t = now - self.last_t, now
+        self.durations.append(step_s)
+        record = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+                  "reward_min": float(rewards.min()), "reward_max": float(rewards.max()),
+                  "evals_per_s": len(rewards) / max(step_s, 1e-9), "step_ms": step_s * 1e3,
+                  "eval": self.center[1], "eval_name": self.job.eval_name}
+        self.metrics.write({"kind": "es_metrics", "step": done, **record})
+        every = self.job.spec.save_every
+        if every and done % every == 0:
+            self.save()
+        return record
+
+    def save(self):
+        path = checkpoint_dir(self.run_dir, self.iteration)
+        save_es_checkpoint(path, self.trainer, run_config=self.task.run_config)
+        self.metrics.write({"kind": "event", "event": "checkpoint_committed", "step": self.iteration,
+                            "detail": {"path": path}})
+        return path
+
+    def digest(self) -> str:
+        return params_sha256(self.trainer.named_arrays())
+
+    def summary(self, mode, members, replicas_checked=0) -> dict:
+        """The final checkpoint is written here; -> the run's summary."""
+        path = self.save()
+        wall = time.perf_counter() - self.t0
+        done = self.iteration - self.start
+        ce, acc = self.center
+        return {"job": self.job.name, "mode": mode, "iterations": self.iteration, "iterations_this_run": done,
+                "accuracy": acc, "ce": ce, "converged": acc == 1.0, "wall_s": round(wall, 3),
+                "ms_per_iteration": wall / done * 1e3 if done else 0.0,
+                "median_ms_per_iteration": float(np.median(self.durations)) * 1e3 if self.durations else 0.0,
+                "member_evals_per_s": done * self.job.population / wall if done and wall > 0 else 0.0,
+                "params_sha256": self.digest(), "sha256": self.digest(), "members": members,
+                "population": self.job.population, "resumed_from": self.resumed_from,
+                "replicas_checked": replicas_checked, "checkpoint": os.path.abspath(path),
+                "run_dir": os.path.abspath(self.run_dir)}
 
     def close(self):
-        pass
+        self.metrics.close()
 
 
-@dataclass
-class RunOptions:
-    workers: int = 0  # 0 = in-process
-    remote_workers: int = 0  # extra workers expected to connect to `bind` (e.g. from other hosts)
-    bind: str | None = None  # coordinator endpoint (default: a private ipc:// socket)
-    max_iterations: int | None = None
-    save_every: int = 0
-    out: str | None = None
-    resume: str | None = None
-    progress_every: int = 0
-    liveness: float = 10.0
-    keys: tuple[str, str] | None = None  # (scheduler.key, worker.key) for a tcp:// bind; made fresh when None
-    key_dir: str | None = None  # where fresh keys go (default: out, else a private temp dir)
-    kill_worker_at: int | None = None  # fault injection: SIGKILL one local worker at this iteration
-    log: object = None
-    extra: dict = field(default_factory=dict)
-
-
-def run_spirals(task: SpiralsTask, opts: RunOptions, on_iteration=None) -> dict:
-    """Train to 100% training accuracy (or max_iterations); return the result summary."""
-    log = opts.log or (lambda msg: None)
-    trainer = task.trainer
-    resumed_from = None
-    if opts.resume:
-        ckpt = latest_checkpoint(opts.resume) or opts.resume
-        load_es_checkpoint(ckpt, trainer)
-        resumed_from = str(ckpt)
-        log(f"resumed from {ckpt} at iteration {trainer.iteration}")
-    start = trainer.iteration
-    with ExitStack() as stack:
-        stack.enter_context(threadpool_limits(1))
-        if opts.workers == 0 and opts.remote_workers == 0:
-            backend = InProcess(task)
-        else:
-            keys = opts.keys
-            if keys is None and opts.bind and security.is_tcp(opts.bind):  # fresh keys for this run
-                key_dir = opts.key_dir or opts.out
-                if key_dir:
-                    os.makedirs(key_dir, exist_ok=True)
-                else:  # workers read the key once, at start: the private dir goes with the run
-                    key_dir = security.private_tempdir("fucina-es-keys-")
-                    stack.callback(shutil.rmtree, key_dir, True)
-                keys = security.create_run_keys(key_dir)
-            backend = Coordinator(task, bind=opts.bind, liveness=opts.liveness, log=log, keys=keys)
-            stack.callback(backend.close)
-            backend.spawn_local(opts.workers)
-            if opts.remote_workers:
-                key_flag = f" --key {keys[1]}" if keys else ""
-                log(f"waiting for {opts.remote_workers} remote worker(s): python -m workers.es_member "
-                    f"--connect {backend.endpoint}{key_flag}")
-            backend.wait_for_workers(opts.workers + opts.remote_workers)
-        t0 = time.perf_counter()
-        it = start
-        center = None
-        durations, cpu = [], []
-        while opts.max_iterations is None or it < opts.max_iterations:
-            t_it = time.perf_counter()
-            if opts.kill_worker_at is not None and it == opts.kill_worker_at and isinstance(backend, Coordinator):
-                log(f"fault injection: killed worker {backend.kill_one()} at iteration {it}")
-            rewards, center = backend.iteration(it)
-            if center[1] == 1.0:
-                break
-            if isinstance(backend, Coordinator):
-                cpu.append(backend.busiest_cpu_ms)  # includes applying the previous update
-            backend.commit(rewards)
-            if isinstance(backend, InProcess):
-                cpu.append(backend.busiest_cpu_ms)
-            it += 1
-            durations.append(time.perf_counter() - t_it)
-            if opts.progress_every and it % opts.progress_every == 0:
-                log(f"iteration {it}: center CE {center[0]:.4f} acc {center[1]:.4f} "
-                    f"({(time.perf_counter() - t0) / max(1, it - start) * 1e3:.1f} ms/iteration)")
-            if opts.save_every and opts.out and it % opts.save_every == 0:
-                backend.sync_replica()
-                save_es_checkpoint(step_dir(opts.out, it), trainer, run_config=task.run_config)
-            if on_iteration is not None:
-                on_iteration(it, backend)
-        wall = time.perf_counter() - t0
-        backend.sync_replica()
-        digests = backend.replica_digests() if isinstance(backend, Coordinator) else {}
-        ce, acc = task.center()
-    sha = params_sha256(trainer.named_arrays())
-    if digests and set(digests.values()) != {sha}:
-        raise RuntimeError(f"replicas disagree at iteration {it}: {digests} vs coordinator {sha}")
-    done = it - start
-    pop = trainer.config.population
-    return {"iterations": it, "iterations_this_run": done, "accuracy": acc, "ce": ce, "converged": acc == 1.0,
-            "wall_s": wall, "ms_per_iteration": wall / done * 1e3 if done else 0.0,
-            "median_ms_per_iteration": float(np.median(durations)) * 1e3 if durations else 0.0,
-            # CPU time of the busiest scorer per iteration (load-independent: what the wall time
-            # would be on otherwise idle cores, messaging aside)
-            "median_cpu_ms_per_iteration": float(np.median(cpu)) if cpu else 0.0,
-            "member_evals_per_s": done * pop / wall if done and wall > 0 else 0.0,
-            "sha256": sha, "workers": opts.workers + opts.remote_workers, "population": pop,
-            "resumed_from": resumed_from, "replicas_checked": len(digests)}
+def run_es_inprocess(job, run_dir, resume=None, log=print, progress_every=0) -> dict:
+    """Every member scored inline (BLAS pinned to one thread by the caller); -> summary."""
+    run = ESRun(job, run_dir, resume, log)
+    try:
+        run.metrics.write({"kind": "event", "event": "run_started", "step": run.iteration,
+                           "detail": {"mode": "inprocess"}})
+        while not run.finished():
+            run.commit(run.task.rewards(range(job.population)))
+            if progress_every and run.iteration % progress_every == 0:
+                log(f"iteration {run.iteration}: center CE {run.center[0]:.4f} acc {run.center[1]:.4f}")
+        summary = run.summary("inprocess", members=0)
+        run.metrics.write({"kind": "event", "event": "run_finished", "step": run.iteration, "detail": summary})
+        return summary
+    finally:
+        run.close()

@@ -9,10 +9,13 @@ import importlib
 
 JOBS = {"spirals": "pipeline.jobs.spirals", "lm": "pipeline.jobs.lm", "pretrain": "pipeline.jobs.pretrain",
         "sft": "pipeline.jobs.sft", "finetune": "pipeline.jobs.finetune"}
+# ES jobs run the es_member task kind (pipeline/runtime/es_scheduler.py), not the trainer plan of `fucina launch`
+ES_JOBS = {"es-spirals": "pipeline.es.run"}
 
 
 def get_job(name: str):
     from ..errors import UserError
-    if name not in JOBS:
-        raise UserError(f"unknown job {name!r}; built-in jobs: {', '.join(JOBS)}")
-    return importlib.import_module(JOBS[name]).JOB
+    modules = {**JOBS, **ES_JOBS}
+    if name not in modules:
+        raise UserError(f"unknown job {name!r}; built-in jobs: {', '.join(modules)}")
+    return importlib.import_module(modules[name]).JOB

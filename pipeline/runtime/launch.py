@@ -34,7 +34,12 @@ MAX_RESPAWNS = 10
 
 class Supervisor:
     def __init__(self, job_name, spec: dict, run_dir, trainers=1, resume=None, threads=1, port=None,
-                 host="127.0.0.1", liveness=5.0, env=None, quiet=False, remote_trainers=0, ray=None):
+                 host="127.0.0.1", liveness=5.0, env=None, quiet=False, remote_trainers=0, ray=None,
+                 local_workers=None):
+        """trainers: the trainers (es_members for an ES job) the run waits for; local_workers: how many of
+        them to spawn here (default all; the rest connect from elsewhere); remote_trainers: how many of the
+        spawned trainers take their tensors as frames instead of shared memory; ray: place the trainers as
+        Ray actors instead."""
         self.run_dir = os.path.abspath(run_dir)
         self.run_id = uuid.uuid4().hex[:10]
         self.trainers, self.threads, self.quiet = trainers, threads, quiet
@@ -61,8 +66,8 @@ class Supervisor:
         if port:
             sched += ["--port", str(port), "--host", host, "--key", server_key]
         worker = lambda role: [sys.executable, "-m", f"workers.{role}", *conn, "--threads", str(threads)]
-        self.commands = {"scheduler": sched, "loader": worker("loader"), "optimizer": worker("optimizer"),
-                         "checkpointer": worker("checkpointer")}
+        from ..jobs import ES_JOBS
+        local = trainers if local_workers is None else local_workers
         if remote_trainers and not port:
             raise FucinaError("launch: remote trainers talk tcp:// (CURVE): give --port")
         if ray is not None and not port:
@@ -71,9 +76,15 @@ class Supervisor:
         self.ray_command = [sys.executable, "-m", "workers.trainer", "--connect", endpoints.control,
                             "--threads", str(threads), "--remote"]
         self.client_key_path = client_key if port else None
-        for i in range(0 if ray is not None else trainers):  # the last `remote_trainers` are fed by frames
-            remote = ["--remote"] if i >= trainers - remote_trainers else []
-            self.commands[f"trainer-{i}"] = [*worker("trainer"), *remote]
+        if job_name in ES_JOBS:  # the ES task kind: es_members only
+            self.commands = {"scheduler": sched}
+            self.commands.update({f"es_member-{i}": worker("es_member") for i in range(local)})
+        else:
+            self.commands = {"scheduler": sched, "loader": worker("loader"), "optimizer": worker("optimizer"),
+                             "checkpointer": worker("checkpointer")}
+            for i in range(0 if ray is not None else local):  # the last `remote_trainers` are fed by frames
+                remote = ["--remote"] if i >= local - remote_trainers else []
+                self.commands[f"trainer-{i}"] = [*worker("trainer"), *remote]
         self.procs: dict[str, subprocess.Popen] = {}
         self.respawns = 0
         self.log_path = os.path.join(self.run_dir, "workers.log")

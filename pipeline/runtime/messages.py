@@ -31,7 +31,7 @@ from ..errors import FucinaError
 SCHEMA_VERSION = 1
 MAX_FRAME_BYTES = 16 << 20   # control frames are descriptors and scalars; ZeroMQ drops longer ones unread
 MAX_STR = 1 << 16            # an error text or a path, never a payload
-ROLES = ("loader", "optimizer", "checkpointer", "trainer")
+ROLES = ("loader", "optimizer", "checkpointer", "trainer", "es_member")
 log = logging.getLogger("fucina.messages")
 
 
@@ -89,6 +89,7 @@ INTS = ("a list of non-negative ints", lambda v: type(v) is list and all(_is_int
 NUMS = ("a list of numbers", lambda v: type(v) is list and all(_is_num(x) for x in v))
 OPT_NUMS = ("a list of numbers or nil", lambda v: v is None or NUMS[1](v))
 OPT_NUM = ("a number or nil", lambda v: v is None or _is_num(v))
+BLOBS = ("a list of byte strings", lambda v: type(v) is list and all(type(x) is bytes for x in v))
 HEADER = {"v": INT, "step": INT, "seq": INT}
 
 # kind -> {field: type} required (beyond kind/v/step/seq), then optional fields.  Control plane first.
@@ -104,6 +105,9 @@ KINDS: dict[str, dict] = {
     "committed": {"worker": STR, "path": STR, "ms": NUM},              # checkpointer wrote dir of `step`
     "failed": {"worker": STR, "error": STR},                          # a task failed; retrying will not fix it
     "bye": {"worker": STR},                                           # a worker exits cleanly
+    # ES task kind (es_member role; `step` is the ES iteration): only member ids and scalar rewards per iteration
+    "es_rewards": {"worker": STR, "members": INTS, "rewards": NUMS, "ms": NUM},  # rewards of its es_eval, in order
+    "es_digested": {"worker": STR, "sha256": STR},                   # its replica's params sha256 at `step`
     # scheduler -> worker
     "welcome": {"worker": STR, "run": RUN},                 # handshake reply: run description
     "load": {"gen": INT, "k": INT, "slot": INT},            # loader: produce micro-batch (step, k) into slot
@@ -116,10 +120,17 @@ KINDS: dict[str, dict] = {
     "shutdown": {"reason": STR},                            # any worker: exit now
     "params": {"gen": INT, "tensors": TENSORS},             # remote trainer: parameters of version `step`
                                                             # follow as buffer frames (remote.py)
+    "es_state": {"tensors": TENSORS, "data": BLOBS},        # es_member: the replica's parameters at `step`
+                                                            # (a state transfer: only when a member joins/lags)
+    "es_eval": {"members": INTS, "catchup": OPT_NUMS},      # es_member: apply `catchup` (rewards of step-1) if
+                                                            # it is at step-1, then score `members` at `step`
+    "es_digest": {"catchup": OPT_NUMS},                     # es_member: reach `step` as in es_eval, send sha256
     # PUB (metrics and events)
     "metrics": {"loss": OPT_NUM, "lr": NUM, "grad_norm": NUM, "tokens_per_s": NUM, "step_ms": NUM,
                 "roles": NUMS_BY_ROLE},
     "event": {"event": STR, "detail": MAP},
+    "es_metrics": {"reward_mean": NUM, "reward_std": NUM, "reward_min": NUM, "reward_max": NUM,
+                   "evals_per_s": NUM, "step_ms": NUM},  # an ES iteration `step` committed
 }
 OPTIONAL: dict[str, dict] = {
     "hello": {"remote": BOOL},          # a trainer that cannot map this host's shared memory (remote.py)
@@ -129,6 +140,7 @@ OPTIONAL: dict[str, dict] = {
     "ready": {"resume": STR},
     "shutdown": {"replace": BOOL},      # a supervisor should start a fresh process
     "metrics": {"total": INT, "eval": OPT_NUM, "eval_name": STR},
+    "es_metrics": {"total": INT, "eval": OPT_NUM, "eval_name": STR},
 }
 
 _seq = itertools.count()

@@ -144,11 +144,21 @@ def _fmt(v, spec=".4g"):
     return "-" if v is None else format(v, spec)
 
 
+TRAIN_KEYS = ("loss", "eval", "lr", "grad_norm", "tokens_per_s", "step_ms")
+ES_KEYS = ("reward_mean", "reward_std", "reward_min", "reward_max", "eval", "evals_per_s", "step_ms")
+
+
 def metrics_line(msg) -> str:
-    """One plain line for a metrics message: step, loss, eval, lr, grad norm, speed."""
+    """One plain line for a metrics message: step, loss, eval, lr, grad norm, speed (ES: the reward stats)."""
     total = msg.get("total")
-    parts = [f"step {msg['step']}/{total}" if total is not None else f"step {msg['step']}",
-             f"loss {_fmt(msg.get('loss'), '.4f')}"]
+    step = f"step {msg['step']}/{total}" if total else f"step {msg['step']}"  # ES: total 0 = until converged
+    if msg["kind"] == "es_metrics":
+        return "  ".join([step.replace("step", "iteration"),
+                          *(f"{k.removeprefix('reward_')} {_fmt(msg.get(k), '.4f')}" for k in ES_KEYS[:4]),
+                          f"{msg.get('eval_name', 'eval')} {_fmt(msg.get('eval'), '.4f')}",
+                          f"{_fmt(msg.get('evals_per_s'), '.0f')} member-evals/s",
+                          f"{_fmt(msg.get('step_ms'), '.1f')} ms/iteration"])
+    parts = [step, f"loss {_fmt(msg.get('loss'), '.4f')}"]
     if msg.get("eval") is not None:
         parts.append(f"{msg.get('eval_name', 'eval')} {msg['eval']:.4f}")
     parts += [f"lr {_fmt(msg.get('lr'), '.3g')}", f"|g| {_fmt(msg.get('grad_norm'), '.3f')}",
@@ -165,7 +175,7 @@ def event_line(msg) -> str:
 def plain_view(watch, out):
     """One line per message on `out` (for logs, pipes and CI: no terminal control codes)."""
     for msg in watch:
-        print(metrics_line(msg) if msg["kind"] == "metrics" else event_line(msg), file=out, flush=True)
+        print(event_line(msg) if msg["kind"] == "event" else metrics_line(msg), file=out, flush=True)
 
 
 def live_view(watch):
@@ -182,7 +192,7 @@ def live_view(watch):
 
     def render():
         table = Table(show_header=False, box=None)
-        for key in ("loss", "eval", "lr", "grad_norm", "tokens_per_s", "step_ms"):
+        for key in ES_KEYS if latest.get("kind") == "es_metrics" else TRAIN_KEYS:
             label = latest.get("eval_name", "eval") if key == "eval" else key
             table.add_row(label, _fmt(latest.get(key)))
         for role, ms in (latest.get("roles") or {}).items():
@@ -194,9 +204,9 @@ def live_view(watch):
 
     with Live(render(), refresh_per_second=4) as live:
         for msg in watch:
-            if msg["kind"] == "metrics":
+            if msg["kind"] != "event":
                 latest = msg
-                step, total = msg["step"], msg.get("total")
+                step, total = msg["step"], msg.get("total") or None
                 progress.update(task, completed=step, total=total,
                                 description=f"step {step}/{total}" if total is not None else f"step {step}")
             else:

@@ -82,6 +82,9 @@ class RunFailed(FucinaError):
 
 
 class Scheduler:
+    RESULTS = RESULTS                       # kind -> the roles that may send it
+    ROLES = (*SINGLETONS, "trainer")        # the roles this plan admits, each required
+
     def __init__(self, job, run_dir, run_id, endpoints, trainers=1, resume=None, log=print, liveness_s=LIVENESS_S,
                  key=None, role_wait_s=ROLE_WAIT_S):
         self.job, self.run_dir, self.run_id, self.endpoints = job, run_dir, run_id, endpoints
@@ -180,7 +183,7 @@ class Scheduler:
             self.last_pid_check = now
             for peer in [p for p in self.by_identity.values() if p.local and process_exited(p.pid)]:
                 self.lost(peer.id, f"its process {peer.pid} exited")
-        for role in (*SINGLETONS, "trainer"):
+        for role in self.ROLES:
             if self.role(role):
                 self.missing_since.pop(role, None)
                 continue
@@ -207,7 +210,7 @@ class Scheduler:
             if kind != "bye":
                 self.router.send(identity, "shutdown", reason="you were declared lost; start afresh", replace=True)
             return
-        if msg.get("worker") != peer.id or kind not in RESULTS or peer.role not in RESULTS[kind]:
+        if msg.get("worker") != peer.id or kind not in self.RESULTS or peer.role not in self.RESULTS[kind]:
             return self.drop(peer, msg, f"claims to be {msg.get('worker')!r}, or is not a result a {peer.role} sends")
         if self.peers.get(peer.id) is not peer:  # queued behind a live incumbent: it holds no task
             if kind in ("bye", "failed"):
@@ -225,6 +228,10 @@ class Scheduler:
         known = self.by_identity.get(identity)
         if known is not None:  # a second hello on one connection changes nothing
             return self.drop(known, msg, "a second hello on one connection")
+        if role not in self.ROLES:  # e.g. an es_member at a trainer run: it would hold no task ever
+            self.router.send(identity, "shutdown", reason=f"this {self.job.name} run has no {role} role")
+            self.log(f"[scheduler] refused a hello as {wid!r}: this run has no {role} role")
+            return
         if self.by_identity_of(wid) is not None:
             self.router.send(identity, "shutdown", reason=f"worker id {wid!r} is taken by a live connection")
             self.log(f"[scheduler] refused a hello as {wid!r} ({role}): that id is taken by a live connection")

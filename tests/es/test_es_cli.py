@@ -15,21 +15,27 @@ def _run(argv, capsys):
     return code, capsys.readouterr()
 
 
-def test_es_spirals_json_output(capsys):
-    code, out = _run(["--inprocess", "--population", "8", "--max-iterations", "3", "--json"], capsys)
+def test_es_spirals_json_output(capsys, tmp_path):
+    code, out = _run(["--inprocess", "--population", "8", "--max-iterations", "3", "--json", "--out",
+                      str(tmp_path)], capsys)
     result = json.loads(out.out)
     assert code == 0 and result["iterations"] == 3 and len(result["sha256"]) == 64
     assert result["member_evals_per_s"] > 0 and 0 <= result["accuracy"] <= 1
     assert "es-spirals: in-process" in out.err  # the config is printed at start
+    assert (tmp_path / "checkpoint-step-3" / "trainer_state.json").exists()
 
 
-def test_es_spirals_text_output_and_bad_flags(capsys):
-    code, out = _run(["--inprocess", "--population", "8", "--max-iterations", "2"], capsys)
+def test_es_spirals_text_output_and_bad_flags(capsys, tmp_path):
+    code, out = _run(["--inprocess", "--population", "8", "--max-iterations", "2", "--out", str(tmp_path)], capsys)
     assert code == 0 and "member-evals/s" in out.out and "sha256 " in out.out
-    with pytest.raises(UserError, match="--save-every needs --out"):
-        _run(["--inprocess", "--save-every", "5"], capsys)
+    with pytest.raises(UserError, match="already holds checkpoints"):
+        _run(["--inprocess", "--population", "8", "--out", str(tmp_path)], capsys)
     with pytest.raises(UserError, match="--workers 0 needs"):
         _run(["--workers", "0"], capsys)
+    with pytest.raises(UserError, match="--remote-workers needs --bind"):
+        _run(["--remote-workers", "1"], capsys)
+    with pytest.raises(UserError, match="give tcp://HOST:PORT"):
+        _run(["--bind", "ipc:///tmp/x"], capsys)
     with pytest.raises(UserError, match="population must be even"):
         _run(["--inprocess", "--population", "7"], capsys)
 

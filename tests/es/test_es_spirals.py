@@ -1,12 +1,10 @@
-"""ES-spirals: the batched scorer against the model, batch-composition invariance, the in-process driver."""
+"""ES-spirals: the batched scorer against the model, batch-composition invariance (the runs: test_es_runtime.py)."""
 import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
 from pipeline.autograd import Tensor
-from pipeline.es.checkpoint import load_es_checkpoint
-from pipeline.es.run import RunOptions, run_spirals
-from pipeline.es.spirals import SpiralsTask, params_sha256, spirals_config
+from pipeline.es.spirals import SpiralsTask, spirals_config
 from pipeline.models.spirals import accuracy
 
 
@@ -41,17 +39,3 @@ def test_rewards():
     with pytest.raises(ValueError, match="reward must be one of"):
         SpiralsTask(spirals_config(population=4), reward="bleu")
 
-
-def test_inprocess_run_is_deterministic_and_resumes_bit_exactly(tmp_path):
-    full = run_spirals(_task(), RunOptions(max_iterations=6))
-    again = run_spirals(_task(), RunOptions(max_iterations=6))
-    assert full["sha256"] == again["sha256"] and full["iterations"] == 6
-    first = run_spirals(_task(), RunOptions(max_iterations=4, save_every=2, out=str(tmp_path)))
-    assert first["sha256"] != full["sha256"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-step-2", "checkpoint-step-4"]
-    resumed = run_spirals(_task(), RunOptions(max_iterations=6, resume=str(tmp_path)))
-    assert resumed["resumed_from"].endswith("checkpoint-step-4") and resumed["iterations_this_run"] == 2
-    assert resumed["sha256"] == full["sha256"]
-    probe = _task()
-    load_es_checkpoint(tmp_path / "checkpoint-step-4", probe.trainer)
-    assert params_sha256(probe.trainer.named_arrays()) == first["sha256"]

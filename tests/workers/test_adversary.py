@@ -4,8 +4,8 @@ The stranger holds the run's worker.key (it is past authentication, like a
 buggy or stale worker) and, for the whole run: sends garbage and the frame
 {"kind": [1]}, says hello as every singleton role, forges every result kind
 and bye/failed/heartbeats under the real workers' ids (learned from the event
-stream), and - for ES - joins mid-run, answers for members it was not
-assigned with an unrequested center, then goes silent. A peer without the key
+stream), and - for ES - forges es_rewards under the members' ids, joins as an
+es_member, answers for members it was not assigned, then goes silent. A peer without the key
 sends a hello too and is never heard. The runs must end with the same
 params_sha256 as in-process.
 """
@@ -22,7 +22,6 @@ import pytest
 import zmq
 
 from helpers import LM, ROOT, env, events, launch, wait_for
-from pipeline.es import protocol
 from pipeline.runtime import messages, security, transport
 
 M = int(LM[LM.index("--micro-batches") + 1])
@@ -165,72 +164,80 @@ def test_a_stranger_with_the_key_cannot_steer_a_tcp_lm_run(tmp_path):
     assert "dropped" in log and "Traceback" not in log
 
 
-def _es_cmd(*flags):
+def _es_cmd(run_dir, *flags):
     return [sys.executable, "-m", "pipeline.cli", "es-spirals", "--population", "24", "--model-seed", "1",
-            "--max-iterations", "8", "--progress-every", "0", "--json", *flags]
+            "--max-iterations", "8", "--progress-every", "0", "--out", str(run_dir), "--json", *flags]
 
 
-def _es_stranger(endpoint, key_file, stop, said):
-    key = wait_for(lambda: os.path.exists(key_file) and security.load_client_key(key_file), timeout=120)
+def _es_stranger(run_dir, stop, said):
+    """Forges es_rewards under the real members' ids, joins as an es_member and answers for members it was
+    not assigned (then goes silent), and says hello without the key."""
+    info = wait_for(lambda: _run_json(run_dir), timeout=180)
+    key = security.load_client_key(info["worker_key"])
+    control = info["endpoints"]["control"]
     ctx = zmq.Context()
-
-    def dealer(name, with_key=True):
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.IDENTITY, name)
-        if with_key:
-            security.secure_client(s, key)
-        s.connect(endpoint)
-        return s
-    forger, joiner, keyless = dealer(b"stranger-a"), dealer(b"stranger-b"), dealer(b"no-key", with_key=False)
-    joiner.send(protocol.encode("hello", worker="stranger-b", pid=os.getpid(), host="elsewhere"))
-    keyless.send(protocol.encode("hello", worker="no-key", pid=1, host="elsewhere"))
+    forger, joiner = transport.DealerSocket(control, ctx, key), transport.DealerSocket(control, ctx, key)
+    keyless = ctx.socket(zmq.DEALER)
+    keyless.setsockopt(zmq.LINGER, 0)
+    keyless.connect(control)
+    keyless.send(messages.pack("hello", role="es_member", worker="no-key", pid=1, token="t"))
+    joiner.send("hello", role="es_member", worker="stranger-b", pid=os.getpid(), token="t")
     try:
         while not stop.is_set():
+            try:
+                with open(os.path.join(run_dir, "pids.json")) as fh:
+                    ids = [f"es_member-{pid}" for name, pid in json.load(fh).items() if name != "scheduler"]
+            except (OSError, ValueError):
+                ids = []
             for it in range(10):
-                forger.send(b"\xc1 garbage")
-                forger.send(b"\x81\xa4kind\x91\x01")
-                forger.send(msgpack.packb({"kind": "rewards", "v": 1, "it": it, "members": ["x"], "rewards": [1]}))
-                forger.send(protocol.encode("rewards", it=it, members=list(range(24)), rewards=[9.0] * 24,
-                                            center=[0.0, 1.0]))
-                forger.send(protocol.encode("failed", error="forged"))
-            if joiner.poll(50):
-                frames = joiner.recv_multipart()
-                msg = protocol.decode(frames[0])
+                forger.sock.send(b"\xc1 garbage")
+                forger.sock.send(b"\x81\xa4kind\x91\x01")
+                forger.sock.send(msgpack.packb({"kind": "es_rewards", "v": 1, "step": it, "seq": 0, "worker": "x",
+                                                "members": ["x"], "rewards": [1], "ms": 0}))
+                for wid in ids:
+                    forger.send("es_rewards", it, worker=wid, members=list(range(24)), rewards=[9.0] * 24, ms=0.0)
+                    forger.send("failed", it, worker=wid, error="forged")
+            msg = joiner.recv(50) if joiner is not None else None
+            if msg is not None:
                 said.append(msg["kind"])
-                if msg["kind"] == "iter":  # answer for everyone else's members, with a center nobody asked for
+                if msg["kind"] == "es_eval":  # answer for everyone else's members, then go silent
                     others = [m for m in range(24) if m not in msg["members"]]
-                    joiner.send(protocol.encode("rewards", it=msg["it"], members=others, rewards=[9.0] * len(others),
-                                                center=[0.0, 1.0]))
-                    joiner.close(0)  # then go silent: its own members are re-assigned when it is declared dead
-                    joiner = ctx.socket(zmq.DEALER)  # an unconnected stand-in, so the loop stays simple
+                    joiner.send("es_rewards", msg["step"], worker="stranger-b", members=others,
+                                rewards=[9.0] * len(others), ms=0.0)
+                    joiner.close()
+                    joiner = None
+            time.sleep(0.05)
     finally:
-        for s in (forger, joiner, keyless):
-            s.close(0)
+        for s in (forger, joiner):
+            if s is not None:
+                s.close()
+        keyless.close(0)
         ctx.term()
 
 
 @pytest.mark.slow
 def test_a_stranger_with_the_key_cannot_steer_a_tcp_es_run(tmp_path):
-    ref = subprocess.run(_es_cmd("--inprocess"), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    ref = subprocess.run(_es_cmd(tmp_path / "ref", "--inprocess"), cwd=ROOT, env=env(), capture_output=True,
+                         text=True, timeout=300)
     assert ref.returncode == 0, ref.stderr
-    port = _free_port_pair()
-    endpoint = f"tcp://127.0.0.1:{port}"
+    run_dir = tmp_path / "tcp"
     stop, said = threading.Event(), []
-    stranger = threading.Thread(target=_es_stranger, args=(endpoint, str(tmp_path / "worker.key"), stop, said),
-                                daemon=True)
+    stranger = threading.Thread(target=_es_stranger, args=(str(run_dir), stop, said), daemon=True)
     stranger.start()
     try:
-        out = subprocess.run(_es_cmd("--workers", "2", "--bind", endpoint, "--key-dir", str(tmp_path),
+        out = subprocess.run(_es_cmd(run_dir, "--workers", "2", "--bind", f"tcp://127.0.0.1:{_free_port_pair()}",
                                      "--liveness", "3"), cwd=ROOT, env=env(), capture_output=True, text=True,
                              timeout=600)
     finally:
         stop.set()
         stranger.join(30)
     assert out.returncode == 0, out.stderr[-4000:]
-    assert "welcome" in said and "iter" in said, said  # it was admitted mid-run and assigned members
+    assert "es_state" in said and "es_eval" in said, said  # it was admitted and assigned members
     sha256 = [json.loads(r.stdout.strip().splitlines()[-1])["sha256"] for r in (out, ref)]
     assert sha256[0] == sha256[1]
-    assert "dropped rewards from stranger-b" in out.stderr and "no-key" not in out.stderr
-    assert "stranger-b" in out.stderr and "declared dead" in out.stderr
-
+    lost = {e["detail"]["worker"] for e in events(run_dir, "worker_lost")}
+    joined = {e["detail"]["worker"] for e in events(run_dir, "worker_joined")}
+    assert "stranger-b" in lost and "no-key" not in joined
+    with open(run_dir / "workers.log") as fh:
+        log = fh.read()
+    assert "dropped 'es_rewards'" in log and "Traceback" not in log

@@ -30,11 +30,18 @@ JOBS = {
     "lm": {"steps": 12, "batch": 4, "micro_batches": 2, "seq": 32, "hidden": 32, "layers": 1, "heads": 2,
            "kv_heads": 1, "head_dim": 16, "ffn": 64, "checkpoint_every": 4, "eval_every": 6, "val_batches": 2,
            "sample_tokens": 0},
+    "finetune": {"model": os.path.join(ROOT, "tests", "fixtures", "qwen3-mini-q8_0.gguf"), "steps": 8,
+                 "micro_batches": 2, "targets": "q,v", "shuffle": True, "dropout": 0.1, "lr": 3e-3,
+                 "checkpoint_every": 2, "max_new_tokens": 3},
 }
 
 
 def flags(spec: dict) -> list[str]:
-    return [x for k, v in spec.items() for x in ("--" + k.replace("_", "-"), str(v))]
+    out = []
+    for key, value in spec.items():
+        flag = "--" + key.replace("_", "-")
+        out += [flag] if value is True else [flag, str(value)]
+    return out
 
 
 def plan():

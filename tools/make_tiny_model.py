@@ -18,8 +18,10 @@ The tokenizer is a byte-level BPE trained (deterministically) with Hugging Face
 `tokenizers` on a small built-in corpus and stored the way llama.cpp expects it
 (tokenizer.ggml.model "gpt2", pre "qwen2", tokens/types/merges, ChatML special
 tokens). Weights come from the project's counter RNG, so a (shape, seed) pair
-always gives the same bytes. Quantized variants (Q8_0, Q4_K_S, Q5_K_M, Q6_K)
-are made by llama.cpp's own quantizer via llama-cpp-python when installed.
+always gives the same bytes. Quantized variants are made by llama.cpp's own
+quantizer via llama-cpp-python when installed: its mixes (Q8_0, Q4_K_S, Q4_K_M,
+Q5_K_M, Q6_K) or one block format on every matrix (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K,
+Q3_K, Q4_K, Q5_K, IQ4_NL, IQ4_XS; llama-quantize --pure).
 Generating versions are written into the GGUF's general.description.
 """
 from __future__ import annotations
@@ -273,15 +275,25 @@ def write_gguf(path, shape: Shape, seed: int = 0, dtype: str = "F32", name: str 
 
 LLAMA_FTYPES = {"Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_K_S": "LLAMA_FTYPE_MOSTLY_Q4_K_S",
                 "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
-                "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K",
-                "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
+                "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K"}
+# One block format on every matrix (embedding and head included): llama_model_quantize with `pure`,
+# which skips llama.cpp's per-tensor upgrades (Q6_K head, Q4_K/Q5_K attn_v, ...). The K-quant names
+# are the format; the llama.cpp ftype giving it is its _S mix.
+PURE_FTYPES = {"Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1",
+               "Q5_0": "LLAMA_FTYPE_MOSTLY_Q5_0", "Q5_1": "LLAMA_FTYPE_MOSTLY_Q5_1",
+               "Q2_K": "LLAMA_FTYPE_MOSTLY_Q2_K", "Q3_K": "LLAMA_FTYPE_MOSTLY_Q3_K_S",
+               "Q4_K": "LLAMA_FTYPE_MOSTLY_Q4_K_S", "Q5_K": "LLAMA_FTYPE_MOSTLY_Q5_K_S",
+               "IQ4_NL": "LLAMA_FTYPE_MOSTLY_IQ4_NL", "IQ4_XS": "LLAMA_FTYPE_MOSTLY_IQ4_XS"}
+QUANT_KINDS = {**LLAMA_FTYPES, **PURE_FTYPES}
 
 
 def quantize_with_llama(src, dst, kind: str):
-    """Quantize a GGUF with llama.cpp's own quantizer (llama-cpp-python)."""
+    """Quantize a GGUF with llama.cpp's own quantizer (llama-cpp-python): a llama.cpp mix (LLAMA_FTYPES)
+    or one format throughout (PURE_FTYPES)."""
     import llama_cpp
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, LLAMA_FTYPES[kind])
+    params.ftype = getattr(llama_cpp, QUANT_KINDS[kind])
+    params.pure = kind in PURE_FTYPES
     params.nthread = 1
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
     if rc != 0:
@@ -294,7 +306,9 @@ def main(argv=None):
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--arch", choices=ARCHS, default="qwen3", help="architecture of --shape (default qwen3)")
     ap.add_argument("--shape", choices=sorted(SHAPES), help="one shape (default: the committed fixture set)")
-    ap.add_argument("--dtype", default="F32", help="F32, F16, BF16, or a llama.cpp quant (Q8_0, Q4_K_S, Q5_K_M, Q6_K)")
+    ap.add_argument("--dtype", default="F32",
+                    help="F32, F16, BF16, a llama.cpp mix (Q8_0, Q4_K_S, Q4_K_M, Q5_K_M, Q6_K) "
+                    "or one format throughout (Q4_0 ... IQ4_XS: PURE_FTYPES)")
     ap.add_argument("--seed", type=int, default=0, help="weight seed")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -312,7 +326,7 @@ def make(out, arch: str, shape_name: str, dtype: str = "F32", seed: int = 0) -> 
     """out/<arch>-<shape>-<dtype>.gguf (a llama.cpp quant type is made by llama.cpp's quantizer from F32)."""
     shape, out = SHAPES[shape_name], Path(out)
     dst = out / f"{arch}-{shape_name}-{dtype.lower()}.gguf"
-    if dtype in LLAMA_FTYPES:
+    if dtype in QUANT_KINDS:
         src = out / f".{arch}-{shape_name}-f32.tmp.gguf"
         write_gguf(src, shape, seed, "F32", name=f"{arch}-{shape_name}", arch=arch)
         quantize_with_llama(src, dst, dtype)

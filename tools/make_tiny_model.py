@@ -55,7 +55,8 @@ class Shape:
     context: int = 256
     rope_base: float = 1_000_000.0
     biases: tuple = ()          # llama: projections given a bias (qwen2 always has q/k/v biases)
-    llama3_rope: bool = False   # llama: write rope_freqs.weight (Llama 3.1 scaling, factor 8)
+    llama3_rope: bool = False   # llama: write rope_freqs.weight (Llama 3 scaling by llama3_factor)
+    llama3_factor: float = 8.0  # llama: Llama 3.1's rope_scaling.factor (Llama 3.2 uses 32)
     linear_rope: float = 0.0    # llama: linear RoPE scaling by this factor (llama.rope.scaling.*), 0 = none
     sliding_window: int = 0     # gemma3: attention.sliding_window (its local layers' window)
 
@@ -184,7 +185,7 @@ def make_weights(shape: Shape, seed: int, arch: str = "qwen3") -> dict[str, np.n
 
     w["token_embd.weight"] = _matrix(seed, next(k), shape.vocab, h, 1.0)
     if arch == "llama" and shape.llama3_rope:
-        w["rope_freqs.weight"] = llama3_rope_factors(shape.head_dim, shape.rope_base)
+        w["rope_freqs.weight"] = llama3_rope_factors(shape.head_dim, shape.rope_base, factor=shape.llama3_factor)
     for i in range(shape.layers):
         p = f"blk.{i}."
         w[p + "attn_norm.weight"] = norm(h)

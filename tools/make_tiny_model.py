@@ -59,6 +59,7 @@ class Shape:
     llama3_factor: float = 8.0  # llama: Llama 3.1's rope_scaling.factor (Llama 3.2 uses 32)
     linear_rope: float = 0.0    # llama: linear RoPE scaling by this factor (llama.rope.scaling.*), 0 = none
     sliding_window: int = 0     # gemma3: attention.sliding_window (its local layers' window)
+    embed_std: float = 1.0      # std of the random token embeddings
 
 
 SHAPES = {
@@ -79,6 +80,11 @@ SHAPES = {
     "gemma-mini": Shape(hidden=64, layers=7, heads=4, kv_heads=1, head_dim=16, ffn=64, tied=True, vocab=384,
                         sliding_window=8),
     "gemma": Shape(hidden=256, layers=7, heads=4, kv_heads=1, head_dim=64, ffn=512, tied=True, sliding_window=16),
+    # "gemma" with embeddings of std hidden^-1/2, so Gemma's sqrt(hidden) input scale gives rows of unit RMS as in
+    # trained Gemma files; at std 1 the tied head's logit of the input token itself (~16 * hidden) drowns a
+    # fine-tune's margin, and quantization noise flips its answer back
+    "gemma-unit": Shape(hidden=256, layers=7, heads=4, kv_heads=1, head_dim=64, ffn=512, tied=True, sliding_window=16,
+                        embed_std=256 ** -0.5),
 }
 ARCHS = ("gemma3", "llama", "qwen2", "qwen3")
 BIAS_TENSORS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
@@ -183,7 +189,7 @@ def make_weights(shape: Shape, seed: int, arch: str = "qwen3") -> dict[str, np.n
     def bias(n):
         return 0.1 * rng.gaussian(rng.derive_seed(seed, next(k)), (n,))
 
-    w["token_embd.weight"] = _matrix(seed, next(k), shape.vocab, h, 1.0)
+    w["token_embd.weight"] = _matrix(seed, next(k), shape.vocab, h, shape.embed_std)
     if arch == "llama" and shape.llama3_rope:
         w["rope_freqs.weight"] = llama3_rope_factors(shape.head_dim, shape.rope_base, factor=shape.llama3_factor)
     for i in range(shape.layers):

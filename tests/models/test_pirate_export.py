@@ -1,9 +1,12 @@
 """The pirate demo through export and llama.cpp, on fixtures big enough to learn it (slow; llama.cpp serves).
 
 `fucina finetune` teaches the built-in pirate set (loss down >= 90%, the AFTER answer starts with "Ahoy!") to
-a llama model shaped as Llama 3 files are (tools/make_tiny_model.py "llama3": Llama 3 rope_freqs, tied head),
-F16; the merged export, and its llama-quantize-style Q4_K_M mix (`export-gguf --dtype q4_k_m`), are then
-served by llama.cpp, which answers the training prompt in the style.
+a llama model shaped as Llama 3 files are (tools/make_tiny_model.py "llama3": Llama 3 rope_freqs, tied head)
+and to a gemma3 model ("gemma-unit": seven layers, both window kinds, a window of 16 shorter than the chat
+prompt, embeddings scaled as trained Gemma's), both F16; the merged export, and its llama-quantize-style
+Q4_K_M mix (`export-gguf --dtype q4_k_m`), are then served by llama.cpp, which answers the training prompt
+in the style. (On the "gemma" shape, embeddings of std 1, the Q8_0 and Q4_K_M exports answer "\n...": our
+logits and llama.cpp's agree there to ~1e-3, so it is the fixture's drowned margin, not a reading bug.)
 """
 import json
 import sys
@@ -20,7 +23,7 @@ import make_tiny_model as mk  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.parity, pytest.mark.needs("llama_cpp")]
 
 
-@pytest.mark.parametrize("arch,shape", [("llama", "llama3")])
+@pytest.mark.parametrize("arch,shape", [("llama", "llama3"), ("gemma3", "gemma-unit")])
 def test_pirate_finetune_export_answers_in_llama_cpp(tmp_path, capsys, arch, shape):
     from pipeline.llm.chat import render_chatml
     from pipeline.llm.gguf import open_gguf

@@ -18,8 +18,10 @@ The tokenizer is a byte-level BPE trained (deterministically) with Hugging Face
 `tokenizers` on a small built-in corpus and stored the way llama.cpp expects it
 (tokenizer.ggml.model "gpt2", pre "qwen2", tokens/types/merges, ChatML special
 tokens). Weights come from the project's counter RNG, so a (shape, seed) pair
-always gives the same bytes. Quantized variants (Q8_0, Q4_K_S, Q5_K_M, Q6_K)
-are made by llama.cpp's own quantizer via llama-cpp-python when installed.
+always gives the same bytes. Quantized variants are made by llama.cpp's own
+quantizer via llama-cpp-python when installed: its mixes (Q8_0, Q4_K_S, Q4_K_M,
+Q5_K_M, Q6_K) or one block format on every matrix (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K,
+Q3_K, Q4_K, Q5_K, IQ4_NL, IQ4_XS; llama-quantize --pure).
 Generating versions are written into the GGUF's general.description.
 """
 from __future__ import annotations
@@ -53,9 +55,11 @@ class Shape:
     context: int = 256
     rope_base: float = 1_000_000.0
     biases: tuple = ()          # llama: projections given a bias (qwen2 always has q/k/v biases)
-    llama3_rope: bool = False   # llama: write rope_freqs.weight (Llama 3.1 scaling, factor 8)
+    llama3_rope: bool = False   # llama: write rope_freqs.weight (Llama 3 scaling by llama3_factor)
+    llama3_factor: float = 8.0  # llama: Llama 3.1's rope_scaling.factor (Llama 3.2 uses 32)
     linear_rope: float = 0.0    # llama: linear RoPE scaling by this factor (llama.rope.scaling.*), 0 = none
     sliding_window: int = 0     # gemma3: attention.sliding_window (its local layers' window)
+    embed_std: float = 1.0      # std of the random token embeddings
 
 
 SHAPES = {
@@ -76,6 +80,11 @@ SHAPES = {
     "gemma-mini": Shape(hidden=64, layers=7, heads=4, kv_heads=1, head_dim=16, ffn=64, tied=True, vocab=384,
                         sliding_window=8),
     "gemma": Shape(hidden=256, layers=7, heads=4, kv_heads=1, head_dim=64, ffn=512, tied=True, sliding_window=16),
+    # "gemma" with embeddings of std hidden^-1/2, so Gemma's sqrt(hidden) input scale gives rows of unit RMS as in
+    # trained Gemma files; at std 1 the tied head's logit of the input token itself (~16 * hidden) drowns a
+    # fine-tune's margin, and quantization noise flips its answer back
+    "gemma-unit": Shape(hidden=256, layers=7, heads=4, kv_heads=1, head_dim=64, ffn=512, tied=True, sliding_window=16,
+                        embed_std=256 ** -0.5),
 }
 ARCHS = ("gemma3", "llama", "qwen2", "qwen3")
 BIAS_TENSORS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
@@ -180,9 +189,9 @@ def make_weights(shape: Shape, seed: int, arch: str = "qwen3") -> dict[str, np.n
     def bias(n):
         return 0.1 * rng.gaussian(rng.derive_seed(seed, next(k)), (n,))
 
-    w["token_embd.weight"] = _matrix(seed, next(k), shape.vocab, h, 1.0)
+    w["token_embd.weight"] = _matrix(seed, next(k), shape.vocab, h, shape.embed_std)
     if arch == "llama" and shape.llama3_rope:
-        w["rope_freqs.weight"] = llama3_rope_factors(shape.head_dim, shape.rope_base)
+        w["rope_freqs.weight"] = llama3_rope_factors(shape.head_dim, shape.rope_base, factor=shape.llama3_factor)
     for i in range(shape.layers):
         p = f"blk.{i}."
         w[p + "attn_norm.weight"] = norm(h)
@@ -275,15 +284,25 @@ def write_gguf(path, shape: Shape, seed: int = 0, dtype: str = "F32", name: str 
 
 LLAMA_FTYPES = {"Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_K_S": "LLAMA_FTYPE_MOSTLY_Q4_K_S",
                 "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
-                "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K",
-                "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
+                "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K"}
+# One block format on every matrix (embedding and head included): llama_model_quantize with `pure`,
+# which skips llama.cpp's per-tensor upgrades (Q6_K head, Q4_K/Q5_K attn_v, ...). The K-quant names
+# are the format; the llama.cpp ftype giving it is its _S mix.
+PURE_FTYPES = {"Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1",
+               "Q5_0": "LLAMA_FTYPE_MOSTLY_Q5_0", "Q5_1": "LLAMA_FTYPE_MOSTLY_Q5_1",
+               "Q2_K": "LLAMA_FTYPE_MOSTLY_Q2_K", "Q3_K": "LLAMA_FTYPE_MOSTLY_Q3_K_S",
+               "Q4_K": "LLAMA_FTYPE_MOSTLY_Q4_K_S", "Q5_K": "LLAMA_FTYPE_MOSTLY_Q5_K_S",
+               "IQ4_NL": "LLAMA_FTYPE_MOSTLY_IQ4_NL", "IQ4_XS": "LLAMA_FTYPE_MOSTLY_IQ4_XS"}
+QUANT_KINDS = {**LLAMA_FTYPES, **PURE_FTYPES}
 
 
 def quantize_with_llama(src, dst, kind: str):
-    """Quantize a GGUF with llama.cpp's own quantizer (llama-cpp-python)."""
+    """Quantize a GGUF with llama.cpp's own quantizer (llama-cpp-python): a llama.cpp mix (LLAMA_FTYPES)
+    or one format throughout (PURE_FTYPES)."""
     import llama_cpp
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, LLAMA_FTYPES[kind])
+    params.ftype = getattr(llama_cpp, QUANT_KINDS[kind])
+    params.pure = kind in PURE_FTYPES
     params.nthread = 1
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
     if rc != 0:
@@ -296,7 +315,9 @@ def main(argv=None):
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--arch", choices=ARCHS, default="qwen3", help="architecture of --shape (default qwen3)")
     ap.add_argument("--shape", choices=sorted(SHAPES), help="one shape (default: the committed fixture set)")
-    ap.add_argument("--dtype", default="F32", help="F32, F16, BF16, or a llama.cpp quant (Q8_0, Q4_K_S, Q5_K_M, Q6_K)")
+    ap.add_argument("--dtype", default="F32",
+                    help="F32, F16, BF16, a llama.cpp mix (Q8_0, Q4_K_S, Q4_K_M, Q5_K_M, Q6_K) "
+                    "or one format throughout (Q4_0 ... IQ4_XS: PURE_FTYPES)")
     ap.add_argument("--seed", type=int, default=0, help="weight seed")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -314,7 +335,7 @@ def make(out, arch: str, shape_name: str, dtype: str = "F32", seed: int = 0) -> 
     """out/<arch>-<shape>-<dtype>.gguf (a llama.cpp quant type is made by llama.cpp's quantizer from F32)."""
     shape, out = SHAPES[shape_name], Path(out)
     dst = out / f"{arch}-{shape_name}-{dtype.lower()}.gguf"
-    if dtype in LLAMA_FTYPES:
+    if dtype in QUANT_KINDS:
         src = out / f".{arch}-{shape_name}-f32.tmp.gguf"
         write_gguf(src, shape, seed, "F32", name=f"{arch}-{shape_name}", arch=arch)
         quantize_with_llama(src, dst, dtype)

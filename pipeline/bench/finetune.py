@@ -30,7 +30,7 @@ HELP = "LoRA fine-tune step time (rank-8 q+v, seq 128) vs torch; the finetune jo
 
 def add_arguments(p):
     p.add_argument("--model", required=True,
-                   help="Qwen3 GGUF (e.g. a Qwen3-0.6B-shaped Q4_K_S from tools/make_finetune_fixture.py)")
+                   help="GGUF of any registered architecture (e.g. from tools/make_*_shaped.py)")
     p.add_argument("--seq", type=int, default=128, help="sequence length (input positions)")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank")
     p.add_argument("--targets", default="q,v", help="adapted projections")

@@ -23,12 +23,12 @@ from . import timed
 from ..runtime.metrics import peak_rss_mb
 
 NAME = "llm"
-HELP = "Qwen3 GGUF prefill/decode tok/s and peak RSS, with llama.cpp ratios when installed"
+HELP = "GGUF (any registered architecture) prefill/decode tok/s and peak RSS, with llama.cpp ratios when installed"
 
 
 def add_arguments(parser):
     parser.add_argument("--model", required=True,
-                        help="path to a Qwen3 GGUF (e.g. from tools/make_qwen3_06b_shaped.py)")
+                        help="path to a GGUF of any registered architecture (e.g. from tools/make_*_shaped.py)")
     parser.add_argument("--threads", type=int, default=2,
                         help="threads for Fucina (numba+BLAS) and llama.cpp (default 2)")
     parser.add_argument("--decode-tokens", type=int, default=16, help="tokens timed in the decode case (default 16)")

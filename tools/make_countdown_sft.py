@@ -6,6 +6,10 @@ responses `fucina es-finetune --task countdown` builds. Use a --seed other than 
 --task-seed so the ES problems are not the SFT ones (docs/es_finetune.md, "Countdown").
 
     python tools/make_countdown_sft.py --out countdown-sft.jsonl --seed 1 --size 256
+    python tools/make_countdown_sft.py --out easy-sft.jsonl --seed 1 --size 512 --numbers 2 --max-number 9
+
+--numbers and --max-number are `--task-numbers` and `--task-max-number` of es-finetune: pass the same
+values to both.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.es.countdown import problems  # noqa: E402
+from pipeline.es.countdown import MAX_NUMBER, N_NUMBERS, problems  # noqa: E402
 
 
 def main(argv=None):
@@ -24,9 +28,12 @@ def main(argv=None):
     ap.add_argument("--out", required=True, help="the JSONL file to write")
     ap.add_argument("--seed", type=int, default=1, help="problem set seed (default 1; ES uses 0)")
     ap.add_argument("--size", type=int, default=256, help="number of problems")
+    ap.add_argument("--numbers", type=int, default=N_NUMBERS, help=f"numbers per problem (default {N_NUMBERS})")
+    ap.add_argument("--max-number", type=int, default=MAX_NUMBER, help=f"largest number (default {MAX_NUMBER})")
     args = ap.parse_args(argv)
+    tasks = problems(args.seed, args.size, args.numbers, args.max_number)  # a bad knob fails before the file opens
     with open(args.out, "w") as f:
-        for p in problems(args.seed, args.size):
+        for p in tasks:
             f.write(json.dumps({"instruction": p.prompt, "response": f"<answer>{p.solution}</answer>"}) + "\n")
 
 

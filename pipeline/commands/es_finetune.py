@@ -16,6 +16,7 @@ import sys
 import time
 
 from ..errors import ConfigMismatchError, UserError
+from ..es.countdown import MAX_NUMBER, N_NUMBERS, check_difficulty
 from .finetune import add_data_arguments, load_data
 from ..llm.chat import add_chat_template_argument
 from ._args import InputFile
@@ -62,6 +63,10 @@ def add_arguments(p):
                         "(default reward: countdown)")
     p.add_argument("--task-size", type=int, default=64, metavar="N", help="problems the built-in task generates")
     p.add_argument("--task-seed", type=int, default=0, help="seed of the built-in task's problem set")
+    p.add_argument("--task-numbers", type=int, default=N_NUMBERS, metavar="N",
+                   help=f"countdown: numbers per problem, 2..6 (default {N_NUMBERS}; fewer = easier)")
+    p.add_argument("--task-max-number", type=int, default=MAX_NUMBER, metavar="M",
+                   help=f"countdown: the numbers are drawn from 1..M (default {MAX_NUMBER}; smaller = easier)")
     p.add_argument("--search", choices=("ab", "b", "full"), default=None,
                    help="what ES perturbs: ab = LoRA A and B (default), b = only B (A stays at its random init), "
                         "full = every dense (F32/F16/BF16) weight matrix of the model, in place")
@@ -110,6 +115,8 @@ def _check_args(args):
         raise UserError("--task and --data exclude each other (a built-in task brings its own prompts)")
     if args.task_size < 1:
         raise UserError(f"--task-size must be >= 1, got {args.task_size}")
+    if args.task == "countdown":
+        check_difficulty(args.task_numbers, args.task_max_number)
     reward = reward_spec(args)
     if reward == "countdown" and args.task != "countdown":
         raise UserError("--reward countdown checks Countdown problems: use it with --task countdown")
@@ -118,6 +125,14 @@ def _check_args(args):
                         "use --reward countdown")
     if reward != "nll" and args.max_new_tokens < 1:
         raise UserError(f"--reward {reward} generates answers: --max-new-tokens must be >= 1")
+
+
+def _countdown_source(args) -> str:
+    """The run config's data field: the default difficulty keeps the name older checkpoints recorded."""
+    source = f"builtin:countdown:{args.task_seed}:{args.task_size}"
+    if (args.task_numbers, args.task_max_number) != (N_NUMBERS, MAX_NUMBER):
+        source += f":numbers={args.task_numbers}:max={args.task_max_number}"
+    return source
 
 
 def reward_spec(args) -> str:
@@ -194,7 +209,7 @@ def build(args, log):
         pairs, source = load_data(args), args.data
     elif args.task == "countdown":
         from ..es import countdown
-        tasks = countdown.problems(args.task_seed, args.task_size)
+        tasks = countdown.problems(args.task_seed, args.task_size, args.task_numbers, args.task_max_number)
         pairs, source = [sft.Pair(t.prompt, f"<answer>{t.solution}</answer>") for t in tasks], "countdown problem"
     else:
         pairs, source = list(sft.PIRATE_PAIRS), "pirate pair"
@@ -232,7 +247,7 @@ def build(args, log):
     if args.workers:
         run.pool = MemberPool(args.workers, args.model, trainer_kwargs, scorer, threads=max(1, args.threads),
                               member_batch=args.member_batch)
-    data = args.data or (f"builtin:countdown:{args.task_seed}:{args.task_size}" if args.task else "builtin:pirate")
+    data = args.data or (_countdown_source(args) if args.task else "builtin:pirate")
     run_config = {"model": str(args.model), "lora": lora_config(trainer), "seq_max": args.seq_max,
                   "data": data, "order": order, "trainer": "es", "reward": reward}
     return run, tokenizer, encoder, template, pairs, options, run_config

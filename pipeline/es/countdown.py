@@ -3,11 +3,14 @@
 Problem i of seed s is a pure function of (s, i): its draws are the splitmix64
 values at(at(s, i), k), k = 0, 1, ... (pipeline.es.noise.at), so a problem set
 is the same on every platform and problem i does not depend on how many are
-generated. A problem is built forwards: draw N_NUMBERS numbers in [1, 99], fold a
-random permutation of a random subset of them with random operators, and keep
-the result as the target if it is a positive integer <= 999 (else redraw from
-the next counter values). So every problem has a solution, kept as the
-reference response for the NLL reward.
+generated. A problem is built forwards: draw `n_numbers` numbers in [1, max_number]
+(default 4 in [1, 99]), fold a random permutation of a random subset of at least
+two of them with random operators, and keep the result as the target if it is a
+positive integer <= 999 (else redraw from the next counter values). So every
+problem has a solution, kept as the reference response for the NLL reward.
+Fewer and smaller numbers make an easier task (a small model solves some of
+them, which RL on a verifier needs); the defaults draw the same problems as
+before the knob existed.
 
 Reward (countdown_reward), on the content of the LAST <answer>...</answer> of
 the completion:
@@ -31,6 +34,9 @@ from ..errors import UserError
 from .noise import at
 
 N_NUMBERS = 4
+MAX_NUMBER = 99
+N_NUMBERS_RANGE = (2, 6)
+MAX_NUMBER_RANGE = (1, 999)
 MAX_TARGET = 999
 MAX_EXPRESSION = 200
 MAX_DEPTH = 32
@@ -69,8 +75,16 @@ def _apply(op, a, b):
     return None if b == 0 else a / b
 
 
-def problem(seed: int, index: int) -> Problem:
+def check_difficulty(n_numbers: int, max_number: int) -> None:
+    for flag, value, (low, high) in (("--task-numbers", n_numbers, N_NUMBERS_RANGE),
+                                     ("--task-max-number", max_number, MAX_NUMBER_RANGE)):
+        if not low <= value <= high:
+            raise UserError(f"countdown: {flag} must be in {low}..{high}, got {value}")
+
+
+def problem(seed: int, index: int, n_numbers: int = N_NUMBERS, max_number: int = MAX_NUMBER) -> Problem:
     """Problem `index` of the set `seed` (deterministic; see the module docstring)."""
+    check_difficulty(n_numbers, max_number)
     key = at(seed, index)
     k = 0
 
@@ -80,12 +94,12 @@ def problem(seed: int, index: int) -> Problem:
         return at(key, k - 1) % n
 
     while True:
-        numbers = [1 + draw(99) for _ in range(N_NUMBERS)]
-        order = list(range(N_NUMBERS))
-        for i in range(N_NUMBERS - 1, 0, -1):  # Fisher-Yates on the counter draws
+        numbers = [1 + draw(max_number) for _ in range(n_numbers)]
+        order = list(range(n_numbers))
+        for i in range(n_numbers - 1, 0, -1):  # Fisher-Yates on the counter draws
             j = draw(i + 1)
             order[i], order[j] = order[j], order[i]
-        used = order[:2 + draw(N_NUMBERS - 1)]  # 2..N_NUMBERS of them
+        used = order[:2 + draw(n_numbers - 1)]  # 2..n_numbers of them
         value, text = Fraction(numbers[used[0]]), str(numbers[used[0]])
         for pos in used[1:]:
             op = _OPS[draw(4)]
@@ -97,10 +111,10 @@ def problem(seed: int, index: int) -> Problem:
             return Problem(tuple(numbers), int(value), text)
 
 
-def problems(seed: int, n: int) -> list[Problem]:
+def problems(seed: int, n: int, n_numbers: int = N_NUMBERS, max_number: int = MAX_NUMBER) -> list[Problem]:
     if n < 1:
         raise UserError(f"--task countdown needs at least 1 problem, got {n}")
-    return [problem(seed, i) for i in range(n)]
+    return [problem(seed, i, n_numbers, max_number) for i in range(n)]
 
 
 # --- the safe expression parser ----------------------------------------------------------------

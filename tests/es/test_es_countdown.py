@@ -67,3 +67,41 @@ def test_es_finetune_task_countdown_runs(tmp_path, capsys):
     assert state["config"]["data"] == "builtin:countdown:0:6" and state["config"]["reward"] == "countdown"
     rc = main(["es-finetune", "--model", MODEL, "--task", "countdown", "--reward", "exact", "--iterations", "1"])
     assert rc == 2 and "--reward countdown" in capsys.readouterr().err
+
+
+def test_difficulty_knob_draws_easier_problems_and_keeps_the_default_set():
+    easy = problems(3, 50, n_numbers=2, max_number=9)
+    assert easy == problems(3, 50, 2, 9) and easy[:7] == problems(3, 7, 2, 9)
+    for p in easy:
+        assert len(p.numbers) == 2 and all(1 <= n <= 9 for n in p.numbers)
+        assert countdown_reward(p.prompt, f"<answer>{p.solution}</answer>", p.reference) == 1.0
+    six = problems(3, 10, n_numbers=6, max_number=999)
+    assert all(len(p.numbers) == 6 and all(1 <= n <= 999 for n in p.numbers) for p in six)
+    # the knob's defaults are the set the task drew before it existed (the docs' example problem)
+    assert problem(0, 1) == problem(0, 1, countdown.N_NUMBERS, countdown.MAX_NUMBER)
+    assert problem(0, 1).numbers == (49, 94, 1, 59) and problem(0, 1).target == 108
+    for n_numbers, max_number, flag in ((1, 9, "--task-numbers"), (7, 9, "--task-numbers"),
+                                        (2, 0, "--task-max-number"), (2, 1000, "--task-max-number")):
+        with pytest.raises(UserError, match=flag):
+            problems(0, 1, n_numbers, max_number)
+
+
+def test_es_finetune_refuses_a_bad_difficulty_before_loading(capsys):
+    rc = main(["es-finetune", "--model", MODEL, "--task", "countdown", "--task-numbers", "9", "--iterations", "1"])
+    assert rc == 2 and "--task-numbers must be in 2..6, got 9" in capsys.readouterr().err
+
+
+def test_make_countdown_sft_writes_the_easy_problems(tmp_path):
+    import importlib.util
+    path = os.path.join(ROOT, "tools", "make_countdown_sft.py")
+    spec = importlib.util.spec_from_file_location("make_countdown_sft", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "easy.jsonl"
+    tool.main(["--out", str(out), "--seed", "5", "--size", "12", "--numbers", "2", "--max-number", "9"])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["instruction"] for r in rows] == [p.prompt for p in problems(5, 12, 2, 9)]
+    assert [r["response"] for r in rows] == [f"<answer>{p.solution}</answer>" for p in problems(5, 12, 2, 9)]
+    with pytest.raises(UserError, match="--task-max-number"):
+        tool.main(["--out", str(tmp_path / "bad.jsonl"), "--max-number", "0"])
+    assert not (tmp_path / "bad.jsonl").exists()  # nothing half-written

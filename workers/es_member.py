@@ -14,7 +14,7 @@ import sys
 import time
 
 from pipeline.es.run import load_state
-from pipeline.es.spirals import params_sha256
+from pipeline.runtime.ckpt import params_sha256
 from pipeline.runtime.worker import Worker, run_worker
 
 

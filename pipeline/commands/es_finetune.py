@@ -285,7 +285,7 @@ def _bar(done, total, width=20):
 
 def _train(args, log, es_run, tokenizer, encoder, template, pairs, options, run_config):
     from ..es.finetune import batch_loss
-    from ..es.spirals import params_sha256
+    from ..runtime.ckpt import params_sha256
     from ..llm.finetune import adapters_sha256
 
     trainer, cfg = es_run.trainer, es_run.es.config

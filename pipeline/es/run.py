@@ -29,7 +29,8 @@ from ..jobs.spec import field
 from ..runtime.ckpt import checkpoint_dir, latest_checkpoint
 from ..runtime.metrics import MetricsLog
 from .checkpoint import load_es_checkpoint, save_es_checkpoint
-from .spirals import ALPHA, SIGMA, SpiralsTask, params_sha256, spirals_config
+from ..runtime.ckpt import params_sha256
+from .spirals import ALPHA, SIGMA, SpiralsTask, spirals_config
 
 
 @dataclasses.dataclass

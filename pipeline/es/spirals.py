@@ -23,7 +23,6 @@ run stops at the first iteration whose center reaches 100% training accuracy.
 """
 from __future__ import annotations
 
-import hashlib
 
 import numpy as np
 
@@ -98,12 +97,3 @@ class SpiralsTask:
         """(mean CE, accuracy) of theta itself."""
         ce, acc = self.score_rows(self.trainer.flat_params()[None, :])
         return float(ce[0]), float(acc[0])
-
-
-def params_sha256(named_arrays) -> str:
-    """sha256 over (name, dtype, shape, bytes) of every slot in registration order."""
-    h = hashlib.sha256()
-    for name, arr in named_arrays:
-        h.update(f"{name}|{arr.dtype.str}|{arr.shape}|".encode())
-        h.update(np.ascontiguousarray(arr).tobytes())
-    return h.hexdigest()

@@ -335,13 +335,9 @@ class Trainer(Module):
 
 # --- the training session: windows, checkpoints, fan-out ------------------------
 def adapters_sha256(trainer):
-    """sha256 over (name, float32 bytes) of every adapter tensor in name order: the run's fingerprint."""
-    import hashlib
-    h = hashlib.sha256()
-    for name, p in trainer.named_parameters():
-        h.update(name.encode())
-        h.update(np.ascontiguousarray(p.data, dtype=np.float32).tobytes())
-    return h.hexdigest()
+    """The run's fingerprint: the one digest (pipeline/runtime/ckpt.params_sha256) of the adapter tensors."""
+    from ..runtime.ckpt import params_sha256
+    return params_sha256((name, p.data) for name, p in trainer.named_parameters())
 
 
 class Session:

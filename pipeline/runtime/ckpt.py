@@ -141,8 +141,11 @@ def read_state(ckpt_dir) -> TrainerState:
     return protocol.read_sentinel(ckpt_dir)
 
 
-def params_sha256(params: dict) -> str:
-    """sha256 over (name, dtype, shape, bytes) of every tensor in name order."""
+def params_sha256(params) -> str:
+    """The one digest of a run's tensors: sha256 over (name, dtype, shape, bytes) of every tensor in name order.
+
+    `params` is {name: array} or [(name, array)]; the order they come in does not matter."""
+    params = dict(params)
     h = hashlib.sha256()
     for name in sorted(params):
         a = np.ascontiguousarray(params[name])

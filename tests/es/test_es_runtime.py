@@ -16,7 +16,7 @@ from threadpoolctl import threadpool_limits
 
 from pipeline.es.checkpoint import load_es_checkpoint
 from pipeline.es.run import ESSpiralsJob, ESSpiralsSpec, run_es_inprocess
-from pipeline.es.spirals import params_sha256
+from pipeline.runtime.ckpt import params_sha256
 from pipeline.jobs import get_job
 from pipeline.runtime import messages
 from pipeline.runtime.es_scheduler import ESScheduler

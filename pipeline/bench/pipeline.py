@@ -87,14 +87,12 @@ def _shapes_lm():
 
 def _shapes_pretrain(preset):
     """The same for a pretrain preset, with the default BPE vocabulary (no tokenizer is trained)."""
-    from ..jobs.pretrain import PretrainSpec, window_lengths
+    from ..jobs.pretrain import PretrainSpec, model_config, window_lengths
     from ..jobs.spec import build
-    from ..models.qwen3 import Qwen3, Qwen3Config
+    from ..models.qwen3 import Qwen3
     s = build(PretrainSpec, {"preset": preset})
-    layers, width, heads, seq, batch_tokens = s.shape()
-    config = Qwen3Config(vocab_size=s.vocab_size, hidden=width, layers=layers, heads=heads, kv_heads=heads,
-                         head_dim=32 if preset == "tiny" else 64, ffn=(8 * width // 3 + 63) // 64 * 64,
-                         context_length=seq, rope_base=10_000.0, tied_output=False)
+    _, _, _, seq, batch_tokens = s.shape()
+    config = model_config(s, s.vocab_size)
     params = [np.zeros_like(t.data) for _, t in Qwen3.init_random(config, seed=0).named_parameters()]
     m = batch_tokens // s.micro_batches
     shortest = window_lengths(seq, s.seq_warmup)[0]

@@ -11,7 +11,6 @@ params_sha256 as in-process.
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -21,25 +20,12 @@ import msgpack
 import pytest
 import zmq
 
-from helpers import LM, ROOT, env, events, launch, wait_for
+from helpers import LM, ROOT, env, events, free_port_pair, launch, wait_for
 from pipeline.runtime import messages, security, transport
 
 M = int(LM[LM.index("--micro-batches") + 1])
 STEPS = LM.index("--steps") + 1
 ADVERSARY_LM = [*LM[:STEPS], "30", *LM[STEPS + 1:]]  # long enough for several rounds of attack after the start
-
-
-def _free_port_pair():
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free pair of loopback ports")
 
 
 def _run_json(run_dir):
@@ -146,7 +132,7 @@ def test_a_stranger_with_the_key_cannot_steer_a_tcp_lm_run(tmp_path):
     stranger = PipelineStranger(str(run_dir))
     stranger.start()
     try:
-        out = launch("lm", run_dir, "--trainers", "2", "--port", str(_free_port_pair()), *ADVERSARY_LM, timeout=600)
+        out = launch("lm", run_dir, "--trainers", "2", "--port", str(free_port_pair()), *ADVERSARY_LM, timeout=600)
     finally:
         stranger.stop.set()
         stranger.join(30)
@@ -225,7 +211,7 @@ def test_a_stranger_with_the_key_cannot_steer_a_tcp_es_run(tmp_path):
     stranger = threading.Thread(target=_es_stranger, args=(str(run_dir), stop, said), daemon=True)
     stranger.start()
     try:
-        out = subprocess.run(_es_cmd(run_dir, "--workers", "2", "--bind", f"tcp://127.0.0.1:{_free_port_pair()}",
+        out = subprocess.run(_es_cmd(run_dir, "--workers", "2", "--bind", f"tcp://127.0.0.1:{free_port_pair()}",
                                      "--liveness", "3"), cwd=ROOT, env=env(), capture_output=True, text=True,
                              timeout=600)
     finally:

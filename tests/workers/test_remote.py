@@ -78,3 +78,12 @@ def test_an_es_member_joining_over_tcp_with_the_key_gives_the_inprocess_bits(tmp
     joined = [e["detail"]["worker"] for e in events(str(run_dir), "worker_joined")]
     transfers = [e["detail"]["worker"] for e in events(str(run_dir), "state_transfer")]
     assert f"es_member-{member.pid}" in joined and sorted(transfers) == sorted(joined)  # once each, at the join
+
+
+@pytest.mark.slow
+def test_the_remote_bench_times_es_iterations_over_tcp_and_ipc():
+    from pipeline.bench.pipeline import _es_rows
+    rows = _es_rows(3, population=16)
+    assert [r["case"] for r in rows] == ["remote/es-members-ipc", "remote/es-members-tcp"]
+    assert all(r["ms"] > 0 and r["config"]["iterations"] == 3 for r in rows)
+    assert rows[1]["baselines"]["ipc"] == pytest.approx(rows[0]["ms"], abs=0.005)  # tcp is read against ipc

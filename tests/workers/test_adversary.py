@@ -74,7 +74,7 @@ class PipelineStranger(threading.Thread):
                 keyless.send(messages.pack("hello", role="optimizer", worker="no-key", pid=1, token="t"))
                 # singleton hellos on fresh connections, once the real roles hold theirs (before that, a
                 # key holder that says hello first simply is the run's loader: the key is the admission)
-                if time.monotonic() - last_hello > 2 and events(self.run_dir, "run_started"):
+                if time.monotonic() - last_hello > 2 and self.run_started():
                     last_hello = time.monotonic()
                     for role in ("optimizer", "loader", "checkpointer"):
                         n += 1
@@ -87,6 +87,10 @@ class PipelineStranger(threading.Thread):
                 s.close()
             keyless.close(0)
             ctx.term()
+
+    def run_started(self):
+        """run.json is written before metrics.jsonl: until the latter exists the run has not started."""
+        return os.path.exists(os.path.join(self.run_dir, "metrics.jsonl")) and events(self.run_dir, "run_started")
 
     def learn_ids_from_pids(self):
         """Worker ids are role-pid, and pids.json lists the pids (the events name them too, for late joiners)."""

@@ -19,7 +19,10 @@ as frames (remote.py, the same calls the run makes), a DEALER on a thread
 copies them in as the remote trainer does and answers each with a gradient
 of the parameters' size, which the ROUTER copies into a slot. No compute: the
 row is the wire cost alone; `bytes` over a link's bandwidth is what a real
-network adds (docs/cluster.md has the arithmetic).
+network adds (docs/cluster.md has the arithmetic). Then the ES rows: real
+`fucina es-spirals --workers 2` runs with the members on ipc:// and on
+loopback tcp:// + CURVE (`ms` is the median iteration); per iteration only
+member ids and float64 rewards cross, so the two should be close.
 Trade-off: whole runs, not micro-benchmarks - startup is excluded, but
 everything a user pays per step (messages, shared memory, scheduling) is in.
 """
@@ -36,7 +39,7 @@ import numpy as np
 
 NAME = "pipeline"
 HELP = ("lm job step time: --inprocess vs --trainers 1 vs --trainers 2 vs 1 trainer x 2 threads; "
-        "--remote: bytes and ms per step of shipping tensors to a remote trainer")
+        "--remote: bytes and ms per step of shipping tensors to a remote trainer, ES iteration over tcp vs ipc")
 
 
 def add_arguments(parser):
@@ -47,7 +50,8 @@ def add_arguments(parser):
                         help="comma-separated subset of the cases to run")
     parser.add_argument("--remote", action="store_true",
                         help="instead: per-step bytes and ms of shipping parameters, batches and gradients to a "
-                             "remote trainer over loopback tcp, for the lm shape and --presets")
+                             "remote trainer over loopback tcp, for the lm shape and --presets; and es-spirals "
+                             "iteration time with members over tcp vs ipc")
     parser.add_argument("--presets", default="tiny,d4,d6",
                         help="with --remote: the pretrain presets to measure (tiny, d4, d6, d8)")
 
@@ -87,14 +91,12 @@ def _shapes_lm():
 
 def _shapes_pretrain(preset):
     """The same for a pretrain preset, with the default BPE vocabulary (no tokenizer is trained)."""
-    from ..jobs.pretrain import PretrainSpec, window_lengths
+    from ..jobs.pretrain import PretrainSpec, model_config, window_lengths
     from ..jobs.spec import build
-    from ..models.qwen3 import Qwen3, Qwen3Config
+    from ..models.qwen3 import Qwen3
     s = build(PretrainSpec, {"preset": preset})
-    layers, width, heads, seq, batch_tokens = s.shape()
-    config = Qwen3Config(vocab_size=s.vocab_size, hidden=width, layers=layers, heads=heads, kv_heads=heads,
-                         head_dim=32 if preset == "tiny" else 64, ffn=(8 * width // 3 + 63) // 64 * 64,
-                         context_length=seq, rope_base=10_000.0, tied_output=False)
+    _, _, _, seq, batch_tokens = s.shape()
+    config = model_config(s, s.vocab_size)
     params = [np.zeros_like(t.data) for _, t in Qwen3.init_random(config, seed=0).named_parameters()]
     m = batch_tokens // s.micro_batches
     shortest = window_lengths(seq, s.seq_warmup)[0]
@@ -179,9 +181,39 @@ def _remote_rows(args):
     return rows
 
 
+def _es_rows(iterations, population=128, members=2):
+    """Median ms per es-spirals iteration with `members` es_members on ipc:// vs loopback tcp:// + CURVE."""
+    import shutil
+
+    from ..commands.launch import free_port_pair
+    from ..errors import FucinaError
+    root = tempfile.mkdtemp(prefix="fucina-bench-es-")
+    cases = {"ipc": [], "tcp": ["--bind", f"tcp://127.0.0.1:{free_port_pair('127.0.0.1')}"]}
+    ms, rows = {}, []
+    try:
+        for name, flags in cases.items():
+            cmd = [sys.executable, "-m", "pipeline.cli", "es-spirals", "--workers", str(members), "--population",
+                   str(population), "--max-iterations", str(iterations), "--progress-every", "0",
+                   "--out", os.path.join(root, name), "--json", *flags]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode != 0:
+                raise FucinaError(f"bench pipeline: ES case {name} failed:\n{out.stderr[-2000:]}")
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+            ms[name] = result["median_ms_per_iteration"]
+            rows.append({"case": f"remote/es-members-{name}", "ms": round(ms[name], 2),
+                         "baselines": {k: v for k, v in ms.items() if k != name},
+                         "config": {"population": population, "members": members, "iterations": iterations},
+                         "notes": f"median of {result['iterations_this_run']} iterations; per iteration member ids "
+                                  f"out and {population} float64 rewards back, plus the catch-up rewards; "
+                                  f"load avg {os.getloadavg()[0]:.1f}"})
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return rows
+
+
 def run(args):
     if args.remote:
-        return _remote_rows(args)
+        return _remote_rows(args) + _es_rows(max(args.steps, 10))
     config = _config()
     root = tempfile.mkdtemp(prefix="fucina-bench-pipeline-")
     every = {"inprocess": ["--inprocess", "--threads", "1"], "trainers-1": ["--trainers", "1", "--threads", "1"],

@@ -29,6 +29,10 @@ def add_arguments(p):
     p.add_argument("--bind", default=None,
                    help="scheduler endpoint tcp://HOST:PORT (events on PORT+1; CURVE keys are made fresh in the "
                         "run dir, remote workers need its worker.key); default: the run dir's ipc:// sockets")
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="place the --members as Ray actors (one CPU each) on the cluster at ADDRESS (default: "
+                        "RAY_ADDRESS, else a local Ray), connecting back over tcp (--bind, else a free loopback "
+                        "port); needs the extra fucina[ray]")
     p.add_argument("--seed", type=int, default=0, help="ES noise seed")
     p.add_argument("--model-seed", type=int, default=0, help="SpiralsMLP init seed")
     p.add_argument("--data-seed", type=int, default=0, help="spirals data noise seed")
@@ -102,6 +106,13 @@ def run(args) -> int:
         raise UserError("--workers 0 needs --inprocess or --remote-workers N")
     if args.remote_workers and args.bind is None:
         raise UserError("--remote-workers needs --bind tcp://HOST:PORT (remote workers connect over tcp://)")
+    if args.ray is not None:
+        if args.inprocess:
+            raise UserError("--ray places members; --inprocess runs none: choose one")
+        from ..runtime.ray_place import require_ray
+        from .launch import free_port_pair
+        require_ray()  # before anything is written
+        args.bind = args.bind or f"tcp://127.0.0.1:{free_port_pair('127.0.0.1')}"
     job_cls = get_job(NAME)
     spec = spec_of(args)
     job = job_cls(build(job_cls.Spec, spec))
@@ -111,7 +122,8 @@ def run(args) -> int:
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
-    mode = "in-process" if args.inprocess else f"{workers} local + {args.remote_workers} remote worker(s)"
+    placed = "Ray-placed" if args.ray is not None else "local"
+    mode = "in-process" if args.inprocess else f"{workers} {placed} + {args.remote_workers} remote worker(s)"
     log(f"es-spirals: {mode}, run dir {run_dir}, {json.dumps(spec)}")
     if args.inprocess:
         from ..es.run import run_es_inprocess
@@ -124,7 +136,7 @@ def run(args) -> int:
         if args.kill_worker_at is not None:
             env["FUCINA_FAULT"] = f"es_member:eval:{args.kill_worker_at}"
         sup = Supervisor(NAME, spec, run_dir, trainers=workers + args.remote_workers, resume=args.resume,
-                         port=port, host=host, liveness=args.liveness, env=env, local_workers=workers)
+                         port=port, host=host, liveness=args.liveness, env=env, local_workers=workers, ray=args.ray)
         if args.remote_workers:
             key = f" --key {os.path.join(sup.run_dir, 'worker.key')}" if port else ""
             log(f"waiting for {args.remote_workers} remote worker(s): python -m workers.es_member "

@@ -9,8 +9,8 @@ every shared-memory segment carrying the run's prefix, including those of
 SIGKILLed workers that could not clean up after themselves.
 
 With `ray` (an address, or "" for a local or RAY_ADDRESS cluster) the
-trainers are Ray actors instead of children (ray_place.py); the other roles
-stay here.
+trainers - or an ES job's es_members - are Ray actors instead of children
+(ray_place.py); the other roles stay here.
 
 Trade-off: re-spawning lives here rather than in the scheduler so the scheduler
 also runs unsupervised under honcho (Procfile), where nobody re-spawns.
@@ -38,8 +38,8 @@ class Supervisor:
                  local_workers=None):
         """trainers: the trainers (es_members for an ES job) the run waits for; local_workers: how many of
         them to spawn here (default all; the rest connect from elsewhere); remote_trainers: how many of the
-        spawned trainers take their tensors as frames instead of shared memory; ray: place the trainers as
-        Ray actors instead."""
+        spawned trainers take their tensors as frames instead of shared memory; ray: place the local_workers
+        trainers (es_members) as Ray actors instead."""
         self.run_dir = os.path.abspath(run_dir)
         self.run_id = uuid.uuid4().hex[:10]
         self.trainers, self.threads, self.quiet = trainers, threads, quiet
@@ -72,17 +72,20 @@ class Supervisor:
             raise FucinaError("launch: remote trainers talk tcp:// (CURVE): give --port")
         if ray is not None and not port:
             raise FucinaError("launch: Ray trainers connect back over tcp:// (CURVE): give --port")
-        self.ray, self.ray_trainers = ray, None
-        self.ray_command = [sys.executable, "-m", "workers.trainer", "--connect", endpoints.control,
-                            "--threads", str(threads), "--remote"]
+        self.ray, self.ray_workers, self.ray_count = ray, None, local
+        # an es_member maps no shared memory (its state transfer is message bytes): no --remote for it
+        placed = ["workers.es_member"] if job_name in ES_JOBS else ["workers.trainer", "--remote"]
+        self.ray_command = [sys.executable, "-m", placed[0], "--connect", endpoints.control, "--threads", str(threads),
+                            *placed[1:]]
         self.client_key_path = client_key if port else None
+        spawned = 0 if ray is not None else local  # Ray starts the `local` ones itself
         if job_name in ES_JOBS:  # the ES task kind: es_members only
             self.commands = {"scheduler": sched}
-            self.commands.update({f"es_member-{i}": worker("es_member") for i in range(local)})
+            self.commands.update({f"es_member-{i}": worker("es_member") for i in range(spawned)})
         else:
             self.commands = {"scheduler": sched, "loader": worker("loader"), "optimizer": worker("optimizer"),
                              "checkpointer": worker("checkpointer")}
-            for i in range(0 if ray is not None else local):  # the last `remote_trainers` are fed by frames
+            for i in range(spawned):  # the last `remote_trainers` are fed by frames
                 remote = ["--remote"] if i >= local - remote_trainers else []
                 self.commands[f"trainer-{i}"] = [*worker("trainer"), *remote]
         self.procs: dict[str, subprocess.Popen] = {}
@@ -114,9 +117,9 @@ class Supervisor:
             for name in self.commands:
                 self.spawn(name)
             if self.ray is not None:
-                from .ray_place import RayTrainers
-                self.ray_trainers = RayTrainers(self.ray, self.trainers, self.ray_command, self.client_key_path,
-                                                self.env)
+                from .ray_place import RayWorkers
+                self.ray_workers = RayWorkers(self.ray, self.ray_count, self.ray_command, self.client_key_path,
+                                              self.env)
             while True:
                 code = self.procs["scheduler"].poll()
                 if code is not None:
@@ -127,8 +130,8 @@ class Supervisor:
                             raise FucinaError(f"launch: workers died {self.respawns} times; see {self.log_path}")
                         self.respawns += 1
                         self.spawn(name)
-                if self.ray_trainers is not None:
-                    self.respawns += self.ray_trainers.poll()
+                if self.ray_workers is not None:
+                    self.respawns += self.ray_workers.poll()
                 time.sleep(0.05)
             if code != 0:
                 raise FucinaError(f"launch: the scheduler exited with status {code}{self._scheduler_said()}; "
@@ -152,8 +155,8 @@ class Supervisor:
         return f" ({lines[-1]})" if lines else ""
 
     def shutdown(self, grace_s=5.0):
-        if self.ray_trainers is not None:
-            self.ray_trainers.close()
+        if self.ray_workers is not None:
+            self.ray_workers.close()
         for p in self.procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

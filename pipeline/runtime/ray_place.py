@@ -1,20 +1,24 @@
-"""Ray as the placement engine for trainers: `fucina launch JOB --ray [ADDRESS] --trainers N`.
+"""Ray as the placement engine for workers: `fucina launch JOB --ray [ADDRESS] --trainers N`, and for ES
+`fucina es-spirals --ray [ADDRESS] --members N`.
 
-Each trainer is a Ray actor holding one CPU (spread over the cluster's nodes);
-the actor runs `python -m workers.trainer --remote --connect tcp://... --key
-FILE` as its child, with the same pinned thread environment a local trainer
-gets, and waits for it. The scheduler, loader, optimizer and checkpointer
-stay on the launching host under the ordinary Supervisor.
+Each trainer (es_member) is a Ray actor holding one CPU (spread over the
+cluster's nodes); the actor runs `python -m workers.trainer --remote
+--connect tcp://... --key FILE` (`workers.es_member`, which maps no shared
+memory anyway) as its child, with the same pinned thread environment a local
+worker gets, and waits for it. The scheduler (and the loader, optimizer and
+checkpointer of a gradient job) stay on the launching host under the
+ordinary Supervisor.
 
-Faults: a trainer process that exits non-zero returns from the actor's
+Faults: a worker process that exits non-zero returns from the actor's
 `run`, and the launcher calls `run` again (counted as a respawn, as for a
 local worker). An actor process that dies is restarted by Ray
 (`max_restarts`) and its pending `run` re-submitted (`max_task_retries`);
-its trainer child dies with it (PR_SET_PDEATHSIG), and the scheduler re-runs
-the lost task exactly as for a local trainer - the bits do not change.
+its worker child dies with it (PR_SET_PDEATHSIG), and the scheduler re-runs
+the lost task exactly as for a local worker (ES: the lost members, and the
+new member gets a state transfer) - the bits do not change.
 
 The key travels to the actors as the text of worker.key through Ray's own
-channels (each actor writes it to a private 0600 file for the trainer):
+channels (each actor writes it to a private 0600 file for its worker):
 the Ray cluster is trusted with it, as it is with running our code. Only
 strings and ints are passed to the actors.
 """
@@ -34,14 +38,14 @@ def require_ray():
 
 
 def _die_with_parent():
-    """preexec_fn of the trainer child: SIGKILL it when the actor process dies (Linux prctl)."""
+    """preexec_fn of the worker child: SIGKILL it when the actor process dies (Linux prctl)."""
     import ctypes
     import signal
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
-class TrainerActor:
-    """One trainer placed by Ray (decorated with ray.remote in RayTrainers)."""
+class WorkerActor:
+    """One worker placed by Ray (decorated with ray.remote in RayWorkers)."""
 
     def run(self, command: list, key_text: str, env: dict) -> int:
         import os
@@ -63,8 +67,8 @@ class TrainerActor:
         return os.getpid()
 
 
-class RayTrainers:
-    """N trainer actors; `poll()` re-runs the ones whose trainer exited with an error."""
+class RayWorkers:
+    """N worker actors; `poll()` re-runs the ones whose worker exited with an error."""
 
     def __init__(self, address, n, command, key_path, env):
         ray = self.ray = require_ray()
@@ -76,12 +80,12 @@ class RayTrainers:
             self.key_text = fh.read()
         self.command, self.env = command, env
         actor = ray.remote(num_cpus=1, max_restarts=-1, max_task_retries=-1, scheduling_strategy="SPREAD")(
-            TrainerActor)
+            WorkerActor)
         self.actors = [actor.remote() for _ in range(n)]
         self.runs = {a: a.run.remote(self.command, self.key_text, self.env) for a in self.actors}
 
     def poll(self) -> int:
-        """Re-start trainers that exited with an error; -> how many were re-started."""
+        """Re-start workers that exited with an error; -> how many were re-started."""
         done, _ = self.ray.wait(list(self.runs.values()), timeout=0, num_returns=len(self.runs))
         again = 0
         for actor, ref in list(self.runs.items()):

@@ -11,7 +11,6 @@ params_sha256 as in-process.
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -21,25 +20,12 @@ import msgpack
 import pytest
 import zmq
 
-from helpers import LM, ROOT, env, events, launch, wait_for
+from helpers import LM, ROOT, env, events, free_port_pair, launch, wait_for
 from pipeline.runtime import messages, security, transport
 
 M = int(LM[LM.index("--micro-batches") + 1])
 STEPS = LM.index("--steps") + 1
 ADVERSARY_LM = [*LM[:STEPS], "30", *LM[STEPS + 1:]]  # long enough for several rounds of attack after the start
-
-
-def _free_port_pair():
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free pair of loopback ports")
 
 
 def _run_json(run_dir):
@@ -88,7 +74,7 @@ class PipelineStranger(threading.Thread):
                 keyless.send(messages.pack("hello", role="optimizer", worker="no-key", pid=1, token="t"))
                 # singleton hellos on fresh connections, once the real roles hold theirs (before that, a
                 # key holder that says hello first simply is the run's loader: the key is the admission)
-                if time.monotonic() - last_hello > 2 and events(self.run_dir, "run_started"):
+                if time.monotonic() - last_hello > 2 and self.run_started():
                     last_hello = time.monotonic()
                     for role in ("optimizer", "loader", "checkpointer"):
                         n += 1
@@ -101,6 +87,10 @@ class PipelineStranger(threading.Thread):
                 s.close()
             keyless.close(0)
             ctx.term()
+
+    def run_started(self):
+        """run.json is written before metrics.jsonl: until the latter exists the run has not started."""
+        return os.path.exists(os.path.join(self.run_dir, "metrics.jsonl")) and events(self.run_dir, "run_started")
 
     def learn_ids_from_pids(self):
         """Worker ids are role-pid, and pids.json lists the pids (the events name them too, for late joiners)."""
@@ -146,7 +136,7 @@ def test_a_stranger_with_the_key_cannot_steer_a_tcp_lm_run(tmp_path):
     stranger = PipelineStranger(str(run_dir))
     stranger.start()
     try:
-        out = launch("lm", run_dir, "--trainers", "2", "--port", str(_free_port_pair()), *ADVERSARY_LM, timeout=600)
+        out = launch("lm", run_dir, "--trainers", "2", "--port", str(free_port_pair()), *ADVERSARY_LM, timeout=600)
     finally:
         stranger.stop.set()
         stranger.join(30)
@@ -225,7 +215,7 @@ def test_a_stranger_with_the_key_cannot_steer_a_tcp_es_run(tmp_path):
     stranger = threading.Thread(target=_es_stranger, args=(str(run_dir), stop, said), daemon=True)
     stranger.start()
     try:
-        out = subprocess.run(_es_cmd(run_dir, "--workers", "2", "--bind", f"tcp://127.0.0.1:{_free_port_pair()}",
+        out = subprocess.run(_es_cmd(run_dir, "--workers", "2", "--bind", f"tcp://127.0.0.1:{free_port_pair()}",
                                      "--liveness", "3"), cwd=ROOT, env=env(), capture_output=True, text=True,
                              timeout=600)
     finally:

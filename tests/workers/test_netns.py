@@ -1,4 +1,8 @@
-"""A real network hop: the scheduler's host and a trainer's host are two network namespaces joined by a veth pair.
+"""A real network hop: the scheduler's host and a worker's host are two network namespaces joined by a veth pair.
+
+A spirals trainer (`--remote`: parameters, batches and gradients as frames) and an es-spirals es_member (its
+state transfer at the join, then member ids and rewards) each run in the other namespace, are SIGKILLed once
+mid-run and restarted, and the run ends with the in-process sha256.
 
 Needs root (`ip netns add`); skips cleanly otherwise. Every socket binds or
 connects only to the two addresses the test gives the veth ends; the
@@ -12,7 +16,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, env, first_metric, free_port_pair, wait_for
+from helpers import ROOT, env, events, first_metric, free_port_pair, wait_for
 from pipeline.jobs import get_job
 from pipeline.jobs.spec import build
 from pipeline.runtime import security, shm
@@ -113,3 +117,62 @@ def test_a_trainer_across_a_veth_pair_killed_and_restarted_gives_the_inprocess_b
                 p.wait()
         log.close()
         shm.unlink_run(run_id)
+
+
+ES_ITERATIONS = 150  # long enough that the kill below lands mid-run
+
+
+def _es_spirals(run_dir, *flags):
+    return [sys.executable, "-m", "pipeline.cli", "es-spirals", "--population", "16", "--model-seed", "2",
+            "--max-iterations", str(ES_ITERATIONS), "--progress-every", "0", "--out", str(run_dir), "--json", *flags]
+
+
+def _es_iterations(run_dir):
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return 0
+    with open(path) as fh:
+        return sum('"kind": "es_metrics"' in line for line in fh)
+
+
+@pytest.mark.slow
+def test_an_es_member_across_a_veth_pair_killed_and_restarted_gives_the_inprocess_bits(tmp_path, two_hosts):
+    ns_s, addr_s, ns_w, addr_w = two_hosts
+    ref = subprocess.run(_es_spirals(tmp_path / "ref", "--inprocess"), capture_output=True, text=True, env=env(),
+                         cwd=ROOT, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run_dir, port = tmp_path / "run", free_port_pair("127.0.0.1")
+    endpoint = f"tcp://{addr_s}:{port}"
+    log = open(tmp_path / "test.log", "ab")
+    run = subprocess.Popen(_in(ns_s, *_es_spirals(run_dir, "--workers", "0", "--remote-workers", "1", "--bind",
+                                                  endpoint, "--liveness", "2")),
+                           env=env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
+    members = []
+
+    def member():
+        members.append(subprocess.Popen(_in(ns_w, sys.executable, "-m", "workers.es_member", "--connect", endpoint,
+                                            "--key", str(run_dir / "worker.key")),
+                                        env=env(), cwd=ROOT, stdout=log, stderr=log))
+    try:
+        wait_for(lambda: (run_dir / "worker.key").exists() or run.poll() is not None, timeout=120)
+        member()
+        wait_for(lambda: _es_iterations(str(run_dir)) >= 2 or run.poll() is not None, timeout=400)
+        members[0].send_signal(signal.SIGKILL)  # mid-run: its members are re-run by the next es_member
+        members[0].wait()
+        member()
+        out, _ = run.communicate(timeout=600)
+        assert run.returncode == 0, (tmp_path / "test.log").read_text()[-3000:]
+        result, reference = json.loads(out.strip().splitlines()[-1]), json.loads(ref.stdout.strip().splitlines()[-1])
+        assert result["sha256"] == reference["sha256"]
+        joined = [e["detail"]["worker"] for e in events(str(run_dir), "worker_joined")]
+        lost = [e for e in events(str(run_dir), "worker_lost") if e["detail"]["worker"] == joined[0]]
+        transfers = [e["detail"]["worker"] for e in events(str(run_dir), "state_transfer")]
+        assert lost and lost[0]["step"] < ES_ITERATIONS  # the kill landed mid-run
+        assert [f"es_member-{p.pid}" for p in members] == joined  # both from the other namespace
+        assert transfers == joined  # the parameters crossed once per member, at its join
+    finally:
+        for p in (run, *members):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        log.close()

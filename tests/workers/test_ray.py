@@ -1,5 +1,6 @@
-"""Ray places the trainers: `fucina launch --ray ADDRESS` on a local head gives the in-process bits,
-also after a trainer actor is SIGKILLed mid-run (Ray restarts it, the scheduler re-runs its task)."""
+"""Ray places the workers: `fucina launch --ray ADDRESS` (trainers) and `fucina es-spirals --ray ADDRESS`
+(es_members) on a local head give the in-process bits, also after an actor is SIGKILLed mid-run (Ray
+restarts it, the scheduler re-runs its task)."""
 import json
 import os
 import shutil
@@ -30,6 +31,24 @@ def test_without_ray_the_flag_is_one_error_naming_the_extra(tmp_path):
                          text=True, env=env(PYTHONPATH=f"{hide.parent}{os.pathsep}{ROOT}"), cwd=ROOT, timeout=120)
     assert out.returncode != 0 and "pip install 'fucina[ray]'" in out.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_es_without_ray_the_flag_is_one_error_naming_the_extra(tmp_path):
+    hide = tmp_path / "no-ray" / "ray"
+    hide.mkdir(parents=True)
+    (hide / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+    out = subprocess.run(_es_spirals(tmp_path / "r", "--ray", "--members", "2"), capture_output=True, text=True,
+                         env=env(PYTHONPATH=f"{hide.parent}{os.pathsep}{ROOT}"), cwd=ROOT, timeout=120)
+    assert out.returncode != 0 and "pip install 'fucina[ray]'" in out.stderr
+    assert not (tmp_path / "r").exists()
+
+
+ES_ITERATIONS = 150  # long enough that the kill below lands mid-run
+
+
+def _es_spirals(run_dir, *flags):
+    return [sys.executable, "-m", "pipeline.cli", "es-spirals", "--population", "16", "--model-seed", "2",
+            "--max-iterations", str(ES_ITERATIONS), "--progress-every", "0", "--out", str(run_dir), "--json", *flags]
 
 
 def _has_ray():
@@ -91,6 +110,43 @@ def test_ray_placed_trainers_killed_once_give_the_inprocess_bits(tmp_path, ray_h
         assert lost and lost[0]["step"] < SPEC["steps"]  # the kill landed mid-run
         rejoined = [e for e in events(str(run_dir), "worker_joined") if e["detail"].get("remote")]
         assert len(rejoined) == 3  # Ray restarted the actor and its trainer joined again
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _es_iterations(run_dir):
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return 0
+    with open(path) as fh:
+        return sum('"kind": "es_metrics"' in line for line in fh)
+
+
+@pytest.mark.slow
+def test_ray_placed_es_members_killed_once_give_the_inprocess_bits(tmp_path, ray_head):
+    ref = subprocess.run(_es_spirals(tmp_path / "ref", "--inprocess"), capture_output=True, text=True, env=env(),
+                         cwd=ROOT, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(_es_spirals(run_dir, "--ray", ray_head, "--members", "2", "--liveness", "5"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT)
+    try:
+        wait_for(lambda: _es_iterations(str(run_dir)) >= 2, timeout=400)
+        joined = [e for e in events(str(run_dir), "worker_joined") if e["detail"]["role"] == "es_member"]
+        assert len(joined) == 2
+        os.kill(_parent(joined[0]["detail"]["pid"]), signal.SIGKILL)  # the member's parent: its Ray actor
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        result, reference = json.loads(out.strip().splitlines()[-1]), json.loads(ref.stdout.strip().splitlines()[-1])
+        assert result["sha256"] == reference["sha256"]
+        killed = joined[0]["detail"]["worker"]
+        lost = [e for e in events(str(run_dir), "worker_lost") if e["detail"]["worker"] == killed]
+        assert lost and lost[0]["step"] < ES_ITERATIONS  # the kill landed mid-run
+        rejoined = [e for e in events(str(run_dir), "worker_joined") if e["detail"]["role"] == "es_member"]
+        transfers = {e["detail"]["worker"] for e in events(str(run_dir), "state_transfer")}
+        assert len(rejoined) == 3 and rejoined[2]["detail"]["worker"] in transfers  # restarted, given the state
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -72,9 +72,11 @@ def main(argv=None) -> int:
             key = security.load_server_key(key_path)
             described["worker_key"] = os.path.join(os.path.abspath(os.path.dirname(key_path)), security.CLIENT_FILE)
         run_id = args.run_id or uuid.uuid4().hex[:10]
-        with open(os.path.join(args.run_dir, "run.json"), "w") as fh:
+        tmp = os.path.join(args.run_dir, "run.json.tmp")
+        with open(tmp, "w") as fh:  # renamed into place: a reader never sees half a run.json
             json.dump({"run_id": run_id, "job": job.name, "endpoints": endpoints.to_wire(),
                        "scheduler_pid": os.getpid(), "trainers": args.trainers, **described}, fh, indent=1)
+        os.replace(tmp, os.path.join(args.run_dir, "run.json"))
         scheduler_class = ESScheduler if getattr(job, "kind", "") == "es" else Scheduler
         sched = scheduler_class(job, args.run_dir, run_id, endpoints, trainers=args.trainers, resume=resume,
                           log=lambda m: print(m, file=sys.stderr, flush=True), liveness_s=args.liveness, key=key,

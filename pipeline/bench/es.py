@@ -21,8 +21,10 @@ Cases (ms; ratio = baseline_ms / ms, above 1 means the case is faster):
   es-finetune/nll-batched-wN
                         ms per es-finetune iteration (NLL reward: population x
                         --finetune-batch samples, then the update) with
-                        --member-batch members per pass, on N member processes
-                        (0 = in-process); baselines: the same iteration one
+                        --member-batch members per pass, on N es_member processes
+                        of the runtime (0 = in-process; a runtime row is the
+                        median wall time of an iteration after the first,
+                        scheduler round trips included); baselines: the same iteration one
                         member at a time in place, and the plain batched forward
                         of the same rows (every member's samples as ONE batch
                         through the frozen weights: one GEMM per weight over all
@@ -88,13 +90,13 @@ def _spirals_ms(workers, iterations, population):
     return result["median_ms_per_iteration"]
 
 
-def _finetune_run(model, args, member_batch=0, workers=0, reward="nll", plain=False):
+def _finetune_run(model, args, member_batch=0, reward="nll", plain=False):
     from pathlib import Path
     import pipeline
     from ..commands.finetune import _load_tokenizer
     from ..commands.es_finetune import _items
     from ..es import ESConfig
-    from ..es.finetune import ESFinetune, MemberPool
+    from ..es.finetune import ESFinetune
     from ..es.rewards import GenerationScorer, NLLScorer
     from ..llm import data as sft
     from ..llm.chat import ChatTemplate
@@ -116,15 +118,37 @@ def _finetune_run(model, args, member_batch=0, workers=0, reward="nll", plain=Fa
                    restore_mode="snapshot")
     run = ESFinetune(trainer, samples, sft.Loader(len(samples)), cfg, batch=args.finetune_batch, scorer=scorer,
                      member_batch=member_batch)
-    if workers:
-        run.pool = MemberPool(workers, model, kwargs, scorer, member_batch=member_batch)
-    try:
-        ms = median_ms(run.iteration_step, repeat=args.repeat)
-    finally:
-        if run.pool is not None:
-            run.pool.close()
+    ms = median_ms(run.iteration_step, repeat=args.repeat)
     tokens = sum(len(samples[i % len(samples)].inputs) for i in range(args.finetune_batch))
     return ms, tokens, Path(model).name, _plain_forward_ms(run, reward, args) if plain else None
+
+
+def _finetune_runtime_ms(model, args, member_batch, workers, reward):
+    """Median ms per iteration of the es-finetune job on the runtime with `workers` es_members.
+
+    The same flags as _finetune_run's in-process iteration; the first
+    iteration (state transfers, first calls) is not timed."""
+    import argparse
+    import json
+    import tempfile
+    from pathlib import Path
+    import pipeline
+    from ..commands import es_finetune
+    from ..runtime.launch import Supervisor
+    from ..runtime.metrics import read_metrics
+    model = model or str(Path(pipeline.__file__).resolve().parents[1] / FIXTURE)
+    parser = argparse.ArgumentParser()
+    es_finetune.add_arguments(parser)
+    flags = parser.parse_args(["--model", model, "--population", str(args.finetune_population), "--batch",
+                               str(args.finetune_batch), "--reward", reward, "--member-batch", str(member_batch),
+                               "--es-seed", "1", "--max-new-tokens", str(args.finetune_new_tokens),
+                               "--iterations", str(args.repeat + 1), "--workers", str(workers)])
+    spec = {"flags": json.dumps(es_finetune.flags_of(flags)), "iterations": args.repeat + 1,
+            "population": args.finetune_population}
+    with tempfile.TemporaryDirectory(prefix="fucina-bench-es-") as run_dir:
+        Supervisor("es-finetune", spec, run_dir, trainers=workers, liveness=60.0, quiet=True).run()
+        step_ms = [r["step_ms"] for r in read_metrics(run_dir) if r.get("kind") == "es_metrics"][1:]
+    return float(np.median(step_ms))
 
 
 def _plain_forward_ms(run, reward, args):
@@ -169,7 +193,10 @@ def finetune_rows(args):
         if reward != "nll":
             tokens = args.finetune_batch * args.finetune_new_tokens  # at most: a row may stop early
         for workers in (int(w) for w in args.finetune_workers.split(",")):
-            ms, _, _, _ = _finetune_run(args.finetune_model, args, args.member_batch, workers, reward)
+            if workers:
+                ms = _finetune_runtime_ms(args.finetune_model, args, args.member_batch, workers, reward)
+            else:
+                ms = _finetune_run(args.finetune_model, args, args.member_batch, reward)[0]
             rows.append({"case": f"es-finetune/{label}-batched-w{workers}", "ms": ms,
                          "baselines": {"one_at_a_time": one_ms, "plain_batched_forward": plain_ms},
                          "notes": f"{name}, {reward}, population {pop} x {args.finetune_batch} samples"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -85,8 +86,16 @@ def add_arguments(p):
     p.add_argument("--save", metavar="DIR", help="write the final checkpoint directory here")
     p.add_argument("--save-every", type=int, default=0, metavar="N", help="also save DIR/checkpoint-step-N every N iterations (needs --save)")
     p.add_argument("--load", metavar="DIR", help="resume from a checkpoint (adapters, iteration, loader position; its ES config wins over the flags)")
-    p.add_argument("--workers", type=int, default=0, metavar="N",
-                   help="score the members on N processes that map the GGUF read-only (0 = in this process); same bits")
+    p.add_argument("--workers", "--members", type=int, default=0, metavar="N", dest="workers",
+                   help="run as an ES job of the pipeline runtime with N es_member processes, each mapping the GGUF "
+                        "read-only and keeping its own replica (0 = score the members in this process); same bits")
+    p.add_argument("--inprocess", action="store_true", help="score the members in this process (as --workers 0)")
+    p.add_argument("--out", default=None, metavar="RUN_DIR",
+                   help="--workers: the run directory (metrics.jsonl, checkpoint-step-N, sockets; "
+                        "default runs/es-finetune-<time>); `fucina monitor RUN_DIR` watches it")
+    p.add_argument("--liveness", type=float, default=60.0,
+                   help="--workers: seconds of silence before a member is declared lost (must exceed one chunk "
+                        "of member evaluations, including the first call's numba compilation)")
     p.add_argument("--member-batch", type=int, default=0, metavar="K",
                    help="score K members per pass as one batch through the frozen weights (any reward: "
                         "generation rewards decode in lock-step; LoRA search; the same bits as one at a time); "
@@ -186,7 +195,7 @@ def build(args, log):
     """Trainer, samples, loader and the ES run from the flags (+ --load)."""
     from ..es import ESConfig
     from dataclasses import replace
-    from ..es.finetune import ESFinetune, MemberPool
+    from ..es.finetune import ESFinetune
     from ..es.rewards import GenerationScorer, NLLScorer
     from ..llm import data as sft
     from ..llm.chat import ChatTemplate
@@ -232,7 +241,7 @@ def build(args, log):
         if args.task == "countdown":
             items = [replace(item, reference=t.reference) for item, t in zip(items, tasks)]
         scorer = GenerationScorer(items, reward, template.stop_ids, args.max_new_tokens).bind(args.model, tokenizer)
-    if settings["search"] == "full" and args.workers:
+    if settings["search"] == "full" and args.workers and not getattr(args, "inprocess", False):
         raise UserError("--search full scores members in this process: drop --workers")
     run = ESFinetune(trainer, samples, loader, es_config, batch=settings["batch"], search=settings["search"],
                      scorer=scorer, dequantize=args.dequantize, model_source=str(args.model),
@@ -244,9 +253,6 @@ def build(args, log):
                                       f"but this run is {order!r} (pass --shuffle as the checkpoint did, or not)")
         run.load(args.load)
         log(f"resumed {args.load}: ES iteration {run.iteration}, loader epoch {run.loader.epoch} index {run.loader.index}")
-    if args.workers:
-        run.pool = MemberPool(args.workers, args.model, trainer_kwargs, scorer, threads=max(1, args.threads),
-                              member_batch=args.member_batch)
     data = args.data or (_countdown_source(args) if args.task else "builtin:pirate")
     run_config = {"model": str(args.model), "lora": lora_config(trainer), "seq_max": args.seq_max,
                   "data": data, "order": order, "trainer": "es", "reward": reward}
@@ -264,12 +270,19 @@ def run(args):
     def log(msg):
         print(msg, file=out, flush=True)
 
+    if args.inprocess:
+        args.workers = 0
     es_run, tokenizer, encoder, template, pairs, options, run_config = build(args, log)
-    try:
-        return _train(args, log, es_run, tokenizer, encoder, template, pairs, options, run_config)
-    finally:
-        if es_run.pool is not None:
-            es_run.pool.close()
+    return _train(args, log, es_run, tokenizer, encoder, template, pairs, options, run_config)
+
+
+def flags_of(args) -> dict:
+    """The parsed flags as JSON values: what every replica of a runtime run builds from (namespace())."""
+    return {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
+
+
+def namespace(flags: dict) -> argparse.Namespace:
+    return argparse.Namespace(**flags)
 
 
 def _answer(trainer, tokenizer, encoder, template, prompt, options, max_new):
@@ -297,7 +310,7 @@ def _train(args, log, es_run, tokenizer, encoder, template, pairs, options, run_
         f"{cfg.shaping}, noise {cfg.noise}, seed {cfg.seed}"
         f"{f', anchor {cfg.anchor_decay} lambda {cfg.anchor_lambda:g}' if cfg.anchor_decay else ''}; "
         f"{len(pairs)} {'problems' if args.task else 'pairs'}, batch {es_run.batch}, reward {run_config['reward']}; "
-        f"{f'{args.workers} member processes' if es_run.pool is not None else 'in-process'}")
+        f"{f'{args.workers} es_member processes on the runtime' if args.workers else 'in-process'}")
     prompt = args.prompt or pairs[0].instruction
     before = _answer(trainer, tokenizer, encoder, template, prompt, options, args.max_new_tokens)
     log(f"BEFORE  {prompt!r} -> {before!r}")
@@ -309,21 +322,9 @@ def _train(args, log, es_run, tokenizer, encoder, template, pairs, options, run_
         center_reward = lambda: scorer.score(trainer, eval_idx)  # noqa: E731
         initial_reward = center_reward()
         log(f"reward on {len(eval_idx)} training prompts: {initial_reward:.4f}")
-    first, rewards, reward_stats, t_start = es_run.iteration, [], [], time.perf_counter()
-    while es_run.iteration < args.iterations:
-        t0 = time.perf_counter()
-        stats = es_run.iteration_step()
-        dt = time.perf_counter() - t0
-        rewards.append(stats["reward_mean"])
-        reward_stats.append({k: stats[f"reward_{k}"] for k in ("mean", "std", "min", "max")})
-        it = es_run.iteration
-        log(f"iter {it:4d}/{args.iterations}  reward {stats['reward_mean']:9.4f} (std {stats['reward_std']:.4f}, "
-            f"min {stats['reward_min']:9.4f}, max {stats['reward_max']:9.4f})  {dt * 1e3:7.0f} ms  "
-            f"{cfg.population / dt:6.1f} member-evals/s  "
-            f"{_bar(it - first, args.iterations - first)}")
-        if args.save_every and it % args.save_every == 0 and it < args.iterations:
-            from ..train.checkpoint import step_dir
-            es_run.save(step_dir(args.save, it), run_config)
+    first, t_start = es_run.iteration, time.perf_counter()
+    iterate = _iterate_on_runtime if args.workers else _iterate_inprocess
+    rewards, reward_stats = iterate(args, log, es_run, run_config)
     elapsed = time.perf_counter() - t_start
     final_loss = batch_loss(trainer, eval_set)
     after = _answer(trainer, tokenizer, encoder, template, prompt, options, args.max_new_tokens)
@@ -351,3 +352,55 @@ def _train(args, log, es_run, tokenizer, encoder, template, pairs, options, run_
                           **rewards_summary, "ms_per_iteration": 1e3 * elapsed / done if done else None,
                           "member_evals_per_s": done * cfg.population / elapsed if done else None}))
     return 0
+
+
+def _iteration_line(args, it, first, stats, dt, population):
+    return (f"iter {it:4d}/{args.iterations}  reward {stats['reward_mean']:9.4f} (std {stats['reward_std']:.4f}, "
+            f"min {stats['reward_min']:9.4f}, max {stats['reward_max']:9.4f})  {dt * 1e3:7.0f} ms  "
+            f"{population / dt:6.1f} member-evals/s  {_bar(it - first, args.iterations - first)}")
+
+
+def _iterate_inprocess(args, log, es_run, run_config):
+    """Every member scored here, one iteration at a time; -> (reward means, reward stats) per iteration."""
+    first, rewards, reward_stats = es_run.iteration, [], []
+    while es_run.iteration < args.iterations:
+        t0 = time.perf_counter()
+        stats = es_run.iteration_step()
+        dt = time.perf_counter() - t0
+        rewards.append(stats["reward_mean"])
+        reward_stats.append({k: stats[f"reward_{k}"] for k in ("mean", "std", "min", "max")})
+        it = es_run.iteration
+        log(_iteration_line(args, it, first, stats, dt, es_run.es.config.population))
+        if args.save_every and it % args.save_every == 0 and it < args.iterations:
+            from ..train.checkpoint import step_dir
+            es_run.save(step_dir(args.save, it), run_config)
+    return rewards, reward_stats
+
+
+def _iterate_on_runtime(args, log, es_run, run_config):
+    """The es-finetune job on the runtime (args.workers es_members); the final checkpoint is loaded into es_run.
+
+    Every replica builds from these flags (a --load included), so the run
+    starts where es_run stands; the per-iteration lines come from the run's
+    metrics.jsonl once it is done.
+    """
+    from ..runtime.launch import Supervisor
+    from ..runtime.metrics import read_metrics
+
+    first, population = es_run.iteration, es_run.es.config.population
+    if first >= args.iterations:
+        return [], []
+    run_dir = args.out or os.path.join("runs", f"es-finetune-{time.strftime('%Y%m%d-%H%M%S')}")
+    spec = {"flags": json.dumps(flags_of(args)), "iterations": args.iterations, "population": population,
+            "save_every": args.save_every}
+    log(f"es-finetune: {args.workers} es_member(s) on the runtime, run dir {run_dir}")
+    result = Supervisor("es-finetune", spec, run_dir, trainers=args.workers, liveness=args.liveness,
+                        quiet=True).run()
+    es_run.load(result["checkpoint"])
+    rewards, reward_stats = [], []
+    for rec in read_metrics(run_dir):
+        if rec.get("kind") == "es_metrics" and rec["step"] > first:
+            rewards.append(rec["reward_mean"])
+            reward_stats.append({k: rec[f"reward_{k}"] for k in ("mean", "std", "min", "max")})
+            log(_iteration_line(args, rec["step"], first, rec, rec["step_ms"] / 1e3, population))
+    return rewards, reward_stats

@@ -29,22 +29,27 @@ the greedy answer) are scorers from pipeline/es/rewards.py; `search="full"`
 perturbs the model's dense matrices instead (pipeline/es/full.py);
 `member_batch` scores members k at a time as one batch (pipeline/es/batched.py).
 
-Trade-off: by default members run sequentially in one process (the LLM-scale
-shape: one model instance, no population of replicas), so an iteration costs
-population x batch forwards; restores are snapshots (adapters are small, and a
-bitwise restore keeps resume exact without relying on (x + t) - t). A
-`MemberPool` of N processes (each maps the GGUF read-only, the OS shares its
-pages) scores members k with k % N == j on process j from the materialized rows
-theta + sigma*eps_k: the parameters are small, so shipping rows is cheap, and
-the rewards, hence the update, are the same bits as in place.
+Trade-off: in one process members run sequentially (the LLM-scale shape: one
+model instance, no population of replicas), so an iteration costs population x
+batch forwards; restores are snapshots (adapters are small, and a bitwise
+restore keeps resume exact without relying on (x + t) - t). `ESFinetuneJob`
+runs the same iteration as an ES job of the runtime (pipeline/es/run.py,
+pipeline/runtime/es_scheduler.py): N es_member processes, each mapping the GGUF
+read-only (the OS shares its pages) with a replica of its own, score chunks of
+the population with the same `ESFinetune.score` and apply every update
+themselves, so only member ids and rewards cross the wire and the bits are the
+in-process run's.
 """
 from __future__ import annotations
+
+import dataclasses
+import json
 
 import numpy as np
 
 from ..autograd.tensor import Tensor, no_grad
-from ..errors import ConfigMismatchError, FucinaError, UserError
-from ..llm.finetune import ProcessPool, death
+from ..errors import ConfigMismatchError, UserError
+from ..jobs.spec import field
 from ..train.checkpoint import load_checkpoint, read_sentinel, save_checkpoint
 from ..train.trainer_state import TrainerState
 from .checkpoint import STRUCTURAL
@@ -77,7 +82,7 @@ def batch_loss(trainer, samples) -> float:
 class ESFinetune:
     """ES over a Trainer's adapters: one `iteration_step()` = one ES update from one loader batch."""
 
-    def __init__(self, trainer, samples, loader, es_config: ESConfig, batch=5, search="ab", pool=None, scorer=None,
+    def __init__(self, trainer, samples, loader, es_config: ESConfig, batch=5, search="ab", scorer=None,
                  dequantize=False, model_source="the model", member_batch=0):
         """scorer: what a member's reward is (pipeline/es/rewards.py); default -mean CE of `samples`.
         search "full": every dense matrix of the model instead of the adapters (pipeline/es/full.py);
@@ -90,7 +95,7 @@ class ESFinetune:
         if trainer.dropout:
             raise UserError("ES fine-tuning scores members with dropout off; build the Trainer with dropout=0")
         self.trainer, self.samples, self.loader = trainer, samples, loader
-        self.batch, self.search, self.pool = int(batch), search, pool
+        self.batch, self.search = int(batch), search
         self.scorer = scorer if scorer is not None else NLLScorer(samples)
         self.member_batch = int(member_batch)
         if self.member_batch < 0:
@@ -101,9 +106,6 @@ class ESFinetune:
         self.es = ESTrainer(es_config)
         if search == "full":
             from .full import writable_dense_weights
-            if pool is not None:
-                raise UserError("--search full scores members in this process (--workers would ship every weight "
-                                "of every member each iteration)")
             for name, arr in writable_dense_weights(trainer, dequantize, model_source).items():
                 self.es.add_param(arr, name)
         for name, p in trainer.named_parameters():
@@ -122,17 +124,29 @@ class ESFinetune:
     def iteration_step(self) -> dict:
         """Draw a batch, score every member on it, update; returns the ES stats (+ batch indices)."""
         idx = self.loader.take(self.batch)
-        if self.pool is None and not self.member_batch:  # in place: perturb -> score -> restore, one by one
-            stats = self.es.step(lambda member: self.scorer.score(self.trainer, idx))
-        elif self.pool is None:  # the rows theta + sigma*eps_m, member_batch of them per pass
-            rows = self.es.split(self.es.materialize_members(range(self.es.config.population)))
-            stats = self.es.update(self.scorer.score_members(self.trainer, rows, idx, self.member_batch))
-        else:  # the rows theta + sigma*eps_m are bitwise what perturb(m) leaves, so the rewards are too
-            rows = self.es.split(self.es.materialize_members(range(self.es.config.population)))
-            adapters = {n: p.data for n, p in self.trainer.named_parameters()}
-            stats = self.es.update(self.pool.score(adapters, rows, idx))
+        stats = self.es.update(self.score(range(self.es.config.population), idx))
         stats["batch"] = idx
         return stats
+
+    def score(self, members, idx) -> list[float]:
+        """The rewards of `members` of this iteration on the batch idx (what an es_member computes for its chunk).
+
+        One by one in place (perturb -> score -> restore), or member_batch rows
+        theta + sigma*eps_m per pass: those rows are bitwise what perturb(m)
+        leaves, so either way, and for any cut of the population, the same bits.
+        """
+        members = list(members)
+        if self.member_batch and members:
+            rows = self.es.split(self.es.materialize_members(members))
+            return [float(r) for r in self.scorer.score_members(self.trainer, rows, idx, self.member_batch)]
+        rewards = []
+        for m in members:
+            self.es.perturb(m)
+            try:
+                rewards.append(float(self.scorer.score(self.trainer, idx)))
+            finally:
+                self.es.restore(m)
+        return rewards
 
     # --- checkpoints --------------------------------------------------------
     def state(self, run_config: dict) -> TrainerState:
@@ -193,64 +207,113 @@ def es_config_from_state(stored: dict, source: str) -> dict:
     return {ours: stored[k] for k, ours in keys.items()}
 
 
+# --- the runtime job -------------------------------------------------------------
+@dataclasses.dataclass
+class ESFinetuneSpec:
+    flags: str = field("{}", "the `fucina es-finetune` flags as a JSON object (argparse dest -> value); every "
+                             "replica builds its Trainer, data and scorer from them")
+    iterations: int = field(40, "train until this many ES iterations in total")
+    population: int = field(16, "ES population (the resolved value: a resumed run's is its checkpoint's)")
+    save_every: int = field(0, "checkpoint every N iterations (0: only the final one)")
 
-# --- member processes ------------------------------------------------------------
-def _member_main(conn, model_path, trainer_kwargs, scorer, threads, member_batch):
-    """A member process: a Trainer over the mapped GGUF; answers (adapters, member rows, batch) with rewards.
 
-    The scorer is bound here, so a user's reward file is imported (and called) in this process."""
-    from ..llm.finetune import Trainer
-    from ..threads import pin_threads
-    pin_threads(threads)
-    trainer = Trainer.from_gguf(model_path, **trainer_kwargs)
-    params = dict(trainer.named_parameters())
-    scorer.bind(model_path)
-    conn.send("ready")
-    while True:
-        msg = conn.recv()
-        if msg is None:
-            break
-        adapters, members, idx = msg
-        rewards = []
+class FinetuneReplica:
+    """The ES replica ESRun and es_member drive: the searched tensors, plus the loader that draws each batch.
+
+    Setting `iteration` (a state transfer) moves the loader on by the batches
+    of the iterations skipped, so a replica built at the run's start and given
+    the parameters of iteration t scores iteration t's batch.
+    """
+
+    def __init__(self, ft: ESFinetune):
+        self.ft = ft
+        self._idx = None  # this iteration's batch once drawn
+
+    def batch(self) -> list[int]:
+        if self._idx is None:
+            self._idx = self.ft.loader.take(self.ft.batch)
+        return self._idx
+
+    @property
+    def iteration(self) -> int:
+        return self.ft.es.iteration
+
+    @iteration.setter
+    def iteration(self, value: int):
+        if value < self.ft.es.iteration:
+            raise UserError(f"es_state for iteration {value}: this replica is already at {self.ft.es.iteration}")
+        for _ in range(value - self.ft.es.iteration):
+            self.batch()
+            self._idx = None
+        self.ft.es.iteration = value
+
+    def named_arrays(self):
+        return self.ft.es.named_arrays()
+
+    def update(self, rewards) -> dict:
+        self.batch()
+        stats = self.ft.es.update(rewards)
+        self._idx = None
+        return stats
+
+
+class FinetuneTask:
+    """What the ES runtime asks of a job's task: the replica, member rewards, checkpoints (no center score)."""
+
+    def __init__(self, ft: ESFinetune, run_config: dict):
+        self.ft, self.run_config = ft, run_config
+        self.trainer = FinetuneReplica(ft)
+
+    def rewards(self, members) -> np.ndarray:
+        return np.asarray(self.ft.score(members, self.trainer.batch()), dtype=np.float64)
+
+    def center(self):
+        return None  # es-finetune stops at --iterations; its loss is measured by the command, before and after
+
+
+
+class ESFinetuneJob:
+    """`es-finetune`: ES over LoRA adapters of a frozen GGUF; a task is a chunk of (iteration, members)."""
+
+    name = "es-finetune"
+    kind = "es"
+    Spec = ESFinetuneSpec
+    eval_name = None
+    micro_batches = 0
+
+    def __init__(self, spec: ESFinetuneSpec):
+        self.spec = spec
         try:
-            if member_batch and members:  # this process's members as batches (the same bits as one by one)
-                for name, arr in adapters.items():
-                    params[name].data[...] = arr
-                stacked = {name: np.stack([rows[name] for rows in members]) for name in members[0]}
-                rewards = scorer.score_members(trainer, stacked, idx, member_batch)
-            else:
-                for rows in members:  # rows: {searched name: this member's values}
-                    for name, arr in {**adapters, **rows}.items():
-                        params[name].data[...] = arr
-                    rewards.append(scorer.score(trainer, idx))
-        except FucinaError as e:  # e.g. a reward function's bad return: the parent raises it as one line
-            conn.send(("error", str(e)))
-            continue
-        conn.send(rewards)
+            self.flags = json.loads(spec.flags)
+        except json.JSONDecodeError as e:
+            raise UserError(f"es-finetune: field 'flags' is not JSON: {e}") from None
+        if not isinstance(self.flags, dict):
+            raise UserError("es-finetune: field 'flags' must be a JSON object of the command's flags")
+        if spec.iterations < 0 or spec.save_every < 0 or spec.population < 1:
+            raise UserError("es-finetune: iterations and save_every must be >= 0, population >= 1")
+
+    @property
+    def steps(self):
+        return self.spec.iterations
+
+    @property
+    def population(self):
+        return self.spec.population
+
+    def make_task(self) -> FinetuneTask:
+        from ..commands.es_finetune import build, namespace
+        ft, _tok, _enc, _tpl, _pairs, _opts, run_config = build(namespace(self.flags), log=lambda m: None)
+        if ft.es.config.population != self.spec.population:
+            raise UserError(f"es-finetune: field 'population' is {self.spec.population}, the flags build "
+                            f"{ft.es.config.population}")
+        return FinetuneTask(ft, run_config)
+
+    def save(self, task: FinetuneTask, path):
+        task.ft.save(path, task.run_config)
+
+    def load(self, task: FinetuneTask, path):
+        task.trainer._idx = None
+        task.ft.load(path)
 
 
-class MemberPool(ProcessPool):
-    """N spawned member processes; member k is scored by process k % N; rewards come back in member order."""
-
-    def __init__(self, n, model_path, trainer_kwargs, scorer, threads=1, member_batch=0):
-        super().__init__(n, _member_main, (str(model_path), trainer_kwargs, scorer, threads, member_batch),
-                         f"a member process on {model_path}")
-
-    def score(self, adapters, rows, idx):
-        """adapters: {name: array} (the unperturbed state); rows: {searched name: (population, ...)}."""
-        population = len(next(iter(rows.values())))
-        n = len(self.conns)
-        for j, conn in enumerate(self.conns):
-            mine = [{name: r[k] for name, r in rows.items()} for k in range(j, population, n)]
-            conn.send((adapters, mine, idx))
-        rewards = [None] * population
-        for j, conn in enumerate(self.conns):
-            try:
-                answer = conn.recv()
-            except (EOFError, OSError):
-                self.procs[j].join(timeout=5)
-                raise UserError(f"member process {j} died: {death(self.procs[j].exitcode)}") from None
-            if isinstance(answer, tuple):
-                raise UserError(f"member process {j}: {answer[1]}")
-            rewards[j::n] = answer
-        return rewards
+JOB = ESFinetuneJob

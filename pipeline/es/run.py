@@ -78,6 +78,12 @@ class ESSpiralsJob:
                             antithetic=s.antithetic, shaping=s.shaping, noise=s.noise)
         return SpiralsTask(es, model_seed=s.model_seed, data_seed=s.data_seed, reward=s.reward)
 
+    def save(self, task: SpiralsTask, path):
+        save_es_checkpoint(path, task.trainer, run_config=task.run_config)
+
+    def load(self, task: SpiralsTask, path):
+        load_es_checkpoint(path, task.trainer)
+
 
 JOB = ESSpiralsJob
 
@@ -114,7 +120,7 @@ class ESRun:
         self.resumed_from = None
         if resume:
             path = latest_checkpoint(resume) or resume
-            load_es_checkpoint(path, self.trainer)
+            job.load(self.task, path)
             self.resumed_from = os.path.abspath(path)
             log(f"resumed from {path} at iteration {self.trainer.iteration}")
         self.start = self.trainer.iteration
@@ -133,9 +139,10 @@ class ESRun:
         return self.trainer.iteration
 
     def finished(self) -> bool:
-        """Score the center theta_t; True when the run stops at this iteration."""
+        """Score the center theta_t (a job without a center score: None); True when the run stops here."""
         self.center = self.task.center()
-        return self.center[1] == 1.0 or (self.job.steps > 0 and self.iteration >= self.job.steps)
+        converged = self.center is not None and self.center[1] == 1.0
+        return converged or (self.job.steps > 0 and self.iteration >= self.job.steps)
 
     def commit(self, rewards) -> dict:
         """Apply iteration t's rewards (member order) -> the es_metrics record of iteration t+1."""
@@ -148,7 +155,7 @@ class ESRun:
         record = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
                   "reward_min": float(rewards.min()), "reward_max": float(rewards.max()),
                   "evals_per_s": len(rewards) / max(step_s, 1e-9), "step_ms": step_s * 1e3,
-                  "eval": self.center[1], "eval_name": self.job.eval_name}
+                  **({"eval": self.center[1], "eval_name": self.job.eval_name} if self.center else {})}
         self.metrics.write({"kind": "es_metrics", "step": done, **record})
         every = self.job.spec.save_every
         if every and done % every == 0:
@@ -157,7 +164,7 @@ class ESRun:
 
     def save(self):
         path = checkpoint_dir(self.run_dir, self.iteration)
-        save_es_checkpoint(path, self.trainer, run_config=self.task.run_config)
+        self.job.save(self.task, path)
         self.metrics.write({"kind": "event", "event": "checkpoint_committed", "step": self.iteration,
                             "detail": {"path": path}})
         return path
@@ -170,9 +177,10 @@ class ESRun:
         path = self.save()
         wall = time.perf_counter() - self.t0
         done = self.iteration - self.start
-        ce, acc = self.center
+        scored = {} if self.center is None else {"accuracy": self.center[1], "ce": self.center[0],
+                                                 "converged": self.center[1] == 1.0}
         return {"job": self.job.name, "mode": mode, "iterations": self.iteration, "iterations_this_run": done,
-                "accuracy": acc, "ce": ce, "converged": acc == 1.0, "wall_s": round(wall, 3),
+                **scored, "wall_s": round(wall, 3),
                 "ms_per_iteration": wall / done * 1e3 if done else 0.0,
                 "median_ms_per_iteration": float(np.median(self.durations)) * 1e3 if self.durations else 0.0,
                 "member_evals_per_s": done * self.job.population / wall if done and wall > 0 else 0.0,

@@ -10,7 +10,7 @@ import importlib
 JOBS = {"spirals": "pipeline.jobs.spirals", "lm": "pipeline.jobs.lm", "pretrain": "pipeline.jobs.pretrain",
         "sft": "pipeline.jobs.sft", "finetune": "pipeline.jobs.finetune"}
 # ES jobs run the es_member task kind (pipeline/runtime/es_scheduler.py), not the trainer plan of `fucina launch`
-ES_JOBS = {"es-spirals": "pipeline.es.run"}
+ES_JOBS = {"es-spirals": "pipeline.es.run", "es-finetune": "pipeline.es.finetune"}
 
 
 def get_job(name: str):

@@ -415,55 +415,6 @@ def check_resume_config(stored, trainer, source):
                                       f"{mine[key]!r}; pass the checkpoint's value (--{key} …) to resume")
 
 
-# --- worker processes ------------------------------------------------------------
-class ProcessPool:
-    """(Only es-finetune's MemberPool still uses it; fine-tuning runs on pipeline/runtime.)
-    N spawned worker processes, each on its own Pipe, that answer "ready" once
-    started (the OS shares a mapped GGUF's pages between them). Subclasses add
-    the request/answer protocol; close() sends None and joins."""
-
-    def __init__(self, n, target, args, what):
-        import multiprocessing as mp
-        ctx = mp.get_context("spawn")
-        self.conns, self.procs = [], []
-        for _ in range(n):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=target, args=(child, *args), daemon=True)
-            proc.start()
-            self.conns.append(parent)
-            self.procs.append(proc)
-        for conn, proc in zip(self.conns, self.procs):
-            try:
-                if conn.recv() != "ready":
-                    raise EOFError
-            except EOFError:
-                self.close()
-                raise UserError(f"{what} failed to start (exit code {proc.exitcode})") from None
-
-    def close(self):
-        for conn in self.conns:
-            try:
-                conn.send(None)
-            except (OSError, BrokenPipeError):
-                pass
-        for proc in self.procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.terminate()
-
-
-def death(exitcode) -> str:
-    """What a dead worker process's exit code says happened (a signal prints nothing of its own)."""
-    if exitcode is None:
-        return "it closed its pipe but is still running"
-    if exitcode < 0:
-        import signal
-        name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else f"signal {-exitcode}"
-        hint = " (the kernel's out-of-memory killer sends this; see dmesg)" if -exitcode == signal.SIGKILL else ""
-        return f"killed by {name}{hint}, so it left no traceback"
-    return f"it exited with code {exitcode} (an exception in it prints its traceback above)"
-
-
 # --- gradient verification on a real model ----------------------------------------
 def verify_grads(session, log, warmup_steps=3, taylor_lrs=(1e-4, 3e-4, 1e-3)):
     """The causal checks of `fucina finetune --verify-grads`; True when all pass.

@@ -53,12 +53,12 @@ def test_batched_rewards_are_the_one_by_one_bits(model, search):
     assert len(set(one_by_one)) > 1  # the members differ, so equal lists are not a coincidence
 
 
-def test_member_batch_flag_same_bits_in_process_and_in_member_processes(capsys):
+def test_member_batch_flag_same_bits_in_process_and_in_member_processes(tmp_path, capsys):
     model = os.path.join(FIXTURES, "qwen3-mini-q8_0.gguf")
     common = ["es-finetune", "--model", model, "--population", "6", "--batch", "2", "--max-new-tokens", "2",
               "--iterations", "2", "--threads", "0", "--json"]
     results = []
-    for extra in ([], ["--member-batch", "4"], ["--member-batch", "3", "--workers", "2"]):
+    for extra in ([], ["--member-batch", "4"], ["--member-batch", "3", "--workers", "2", "--out", str(tmp_path / "run")]):
         assert main(common + extra) == 0
         results.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
     for r in results[1:]:
@@ -68,12 +68,12 @@ def test_member_batch_flag_same_bits_in_process_and_in_member_processes(capsys):
     assert rc == 2 and "one at a time" in capsys.readouterr().err
 
 
-def test_member_batch_decodes_generation_rewards_in_lock_step_with_the_same_bits(capsys):
+def test_member_batch_decodes_generation_rewards_in_lock_step_with_the_same_bits(tmp_path, capsys):
     model = os.path.join(FIXTURES, "qwen3-mini-q8_0.gguf")
     common = ["es-finetune", "--model", model, "--population", "6", "--batch", "2", "--max-new-tokens", "4",
               "--iterations", "2", "--threads", "0", "--json", "--reward", "rule:length=8,12", "--sigma", "0.5"]
     results = []
-    for extra in ([], ["--member-batch", "4"], ["--member-batch", "3", "--workers", "2"]):
+    for extra in ([], ["--member-batch", "4"], ["--member-batch", "3", "--workers", "2", "--out", str(tmp_path / "run")]):
         assert main(common + extra) == 0
         results.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
     for r in results[1:]:

@@ -197,11 +197,11 @@ def test_same_bits_with_one_and_two_threads(capsys):
     assert runs[0]["reward_means"] == runs[1]["reward_means"]
 
 
-def test_member_processes_equal_in_process(capsys):
+def test_member_processes_equal_in_process(tmp_path, capsys):
     rc, inproc, err = _run(capsys, "--iterations", "2")
     assert rc == 0, err
-    rc, fanned, err = _run(capsys, "--iterations", "2", "--workers", "2")
+    rc, fanned, err = _run(capsys, "--iterations", "2", "--workers", "2", "--out", str(tmp_path / "run"))
     assert rc == 0, err
-    assert "2 member processes" in err
+    assert "2 es_member processes on the runtime" in err
     assert fanned["adapters_sha256"] == inproc["adapters_sha256"]
     assert fanned["reward_means"] == inproc["reward_means"]

@@ -113,7 +113,8 @@ def test_user_reward_raises_the_reward_and_member_processes_call_it(tmp_path, ca
     assert first["min"] <= first["mean"] <= first["max"] and first["std"] > 0
     assert s["final_reward"] > s["initial_reward"], s
     assert "min" in err and "max" in err and "reward on 2 training prompts" in err
-    rc, fanned, err = _run(capsys, *common, "--reward", f"{f}:logged", "--workers", "2")
+    rc, fanned, err = _run(capsys, *common, "--reward", f"{f}:logged", "--workers", "2",
+                          "--out", str(tmp_path / "run"))
     assert rc == 0, err
     assert fanned["adapters_sha256"] == s["adapters_sha256"] and fanned["reward_stats"] == s["reward_stats"]
     pids = set(log.read_text().split())

@@ -1,5 +1,8 @@
 """Chaos: 20 runs across the jobs, each with one worker SIGKILLed at a random step; the same sha256 every time.
 
+The jobs are the trainer plan's (spirals, lm: `fucina launch`, any role is a victim) and the ES task kind's
+(es-spirals, es-finetune: their own commands, the victim is an es_member).
+
 The run, role and moment are drawn from a seeded generator (CHAOS_SEED), so a failure names a run that can
 be replayed exactly. After every run: the final digest equals the in-process reference of that job, no
 shared-memory segment of the run is left in /dev/shm, and no process of the run outlives the launcher by
@@ -10,6 +13,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -34,6 +38,15 @@ JOBS = {
                  "micro_batches": 2, "targets": "q,v", "shuffle": True, "dropout": 0.1, "lr": 3e-3,
                  "checkpoint_every": 2, "max_new_tokens": 3},
 }
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "qwen3-mini-q8_0.gguf")
+# ES job -> (its command's flags, the JSON field of the final digest, its iteration count)
+ES_JOBS = {
+    "es-spirals": (["--population", "256", "--model-seed", "1", "--max-iterations", "40", "--progress-every", "0"],
+                   "params_sha256", 40),
+    "es-finetune": (["--model", FIXTURE, "--population", "8", "--batch", "2", "--max-new-tokens", "2",
+                     "--iterations", "12", "--eval-samples", "1"], "adapters_sha256", 12),
+}
+STEPS = {**{name: spec["steps"] for name, spec in JOBS.items()}, **{name: v[2] for name, v in ES_JOBS.items()}}
 
 
 def flags(spec: dict) -> list[str]:
@@ -47,13 +60,27 @@ def flags(spec: dict) -> list[str]:
 def plan():
     """[(run, job, role, kill after this many step records, extra delay s)], a pure function of CHAOS_SEED."""
     rnd = random.Random(CHAOS_SEED)
-    names = sorted(JOBS)
+    names = sorted(STEPS)
     out = []
     for i in range(RUNS):
         job = names[i % len(names)]
-        role = rnd.choice(["trainer", "loader", "optimizer", "checkpointer"])
-        out.append((i, job, role, rnd.randrange(1, JOBS[job]["steps"] // 2), round(rnd.uniform(0, 0.3), 3)))
+        role = "es_member" if job in ES_JOBS else rnd.choice(["trainer", "loader", "optimizer", "checkpointer"])
+        out.append((i, job, role, rnd.randrange(1, STEPS[job] // 2), round(rnd.uniform(0, 0.3), 3)))
     return out
+
+
+def es_cmd(job, *flags):
+    return [sys.executable, "-m", "pipeline.cli", job, *ES_JOBS[job][0], "--json", *flags]
+
+
+def command(job, run_dir, workers):
+    if job in ES_JOBS:
+        return es_cmd(job, "--workers", str(workers), "--out", str(run_dir), "--liveness", "5")
+    return launch_cmd(job, run_dir, "--trainers", str(workers), "--liveness", "2", *flags(JOBS[job]))
+
+
+def digest(job, summary: dict) -> str:
+    return summary[ES_JOBS[job][1]] if job in ES_JOBS else summary["params_sha256"]
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +91,18 @@ def references(tmp_path_factory):
         job = get_job(name)
         out[name] = run_inprocess(job(build(job.Spec, spec)), str(tmp_path_factory.mktemp(f"ref-{name}")),
                                   log=lambda m: None)["params_sha256"]
+    for name in ES_JOBS:  # the in-process run of the same command
+        ref = subprocess.run(es_cmd(name, "--inprocess", "--out", str(tmp_path_factory.mktemp(f"ref-{name}"))),
+                             cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+        assert ref.returncode == 0, ref.stderr[-3000:]
+        out[name] = digest(name, json.loads(ref.stdout.strip().splitlines()[-1]))
     return out
 
 
 def step_records(run_dir) -> int:
     try:
         with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-            return sum('"kind": "metrics"' in line for line in fh)
+            return sum('"kind": "metrics"' in line or '"kind": "es_metrics"' in line for line in fh)
     except FileNotFoundError:
         return 0
 
@@ -88,9 +120,8 @@ def read_pids(run_dir) -> dict:
 def test_a_worker_killed_at_a_random_moment_changes_no_bit(tmp_path, references, run, job, role, after, delay):
     before = set(os.listdir(shm.SHM_DIR))
     trainers = 2 if run % 2 else 1
-    p = subprocess.Popen(launch_cmd(job, tmp_path, "--trainers", str(trainers), "--liveness", "2",
-                                    *flags(JOBS[job])),
-                         cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(command(job, tmp_path, trainers), cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
     seen = {}
     try:
         wait_for(lambda: step_records(tmp_path) >= after or p.poll() is not None, timeout=240, every=0.02)
@@ -108,7 +139,7 @@ def test_a_worker_killed_at_a_random_moment_changes_no_bit(tmp_path, references,
             p.wait()
     assert p.returncode == 0, f"run {run} ({job}, {victim} killed after step {after}) failed:\n{err[-3000:]}"
     summary = json.loads(out.strip().splitlines()[-1])
-    assert summary["params_sha256"] == references[job], f"run {run}: {victim} killed after step {after}"
+    assert digest(job, summary) == references[job], f"run {run}: {victim} killed after step {after}"
     seen.update(read_pids(tmp_path))
     survivors = lambda: {n: pid for n, pid in seen.items() if alive(pid)}  # noqa: E731
     try:

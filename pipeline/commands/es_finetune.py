@@ -40,19 +40,27 @@ def add_arguments(p):
                         "(for a first run, the model.gguf `fucina launch lm` saves)")
     add_data_arguments(p)
     add_chat_template_argument(p)
-    p.add_argument("--shuffle", action="store_true", help="shuffled sample order (Fisher-Yates per epoch, seeded by --data-seed)")
-    p.add_argument("--seed", type=int, default=42, help="run seed: the adapter init (A), the ES noise (unless --es-seed) and the data order (unless --data-seed)")
-    p.add_argument("--es-seed", type=int, default=None, help="seed of the ES noise stream (default: derived from --seed, independent of the adapter init)")
+    p.add_argument("--shuffle", action="store_true", help="shuffled sample order (Fisher-Yates per epoch, seeded by "
+                                                          "--data-seed)")
+    p.add_argument("--seed", type=int, default=42, help="run seed: the adapter init (A), the ES noise (unless "
+                                                        "--es-seed) and the data order (unless --data-seed)")
+    p.add_argument("--es-seed", type=int, default=None, help="seed of the ES noise stream (default: derived from "
+                                                             "--seed, independent of the adapter init)")
     p.add_argument("--data-seed", type=int, default=None, help="seed of the shuffled order (default: --seed)")
-    p.add_argument("--iterations", type=int, default=40, help="train until this many ES iterations in total (a resumed run continues from its checkpoint)")
-    p.add_argument("--population", type=int, default=None, help=f"members per iteration (default {ES_DEFAULTS['population']}; even with --antithetic)")
+    p.add_argument("--iterations", type=int, default=40, help="train until this many ES iterations in total (a "
+                                                              "resumed run continues from its checkpoint)")
+    p.add_argument("--population", type=int, default=None, help="members per iteration (default "
+                                                                f"{ES_DEFAULTS['population']}; even with --antithetic)")
     p.add_argument("--sigma", type=float, default=None, help=f"perturbation scale (default {ES_DEFAULTS['sigma']})")
-    p.add_argument("--alpha", type=float, default=None, help=f"ES step size, no 1/sigma (default {ES_DEFAULTS['alpha']})")
+    p.add_argument("--alpha", type=float, default=None, help="ES step size, no 1/sigma (default "
+                                                             f"{ES_DEFAULTS['alpha']})")
     p.add_argument("--antithetic", action=argparse.BooleanOptionalAction, default=None,
                    help="mirrored (+eps, -eps) member pairs (default on; --no-antithetic: independent members)")
-    p.add_argument("--shaping", choices=("z_score", "centered_ranks"), default=None, help="fitness shaping (default z_score)")
+    p.add_argument("--shaping", choices=("z_score", "centered_ranks"), default=None, help="fitness shaping (default "
+                                                                                          "z_score)")
     p.add_argument("--noise", choices=("iid", "correlated"), default=None, help="noise scheme (default iid)")
-    p.add_argument("--batch", type=int, default=None, help="samples every member scores per iteration (default 5: the whole pirate set)")
+    p.add_argument("--batch", type=int, default=None, help="samples every member scores per iteration (default 5: the "
+                                                           "whole pirate set)")
     p.add_argument("--reward", default=None, metavar="SPEC",
                    help="what a member is scored by: nll (default; -mean CE of the reference responses), exact "
                         "(greedy answer == reference after normalisation), countdown (the --task countdown checker), "
@@ -79,13 +87,16 @@ def add_arguments(p):
     p.add_argument("--targets", default="q,v", help="comma-separated projections to adapt, any of q,k,v,o,gate,up,down")
     p.add_argument("--anchor-decay", choices=("l1", "l2"), default=None,
                    help="anchored weight decay toward the initial adapters after each update (default off)")
-    p.add_argument("--anchor-lambda", type=float, default=None, help="anchored decay strength lambda (shrink = alpha*lambda)")
+    p.add_argument("--anchor-lambda", type=float, default=None, help="anchored decay strength lambda (shrink = "
+                                                                     "alpha*lambda)")
     p.add_argument("--seq-max", type=int, default=256, help="truncate samples to this many input tokens")
     p.add_argument("--eval-samples", type=int, default=32,
                    help="initial/final loss is measured on the first N training samples (unperturbed adapters)")
     p.add_argument("--save", metavar="DIR", help="write the final checkpoint directory here")
-    p.add_argument("--save-every", type=int, default=0, metavar="N", help="also save DIR/checkpoint-step-N every N iterations (needs --save)")
-    p.add_argument("--load", metavar="DIR", help="resume from a checkpoint (adapters, iteration, loader position; its ES config wins over the flags)")
+    p.add_argument("--save-every", type=int, default=0, metavar="N", help="also save DIR/checkpoint-step-N every N "
+                                                                          "iterations (needs --save)")
+    p.add_argument("--load", metavar="DIR", help="resume from a checkpoint (adapters, iteration, loader position; its "
+                                                 "ES config wins over the flags)")
     p.add_argument("--workers", "--members", type=int, default=0, metavar="N", dest="workers",
                    help="run as an ES job of the pipeline runtime with N es_member processes, each mapping the GGUF "
                         "read-only and keeping its own replica (0 = score the members in this process); same bits")
@@ -102,16 +113,19 @@ def add_arguments(p):
                         "0 = one member at a time")
     p.add_argument("--threads", type=int, default=1,
                    help="BLAS/numba threads (default 1: the forwards are small; 0 = leave the pools alone)")
-    p.add_argument("--prompt", default=None, help="held prompt for the BEFORE/AFTER answers (default: the first training instruction)")
+    p.add_argument("--prompt", default=None, help="held prompt for the BEFORE/AFTER answers (default: the first "
+                                                  "training instruction)")
     p.add_argument("--max-new-tokens", type=int, default=48,
                    help="greedy tokens generated per answer: the BEFORE/AFTER answers and every generation reward")
-    p.add_argument("--json", action="store_true", help="print one JSON summary line on stdout (progress goes to stderr)")
+    p.add_argument("--json", action="store_true", help="print one JSON summary line on stdout (progress goes to "
+                                                       "stderr)")
 
 
 def _check_args(args):
     for flag, value, low in (("--iterations", args.iterations, 0), ("--seq-max", args.seq_max, 1),
                              ("--save-every", args.save_every, 0), ("--max-new-tokens", args.max_new_tokens, 0),
-                             ("--eval-samples", args.eval_samples, 1), ("--threads", args.threads, 0), ("--workers", args.workers, 0),
+                             ("--eval-samples", args.eval_samples, 1), ("--threads", args.threads, 0),
+                             ("--workers", args.workers, 0),
                              ("--member-batch", args.member_batch, 0),
                              ("--batch", args.batch if args.batch is not None else 1, 1)):
         if value < low:
@@ -164,7 +178,8 @@ def _items(pairs, encoder, template, options):
 
 
 def _es_settings(args, state, log):
-    """ES config + batch + search: the checkpoint's on resume (explicit flags that differ are reported), else flags/defaults."""
+    """ES config + batch + search: the checkpoint's on resume (explicit flags that differ are reported), else
+    flags/defaults."""
     from ..es.finetune import es_config_from_state
 
     flags = {k: getattr(args, k) for k in ES_DEFAULTS}
@@ -252,7 +267,8 @@ def build(args, log):
             raise ConfigMismatchError(f"{args.load}/trainer_state.json: field 'config.order' is {stored_order!r} "
                                       f"but this run is {order!r} (pass --shuffle as the checkpoint did, or not)")
         run.load(args.load)
-        log(f"resumed {args.load}: ES iteration {run.iteration}, loader epoch {run.loader.epoch} index {run.loader.index}")
+        log(f"resumed {args.load}: ES iteration {run.iteration}, loader epoch {run.loader.epoch} index "
+            f"{run.loader.index}")
     data = args.data or (_countdown_source(args) if args.task else "builtin:pirate")
     run_config = {"model": str(args.model), "lora": lora_config(trainer), "seq_max": args.seq_max,
                   "data": data, "order": order, "trainer": "es", "reward": reward}

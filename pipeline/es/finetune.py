@@ -189,7 +189,8 @@ class ESFinetune:
                                           f"{ours[name]!r} in this run")
         if state.seeds.get("lora") != self.trainer.seed:
             raise ConfigMismatchError(f"{source}: field 'seeds.lora' is {state.seeds.get('lora')!r} in the checkpoint, "
-                                      f"{self.trainer.seed!r} in this run (the adapter init and the anchor depend on it)")
+                                      f"{self.trainer.seed!r} in this run (the adapter init and the anchor depend on "
+                                      "it)")
         load_checkpoint(directory, model=self._full_tensors() if self.search == "full" else self.trainer)
         self.es.iteration = state.step
         self.loader = Loader.from_state(self.loader.n, self.loader.order, state.loader)

@@ -58,7 +58,8 @@ def test_member_batch_flag_same_bits_in_process_and_in_member_processes(tmp_path
     common = ["es-finetune", "--model", model, "--population", "6", "--batch", "2", "--max-new-tokens", "2",
               "--iterations", "2", "--threads", "0", "--json"]
     results = []
-    for extra in ([], ["--member-batch", "4"], ["--member-batch", "3", "--workers", "2", "--out", str(tmp_path / "run")]):
+    in_processes = ["--member-batch", "3", "--workers", "2", "--out", str(tmp_path / "run")]
+    for extra in ([], ["--member-batch", "4"], in_processes):
         assert main(common + extra) == 0
         results.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
     for r in results[1:]:
@@ -73,7 +74,8 @@ def test_member_batch_decodes_generation_rewards_in_lock_step_with_the_same_bits
     common = ["es-finetune", "--model", model, "--population", "6", "--batch", "2", "--max-new-tokens", "4",
               "--iterations", "2", "--threads", "0", "--json", "--reward", "rule:length=8,12", "--sigma", "0.5"]
     results = []
-    for extra in ([], ["--member-batch", "4"], ["--member-batch", "3", "--workers", "2", "--out", str(tmp_path / "run")]):
+    in_processes = ["--member-batch", "3", "--workers", "2", "--out", str(tmp_path / "run")]
+    for extra in ([], ["--member-batch", "4"], in_processes):
         assert main(common + extra) == 0
         results.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
     for r in results[1:]:

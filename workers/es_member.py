@@ -10,8 +10,11 @@ back float64 rewards. Any member can die; its members are re-run elsewhere
 with the same bits. One thread (BLAS and numba pinned): the parallelism is the
 number of members. Messages: pipeline/runtime/es_scheduler.py.
 """
+import os
 import sys
 import time
+
+from pipeline.es.finetune import check_reward_files
 
 from pipeline.es.run import load_state
 from pipeline.runtime.ckpt import params_sha256
@@ -22,6 +25,7 @@ class ESMember(Worker):
     role = "es_member"
 
     def setup(self):
+        check_reward_files(self.job, os.environ, where=self.id)
         self.task = self.job.make_task()
         self.at = None  # the iteration the replica is at; None until the first es_state
 

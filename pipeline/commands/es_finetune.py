@@ -400,6 +400,8 @@ def _iterate_on_runtime(args, log, es_run, run_config):
     starts where es_run stands; the per-iteration lines come from the run's
     metrics.jsonl once it is done.
     """
+    from ..es.finetune import REWARD_FILES_ENV, ESFinetuneJob
+    from ..jobs.spec import build as build_spec
     from ..runtime.launch import Supervisor
     from ..runtime.metrics import read_metrics
 
@@ -410,8 +412,10 @@ def _iterate_on_runtime(args, log, es_run, run_config):
     spec = {"flags": json.dumps(flags_of(args)), "iterations": args.iterations, "population": population,
             "save_every": args.save_every}
     log(f"es-finetune: {args.workers} es_member(s) on the runtime, run dir {run_dir}")
+    env = dict(os.environ)  # the reward file the user named here is one the members spawned here may import
+    env[REWARD_FILES_ENV] = os.pathsep.join(ESFinetuneJob(build_spec(ESFinetuneJob.Spec, spec)).reward_files())
     result = Supervisor("es-finetune", spec, run_dir, trainers=args.workers, liveness=args.liveness,
-                        quiet=True).run()
+                        quiet=True, env=env).run()
     es_run.load(result["checkpoint"])
     rewards, reward_stats = [], []
     for rec in read_metrics(run_dir):

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import numpy as np
 
@@ -57,6 +58,7 @@ from .rewards import NLLScorer
 from .trainer import ESConfig, ESTrainer
 
 SEARCHES = ("ab", "b", "full")
+REWARD_FILES_ENV = "FUCINA_REWARD_FILES"  # os.pathsep-separated reward files a member may import
 
 
 def batch_loss(trainer, samples) -> float:
@@ -301,6 +303,14 @@ class ESFinetuneJob:
     def population(self):
         return self.spec.population
 
+    def reward_files(self) -> list:
+        """The Python files the reward imports (`--reward PATH.py:FUNC`), resolved. A member process takes
+        these paths from the scheduler's run description, so it imports one only when its own environment
+        lists it (REWARD_FILES_ENV): a message is never enough to make a process run a file."""
+        reward = self.flags.get("reward") or ""
+        path, _, func = reward.rpartition(":")
+        return [os.path.realpath(path)] if path.endswith(".py") and func else []
+
     def make_task(self) -> FinetuneTask:
         from ..commands.es_finetune import build, namespace
         ft, _tok, _enc, _tpl, _pairs, _opts, run_config = build(namespace(self.flags), log=lambda m: None)
@@ -315,6 +325,15 @@ class ESFinetuneJob:
     def load(self, task: FinetuneTask, path):
         task.trainer._idx = None
         task.ft.load(path)
+
+
+def check_reward_files(job, environ, where="es_member"):
+    """Refuse a job whose reward would import a file this process's environment does not list (REWARD_FILES_ENV)."""
+    allowed = {os.path.realpath(p) for p in environ.get(REWARD_FILES_ENV, "").split(os.pathsep) if p}
+    refused = [p for p in getattr(job, "reward_files", list)() if p not in allowed]
+    if refused:
+        raise UserError(f"{where}: the run's reward imports {refused[0]}; a member imports a reward file only "
+                        f"when its own environment lists it: {REWARD_FILES_ENV}={refused[0]}")
 
 
 JOB = ESFinetuneJob

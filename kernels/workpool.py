@@ -11,9 +11,9 @@ computed by the same serial code whatever the split, so bits never depend on
 the thread count. Calls made from a pool thread (a row kernel inside a GEMM
 tile) run serially, so a pool thread never waits on the pool.
 The hand-off is a pair of plain locks per worker (release to start it, acquire
-to wait for it), not an executor's futures: decode makes ~140 dispatches per
-token, and a two-thread dispatch of empty tasks measured 33 us through
-ThreadPoolExecutor against 16 us this way. The workers serve one dispatch at a
+to wait for it), not an executor's futures: decode makes 4 dispatches per
+layer plus one per token, and a two-thread dispatch of empty tasks measured
+49 us median through ThreadPoolExecutor against 33 us this way (docs/models.md). The workers serve one dispatch at a
 time; a call made while another thread's dispatch holds them runs on its own
 thread alone, which gives the same bits.
 """
@@ -29,7 +29,7 @@ from collections.abc import Callable
 import numba
 
 _THREAD_NAME = "fucina-kernels"
-_POOL = None  # (pid, workers): a pool inherited through fork has no threads, so it is per process
+_POOL = None  # the _Pool of this process, made on first use
 _POOL_LOCK = threading.Lock()  # creating the pool
 _BLAS = None  # threadpoolctl controller (the library lookup is slow: once)
 _BLAS_LIMIT, _BLAS_DEPTH, _BLAS_LOCK = None, 0, threading.Lock()  # the outermost single_thread_blas
@@ -73,9 +73,19 @@ class _Pool:
 def _pool() -> _Pool:
     global _POOL
     with _POOL_LOCK:
-        if _POOL is None or _POOL[0] != os.getpid():
-            _POOL = (os.getpid(), _Pool(max(1, numba.config.NUMBA_NUM_THREADS - 1)))
-        return _POOL[1]
+        if _POOL is None:
+            _POOL = _Pool(max(1, numba.config.NUMBA_NUM_THREADS - 1))
+        return _POOL
+
+
+def _forget_pool_after_fork():
+    """A forked child has none of the parent's threads, and its copies of the locks may be held by a thread
+    that no longer exists: it makes its own pool."""
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
 def _dispatch(jobs: list, own: Callable[[], None]):

@@ -79,3 +79,23 @@ def test_dispatches_from_two_threads_at_once_each_run_all_their_tasks():
         for t in threads:
             t.join(timeout=60)
     assert results == {"a": True, "b": True}
+
+
+def test_a_forked_child_dispatches_on_its_own_workers():
+    import multiprocessing
+    import pytest
+    from pipeline.threads import numba_threads
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork on this platform")
+    with numba_threads(2):
+        workpool.run_dynamic(4, lambda i: None)  # the parent's pool exists before the fork
+        with multiprocessing.get_context("fork").Pool(1) as pool:
+            assert pool.apply_async(_pieces_in_child, (20,)).get(timeout=120) == list(range(20))  # a hang fails
+
+
+def _pieces_in_child(n):
+    import numba
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    seen = []
+    workpool.run_dynamic(n, seen.append)
+    return sorted(seen)

@@ -115,11 +115,27 @@ def _dispatch(jobs: list, own: Callable[[], None]):
             raise error
 
 
+_NUM_THREADS_READER = None  # numba's thread-local count as a C call, once its threading layer is up
+
+
+def threads() -> int:
+    """numba.get_num_threads() (this thread's setting) without the ~3 us threading-layer launch check it makes on
+    every call (measured): a decode token asks ~3 times per dispatch. The check runs once, then the layer's
+    own getter is called; a numba without that internal keeps the public call."""
+    global _NUM_THREADS_READER
+    if _NUM_THREADS_READER is None:
+        from numba.np.ufunc import parallel
+        count = numba.get_num_threads()  # launches the threading layer, which sets parallel._get_num_threads
+        _NUM_THREADS_READER = getattr(parallel, "_get_num_threads", None) or numba.get_num_threads
+        return count
+    return _NUM_THREADS_READER()
+
+
 def workers(n_tasks: int) -> int:
-    """Threads worth using for n_tasks pieces: numba.get_num_threads(), fewer for few pieces, 1 on a pool thread."""
+    """Threads worth using for n_tasks pieces: threads(), fewer for few pieces, 1 on a pool thread."""
     if threading.current_thread().name.startswith(_THREAD_NAME):
         return 1
-    return max(1, min(numba.get_num_threads(), n_tasks))
+    return max(1, min(threads(), n_tasks))
 
 
 @contextlib.contextmanager

@@ -99,3 +99,19 @@ def _pieces_in_child(n):
     seen = []
     workpool.run_dynamic(n, seen.append)
     return sorted(seen)
+
+
+def test_threads_follows_numba_set_num_threads_on_every_thread():
+    import threading
+    import numba
+    from pipeline.threads import numba_threads
+    top = numba.config.NUMBA_NUM_THREADS
+    for n in sorted({1, top}):
+        with numba_threads(n):
+            assert workpool.threads() == numba.get_num_threads() == n
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append((workpool.threads(), numba.get_num_threads())))
+    with numba_threads(1):
+        thread.start()
+        thread.join()
+    assert seen[0][0] == seen[0][1]  # numba's count is per thread: a new thread reads its own

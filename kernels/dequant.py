@@ -25,7 +25,7 @@ from numba import njit
 
 from .qblocks import (store_bf16, store_f16, store_iq4_nl, store_iq4_xs, store_q2_k, store_q3_k, store_q4_0,
                       store_q4_1, store_q4_k, store_q5_0, store_q5_1, store_q5_k, store_q6_k, store_q8_0)
-from .workpool import run_dynamic, split_range
+from .workpool import run_dynamic, split_range, threads as pool_threads
 
 # qtype ids (gguf GGMLQuantizationType) handled here
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16 = 0, 1, 2, 3, 6, 7, 8, 30
@@ -236,7 +236,6 @@ def matvec_many(weights, x: np.ndarray) -> list:
     (q/k/v, gate/up) in one dispatch. Each weight's rows are cut into a few pieces that the
     threads take dynamically; every row is computed by the same serial code whichever
     thread takes it, so the results do not depend on the thread count or the cut."""
-    import numba
     from .qdot import matvec_range
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2:
@@ -246,7 +245,7 @@ def matvec_many(weights, x: np.ndarray) -> list:
     for qtype, raw in weights:
         _check(qtype, raw, x.shape[1])
     outs = [np.empty((x.shape[0], raw.shape[0]), np.float32) for _, raw in weights]
-    threads = numba.get_num_threads()
+    threads = pool_threads()
     pieces = []
     for (qtype, raw), out in zip(weights, outs):
         rows = raw.shape[0]

@@ -18,14 +18,13 @@ its rows, so results are bitwise independent of the thread count.
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import njit
 
 from .dequant import (HALF_TO_FLOAT, MATVEC_PIECES_PER_THREAD, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, ROW_CHUNK, _check,
                       _half)
 from .qblocks import idot_q4_0, idot_q4_k, idot_q5_0, idot_q5_k, idot_q6_k, idot_q8_0
-from .workpool import run_dynamic
+from .workpool import run_dynamic, threads as pool_threads
 
 Q8_0_PARTNER, Q8_K_PARTNER = "Q8_0", "Q8_K"
 # weight format -> the activation blocks llama.cpp pairs it with (its vec_dot_type)
@@ -211,7 +210,7 @@ def matmul_t_many(weights, x: np.ndarray) -> list:
         _check(qtype, raw, x.shape[1])
         if PARTNER[qtype] not in activations:
             activations[PARTNER[qtype]] = quantize_activations(PARTNER[qtype], x)
-    threads = numba.get_num_threads()
+    threads = pool_threads()
     outs, pieces = [], []
     for qtype, raw in weights:
         raw = np.ascontiguousarray(raw)

@@ -10,36 +10,132 @@ leaves the result independent of who computes which piece: each index is
 computed by the same serial code whatever the split, so bits never depend on
 the thread count. Calls made from a pool thread (a row kernel inside a GEMM
 tile) run serially, so a pool thread never waits on the pool.
+The hand-off is a pair of plain locks per worker (release to start it, acquire
+to wait for it), not an executor's futures: decode makes 4 dispatches per
+layer plus one per token, and a two-thread dispatch of empty tasks measured
+49 us median through ThreadPoolExecutor against 33 us this way (docs/models.md). The workers serve one dispatch at a
+time; a call made while another thread's dispatch holds them runs on its own
+thread alone, which gives the same bits.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import threading
+from collections.abc import Callable
 
 import numba
 
 _THREAD_NAME = "fucina-kernels"
-_POOL = None  # (pid, executor): a pool inherited through fork has no threads, so it is per process
+_POOL = None  # the _Pool of this process, made on first use
+_POOL_LOCK = threading.Lock()  # creating the pool
 _BLAS = None  # threadpoolctl controller (the library lookup is slow: once)
 _BLAS_LIMIT, _BLAS_DEPTH, _BLAS_LOCK = None, 0, threading.Lock()  # the outermost single_thread_blas
 
 
-def _pool():
+class _Worker:
+    """One daemon thread that runs a job each time `start` releases its lock; `wait` returns its error, if any."""
+
+    def __init__(self, index: int):
+        self._go, self._done = threading.Lock(), threading.Lock()
+        self._go.acquire()
+        self._done.acquire()
+        self._job, self._error = None, None
+        threading.Thread(target=self._loop, name=f"{_THREAD_NAME}_{index}", daemon=True).start()
+
+    def _loop(self):
+        while True:
+            self._go.acquire()
+            try:
+                self._job()
+            except BaseException as error:  # re-raised on the dispatching thread
+                self._error = error
+            self._job = None
+            self._done.release()
+
+    def start(self, job: Callable[[], None]):
+        self._job, self._error = job, None
+        self._go.release()
+
+    def wait(self) -> BaseException | None:
+        self._done.acquire()
+        return self._error
+
+
+class _Pool:
+    def __init__(self, size: int):
+        self.workers = [_Worker(i) for i in range(size)]
+        self.busy = threading.Lock()  # held by the thread whose dispatch the workers serve
+
+
+def _pool() -> _Pool:
     global _POOL
-    if _POOL is None or _POOL[0] != os.getpid():
-        from concurrent.futures import ThreadPoolExecutor
-        _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=max(1, numba.config.NUMBA_NUM_THREADS - 1),
-                                                 thread_name_prefix=_THREAD_NAME))
-    return _POOL[1]
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = _Pool(max(1, numba.config.NUMBA_NUM_THREADS - 1))
+        return _POOL
+
+
+def _forget_pool_after_fork():
+    """A forked child has none of the parent's threads, and its copies of the locks may be held by a thread
+    that no longer exists: it makes its own pool."""
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
+def _dispatch(jobs: list, own: Callable[[], None]):
+    """Each of `jobs` on a worker while the caller runs `own`; the first error (the caller's first) is raised
+    after every job has finished. With the workers busy (another thread's dispatch) the caller runs them all."""
+    pool = _pool()
+    if not pool.busy.acquire(blocking=False):
+        own()
+        for job in jobs:
+            job()
+        return
+    try:
+        started = []
+        try:
+            for worker, job in zip(pool.workers, jobs):
+                worker.start(job)
+                started.append(worker)
+            own()
+            for job in jobs[len(started):]:  # more jobs than workers (a thread count above the pool's): the caller's
+                job()
+        finally:
+            errors = [worker.wait() for worker in started]
+    finally:
+        pool.busy.release()
+    for error in errors:
+        if error is not None:
+            raise error
+
+
+_NUM_THREADS_READER = None  # numba's thread-local count as a C call, once its threading layer is up
+
+
+def threads() -> int:
+    """numba.get_num_threads() (this thread's setting) without the ~3 us threading-layer launch check it makes on
+    every call (measured): a decode token asks ~3 times per dispatch. The check runs once, then the layer's
+    own getter is called; a numba without that internal keeps the public call."""
+    global _NUM_THREADS_READER
+    if _NUM_THREADS_READER is None:
+        from numba.np.ufunc import parallel
+        count = numba.get_num_threads()  # launches the threading layer, which sets parallel._get_num_threads
+        _NUM_THREADS_READER = getattr(parallel, "_get_num_threads", None) or numba.get_num_threads
+        return count
+    return _NUM_THREADS_READER()
 
 
 def workers(n_tasks: int) -> int:
-    """Threads worth using for n_tasks pieces: numba.get_num_threads(), fewer for few pieces, 1 on a pool thread."""
+    """Threads worth using for n_tasks pieces: threads(), fewer for few pieces, 1 on a pool thread."""
     if threading.current_thread().name.startswith(_THREAD_NAME):
         return 1
-    return max(1, min(numba.get_num_threads(), n_tasks))
+    return max(1, min(threads(), n_tasks))
 
 
 @contextlib.contextmanager
@@ -80,10 +176,7 @@ def run_dynamic(n_tasks: int, task):
                 return
             task(i)
 
-    futures = [_pool().submit(work) for _ in range(n - 1)]
-    work()
-    for f in futures:
-        f.result()
+    _dispatch([work] * (n - 1), work)
 
 
 def split_range(n: int, parts: int, fn):
@@ -93,10 +186,8 @@ def split_range(n: int, parts: int, fn):
     if parts <= 1:
         fn(0, n)
         return
-    futures = [_pool().submit(fn, i0, min(n, i0 + step)) for i0 in range(step, n, step)]
-    fn(0, min(n, step))
-    for f in futures:
-        f.result()
+    _dispatch([functools.partial(fn, i0, min(n, i0 + step)) for i0 in range(step, n, step)],
+              functools.partial(fn, 0, min(n, step)))
 
 
 def run_tiles(n_tiles: int, tile):

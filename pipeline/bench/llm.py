@@ -7,7 +7,8 @@ thread count in a subprocess, so its memory does not pollute our peak RSS and a
 crash in it cannot take the benchmark down. Its KV cache is f32 like ours.
 Per-kernel rows then time one decode matvec and one 64-row prefill product per
 weight format and shape of the file, as GB/s of weight bytes and GFLOP/s beside
-the machine's measured memory bandwidth and f32 BLAS peak (`--no-kernels` skips them).
+the machine's measured memory bandwidth and f32 BLAS peak, and the thread pool's
+cost per dispatch times the dispatches a decode token makes (`--no-kernels` skips them).
 """
 from __future__ import annotations
 
@@ -95,6 +96,19 @@ def _machine_limits(threads, repeat):
     return buf.nbytes / read_ms / 1e6, 2 * buf.nbytes / copy_ms / 1e6, 2 * 1024 ** 3 / gemm_ms / 1e6
 
 
+def _dispatch_row(gg, threads, repeat):
+    """The thread pool's fixed cost: one dispatch of empty tasks to `threads` threads (a mean over 200, as a
+    decode makes them back to back), and what the 4 dispatches per layer plus the output head's add per token."""
+    from kernels import workpool
+    layers = sum(1 for name in gg.tensor_names if name.endswith(".ffn_down.weight"))
+    per_token = 4 * layers + 1
+    calls = 200
+    ms = timed(lambda: [workpool.run_dynamic(threads, lambda i: None) for _ in range(calls)], repeat)[0] / calls
+    return {"case": "machine/dispatch", "ms": ms, "baselines": {}, "dispatches_per_token": per_token,
+            "notes": f"one empty {threads}-thread pool dispatch: {ms * 1e3:.1f} us; a decode token makes "
+                     f"{per_token} ({layers} layers x 4 + the output head): {per_token * ms:.2f} ms per token"}
+
+
 def _kernel_rows(path, threads, repeat):
     """One decode row (1 activation row, no graph: FrozenWeight's default path) and one prefill row (64 rows)
     per (format, shape) of the model's projection weights, and for the formats with integer kernels the other
@@ -110,6 +124,7 @@ def _kernel_rows(path, threads, repeat):
              "copy_gbps": copy_gbs, "peak_gflops": peak,
              "notes": f"numpy sum of 256 MB: {read_gbs:.1f} GB/s (copy {copy_gbs:.1f} GB/s "
                       f"read+write); f32 BLAS 1024^3 at {threads} thread(s): {peak:.1f} GFLOP/s"}]
+    rows.append(_dispatch_row(gg, threads, repeat))
     seen = set()
     for name in gg.tensor_names:
         if not name.endswith(".weight") or ".attn_" not in name and ".ffn_" not in name:

@@ -20,7 +20,10 @@ def test_bench_llm_reports_kernel_rows_beside_the_machine_limits():
     assert cases[:4] == [f"qwen3-mini-q8_0.gguf/{c}" for c in ("prefill64", "prefill256", "decode", "peak_rss")]
     limits = rows[4]
     assert limits["case"] == "machine/memory_read" and limits["gbps"] > 0 and limits["peak_gflops"] > 0
-    kernels = rows[5:]
+    dispatch = rows[5]
+    assert dispatch["case"] == "machine/dispatch" and dispatch["ms"] > 0
+    assert dispatch["dispatches_per_token"] == 4 * 2 + 1  # the fixture's two layers, then the output head
+    kernels = rows[6:]
     assert kernels and all(r["case"].startswith("kernel/Q8_0/") and r["gbps"] > 0 and r["gflops"] > 0
                            for r in kernels)
     paths = {r["case"].rsplit("/", 1)[1]: r["path"] for r in kernels}

@@ -30,3 +30,88 @@ def test_single_thread_blas_restores_after_an_error():
         assert _blas_threads() == outside
         with workpool.single_thread_blas():
             assert set(_blas_threads()) == {1}
+
+
+def test_run_dynamic_runs_every_index_once_and_split_range_covers_the_range():
+    from pipeline.threads import numba_threads
+    with numba_threads(2):
+        seen = []
+        workpool.run_dynamic(50, seen.append)  # list.append is atomic under the GIL
+        assert sorted(seen) == list(range(50))
+        pieces = []
+        workpool.split_range(37, 2, lambda i0, i1: pieces.append((i0, i1)))
+        assert sorted(pieces) == [(0, 19), (19, 37)]
+
+
+def test_an_error_on_a_worker_reaches_the_caller_and_the_pool_keeps_working():
+    import pytest
+    from pipeline.threads import numba_threads
+
+    def fail_on_worker(i0, i1):
+        if i0:
+            raise KeyError("worker piece")
+
+    with numba_threads(2):
+        with pytest.raises(KeyError, match="worker piece"):
+            workpool.split_range(10, 2, fail_on_worker)
+        pieces = []
+        workpool.split_range(10, 2, lambda i0, i1: pieces.append((i0, i1)))
+        assert sorted(pieces) == [(0, 5), (5, 10)]
+
+
+def test_dispatches_from_two_threads_at_once_each_run_all_their_tasks():
+    import threading
+    from pipeline.threads import numba_threads
+    results, barrier = {}, threading.Barrier(2)
+
+    def caller(name):
+        barrier.wait()
+        for _ in range(200):  # enough rounds that the two callers' dispatches overlap
+            seen = []
+            workpool.run_dynamic(8, seen.append)
+            assert sorted(seen) == list(range(8))
+        results[name] = True
+
+    with numba_threads(2):
+        threads = [threading.Thread(target=caller, args=(name,)) for name in "ab"]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    assert results == {"a": True, "b": True}
+
+
+def test_a_forked_child_dispatches_on_its_own_workers():
+    import multiprocessing
+    import pytest
+    from pipeline.threads import numba_threads
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork on this platform")
+    with numba_threads(2):
+        workpool.run_dynamic(4, lambda i: None)  # the parent's pool exists before the fork
+        with multiprocessing.get_context("fork").Pool(1) as pool:
+            assert pool.apply_async(_pieces_in_child, (20,)).get(timeout=120) == list(range(20))  # a hang fails
+
+
+def _pieces_in_child(n):
+    import numba
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    seen = []
+    workpool.run_dynamic(n, seen.append)
+    return sorted(seen)
+
+
+def test_threads_follows_numba_set_num_threads_on_every_thread():
+    import threading
+    import numba
+    from pipeline.threads import numba_threads
+    top = numba.config.NUMBA_NUM_THREADS
+    for n in sorted({1, top}):
+        with numba_threads(n):
+            assert workpool.threads() == numba.get_num_threads() == n
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append((workpool.threads(), numba.get_num_threads())))
+    with numba_threads(1):
+        thread.start()
+        thread.join()
+    assert seen[0][0] == seen[0][1]  # numba's count is per thread: a new thread reads its own

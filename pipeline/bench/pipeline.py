@@ -54,6 +54,9 @@ def add_arguments(parser):
                              "iteration time with members over tcp vs ipc")
     parser.add_argument("--presets", default="tiny,d4,d6",
                         help="with --remote: the pretrain presets to measure (tiny, d4, d6, d8)")
+    parser.add_argument("--finetune-model", metavar="GGUF", default=None,
+                        help="with --remote: also the LoRA fine-tune shape of this GGUF (default LoRA settings of "
+                             "`fucina finetune`: rank 8 on q,k,v,o,gate,up,down; the frozen model never travels)")
 
 
 def _config():
@@ -101,6 +104,16 @@ def _shapes_pretrain(preset):
     m = batch_tokens // s.micro_batches
     shortest = window_lengths(seq, s.seq_warmup)[0]
     return params, [np.zeros(m + m // shortest, np.int64), np.zeros(1, np.int64)], s.micro_batches
+
+
+def _shapes_finetune(model):
+    """The same for the finetune job on `model`: the adapters travel, the frozen GGUF stays on each host."""
+    from ..jobs import get_job
+    from ..jobs.spec import build
+    job_cls = get_job("finetune")
+    job = job_cls(build(job_cls.Spec, {"model": model}))
+    return ([np.zeros(shape, dtype) for _, shape, dtype in job.param_layout()],
+            [np.zeros(shape, dtype) for _, shape, dtype in job.batch_layout()], job.micro_batches)
 
 
 def _ship(params, batch, micro_batches, steps):
@@ -166,6 +179,8 @@ def _remote_rows(args):
     cases = {"lm": _shapes_lm}
     for preset in [p.strip() for p in args.presets.split(",") if p.strip()]:
         cases[f"pretrain-{preset}"] = lambda preset=preset: _shapes_pretrain(preset)
+    if args.finetune_model:
+        cases["finetune"] = lambda: _shapes_finetune(args.finetune_model)
     rows = []
     for name, shapes in cases.items():
         params, batch, micro_batches = shapes()

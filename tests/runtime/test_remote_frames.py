@@ -185,3 +185,17 @@ def test_the_remote_bench_counts_the_bytes_a_step_ships():
     ms, nbytes = _ship(params, batch, micro_batches=3, steps=2)
     assert nbytes == {"params": 88, "batches": 3 * 72, "grads": 3 * 88}  # parameters once, M batches, M gradients
     assert ms > 0
+
+
+def test_the_remote_bench_finetune_shape_is_the_adapters_and_one_sample_per_micro_batch():
+    import os
+
+    from pipeline.bench.pipeline import _shapes_finetune
+    from pipeline.jobs import get_job
+    from pipeline.jobs.spec import build
+    model = os.path.join(os.path.dirname(__file__), "..", "fixtures", "qwen3-mini-q8_0.gguf")
+    params, batch, micro_batches = _shapes_finetune(model)
+    job = get_job("finetune")(build(get_job("finetune").Spec, {"model": model}))
+    assert [a.shape for a in params] == [shape for _, shape, _ in job.param_layout()]
+    assert all(name.endswith(("lora_a", "lora_b")) for name, _, _ in job.param_layout())
+    assert micro_batches == job.micro_batches and len(batch) == len(job.batch_layout())

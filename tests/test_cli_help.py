@@ -106,3 +106,18 @@ def test_a_directory_where_a_file_is_expected_is_one_error_line(argv, what, tmp_
 def test_a_missing_file_is_named_as_missing(tmp_path, capsys):
     assert main(["finetune", "--model", str(tmp_path / "absent.gguf")]) == 2
     assert capsys.readouterr().err == f"fucina finetune: error: --model {tmp_path / 'absent.gguf'}: no such file\n"
+
+
+def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path, monkeypatch):
+    import time as _time
+
+    from pipeline.commands._args import default_run_dir
+    monkeypatch.setattr(_time, "strftime", lambda fmt: "20261201-120000")
+    first = default_run_dir("finetune", root=str(tmp_path))
+    import os as _os
+    _os.makedirs(first)
+    second = default_run_dir("finetune", root=str(tmp_path))
+    _os.makedirs(second)
+    assert (first, second, default_run_dir("finetune", root=str(tmp_path))) == (
+        str(tmp_path / "finetune-20261201-120000"), str(tmp_path / "finetune-20261201-120000-2"),
+        str(tmp_path / "finetune-20261201-120000-3"))

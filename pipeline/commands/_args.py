@@ -58,3 +58,15 @@ def check_input_files(parser, args):
         path = getattr(args, action.dest, None)
         if isinstance(action.type, InputFile) and path is not None:
             action.type.check(action.option_strings[0], path)
+
+
+def default_run_dir(name: str, root: str = "runs") -> str:
+    """runs/NAME-YYYYmmdd-HHMMSS for a run given no directory; -2, -3, ... when that name is taken (two runs
+    started in the same second must not share a directory: the second would find the first's checkpoints)."""
+    import time
+    base = os.path.join(root, f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    path, n = base, 1
+    while os.path.exists(path):
+        n += 1
+        path = f"{base}-{n}"
+    return path

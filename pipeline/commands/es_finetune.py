@@ -20,7 +20,7 @@ from ..errors import ConfigMismatchError, UserError
 from ..es.countdown import MAX_NUMBER, N_NUMBERS, check_difficulty
 from .finetune import add_data_arguments, load_data
 from ..llm.chat import add_chat_template_argument
-from ._args import InputFile
+from ._args import InputFile, default_run_dir
 
 NAME = "es-finetune"
 HELP = "gradient-free ES fine-tune of LoRA adapters on a frozen (quantized) GGUF model"
@@ -408,7 +408,7 @@ def _iterate_on_runtime(args, log, es_run, run_config):
     first, population = es_run.iteration, es_run.es.config.population
     if first >= args.iterations:
         return [], []
-    run_dir = args.out or os.path.join("runs", f"es-finetune-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = args.out or default_run_dir("es-finetune")
     spec = {"flags": json.dumps(flags_of(args)), "iterations": args.iterations, "population": population,
             "save_every": args.save_every}
     log(f"es-finetune: {args.workers} es_member(s) on the runtime, run dir {run_dir}")

@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 from ..errors import UserError
+from ._args import default_run_dir
 
 NAME = "es-spirals"
 HELP = "train the spirals MLP from random init with evolution strategies (no backward), in-process or over workers"
@@ -79,7 +79,7 @@ def run_dir_of(args, name) -> str:
     if args.resume:
         args.resume = ckpt.resolve(args.resume)  # a bad --resume fails here, before anything is written
     run_dir = args.out or (os.path.dirname(os.path.abspath(args.resume)) if args.resume
-                           else os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"))
+                           else default_run_dir(name))
     if not args.resume and ckpt.latest_checkpoint(run_dir):
         raise UserError(f"{run_dir} already holds checkpoints: pass --resume {run_dir} or choose another --out")
     return run_dir

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 from ..errors import UserError
 from ..llm.chat import add_chat_template_argument
@@ -179,8 +178,8 @@ def _load_tokenizer(gg):
 
 
 def _default_run_dir():
-    import os
-    return os.path.join("runs", f"finetune-{time.strftime('%Y%m%d-%H%M%S')}")
+    from ._args import default_run_dir
+    return default_run_dir("finetune")
 
 
 def run(args):

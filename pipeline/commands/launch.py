@@ -4,11 +4,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 from ..errors import UserError
 from ..jobs import JOBS, get_job
 from ..jobs.spec import add_flags, from_args, to_dict
+from ._args import default_run_dir
 
 NAME = "launch"
 HELP = "run a built-in job (spirals, lm) as a multiprocess pipeline of workers"
@@ -88,7 +88,7 @@ def _run_dir(args):
     if args.resume:
         from ..runtime import ckpt
         return os.path.dirname(os.path.abspath(ckpt.resolve(args.resume)))
-    return os.path.join("runs", f"{args.job}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return default_run_dir(args.job)
 
 
 def run(args) -> int:

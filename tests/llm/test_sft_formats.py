@@ -237,11 +237,11 @@ def test_the_pirate_set_in_every_format_trains_the_same_bits(tmp_path, capsys):
     adapters as on the built-in set."""
     from pipeline.cli import main
     base = ["finetune", "--model", str(FIXTURE), "--steps", "1", "--max-new-tokens", "1", "--json"]  # 5 samples
-    assert main(base) == 0
+    assert main(base + ["--save", str(tmp_path / "builtin")]) == 0
     reference = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["adapters_sha256"]
     for fmt in sft.FORMATS:
         data = _write(tmp_path, list(_pirate_in(fmt)), name=f"pirate-{fmt}.jsonl")
-        assert main(base + ["--data", str(data)]) == 0
+        assert main(base + ["--data", str(data), "--save", str(tmp_path / fmt)]) == 0
         assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["adapters_sha256"] == reference, fmt
 
 

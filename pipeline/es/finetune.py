@@ -55,6 +55,7 @@ from ..train.checkpoint import load_checkpoint, read_sentinel, save_checkpoint
 from ..train.trainer_state import TrainerState
 from .checkpoint import STRUCTURAL
 from .rewards import NLLScorer
+from .run import ESJob
 from .trainer import ESConfig, ESTrainer
 
 SEARCHES = ("ab", "b", "full")
@@ -275,14 +276,12 @@ class FinetuneTask:
 
 
 
-class ESFinetuneJob:
+class ESFinetuneJob(ESJob):
     """`es-finetune`: ES over LoRA adapters of a frozen GGUF; a task is a chunk of (iteration, members)."""
 
     name = "es-finetune"
-    kind = "es"
     Spec = ESFinetuneSpec
     eval_name = None
-    micro_batches = 0
 
     def __init__(self, spec: ESFinetuneSpec):
         self.spec = spec
@@ -294,14 +293,6 @@ class ESFinetuneJob:
             raise UserError("es-finetune: field 'flags' must be a JSON object of the command's flags")
         if spec.iterations < 0 or spec.save_every < 0 or spec.population < 1:
             raise UserError("es-finetune: iterations and save_every must be >= 0, population >= 1")
-
-    @property
-    def steps(self):
-        return self.spec.iterations
-
-    @property
-    def population(self):
-        return self.spec.population
 
     def reward_files(self) -> list:
         """The Python files the reward imports (`--reward PATH.py:FUNC`), resolved. A member process takes

@@ -50,19 +50,12 @@ class ESSpiralsSpec:
     save_every: int = field(0, "checkpoint every N iterations (0: only the final one)")
 
 
-class ESSpiralsJob:
-    """`es-spirals`: the spirals MLP from random init by pure ES; a task is one (iteration, member)."""
+class ESJob:
+    """What every ES job shares: the es task kind, steps = iterations, a population; no micro-batch plan
+    (an iteration's tasks are its members). Subclasses add Spec, make_task, save and load."""
 
-    name = "es-spirals"
     kind = "es"
-    Spec = ESSpiralsSpec
-    eval_name = "center accuracy"
-    micro_batches = 0  # no micro-batch plan: an iteration's tasks are its members
-
-    def __init__(self, spec: ESSpiralsSpec):
-        self.spec = spec
-        if spec.population < 1 or spec.iterations < 0 or spec.save_every < 0:
-            raise UserError("es-spirals: population must be >= 1, iterations and save_every >= 0")
+    micro_batches = 0
 
     @property
     def steps(self):
@@ -71,6 +64,19 @@ class ESSpiralsJob:
     @property
     def population(self):
         return self.spec.population
+
+
+class ESSpiralsJob(ESJob):
+    """`es-spirals`: the spirals MLP from random init by pure ES; a task is one (iteration, member)."""
+
+    name = "es-spirals"
+    Spec = ESSpiralsSpec
+    eval_name = "center accuracy"
+
+    def __init__(self, spec: ESSpiralsSpec):
+        self.spec = spec
+        if spec.population < 1 or spec.iterations < 0 or spec.save_every < 0:
+            raise UserError("es-spirals: population must be >= 1, iterations and save_every >= 0")
 
     def make_task(self) -> SpiralsTask:
         s = self.spec

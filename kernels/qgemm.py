@@ -115,12 +115,7 @@ def matmul_t_many(weights, x: np.ndarray) -> list:
 
     def tile(i):
         qtype, raw, r0, r1, out = tiles[i]
-        if qtype == F32:
-            w = raw[r0:r1]
-        else:
-            kernel, unit, _ = dequant.TILE_KERNELS[qtype]
-            w = _buffer((r1 - r0) * x.shape[1]).reshape(r1 - r0, x.shape[1])
-            kernel(raw[r0:r1], w, dequant.HALF_TO_FLOAT, 0, -(-x.shape[1] // unit))
+        w = _tile_rows(qtype, raw, r0, r1, x.shape[1])
         if transposed:  # the tile's [rows, N] product is copied into place by the same thread
             out[:, r0:r1] = gemm(w, xt, _buffer((r1 - r0) * x.shape[0], "product").reshape(r1 - r0, -1)).T
         else:
@@ -128,6 +123,16 @@ def matmul_t_many(weights, x: np.ndarray) -> list:
 
     run_tiles(len(tiles), tile)
     return outs
+
+
+def _tile_rows(qtype, raw, r0, r1, n_in):
+    """Rows r0:r1 of W as f32: a view for F32, else dequantized into this thread's tile buffer."""
+    if qtype == F32:
+        return raw[r0:r1]
+    kernel, unit, _ = dequant.TILE_KERNELS[qtype]
+    w = _buffer((r1 - r0) * n_in).reshape(r1 - r0, n_in)
+    kernel(raw[r0:r1], w, dequant.HALF_TO_FLOAT, 0, -(-n_in // unit))
+    return w
 
 
 def matmul_t_groups(weights, x3: np.ndarray) -> list:
@@ -152,12 +157,7 @@ def matmul_t_groups(weights, x3: np.ndarray) -> list:
 
     def tile(i):
         qtype, raw, r0, r1, out = tiles[i]
-        if qtype == F32:
-            w = raw[r0:r1]
-        else:
-            kernel, unit, _ = dequant.TILE_KERNELS[qtype]
-            w = _buffer((r1 - r0) * n_in).reshape(r1 - r0, n_in)
-            kernel(raw[r0:r1], w, dequant.HALF_TO_FLOAT, 0, -(-n_in // unit))
+        w = _tile_rows(qtype, raw, r0, r1, n_in)
         for j in range(groups):  # matmul_t_many's call for group j alone, on the tile dequantized once
             if transposed:
                 out[j, :, r0:r1] = gemm(w, xs[j], _buffer((r1 - r0) * n, "product").reshape(r1 - r0, -1)).T

@@ -17,6 +17,7 @@ Decoding maps tokens back to bytes, so a stream of tokens decodes incrementally 
 """
 from __future__ import annotations
 
+import codecs
 import heapq
 
 from ..errors import GGUFError, UserError
@@ -382,26 +383,21 @@ class Tokenizer:
 
 
 class StreamDecoder:
-    """Incremental decode: push(id) returns the text completed so far (never half a UTF-8 character)."""
+    """Incremental decode: push(id) returns the text completed so far (never half a UTF-8 character).
+
+    The incremental UTF-8 decoder holds back a trailing incomplete character until its next bytes arrive,
+    and replaces an invalid sequence (a model can emit any byte token) by U+FFFD at once, without
+    swallowing a valid character that follows it."""
 
     def __init__(self, tokenizer: Tokenizer, special: bool):
-        self.tok, self.special, self.pending = tokenizer, special, b""
+        self.tok, self.special = tokenizer, special
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token_id: int) -> str:
-        self.pending += self.tok.token_bytes(token_id, special=self.special)
-        for cut in range(len(self.pending), max(len(self.pending) - 4, -1), -1):
-            try:
-                text = self.pending[:cut].decode("utf-8")
-            except UnicodeDecodeError:
-                continue
-            self.pending = self.pending[cut:]
-            return text
-        text, self.pending = self.pending.decode("utf-8", errors="replace"), b""
-        return text
+        return self.utf8.decode(self.tok.token_bytes(token_id, special=self.special))
 
     def flush(self) -> str:
-        text, self.pending = self.pending.decode("utf-8", errors="replace"), b""
-        return text
+        return self.utf8.decode(b"", final=True)
 
 
 __all__ = ["Tokenizer", "StreamDecoder", "QWEN2_PATTERN"]

@@ -70,6 +70,24 @@ def test_stream_decoder_never_splits_utf8(tok):
     assert "\ufffd" not in "".join(pieces)
 
 
+def test_stream_decoder_invalid_byte_does_not_swallow_what_follows():
+    """A lone continuation byte (a model may emit any byte token) becomes U+FFFD at once; the character after
+    it, split over two pushes, still comes out whole."""
+    from pipeline.llm.tokenizer import StreamDecoder
+
+    class Bytes:  # token i is the one byte chunk CHUNKS[i]
+        CHUNKS = [b"a", b"\x80", "é".encode()[:1], "é".encode()[1:], b"b"]
+
+        def token_bytes(self, token_id, special=False):
+            return self.CHUNKS[token_id]
+
+    stream = StreamDecoder(Bytes(), special=False)
+    assert [stream.push(i) for i in range(5)] == ["a", "\ufffd", "", "é", "b"]
+    assert stream.flush() == ""
+    stream.push(2)  # half a character at the end of the output
+    assert stream.flush() == "\ufffd"
+
+
 def test_bos_and_end_ids(tok):
     assert tok.add_bos is False and tok.encode("hi") == tok.encode("hi", add_bos=False)
     assert tok.encode("hi", add_bos=True)[0] == tok.bos_id == tok.vocab["<|endoftext|>"]

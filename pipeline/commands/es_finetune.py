@@ -20,7 +20,7 @@ from ..errors import ConfigMismatchError, UserError
 from ..es.countdown import MAX_NUMBER, N_NUMBERS, check_difficulty
 from .finetune import add_data_arguments, load_data
 from ..llm.chat import add_chat_template_argument
-from ._args import InputFile, default_run_dir
+from ._args import InputFile, add_threads_flag, default_run_dir
 
 NAME = "es-finetune"
 HELP = "gradient-free ES fine-tune of LoRA adapters on a frozen (quantized) GGUF model"
@@ -111,8 +111,7 @@ def add_arguments(p):
                    help="score K members per pass as one batch through the frozen weights (any reward: "
                         "generation rewards decode in lock-step; LoRA search; the same bits as one at a time); "
                         "0 = one member at a time")
-    p.add_argument("--threads", type=int, default=1,
-                   help="BLAS/numba threads (default 1: the forwards are small; 0 = leave the pools alone)")
+    add_threads_flag(p, 1, "this process and of each es_member (1: the forwards are small)")
     p.add_argument("--prompt", default=None, help="held prompt for the BEFORE/AFTER answers (default: the first "
                                                   "training instruction)")
     p.add_argument("--max-new-tokens", type=int, default=48,
@@ -124,7 +123,7 @@ def add_arguments(p):
 def _check_args(args):
     for flag, value, low in (("--iterations", args.iterations, 0), ("--seq-max", args.seq_max, 1),
                              ("--save-every", args.save_every, 0), ("--max-new-tokens", args.max_new_tokens, 0),
-                             ("--eval-samples", args.eval_samples, 1), ("--threads", args.threads, 0),
+                             ("--eval-samples", args.eval_samples, 1),
                              ("--workers", args.workers, 0),
                              ("--member-batch", args.member_batch, 0),
                              ("--batch", args.batch if args.batch is not None else 1, 1)):
@@ -279,8 +278,7 @@ def run(args):
     from ..threads import pin_threads
 
     _check_args(args)
-    if args.threads:
-        pin_threads(args.threads)
+    pin_threads(args.threads)
     out = sys.stderr if args.json else sys.stdout
 
     def log(msg):

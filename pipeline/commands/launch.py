@@ -8,7 +8,7 @@ import sys
 from ..errors import UserError
 from ..jobs import JOBS, get_job
 from ..jobs.spec import add_flags, from_args, to_dict
-from ._args import default_run_dir
+from ._args import add_threads_flag, default_run_dir
 
 NAME = "launch"
 HELP = "run a built-in job (spirals, lm) as a multiprocess pipeline of workers"
@@ -38,7 +38,7 @@ def add_arguments(parser):
         p.add_argument("--run-dir", metavar="DIR",
                        help="run directory (default: runs/<job>-<time>, which runs/<job>-latest then points to; "
                             "or the resumed run's dir)")
-        p.add_argument("--threads", type=int, default=1, help="BLAS/numba threads per worker (and in-process)")
+        add_threads_flag(p, 1, "each worker process (and of the --inprocess run)")
         p.add_argument("--port", type=int, default=None,
                        help="use tcp://HOST:PORT (+1 for events) instead of ipc:// sockets")
         p.add_argument("--host", default="127.0.0.1", help="interface the tcp:// sockets bind (loopback unless told)")

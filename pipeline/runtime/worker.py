@@ -24,6 +24,7 @@ import sys
 import time
 import traceback
 
+from ..commands._args import add_threads_flag
 from ..errors import FucinaError, UserError
 from ..jobs import get_job
 from ..threads import pin_threads
@@ -42,7 +43,7 @@ def worker_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--connect", default=None, help="scheduler control endpoint (ipc://... or tcp://host:port)")
     parser.add_argument("--key", default=None, metavar="FILE",
                         help="the run's worker.key, needed for tcp:// (default: RUN_DIR/worker.key with --run-dir)")
-    parser.add_argument("--threads", type=int, default=1, help="BLAS/numba threads for this worker")
+    add_threads_flag(parser, 1, "this worker")
     parser.add_argument("--log-level", default="WARNING", help="logging level")
 
 

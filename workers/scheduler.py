@@ -26,7 +26,8 @@ from pipeline.threads import pin_threads
 
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m workers.scheduler", description=__doc__)
-    p.add_argument("--job", required=True, help="built-in job name (spirals, lm, pretrain, sft, es-spirals)")
+    p.add_argument("--job", required=True,
+                   help="built-in job name (spirals, lm, pretrain, sft, finetune, es-spirals, es-finetune)")
     p.add_argument("--config", help="TOML file of job fields")
     p.add_argument("--spec-json", help="job fields as a JSON object (what `fucina launch` passes)")
     p.add_argument("--run-dir", required=True, help="run directory (checkpoints, metrics.jsonl, sockets)")

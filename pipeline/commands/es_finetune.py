@@ -291,7 +291,7 @@ def run(args):
     return _train(args, log, es_run, tokenizer, encoder, template, pairs, options, run_config)
 
 
-# spec field -> (flag dest, the spec's "not given"): "" and -1 in a spec are None on the command line
+# spec field -> its "not given" value: "" and -1 in a spec are a flag left at None on the command line
 _OPTIONAL = {"data": "", "chat_template": "", "task": "", "es_seed": -1, "data_seed": -1, "reward": "",
              "anchor_decay": "", "load": ""}
 

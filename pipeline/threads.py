@@ -11,6 +11,8 @@ bits never depend on n. BLAS is always held at ONE thread: multi-threaded
 OpenBLAS sums in a thread-count-dependent order (on AMD EPYC a 384x512 float32
 product differs in the last bits between 1 and 2 threads), and the big
 products run as single-threaded BLAS tiles on our own threads instead.
+n = 0 (or None) leaves the pools as they are: what `--threads 0` means for
+every command (the flag is pipeline/commands/_args.py add_threads_flag).
 """
 from __future__ import annotations
 
@@ -22,8 +24,11 @@ _BLAS_ENV = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS", "VEC
 
 
 def pin_env(n: int, env=None):
-    """Return (or update) an environment dict with every compute-thread knob set to n (BLAS's to 1)."""
+    """Return (or update) an environment dict with every compute-thread knob set to n (BLAS's to 1);
+    n = 0 leaves it as it is."""
     env = os.environ if env is None else env
+    if not _pinned(n):
+        return env
     for k in _ENV:
         env[k] = str(int(n))
     for k in _BLAS_ENV:
@@ -36,11 +41,14 @@ def pin_threads(n: int):
 
     NUMBA_NUM_THREADS is only written before numba is imported: numba reads it
     once, and changing it afterwards makes its next compile fail. After import,
-    numba.set_num_threads does the limiting instead.
+    numba.set_num_threads does the limiting instead. n = 0 (or None): nothing
+    is touched, -> None.
     """
     import sys
 
-    n = max(1, int(n))
+    if not _pinned(n):
+        return None
+    n = int(n)
     numba_loaded = "numba" in sys.modules
     for k in _ENV:
         if k != "NUMBA_NUM_THREADS" or not numba_loaded:
@@ -53,6 +61,16 @@ def pin_threads(n: int):
     import numba
     numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
     return n
+
+
+def _pinned(n) -> bool:
+    """False for 0/None (leave the pools alone); a negative count is a bad --threads."""
+    if n is None or int(n) == 0:
+        return False
+    if int(n) < 0:
+        from .errors import UserError
+        raise UserError(f"--threads must be >= 0 (0: leave the thread pools as they are), got {n}")
+    return True
 
 
 @contextlib.contextmanager

@@ -29,3 +29,25 @@ def test_pin_threads_holds_blas_at_one_thread():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_zero_threads_leaves_the_pools_and_negative_is_one_clear_error():
+    import numba
+    import pytest
+
+    from pipeline.errors import UserError
+    from pipeline.threads import pin_env, pin_threads
+    before = numba.get_num_threads()
+    assert pin_threads(0) is None and numba.get_num_threads() == before
+    assert pin_env(0, {"OMP_NUM_THREADS": "7"}) == {"OMP_NUM_THREADS": "7"}
+    with pytest.raises(UserError, match="--threads must be >= 0"):
+        pin_threads(-1)
+
+
+def test_the_threads_flag_is_defined_once():
+    """Every --threads (commands, workers, benches) comes from commands/_args.py add_threads_flag."""
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parent.parent
+    defined = [str(p.relative_to(root)) for d in ("pipeline", "workers", "scripts")
+               for p in (root / d).rglob("*.py") if 'add_argument("--threads"' in p.read_text()]
+    assert defined == ["pipeline/commands/_args.py"]

@@ -11,6 +11,7 @@ import os
 import sys
 import uuid
 
+from pipeline.commands._args import add_threads_flag
 from pipeline.errors import FucinaError
 from pipeline.jobs import get_job
 from pipeline.jobs.spec import build, check_fields, load_toml
@@ -25,7 +26,8 @@ from pipeline.threads import pin_threads
 
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m workers.scheduler", description=__doc__)
-    p.add_argument("--job", required=True, help="built-in job name (spirals, lm, pretrain, sft, es-spirals)")
+    p.add_argument("--job", required=True,
+                   help="built-in job name (spirals, lm, pretrain, sft, finetune, es-spirals, es-finetune)")
     p.add_argument("--config", help="TOML file of job fields")
     p.add_argument("--spec-json", help="job fields as a JSON object (what `fucina launch` passes)")
     p.add_argument("--run-dir", required=True, help="run directory (checkpoints, metrics.jsonl, sockets)")
@@ -36,7 +38,7 @@ def build_parser():
                    help="checkpoint dir or run dir to resume from; 'auto': the run dir's latest checkpoint if any")
     p.add_argument("--port", type=int, default=None, help="use tcp:// on this port (+1 for events) instead of ipc://")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind for tcp:// (loopback unless told otherwise)")
-    p.add_argument("--threads", type=int, default=1, help="BLAS/numba threads (for the final evaluation)")
+    add_threads_flag(p, 1, "the scheduler (the final evaluation; an ES run's own replica)")
     p.add_argument("--liveness", type=float, default=5.0, help="seconds of silence before a worker is declared lost")
     p.add_argument("--key", default=None, metavar="FILE",
                    help="tcp:// only: the run's scheduler.key (default: make fresh keys, RUN_DIR/scheduler.key "

@@ -129,7 +129,6 @@ def _finetune_runtime_ms(model, args, member_batch, workers, reward):
     The same flags as _finetune_run's in-process iteration; the first
     iteration (state transfers, first calls) is not timed."""
     import argparse
-    import json
     import tempfile
     from pathlib import Path
     import pipeline
@@ -143,8 +142,7 @@ def _finetune_runtime_ms(model, args, member_batch, workers, reward):
                                str(args.finetune_batch), "--reward", reward, "--member-batch", str(member_batch),
                                "--es-seed", "1", "--max-new-tokens", str(args.finetune_new_tokens),
                                "--iterations", str(args.repeat + 1), "--workers", str(workers)])
-    spec = {"flags": json.dumps(es_finetune.flags_of(flags)), "iterations": args.repeat + 1,
-            "population": args.finetune_population}
+    spec = es_finetune.spec_of(flags)
     with tempfile.TemporaryDirectory(prefix="fucina-bench-es-") as run_dir:
         Supervisor("es-finetune", spec, run_dir, trainers=workers, liveness=60.0, quiet=True).run()
         step_ms = [r["step_ms"] for r in read_metrics(run_dir) if r.get("kind") == "es_metrics"][1:]

@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from ..commands._args import add_threads_flag
 from . import timed
 from ..runtime.metrics import peak_rss_mb
 
@@ -35,7 +36,7 @@ def add_arguments(p):
     p.add_argument("--rank", type=int, default=8, help="LoRA rank")
     p.add_argument("--targets", default="q,v", help="adapted projections")
     p.add_argument("--steps", type=int, default=3, help="timed optimizer steps per case (median reported)")
-    p.add_argument("--threads", type=int, default=2, help="BLAS/numba threads, torch gets the same (0 = leave as is)")
+    add_threads_flag(p, 2, "the bench", also="; torch gets the same N, a trainer process N/2")
     p.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
     p.add_argument("--no-trainers", action="store_true", help="skip the runtime rows (in-process vs 1 and 2 trainers)")
 
@@ -90,8 +91,7 @@ def _runtime_rows(args, desc):
         pin_threads(per_process)
         run_inprocess(Finetune(spec), os.path.join(tmp, "inprocess"), log=lambda m: None)
         in_ms = median_step_ms(os.path.join(tmp, "inprocess"))
-        if args.threads:
-            pin_threads(args.threads)
+        pin_threads(args.threads)
         job_tokens = sum(len(s.inputs) for s in Finetune(spec).window(0))
         rows = [{"case": "runtime window accum2/in-process", "ms": in_ms, "baselines": {},
                  "tokens_s": job_tokens / in_ms * 1e3,
@@ -232,8 +232,7 @@ def _torch_step(model, sample, args):
 def run(args):
     from pipeline.models.registry import load_model
     from pipeline.threads import pin_threads
-    if args.threads:
-        pin_threads(args.threads)
+    pin_threads(args.threads)
     model = load_model(args.model)
     sample = _sample(model.config.vocab_size, args.seq)
     n_sup = sample.n_valid

@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from ..commands._args import add_threads_flag
 from . import timed
 from ..runtime.metrics import peak_rss_mb
 
@@ -30,8 +31,7 @@ HELP = "GGUF (any registered architecture) prefill/decode tok/s and peak RSS, wi
 def add_arguments(parser):
     parser.add_argument("--model", required=True,
                         help="path to a GGUF of any registered architecture (e.g. from tools/make_*_shaped.py)")
-    parser.add_argument("--threads", type=int, default=2,
-                        help="threads for Fucina (numba+BLAS) and llama.cpp (default 2)")
+    add_threads_flag(parser, 2, "Fucina's kernels", also="; llama.cpp gets the same N (give N >= 1)")
     parser.add_argument("--decode-tokens", type=int, default=16, help="tokens timed in the decode case (default 16)")
     parser.add_argument("--repeat", type=int, default=3, help="timed repetitions per case; the median is reported")
     parser.add_argument("--blas-threads", type=int, default=1,
@@ -49,10 +49,10 @@ def _prompt(n, vocab):
 
 
 def _ours(path, threads, decode_tokens, repeat, blas_threads=1):
-    import numba
     from threadpoolctl import threadpool_limits
     from ..models.registry import load_model
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    from ..threads import pin_threads
+    pin_threads(threads)
     with threadpool_limits(blas_threads, user_api="blas"):
         rss0 = peak_rss_mb()
         t0 = time.perf_counter()
@@ -113,11 +113,11 @@ def _kernel_rows(path, threads, repeat):
     """One decode row (1 activation row, no graph: FrozenWeight's default path) and one prefill row (64 rows)
     per (format, shape) of the model's projection weights, and for the formats with integer kernels the other
     path too: ms, GB/s of weight bytes read, GFLOP/s (2 n_out n_in per activation row), the path that ran."""
-    import numba
     from kernels import qint
     from ..autograd import no_grad
     from ..llm.gguf import GGUFFile
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    from ..threads import pin_threads
+    pin_threads(threads)
     gg = GGUFFile(path)
     read_gbs, copy_gbs, peak = _machine_limits(threads, repeat)
     rows = [{"case": "machine/memory_read", "ms": (256 << 20) / read_gbs / 1e6, "baselines": {}, "gbps": read_gbs,
@@ -209,6 +209,8 @@ def run(args):
     from ..llm.gguf import GGUFFile
     if not os.path.isfile(args.model):
         raise UserError(f"{args.model}: no such GGUF file")
+    if args.threads < 1:
+        raise UserError(f"bench llm times both sides at one thread count: --threads must be >= 1, got {args.threads}")
     gg = GGUFFile(args.model)
     quantized = any(gg.tensor_type(n) not in ("F32", "F16", "BF16") for n in gg.tensor_names)
     ours = _ours(args.model, args.threads, args.decode_tokens, args.repeat, args.blas_threads)

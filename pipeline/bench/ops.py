@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 
+from ..commands._args import add_threads_flag
 from . import median_ms
 
 NAME = "ops"
@@ -20,7 +21,7 @@ HELP = ("cross-entropy (plain and fused with the projection), RMSNorm and attent
 
 
 def add_arguments(parser):
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for numba, BLAS and torch")
+    add_threads_flag(parser, os.cpu_count() or 1, "the bench", also="; torch gets the same N")
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per case (median reported)")
     parser.add_argument("--rows", type=int, default=1024, help="cross-entropy rows")
     parser.add_argument("--classes", type=int, default=32768, help="cross-entropy classes")
@@ -31,7 +32,8 @@ def _set_threads(n):
     pin_threads(n)
     try:
         import torch
-        torch.set_num_threads(n)
+        if n:
+            torch.set_num_threads(n)
     except ImportError:
         pass
 

@@ -22,6 +22,7 @@ import os
 
 import numpy as np
 
+from ..commands._args import add_threads_flag
 from . import median_ms
 
 NAME = "optim"
@@ -42,7 +43,7 @@ CASES = list(BYTES_PER_ELEMENT)
 
 
 def add_arguments(parser):
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for numba, BLAS and torch")
+    add_threads_flag(parser, os.cpu_count() or 1, "the bench", also="; torch gets the same N")
     parser.add_argument("--repeat", type=int, default=5, help="timed steps per case (median reported)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated optimizers (of {','.join(CASES)})")
     parser.add_argument("--sets", default="block,embedding", help="parameter sets: block, embedding or both")
@@ -53,7 +54,7 @@ def add_arguments(parser):
 def _set_threads(n, with_torch):
     from ..threads import pin_threads
     pin_threads(n)
-    if with_torch:
+    if with_torch and n:
         try:
             import torch
             torch.set_num_threads(n)

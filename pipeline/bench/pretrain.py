@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..runtime.metrics import peak_rss_mb
+from ..commands._args import add_threads_flag
 from . import timed
 
 NAME = "pretrain"
@@ -27,7 +28,7 @@ def add_arguments(parser):
     parser.add_argument("--batch-tokens", type=int, default=0, help="tokens per step (0: the shape's)")
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per side (median)")
-    parser.add_argument("--threads", type=int, default=1, help="BLAS/numba threads, torch gets the same")
+    add_threads_flag(parser, 1, "the bench", also="; torch gets the same N")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
 
 
@@ -57,7 +58,8 @@ def _torch(shape, batch_tokens, micro, ids, threads):
     except ImportError:
         return None
     import torch.nn.functional as F
-    torch.set_num_threads(threads)
+    if threads:
+        torch.set_num_threads(threads)
     torch.manual_seed(0)
     layers, hidden, heads, kv, hd, ffn, vocab, seq, _, tied = shape
     mat = lambda o, i: (torch.randn(o, i) * i ** -0.5).requires_grad_()

@@ -1,4 +1,4 @@
-"""Argument helpers shared by the command modules: the help formatter and the input-file check.
+"""Argument helpers shared by the command modules: the help formatter, the input-file check, --threads.
 
 Not a command (the leading underscore keeps pipeline/cli.py's discovery away).
 """
@@ -58,6 +58,15 @@ def check_input_files(parser, args):
         path = getattr(args, action.dest, None)
         if isinstance(action.type, InputFile) and path is not None:
             action.type.check(action.option_strings[0], path)
+
+
+def add_threads_flag(parser, default=1, what="this process", also=""):
+    """The one --threads flag of every command, worker and bench: pipeline.threads.pin_threads(args.threads)
+    applies it. `what` names whose threads they are; `also` adds what else takes the count (torch, llama.cpp)."""
+    parser.add_argument("--threads", type=int, default=default, metavar="N",
+                        help=f"compute threads of {what}: numba and the kernel pool on N threads, BLAS on one "
+                             f"(the bits are the same for any N){also}; 0 = leave the thread pools as they are "
+                             f"(numba starts with one thread per core)")
 
 
 def default_run_dir(name: str, root: str = "runs") -> str:

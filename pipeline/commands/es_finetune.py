@@ -11,6 +11,7 @@ and the AFTER answer; `--json` prints one summary line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -20,7 +21,7 @@ from ..errors import ConfigMismatchError, UserError
 from ..es.countdown import MAX_NUMBER, N_NUMBERS, check_difficulty
 from .finetune import add_data_arguments, load_data
 from ..llm.chat import add_chat_template_argument
-from ._args import InputFile, default_run_dir
+from ._args import InputFile, add_threads_flag, default_run_dir
 
 NAME = "es-finetune"
 HELP = "gradient-free ES fine-tune of LoRA adapters on a frozen (quantized) GGUF model"
@@ -111,8 +112,7 @@ def add_arguments(p):
                    help="score K members per pass as one batch through the frozen weights (any reward: "
                         "generation rewards decode in lock-step; LoRA search; the same bits as one at a time); "
                         "0 = one member at a time")
-    p.add_argument("--threads", type=int, default=1,
-                   help="BLAS/numba threads (default 1: the forwards are small; 0 = leave the pools alone)")
+    add_threads_flag(p, 1, "this process and of each es_member (1: the forwards are small)")
     p.add_argument("--prompt", default=None, help="held prompt for the BEFORE/AFTER answers (default: the first "
                                                   "training instruction)")
     p.add_argument("--max-new-tokens", type=int, default=48,
@@ -124,7 +124,7 @@ def add_arguments(p):
 def _check_args(args):
     for flag, value, low in (("--iterations", args.iterations, 0), ("--seq-max", args.seq_max, 1),
                              ("--save-every", args.save_every, 0), ("--max-new-tokens", args.max_new_tokens, 0),
-                             ("--eval-samples", args.eval_samples, 1), ("--threads", args.threads, 0),
+                             ("--eval-samples", args.eval_samples, 1),
                              ("--workers", args.workers, 0),
                              ("--member-batch", args.member_batch, 0),
                              ("--batch", args.batch if args.batch is not None else 1, 1)):
@@ -217,10 +217,10 @@ def build(args, log):
     from ..llm.finetune import Trainer, lora_config
     from ..llm.gguf import open_gguf
     from ..models.registry import load_model
-    from ..train.checkpoint import read_sentinel
+    from ..runtime.ckpt import read_state
     from .finetune import _load_tokenizer, _targets
 
-    state = read_sentinel(args.load) if args.load else None
+    state = read_state(args.load) if args.load else None
     settings = _es_settings(args, state, log)
     lora_seed = args.seed
     if state is not None and isinstance(state.seeds.get("lora"), int):
@@ -279,8 +279,7 @@ def run(args):
     from ..threads import pin_threads
 
     _check_args(args)
-    if args.threads:
-        pin_threads(args.threads)
+    pin_threads(args.threads)
     out = sys.stderr if args.json else sys.stdout
 
     def log(msg):
@@ -292,13 +291,38 @@ def run(args):
     return _train(args, log, es_run, tokenizer, encoder, template, pairs, options, run_config)
 
 
-def flags_of(args) -> dict:
-    """The parsed flags as JSON values: what every replica of a runtime run builds from (namespace())."""
-    return {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
+# spec field -> its "not given" value: "" and -1 in a spec are a flag left at None on the command line
+_OPTIONAL = {"data": "", "chat_template": "", "task": "", "es_seed": -1, "data_seed": -1, "reward": "",
+             "anchor_decay": "", "load": ""}
 
 
-def namespace(flags: dict) -> argparse.Namespace:
-    return argparse.Namespace(**flags)
+def spec_of(args) -> dict:
+    """The es-finetune job's fields from the flags, the ES settings resolved as this run takes them (the
+    checkpoint's on --load): what every replica of a runtime run builds from (args_of)."""
+    from ..es.finetune import ESFinetuneSpec
+    state = None
+    if args.load:
+        from ..runtime.ckpt import read_state
+        state = read_state(args.load)
+    settings = _es_settings(args, state, log=lambda m: None)
+    fields = {}
+    for f in dataclasses.fields(ESFinetuneSpec):
+        value = settings[f.name] if f.name in ES_DEFAULTS else getattr(args, f.name)
+        fields[f.name] = _OPTIONAL[f.name] if f.name in _OPTIONAL and value is None else value
+    fields["es_seed"] = settings["seed"]  # the resolved noise seed (settings' "seed"; the spec's seed is the run's)
+    fields["anchor_lambda"] = fields["anchor_lambda"] or 0.0
+    return fields
+
+
+def args_of(spec) -> argparse.Namespace:
+    """The flags a job spec stands for (the inverse of spec_of): a replica scores its members in its process."""
+    values = dataclasses.asdict(spec)
+    for name, absent in _OPTIONAL.items():
+        if values[name] == absent:
+            values[name] = None
+    if values["anchor_decay"] is None:
+        values["anchor_lambda"] = None
+    return argparse.Namespace(**values, dequantize=False, workers=0, inprocess=True)
 
 
 def _answer(trainer, tokenizer, encoder, template, prompt, options, max_new):
@@ -388,8 +412,8 @@ def _iterate_inprocess(args, log, es_run, run_config):
         it = es_run.iteration
         log(_iteration_line(args, it, first, stats, dt, es_run.es.config.population))
         if args.save_every and it % args.save_every == 0 and it < args.iterations:
-            from ..train.checkpoint import step_dir
-            es_run.save(step_dir(args.save, it), run_config)
+            from ..runtime.ckpt import checkpoint_dir
+            es_run.save(checkpoint_dir(args.save, it), run_config)
     return rewards, reward_stats
 
 
@@ -409,13 +433,12 @@ def _iterate_on_runtime(args, log, es_run, run_config):
     if first >= args.iterations:
         return [], []
     run_dir = args.out or default_run_dir("es-finetune")
-    spec = {"flags": json.dumps(flags_of(args)), "iterations": args.iterations, "population": population,
-            "save_every": args.save_every}
+    spec = spec_of(args)
     log(f"es-finetune: {args.workers} es_member(s) on the runtime, run dir {run_dir}")
     env = dict(os.environ)  # the reward file the user named here is one the members spawned here may import
     env[REWARD_FILES_ENV] = os.pathsep.join(ESFinetuneJob(build_spec(ESFinetuneJob.Spec, spec)).reward_files())
     result = Supervisor("es-finetune", spec, run_dir, trainers=args.workers, liveness=args.liveness,
-                        quiet=True, env=env).run()
+                        threads=args.threads, quiet=True, env=env).run()
     es_run.load(result["checkpoint"])
     rewards, reward_stats = [], []
     for rec in read_metrics(run_dir):

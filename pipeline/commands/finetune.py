@@ -14,7 +14,7 @@ import sys
 from ..errors import UserError
 from ..llm.chat import add_chat_template_argument
 from ..jobs.finetune import OPTIMIZERS
-from ._args import InputFile
+from ._args import InputFile, add_threads_flag
 
 NAME = "finetune"
 HELP = "LoRA fine-tune a frozen (quantized) GGUF model on SFT data (pairs, alpaca, chat messages, ShareGPT)"
@@ -65,7 +65,7 @@ def add_arguments(p):
                    "unless --trainers N)")
     p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint dir or a run dir's newest checkpoint "
                    "(adapters, optimizer, step; the checkpoint's accum_steps, lr and warm-up win over the flags)")
-    p.add_argument("--threads", type=int, default=0, help="BLAS/numba threads per process (0 = leave as is)")
+    add_threads_flag(p, 0, "this process and of each trainer process")
     p.add_argument("--prompt", default=None, help="held prompt for the BEFORE/AFTER answers (default: the first "
                                                   "training instruction)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="length of the BEFORE/AFTER greedy answers (tokens; "
@@ -193,8 +193,7 @@ def run(args):
     from .launch import _progress
 
     _check_args(args)
-    if args.threads:
-        pin_threads(args.threads)
+    pin_threads(args.threads)
     out = sys.stderr if args.json else sys.stdout
 
     def log(msg):
@@ -241,7 +240,7 @@ def run(args):
         else:
             from ..runtime.launch import Supervisor
             sup = Supervisor("finetune", to_dict(job.spec), run_dir, trainers=args.trainers, resume=resume,
-                             threads=max(1, args.threads), quiet=args.json)
+                             threads=args.threads, quiet=args.json)
             with _progress(job.steps, args.json, sup.events_endpoint, sup.client_key):
                 summary = sup.run()
     if summary.get("run_dir"):  # the trained adapters, wherever they were trained

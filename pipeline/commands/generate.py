@@ -5,7 +5,7 @@ import time
 
 from ..errors import UserError
 from ..llm.chat import add_chat_template_argument
-from ._args import InputFile
+from ._args import InputFile, add_threads_flag
 
 NAME = "generate"
 HELP = "generate text from a GGUF model (streams tokens; greedy by default)"
@@ -14,19 +14,17 @@ DESCRIPTION = ("Generate a continuation of --prompt with a GGUF model. Temperatu
 
 
 def add_thread_arguments(parser):
-    parser.add_argument("--threads", type=int, default=None, help="numba threads for the kernels (default: all cores)")
+    add_threads_flag(parser, 0, "the kernels", also="; --blas-threads overrides BLAS's count")
     parser.add_argument("--blas-threads", type=int, default=1,
                         help="OpenBLAS threads for prefill GEMMs (default 1: its spinning workers fight numba's)")
 
 
 def apply_threads(args):
     """Pin numba and BLAS thread counts for this process (see docs/models.md, 'Threads')."""
-    import numba
     from threadpoolctl import threadpool_limits
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UserError(f"--threads must be at least 1, got {args.threads}")
-        numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
+
+    from ..threads import pin_threads
+    pin_threads(args.threads)
     if args.blas_threads < 1:
         raise UserError(f"--blas-threads must be at least 1, got {args.blas_threads}")
     threadpool_limits(args.blas_threads, user_api="blas")

@@ -6,30 +6,37 @@ import os
 import sys
 
 from ..errors import UserError
-from ..jobs import JOBS, get_job
+from ..jobs import ES_JOBS, JOBS, get_job
 from ..jobs.spec import add_flags, from_args, to_dict
-from ._args import default_run_dir
+from ._args import add_threads_flag, default_run_dir
 
 NAME = "launch"
-HELP = "run a built-in job (spirals, lm) as a multiprocess pipeline of workers"
-DESCRIPTION = ("Start the scheduler, loader, optimizer, checkpointer and N trainers as subprocesses "
-               "(or run the same tasks inline with --inprocess). Final parameters are bit-identical for "
-               "--inprocess, any --trainers N, and stopped+resumed runs. Every job field is a flag.")
+HELP = "run a built-in job (spirals, lm, finetune, es-spirals, ...) as a multiprocess pipeline of workers"
+DESCRIPTION = ("Start the scheduler, loader, optimizer, checkpointer and N trainers as subprocesses - for an ES "
+               "job the scheduler and N es_members - (or run the same tasks inline with --inprocess). Final "
+               "parameters are bit-identical for --inprocess, any --trainers N, and stopped+resumed runs. "
+               "Every job field is a flag.")
 
 
 def add_arguments(parser):
     sub = parser.add_subparsers(dest="job", metavar="JOB", required=True)
-    for name in JOBS:
+    for name in [*JOBS, *ES_JOBS]:
         job_cls = get_job(name)
-        doc = sys.modules[job_cls.__module__].__doc__
+        doc = job_cls.__doc__ if name in ES_JOBS else sys.modules[job_cls.__module__].__doc__
         p = sub.add_parser(name, help=_summary(doc), description=doc, formatter_class=parser.formatter_class)
-        p.add_argument("--trainers", type=int, default=1,
-                       help="trainer processes (one compute thread each unless --threads)")
-        p.add_argument("--remote-trainers", type=int, default=0, metavar="N",
-                       help="of the --trainers, N run as remote trainers (tcp with --port: parameters, batches and "
-                            "gradients travel as frames instead of shared memory; see docs/cluster.md)")
+        workers = "es_members" if name in ES_JOBS else "trainers"
+        if name in ES_JOBS:
+            p.add_argument("--members", "--trainers", type=int, default=1, dest="trainers", metavar="N",
+                           help="es_member processes: each keeps a replica of the parameters and scores a chunk of "
+                                "every iteration's population (one compute thread each unless --threads)")
+        else:
+            p.add_argument("--trainers", type=int, default=1,
+                           help="trainer processes (one compute thread each unless --threads)")
+            p.add_argument("--remote-trainers", type=int, default=0, metavar="N",
+                           help="of the --trainers, N run as remote trainers (tcp with --port: parameters, batches "
+                                "and gradients travel as frames instead of shared memory; see docs/cluster.md)")
         p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
-                       help="place the trainers as Ray actors (one CPU each) on the cluster at ADDRESS (default: "
+                       help=f"place the {workers} as Ray actors (one CPU each) on the cluster at ADDRESS (default: "
                             "RAY_ADDRESS, else a local Ray); needs the extra fucina[ray]; the other roles run here, "
                             "over tcp (--port, a free one if not given; --host must be reachable from the nodes)")
         p.add_argument("--inprocess", action="store_true", help="run every task inline in this process (same bits)")
@@ -38,20 +45,24 @@ def add_arguments(parser):
         p.add_argument("--run-dir", metavar="DIR",
                        help="run directory (default: runs/<job>-<time>, which runs/<job>-latest then points to; "
                             "or the resumed run's dir)")
-        p.add_argument("--threads", type=int, default=1, help="BLAS/numba threads per worker (and in-process)")
+        add_threads_flag(p, 1, "each worker process (and of the --inprocess run)")
         p.add_argument("--port", type=int, default=None,
                        help="use tcp://HOST:PORT (+1 for events) instead of ipc:// sockets")
         p.add_argument("--host", default="127.0.0.1", help="interface the tcp:// sockets bind (loopback unless told)")
-        p.add_argument("--liveness", type=float, default=5.0,
-                       help="seconds without a heartbeat before a worker is declared lost and its work re-run")
+        p.add_argument("--liveness", type=float, default=60.0 if name in ES_JOBS else 5.0,
+                       help="seconds without a heartbeat before a worker is declared lost and its work re-run"
+                            + (" (an es_member's first chunk includes its numba compilation)" if name in ES_JOBS
+                               else ""))
         p.add_argument("--json", action="store_true",
-                       help="print only a JSON summary (steps, final_loss, params_sha256, ...)")
+                       help="print only a JSON summary (" + ("iterations, params_sha256, member_evals_per_s, ..."
+                                                             if name in ES_JOBS else
+                                                             "steps, final_loss, params_sha256, ...") + ")")
         p.add_argument("--quiet", action="store_true", help="no live progress")
         add_flags(p, job_cls.Spec)
 
 
 def _summary(doc):
-    """A job module's docstring "`lm`: a small ... from scratch." -> "a small ... from scratch"."""
+    """A job's docstring "`lm`: a small ... from scratch." -> "a small ... from scratch"."""
     first = doc.strip().split("\n\n", 1)[0].replace("\n", " ")
     return first.split(":", 1)[1].strip().rstrip(".") if first.startswith("`") else first
 
@@ -94,8 +105,13 @@ def _run_dir(args):
 def run(args) -> int:
     job_cls = get_job(args.job)
     spec = from_args(job_cls.Spec, args)
+    es = args.job in ES_JOBS
     if args.trainers < 1:
-        raise UserError(f"--trainers must be >= 1, got {args.trainers}")
+        raise UserError(f"--{'members' if es else 'trainers'} must be >= 1, got {args.trainers}")
+    if es:
+        args.remote_trainers = 0
+        job_cls(spec).make_task()  # a bad ES setting (an odd antithetic population, ...) fails before anything starts
+    total = (spec.iterations or None) if es else spec.steps  # es-spirals' 0: until the center converges
     if not 0 <= args.remote_trainers <= args.trainers:
         raise UserError(f"--remote-trainers must be between 0 and --trainers ({args.trainers}), "
                         f"got {args.remote_trainers}")
@@ -120,11 +136,16 @@ def run(args) -> int:
     if not (args.run_dir or args.resume):
         _point_latest(run_dir, args.job, say)
     say(f"  spec {json.dumps(to_dict(spec))}")
-    if args.inprocess:
+    if args.inprocess and es:
+        from ..es.run import run_es_inprocess
+        from ..threads import pin_threads
+        pin_threads(args.threads)
+        summary = run_es_inprocess(job_cls(spec), run_dir, resume=args.resume, log=say)
+    elif args.inprocess:
         from ..runtime.inprocess import run_inprocess
         from ..threads import pin_threads
         pin_threads(args.threads)
-        with _progress(spec.steps, quiet) as on_step:
+        with _progress(total, quiet) as on_step:
             summary = run_inprocess(job_cls(spec), run_dir, resume=args.resume, log=say, on_step=on_step)
         try:
             from ..runtime.metrics import plot_run
@@ -132,19 +153,23 @@ def run(args) -> int:
         except UserError:
             pass
     else:
+        from ..es.finetune import REWARD_FILES_ENV
         from ..runtime.launch import Supervisor
+        env = dict(os.environ)
+        if es:  # a reward file named here is one the members spawned here may import
+            env[REWARD_FILES_ENV] = os.pathsep.join(getattr(job_cls(spec), "reward_files", list)())
         sup = Supervisor(args.job, to_dict(spec), run_dir, trainers=args.trainers, resume=args.resume,
                          threads=args.threads, port=args.port, host=args.host, liveness=args.liveness, quiet=quiet,
-                         remote_trainers=args.remote_trainers, ray=args.ray)
-        with _progress(spec.steps, quiet, sup.events_endpoint, sup.client_key) as _:
+                         remote_trainers=args.remote_trainers, ray=args.ray, env=env)
+        with _progress(total, quiet, sup.events_endpoint, sup.client_key) as _:
             summary = sup.run()
     if args.json:
         print(json.dumps(summary))
     else:
-        for key in ("steps", "final_loss", "params_sha256", "checkpoint", "plot", "sample", "gguf", "val_loss",
-                    "val_bpb", "samples", "pretrain_plot"):
+        for key in ("steps", "iterations", "final_loss", "accuracy", "member_evals_per_s", "params_sha256",
+                    "checkpoint", "plot", "sample", "gguf", "val_loss", "val_bpb", "samples", "pretrain_plot"):
             if summary.get(key) is not None:
-                print(f"{key:>14}: {summary[key]}")
+                print(f"{key:>18}: {summary[key]}")
     return 0
 
 
@@ -170,6 +195,13 @@ class _progress:
         return self.update
 
     def update(self, record):
+        if record.get("kind") == "es_metrics":
+            info = (f"reward {record['reward_mean']:.4f} (std {record['reward_std']:.4f})  "
+                    f"{record['evals_per_s']:.0f} member-evals/s")
+            if record.get("eval") is not None:
+                info += f"  {record.get('eval_name', 'eval')} {record['eval']:.4f}"
+            self.bar.update(self.task, completed=record["step"], info=info)
+            return
         info = (f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  |g| {record['grad_norm']:.3f}  "
                 f"{record.get('tokens_per_s', 0):.0f} tok/s")
         if record.get("eval") is not None:
@@ -189,7 +221,7 @@ class _progress:
             try:
                 while not self.stop.is_set():
                     msg = sub.recv(200)
-                    if msg and msg["kind"] == "metrics":
+                    if msg and msg["kind"] in ("metrics", "es_metrics"):
                         self.update(msg)
                     elif msg and msg["event"] in self.SHOWN:
                         detail = ", ".join(f"{k}={v}" for k, v in msg["detail"].items() if k != "sample")

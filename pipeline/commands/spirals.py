@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 
+from pipeline.commands._args import add_threads_flag
 from pipeline.errors import UserError
 from pipeline.threads import pin_threads
 
@@ -41,7 +42,7 @@ def add_arguments(parser):
                              "default: a temporary directory removed at exit")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data noise and of the phase-1 init")
     parser.add_argument("--hidden", type=int, default=64, help="hidden width of the MLP")
-    parser.add_argument("--threads", type=int, default=1, help="BLAS/numba threads")
+    add_threads_flag(parser, 1)
     parser.add_argument("--min-accuracy", type=float, default=0.0,
                         help="also fail if a non-SGD run ends below this accuracy (fraction, e.g. 0.99)")
     parser.add_argument("--sabotage", choices=["swap-biases", "restart-schedule"], default=None,
@@ -67,8 +68,8 @@ def selected(values):
 def run(args):
     if args.steps < 2:
         raise UserError(f"spirals: --steps must be >= 2 (the checkpoint is at steps/2), got {args.steps}")
-    if args.hidden < 1 or args.threads < 1:
-        raise UserError("spirals: --hidden and --threads must be >= 1")
+    if args.hidden < 1:
+        raise UserError("spirals: --hidden must be >= 1")
     names = selected(args.optimizer)
     pin_threads(args.threads)
     from pipeline.train.gauntlet import run_recipe

@@ -3,8 +3,8 @@
 Trade-off: ES has no optimizer state: (seed, iteration) regenerate the whole
 noise stream, so a checkpoint is the weights (model.safetensors, every
 registered slot including frozen and f16/bf16 ones, dtypes kept) and the
-es_* fields. They live in the checkpoint protocol of pipeline/train
-(atomic files, the sentinel written last): TrainerState.step is the ES
+es_* fields. They live in the one checkpoint protocol (pipeline/runtime/ckpt.py:
+atomic files, the sentinel written last): TrainerState.step is the ES
 iteration and TrainerState.config holds the es_* fields (plus any run config
 the caller adds). On load every structural es_* field must match the running
 trainer: a different sigma, seed, scheme, ... would silently change the
@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CheckpointError, ConfigMismatchError, DTypeMismatchError
-from ..train.checkpoint import SENTINEL, WEIGHT_FILES, read_sentinel
-from ..train.state_dict import atomic_write_bytes, dtype_tag, fsync_dir, load_state_dict, save_state_dict
+from ..runtime.ckpt import SENTINEL, WEIGHT_FILES, read_state, save_checkpoint, tensors_of
+from ..train.state_dict import dtype_tag, load_state_dict
 from ..train.trainer_state import TrainerState
 from .trainer import ESStateError, ESTrainer
 
@@ -32,19 +32,9 @@ def save_es_checkpoint(ckpt_dir, trainer: ESTrainer, run_config: dict | None = N
     """Write ckpt_dir/{model.safetensors, trainer_state.json}; the sentinel last."""
     if trainer.active_member is not None:
         raise ESStateError(f"save: member {trainer.active_member} is applied; restore it first")
-    ckpt_dir = Path(ckpt_dir)
-    fields = trainer.state_fields()
     state = TrainerState(step=trainer.iteration, seeds={"es": trainer.config.seed},
-                         config={**(run_config or {}), **fields})
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    fsync_dir(ckpt_dir.parent)
-    sentinel = ckpt_dir / SENTINEL
-    if sentinel.exists():  # uncommit before overwriting the weights
-        sentinel.unlink()
-        fsync_dir(ckpt_dir)
-    save_state_dict(ckpt_dir / WEIGHTS, trainer.named_arrays(), metadata={"format": "fucina.weights/1"})
-    atomic_write_bytes(sentinel, state.to_json().encode("utf-8"))
-    return ckpt_dir
+                         config={**(run_config or {}), **trainer.state_fields()})
+    return save_checkpoint(ckpt_dir, state, model=tensors_of(trainer.named_arrays()))
 
 
 def load_es_checkpoint(ckpt_dir, trainer: ESTrainer) -> TrainerState:
@@ -52,7 +42,7 @@ def load_es_checkpoint(ckpt_dir, trainer: ESTrainer) -> TrainerState:
     if trainer.active_member is not None:
         raise ESStateError(f"load: member {trainer.active_member} is applied; restore it first")
     ckpt_dir = Path(ckpt_dir)
-    state = read_sentinel(ckpt_dir)
+    state = read_state(ckpt_dir)
     source = ckpt_dir / SENTINEL
     stored_cfg = state.config
     ours = trainer.state_fields()

@@ -43,23 +43,25 @@ in-process run's.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import numpy as np
 
-from ..autograd.tensor import Tensor, no_grad
+from ..autograd.tensor import no_grad
 from ..errors import ConfigMismatchError, UserError
 from ..jobs.spec import field
-from ..train.checkpoint import load_checkpoint, read_sentinel, save_checkpoint
+from ..llm import data as sft
+from ..runtime.ckpt import load_checkpoint, read_state, save_checkpoint, tensors_of
 from ..train.trainer_state import TrainerState
 from .checkpoint import STRUCTURAL
+from .countdown import MAX_NUMBER, N_NUMBERS
 from .rewards import NLLScorer
 from .run import ESJob
 from .trainer import ESConfig, ESTrainer
 
 SEARCHES = ("ab", "b", "full")
 REWARD_FILES_ENV = "FUCINA_REWARD_FILES"  # os.pathsep-separated reward files a member may import
+NOISE_CACHE_BYTES = 256 << 20  # most memory an iteration's cached noise draws may take (ESTrainer.cache_noise)
 
 
 def batch_loss(trainer, samples) -> float:
@@ -116,6 +118,11 @@ class ESFinetune:
                 self.es.add_param(p, name)
         if es_config.anchor_decay is not None:
             self.es.capture_anchor()  # the initial adapters; a resume loads the checkpoint AFTER this
+        # batched members materialize their noise draws anyway: keep them for the update, which then regenerates
+        # only the draws this process did not score (same bits; on Qwen3-0.6B's q,v adapters a full regeneration
+        # is ~1 s per iteration on one thread), within a memory bound
+        draws = es_config.population // 2 if es_config.antithetic else es_config.population
+        self.es.cache_noise = bool(self.member_batch) and draws * self.es.dim * 4 <= NOISE_CACHE_BYTES
 
     @property
     def iteration(self) -> int:
@@ -168,7 +175,7 @@ class ESFinetune:
 
     def _full_tensors(self) -> dict:
         """{GGUF name: Tensor sharing the searched array} (what the checkpoint walk saves and loads into)."""
-        return {name: Tensor(arr, requires_grad=True) for name, arr in self.es.named_arrays()}
+        return tensors_of(self.es.named_arrays())
 
     def load(self, directory):
         """Resume: validate the stored ES fields against this run, then load adapters, iteration, loader.
@@ -179,7 +186,7 @@ class ESFinetune:
         from ..llm.data import Loader
         from ..llm.finetune import check_resume_config
 
-        state = read_sentinel(directory)
+        state = read_state(directory)
         source = f"{directory}/trainer_state.json"
         stored = state.config
         check_resume_config(stored, self.trainer, source)
@@ -214,11 +221,66 @@ def es_config_from_state(stored: dict, source: str) -> dict:
 # --- the runtime job -------------------------------------------------------------
 @dataclasses.dataclass
 class ESFinetuneSpec:
-    flags: str = field("{}", "the `fucina es-finetune` flags as a JSON object (argparse dest -> value); every "
-                             "replica builds its Trainer, data and scorer from them")
+    """The es-finetune job: `fucina es-finetune`'s flags as fields (pipeline/commands/es_finetune.py spec_of /
+    args_of convert both ways), with the ES settings resolved. Every replica builds its Trainer, data and scorer
+    from them; "" and -1 stand for a flag not given."""
+
+    model: str = field("", "the frozen GGUF model (llama, qwen2, qwen3 or gemma3; any quant type)")
+    data: str = field("", "JSONL samples (empty: the built-in pirate pairs, or the task's problems)")
+    format: str = field("auto", "the JSONL format", choices=("auto",) + sft.FORMATS)
+    instruction_key: str = field("instruction", "JSONL key holding the instruction (pairs)")
+    response_key: str = field("response", "JSONL key holding the response (pairs)")
+    max_record_bytes: int = field(sft.MAX_RECORD_BYTES, "refuse a JSONL line over this many bytes")
+    chat_template: str = field("", "a chat template name or Jinja file (empty: the model's own)")
+    task: str = field("", "a built-in task instead of data: countdown (empty: none)", choices=("", "countdown"))
+    task_size: int = field(64, "problems the built-in task generates")
+    task_seed: int = field(0, "seed of the built-in task's problem set")
+    task_numbers: int = field(N_NUMBERS, "countdown: numbers per problem, 2..6")
+    task_max_number: int = field(MAX_NUMBER, "countdown: the numbers are drawn from 1..M")
+    shuffle: bool = field(False, "shuffled sample order (Fisher-Yates per epoch, seeded by data_seed)")
+    seed: int = field(42, "run seed: the adapter init, the ES noise (unless es_seed) and the data order")
+    es_seed: int = field(-1, "seed of the ES noise stream (-1: derived from seed)")
+    data_seed: int = field(-1, "seed of the shuffled order (-1: seed)")
     iterations: int = field(40, "train until this many ES iterations in total")
-    population: int = field(16, "ES population (the resolved value: a resumed run's is its checkpoint's)")
+    population: int = field(16, "members per iteration (even with antithetic; a resumed run's must be its "
+                                "checkpoint's)")
+    sigma: float = field(0.05, "perturbation scale")
+    alpha: float = field(0.05, "ES step size, no 1/sigma")
+    antithetic: bool = field(True, "mirrored (+eps, -eps) member pairs")
+    shaping: str = field("z_score", "fitness shaping", choices=("z_score", "centered_ranks"))
+    noise: str = field("iid", "noise scheme", choices=("iid", "correlated"))
+    batch: int = field(5, "samples every member scores per iteration")
+    reward: str = field("", "what a member is scored by: nll, exact, countdown, rule:..., PATH.py:FUNC "
+                            "(empty: countdown for the countdown task, else nll)")
+    search: str = field("ab", "what ES perturbs: ab = LoRA A and B, b = only B (full runs in one process only)",
+                        choices=("ab", "b"))
+    rank: int = field(8, "LoRA rank r")
+    lora_alpha: float = field(16.0, "LoRA alpha (the delta is scaled by lora_alpha/rank)")
+    targets: str = field("q,v", "comma-separated projections to adapt, any of q,k,v,o,gate,up,down")
+    anchor_decay: str = field("", "anchored weight decay toward the initial adapters: l1, l2 (empty: off)",
+                              choices=("", "l1", "l2"))
+    anchor_lambda: float = field(0.0, "anchored decay strength lambda")
+    seq_max: int = field(256, "truncate samples to this many input tokens")
+    member_batch: int = field(0, "score K members per pass as one batch (0: one at a time); same bits")
+    max_new_tokens: int = field(48, "greedy tokens per answer of a generation reward")
+    load: str = field("", "the checkpoint every replica starts from (its ES settings win; empty: a fresh run)")
     save_every: int = field(0, "checkpoint every N iterations (0: only the final one)")
+
+    def validate(self):
+        if not self.model:
+            raise UserError("es-finetune: field 'model' (a GGUF file) is required")
+        if self.task and self.data:
+            raise UserError("es-finetune: fields 'task' and 'data' exclude each other (a task brings its prompts)")
+        lows = {"iterations": 0, "population": 1, "batch": 1, "task_size": 1, "rank": 1, "seq_max": 1,
+                "member_batch": 0, "max_new_tokens": 0, "save_every": 0, "max_record_bytes": 1}
+        for name, low in lows.items():
+            if getattr(self, name) < low:
+                raise UserError(f"es-finetune: field '{name}' must be >= {low}, got {getattr(self, name)}")
+        if self.antithetic and self.population % 2:
+            raise UserError(f"es-finetune: field 'population' must be even with antithetic pairs, "
+                            f"got {self.population}")
+        if self.anchor_lambda < 0:
+            raise UserError(f"es-finetune: field 'anchor_lambda' must be >= 0, got {self.anchor_lambda}")
 
 
 class FinetuneReplica:
@@ -282,32 +344,24 @@ class ESFinetuneJob(ESJob):
     name = "es-finetune"
     Spec = ESFinetuneSpec
     eval_name = None
+    center_scored = False  # stops at `iterations`: the scheduler hands out t+1 before its own update
 
     def __init__(self, spec: ESFinetuneSpec):
         self.spec = spec
-        try:
-            self.flags = json.loads(spec.flags)
-        except json.JSONDecodeError as e:
-            raise UserError(f"es-finetune: field 'flags' is not JSON: {e}") from None
-        if not isinstance(self.flags, dict):
-            raise UserError("es-finetune: field 'flags' must be a JSON object of the command's flags")
-        if spec.iterations < 0 or spec.save_every < 0 or spec.population < 1:
-            raise UserError("es-finetune: iterations and save_every must be >= 0, population >= 1")
 
     def reward_files(self) -> list:
-        """The Python files the reward imports (`--reward PATH.py:FUNC`), resolved. A member process takes
+        """The Python files the reward imports (`reward = "PATH.py:FUNC"`), resolved. A member process takes
         these paths from the scheduler's run description, so it imports one only when its own environment
         lists it (REWARD_FILES_ENV): a message is never enough to make a process run a file."""
-        reward = self.flags.get("reward") or ""
-        path, _, func = reward.rpartition(":")
+        path, _, func = self.spec.reward.rpartition(":")
         return [os.path.realpath(path)] if path.endswith(".py") and func else []
 
     def make_task(self) -> FinetuneTask:
-        from ..commands.es_finetune import build, namespace
-        ft, _tok, _enc, _tpl, _pairs, _opts, run_config = build(namespace(self.flags), log=lambda m: None)
+        from ..commands.es_finetune import args_of, build
+        ft, _tok, _enc, _tpl, _pairs, _opts, run_config = build(args_of(self.spec), log=lambda m: None)
         if ft.es.config.population != self.spec.population:
-            raise UserError(f"es-finetune: field 'population' is {self.spec.population}, the flags build "
-                            f"{ft.es.config.population}")
+            raise UserError(f"es-finetune: field 'population' is {self.spec.population}, the checkpoint "
+                            f"{self.spec.load} was trained with {ft.es.config.population}")
         return FinetuneTask(ft, run_config)
 
     def save(self, task: FinetuneTask, path):

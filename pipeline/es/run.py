@@ -26,10 +26,9 @@ import numpy as np
 
 from ..errors import UserError
 from ..jobs.spec import field
-from ..runtime.ckpt import checkpoint_dir, latest_checkpoint
-from ..runtime.metrics import MetricsLog
+from ..runtime.ckpt import checkpoint_dir, latest_checkpoint, params_sha256
+from ..runtime.metrics import MetricsLog, plot_run
 from .checkpoint import load_es_checkpoint, save_es_checkpoint
-from ..runtime.ckpt import params_sha256
 from .spirals import ALPHA, SIGMA, SpiralsTask, spirals_config
 
 
@@ -56,6 +55,7 @@ class ESJob:
 
     kind = "es"
     micro_batches = 0
+    center_scored = True  # the stop test scores theta itself (False: it stops at `iterations` only)
 
     @property
     def steps(self):
@@ -179,12 +179,16 @@ class ESRun:
         return params_sha256(self.trainer.named_arrays())
 
     def summary(self, mode, members, replicas_checked=0) -> dict:
-        """The final checkpoint is written here; -> the run's summary."""
+        """The final checkpoint and loss.png are written here; -> the run's summary."""
         path = self.save()
         wall = time.perf_counter() - self.t0
         done = self.iteration - self.start
         scored = {} if self.center is None else {"accuracy": self.center[1], "ce": self.center[0],
                                                  "converged": self.center[1] == 1.0}
+        try:
+            plot = plot_run(self.run_dir)  # loss.png: the reward per iteration
+        except UserError:  # no iteration recorded yet (a resumed run that had nothing to do)
+            plot = None
         return {"job": self.job.name, "mode": mode, "iterations": self.iteration, "iterations_this_run": done,
                 **scored, "wall_s": round(wall, 3),
                 "ms_per_iteration": wall / done * 1e3 if done else 0.0,
@@ -193,7 +197,7 @@ class ESRun:
                 "params_sha256": self.digest(), "sha256": self.digest(), "members": members,
                 "population": self.job.population, "resumed_from": self.resumed_from,
                 "replicas_checked": replicas_checked, "checkpoint": os.path.abspath(path),
-                "run_dir": os.path.abspath(self.run_dir)}
+                "run_dir": os.path.abspath(self.run_dir), "plot": plot}
 
     def close(self):
         self.metrics.close()

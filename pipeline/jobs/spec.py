@@ -29,7 +29,7 @@ def add_flags(parser: argparse.ArgumentParser, spec_cls):
     for f in dataclasses.fields(spec_cls):
         flag = "--" + f.name.replace("_", "-")
         shown = "off" if f.default is False else f.default  # a bare "False" reads as a value to pass
-        help_text = f"{f.metadata.get('help', '')} (default: {shown})"
+        help_text = f"{f.metadata.get('help', '')} (default: {shown})".replace("%", "%%")  # argparse formats it
         if f.type in ("bool", bool):
             group.add_argument(flag, dest=f"job_{f.name}", default=None, action=argparse.BooleanOptionalAction,
                                help=help_text)

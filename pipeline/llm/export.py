@@ -30,7 +30,7 @@ from gguf.gguf_writer import GGUFValue
 
 from pipeline.errors import CheckpointError, UserError
 from pipeline.models.decoder import PROJECTIONS as GGUF_TENSOR
-from pipeline.train.checkpoint import latest_checkpoint, read_sentinel
+from pipeline.runtime.ckpt import latest_checkpoint, read_state
 from pipeline.train.state_dict import atomic_write_bytes, read_safetensors, save_state_dict
 from pipeline.untrusted import brief
 
@@ -96,7 +96,7 @@ def load_adapters(directory) -> Adapters:
     if not directory.is_dir():
         raise UserError(f"--adapters {directory}: not a directory (pass the fine-tune's checkpoint directory)")
     try:
-        state = read_sentinel(directory)
+        state = read_state(directory)
     except CheckpointError as e:
         latest = latest_checkpoint(directory)
         hint = f"; its latest committed periodic save is {latest}" if latest else ""

@@ -1,18 +1,33 @@
-"""Checkpoints of pipeline runs, on the shared directory protocol (pipeline.train).
+"""The checkpoint directory - one module for every writer and reader: the runtime's roles, the in-process
+runs, the spirals gauntlet, ES and the LoRA fine-tunes.
 
-    checkpoint-step-N/  model.safetensors, optimizer.safetensors, trainer_state.json (last)
+    checkpoint-step-N/
+      model.safetensors      # or adapters.safetensors (a LoRA run saves only its adapters)
+      optimizer.safetensors  # the optimizer's state_dict (pipeline/train/optimizer_state.py); ES has none
+      trainer_state.json     # written LAST: the commit sentinel
 
-The checkpointer holds no model and no optimizer - only a snapshot of arrays -
-so this module adapts a snapshot to `save_checkpoint`'s model/optimizer
-arguments. The sentinel's `step` counts micro-batches and `accum_steps` is
-the job's micro-batches per step, so `macro_step` is the optimizer step (the
-pipeline.train convention). `params_sha256` is the run's identity: the digest
-of every final parameter in name order, what the determinism tests compare.
+Every file is written atomically (temp + fsync + rename + directory fsync),
+and the sentinel goes last, so a directory with a valid trainer_state.json is
+a complete checkpoint and a crash at any point before it leaves a directory
+that `latest_checkpoint` skips. Re-saving into a committed directory first
+removes its sentinel, so a crash mid-overwrite never passes for committed.
+Loading reads and validates everything it can (sentinel, names, shapes,
+dtypes) before touching the model; the model is written only after the
+optimizer accepted its state.
 
-Trade-off: a thin adapter, not a second writer; a crash mid-save is handled by
-the protocol (sentinel last), a retry simply re-saves into the same directory
-- after removing the temp files (`.NAME.tmp-PID`) a killed writer left there,
-so a committed directory holds only its own files.
+The checkpointer role holds no model and no optimizer - only a snapshot of
+arrays - so `write_checkpoint` adapts a snapshot to `save_checkpoint`'s
+model/optimizer arguments. A pipeline sentinel's `step` counts micro-batches
+and `accum_steps` is the job's micro-batches per step, so `macro_step` is the
+optimizer step. `params_sha256` is a run's identity: the digest of every final
+parameter in name order, what the determinism tests compare.
+
+Trade-off: a directory of plain files instead of one archive: each piece
+opens in ordinary tools (safetensors, a text editor) and the adapters can be
+shipped alone, at the price of a commit protocol over several files. A retry
+re-saves into the same directory - after removing the temp files
+(`.NAME.tmp-PID`) a killed writer left there, so a committed directory holds
+only its own files.
 """
 from __future__ import annotations
 
@@ -23,20 +38,145 @@ from pathlib import Path
 
 import numpy as np
 
+from ..autograd import named_parameters
 from ..autograd.tensor import Tensor
 from ..errors import CheckpointError
-from ..train import checkpoint as protocol
-from ..train.state_dict import load_state_dict
+from ..train.optimizer_state import load_optimizer, save_optimizer
+from ..train.state_dict import assign_state, atomic_write_bytes, fsync_dir, load_state_dict, save_state_dict
 from ..train.trainer_state import TrainerState
 from .transport import process_exited
 
-is_committed = protocol.is_committed
+SENTINEL = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.safetensors"
+WEIGHT_FILES = ("model.safetensors", "adapters.safetensors")
+_STEP_DIR = re.compile(r"^checkpoint-step-(\d+)$")
 _TEMP_FILE = re.compile(r"^\..+\.tmp-(\d+)$")  # state_dict.atomic_write's temp name
 
 
+def checkpoint_dir(run_dir, step) -> str:
+    """run_dir/checkpoint-step-<step>."""
+    return os.path.join(run_dir, f"checkpoint-step-{step}")
+
+
+def read_state(ckpt_dir) -> TrainerState:
+    """The checkpoint's TrainerState; CheckpointError if it is not committed."""
+    path = Path(ckpt_dir) / SENTINEL
+    if not path.is_file():
+        raise CheckpointError(f"{ckpt_dir}: not a committed checkpoint (no {SENTINEL})")
+    return TrainerState.read(path)
+
+
+def is_committed(ckpt_dir) -> bool:
+    try:
+        read_state(ckpt_dir)
+    except CheckpointError:
+        return False
+    return True
+
+
 def latest_checkpoint(run_dir) -> str | None:
-    path = protocol.latest_checkpoint(run_dir)
-    return str(path) if path else None
+    """The committed checkpoint-step-N/ with the largest N under run_dir, or None.
+
+    Directories without a valid sentinel (a save that crashed) are ignored.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return None
+    candidates = []
+    for child in run_dir.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir():
+            candidates.append((int(match.group(1)), child))
+    for _, child in sorted(candidates, reverse=True):
+        if is_committed(child):
+            return str(child)
+    return None
+
+
+def save_checkpoint(ckpt_dir, state: TrainerState, model=None, optimizer=None, adapters=False) -> Path:
+    """Write a checkpoint directory; the sentinel (state) is committed last.
+
+    model: any object named_parameters() walks (its trainable tensors are
+    saved); adapters=True names the weight file adapters.safetensors (for a
+    LoRA model whose only trainable tensors are its adapters).
+    optimizer: anything with state_dict() (an optimizer or an OptimizerSet);
+    None writes no optimizer file (ES).
+    A state inside an accumulation window is refused: partial gradients are
+    never saved, so it could not be resumed.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    state.validate(f"{ckpt_dir / SENTINEL}")
+    state.require_boundary(f"save to {ckpt_dir}")
+    try:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        fsync_dir(ckpt_dir.parent)
+    except OSError as e:
+        raise CheckpointError(f"{ckpt_dir}: cannot create the checkpoint directory: {e.strerror or e}") from None
+    _uncommit(ckpt_dir)
+    weights = WEIGHT_FILES[1] if adapters else WEIGHT_FILES[0]
+    written = {weights} if model is not None else set()
+    if optimizer is not None:
+        written.add(OPTIMIZER_FILE)
+    for name in {*WEIGHT_FILES, OPTIMIZER_FILE} - written:  # a re-save keeps nothing stale from an earlier one
+        (ckpt_dir / name).unlink(missing_ok=True)
+    if model is not None:
+        save_state_dict(ckpt_dir / weights, named_parameters(model), metadata={"format": "fucina.weights/1"})
+    if optimizer is not None:
+        save_optimizer(ckpt_dir / OPTIMIZER_FILE, optimizer)
+    atomic_write_bytes(ckpt_dir / SENTINEL, state.to_json().encode("utf-8"))
+    return ckpt_dir
+
+
+def _uncommit(ckpt_dir: Path):
+    """Remove the sentinel before anything in the directory is overwritten."""
+    sentinel = ckpt_dir / SENTINEL
+    if sentinel.exists():
+        sentinel.unlink()
+        fsync_dir(ckpt_dir)
+
+
+def weights_file(ckpt_dir) -> Path:
+    """The checkpoint's model.safetensors or adapters.safetensors."""
+    for name in WEIGHT_FILES:
+        if (Path(ckpt_dir) / name).is_file():
+            return Path(ckpt_dir) / name
+    raise CheckpointError(f"{ckpt_dir}: no {' or '.join(WEIGHT_FILES)}")
+
+
+def load_checkpoint(ckpt_dir, model=None, optimizer=None, strict=True, trainable_only=True,
+                    accum_steps: int | None = None) -> TrainerState:
+    """Restore model and/or optimizer from a committed checkpoint; return its TrainerState.
+
+    strict: weight names must match one-to-one. trainable_only=False also
+    fills tensors without requires_grad (a gradient-free inference model).
+    accum_steps: the resuming run's window; the checkpoint step must be a
+    multiple of it (and of the stored one), else the resume is refused.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    state = read_state(ckpt_dir)
+    state.require_boundary(str(ckpt_dir / SENTINEL))
+    if accum_steps is not None and state.step % accum_steps != 0:
+        raise CheckpointError(
+            f"{ckpt_dir / SENTINEL}: step {state.step} is not a multiple of this run's accum_steps={accum_steps}; "
+            "resume only on an accumulation-window boundary")
+    if model is None:
+        if optimizer is not None:
+            load_optimizer(ckpt_dir / OPTIMIZER_FILE, optimizer)
+        return state
+    path = weights_file(ckpt_dir)
+    stored = load_state_dict(path)
+    targets = named_parameters(model, trainable_only=trainable_only)
+    # Validate the weights first, write them only once the optimizer took its state.
+    assign_state(targets, stored, source=str(path), strict=strict, dry_run=True)
+    if optimizer is not None:
+        load_optimizer(ckpt_dir / OPTIMIZER_FILE, optimizer)
+    assign_state(targets, stored, source=str(path), strict=strict)
+    return state
+
+
+def tensors_of(named_arrays) -> dict:
+    """{name: Tensor whose .data is the array} for save_checkpoint/load_checkpoint over plain arrays."""
+    return {n: Tensor(a, requires_grad=True) for n, a in dict(named_arrays).items()}
 
 
 def resolve(path) -> str:
@@ -45,7 +185,7 @@ def resolve(path) -> str:
         return str(path)
     latest = latest_checkpoint(path)
     if latest is None:
-        raise CheckpointError(f"{path}: neither a committed checkpoint (no valid {protocol.SENTINEL}) "
+        raise CheckpointError(f"{path}: neither a committed checkpoint (no valid {SENTINEL}) "
                               f"nor a run directory holding one")
     return latest
 
@@ -74,39 +214,35 @@ def write_checkpoint(ckpt_dir, params: dict, optim_skeleton: dict, optim_tensors
                      on_file=None, adapters=False):
     """Write one checkpoint from arrays; `on_file(name)` after the weights (fault-injection hook);
     adapters=True names the weights adapters.safetensors (a LoRA job's)."""
-    model = {n: Tensor(a, requires_grad=True) for n, a in params.items()}
+    model = tensors_of(params)
     ckpt_dir = Path(ckpt_dir)
     remove_dead_writers_temp_files(ckpt_dir)
     if on_file is None:
-        protocol.save_checkpoint(ckpt_dir, state, model=model, optimizer=_FrozenState(optim_skeleton, optim_tensors),
-                                 adapters=adapters)
+        save_checkpoint(ckpt_dir, state, model=model, optimizer=_FrozenState(optim_skeleton, optim_tensors),
+                        adapters=adapters)
         return str(ckpt_dir)
     # the same protocol in two calls, so a fault can strike between the files (sentinel still last)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    sentinel = ckpt_dir / protocol.SENTINEL
-    if sentinel.exists():
-        sentinel.unlink()
-    from ..train.state_dict import save_state_dict
-    weights = protocol.WEIGHT_FILES[1 if adapters else 0]
+    _uncommit(ckpt_dir)
+    weights = WEIGHT_FILES[1 if adapters else 0]
     save_state_dict(ckpt_dir / weights, list(model.items()), metadata={"format": "fucina.weights/1"})
     on_file(weights)
-    protocol.save_checkpoint(ckpt_dir, state, model=model, optimizer=_FrozenState(optim_skeleton, optim_tensors),
-                             adapters=adapters)
+    save_checkpoint(ckpt_dir, state, model=model, optimizer=_FrozenState(optim_skeleton, optim_tensors),
+                    adapters=adapters)
     return str(ckpt_dir)
 
 
 def publish(ckpt_dir, dest) -> str:
     """Commit a copy of the committed checkpoint `ckpt_dir` at `dest` (its files, the sentinel last), so a run
     dir is itself its final checkpoint (what `fucina finetune --save DIR` always wrote)."""
-    from ..train.state_dict import atomic_write_bytes
     src, dest = Path(ckpt_dir), Path(dest)
-    protocol.read_sentinel(src)  # only a committed checkpoint is published
+    read_state(src)  # only a committed checkpoint is published
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / protocol.SENTINEL).unlink(missing_ok=True)  # uncommit before overwriting anything
-    names = [protocol.weights_file(src).name, protocol.OPTIMIZER_FILE]
-    for name in {*protocol.WEIGHT_FILES, protocol.OPTIMIZER_FILE} - set(names):
+    (dest / SENTINEL).unlink(missing_ok=True)  # uncommit before overwriting anything
+    names = [weights_file(src).name, OPTIMIZER_FILE]
+    for name in {*WEIGHT_FILES, OPTIMIZER_FILE} - set(names):
         (dest / name).unlink(missing_ok=True)  # nothing stale from an earlier publish
-    for name in [*names, protocol.SENTINEL]:
+    for name in [*names, SENTINEL]:
         atomic_write_bytes(dest / name, (src / name).read_bytes())
     return str(dest)
 
@@ -128,17 +264,13 @@ def remove_dead_writers_temp_files(ckpt_dir: Path) -> list[str]:
 
 def restore(ckpt_dir, named_tensors, optimizer) -> int:
     """Load weights (in place) and optimizer state; -> the optimizer step."""
-    state = protocol.load_checkpoint(ckpt_dir, model=dict(named_tensors), optimizer=optimizer)
+    state = load_checkpoint(ckpt_dir, model=dict(named_tensors), optimizer=optimizer)
     return state.macro_step
 
 
 def read_params(ckpt_dir, order=None) -> dict:
-    stored = load_state_dict(protocol.weights_file(ckpt_dir))
+    stored = load_state_dict(weights_file(ckpt_dir))
     return {n: stored[n] for n in (order or sorted(stored))}
-
-
-def read_state(ckpt_dir) -> TrainerState:
-    return protocol.read_sentinel(ckpt_dir)
 
 
 def params_sha256(params) -> str:
@@ -152,7 +284,3 @@ def params_sha256(params) -> str:
         h.update(f"{name}|{a.dtype.str}|{list(a.shape)}|".encode())
         h.update(a.tobytes())
     return h.hexdigest()
-
-
-def checkpoint_dir(run_dir, step) -> str:
-    return os.path.join(run_dir, f"checkpoint-step-{step}")

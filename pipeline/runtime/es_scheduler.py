@@ -106,28 +106,51 @@ class ESScheduler(Scheduler):
                        iterations=self.job.steps, start=self.cur)
         if self.digest_deadline is not None:
             return self.maybe_finish()
+        if len(self.rewards) == self.job.population:
+            self.advance(members)  # and on to iteration cur+1 in this same pass: no member waits for a poll
         if not self.center_done:
             if self.es.finished():
                 return self.ask_digests()
             self.center_done = True
-            self.rewards = {}
-            pop, n = self.job.population, max(1, len(members))
-            self.chunks = [list(range(k * pop // n, (k + 1) * pop // n)) for k in range(n)]
-            self.chunks = [c for c in self.chunks if c]
+            self.cut(members)
+        self.hand_out(members)
+
+    def cut(self, members):
+        """Iteration cur's population as one contiguous chunk per live member."""
+        pop, n = self.job.population, max(1, len(members))
+        self.chunks = [c for c in (list(range(k * pop // n, (k + 1) * pop // n)) for k in range(n)) if c]
+
+    def hand_out(self, members, transfers=True):
+        """A chunk to each idle member; transfers=False skips a member that needs the parameters (es_state)."""
         for peer in sorted((p for p in members if p.task is None), key=lambda p: p.born):
             if not self.chunks:
                 break
+            at = self.replica_at.get(peer.id)
+            if not transfers and not (at == self.cur or (at == self.cur - 1 and self.prev_rewards is not None)):
+                continue
             chunk = self.chunks.pop(0)
             peer.task = (self.cur, tuple(chunk))
             self.send(peer, "es_eval", self.cur, members=chunk, catchup=self.catchup(peer))
-        if len(self.rewards) == self.job.population:
-            rewards = [self.rewards[m] for m in range(self.job.population)]
-            record = self.es.commit(rewards)
-            self.prev_rewards, self.cur, self.center_done = rewards, self.es.iteration, False
-            record["roles"] = {"es_member": round(self.role_ms["trainer"], 3)}
-            self.role_ms = dict.fromkeys(self.role_ms, 0.0)
-            self.pub.publish("es_metrics", self.cur, total=self.job.steps,
-                             **{k: v for k, v in record.items() if k != "roles"})
+
+    def advance(self, members):
+        """Every reward of iteration cur is in: the replicas move to cur+1.
+
+        A job whose stop test needs no parameters (no center score: es-finetune stops at its iteration count)
+        hands iteration cur+1 out BEFORE this replica applies the update: the members apply the same update
+        themselves from the catch-up rewards, so they need not wait for ours. Only a member that needs a state
+        transfer waits, since that ships this replica's parameters."""
+        rewards = [self.rewards[m] for m in range(self.job.population)]
+        self.rewards, self.prev_rewards, self.cur = {}, rewards, self.cur + 1
+        early = not self.job.center_scored and not (self.job.steps > 0 and self.cur >= self.job.steps)
+        if early:
+            self.cut(members)
+            self.hand_out(members, transfers=False)
+        record = self.es.commit(rewards)
+        self.center_done = early
+        record["roles"] = {"es_member": round(self.role_ms["trainer"], 3)}
+        self.role_ms = dict.fromkeys(self.role_ms, 0.0)
+        self.pub.publish("es_metrics", self.cur, total=self.job.steps,
+                         **{k: v for k, v in record.items() if k != "roles"})
 
     def ask_digests(self):
         """The end: every live replica at cur or cur-1 reports its sha256 (a lagging one holds nothing to check)."""

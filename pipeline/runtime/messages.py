@@ -138,7 +138,8 @@ OPTIONAL: dict[str, dict] = {
     "grad_done": {"stale": BOOL},       # the trainer refused: its parameters are of another version
     "stepped": {"eval": OPT_NUM},
     "ready": {"resume": STR},
-    "shutdown": {"replace": BOOL},      # a supervisor should start a fresh process
+    "shutdown": {"replace": BOOL,       # a supervisor should start a fresh process
+                 "unused": BOOL},       # this run has no use for the role (a Procfile worker stands by)
     "metrics": {"total": INT, "eval": OPT_NUM, "eval_name": STR},
     "es_metrics": {"total": INT, "eval": OPT_NUM, "eval_name": STR},
 }

@@ -52,7 +52,9 @@ def read_metrics(run_dir):
 
 
 def plot_run(run_dir, out=None) -> str:
-    """Draw train loss (and eval metric) against step into RUN_DIR/loss.png."""
+    """Draw RUN_DIR/loss.png: train loss (and the eval metric) against step, or for an ES run (es_metrics
+    records, no loss) the reward per iteration - its mean, the min..max band and mean +- std - with the
+    center's eval metric (es-spirals' training accuracy) on a second axis."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -62,25 +64,61 @@ def plot_run(run_dir, out=None) -> str:
         records = read_metrics(run_dir)
     except FileNotFoundError:
         raise UserError(f"{run_dir}: no metrics.jsonl (is this a run directory?)") from None
-    steps = {}
+    steps, iterations = {}, {}
     for r in records:  # a replayed step (after a restart) overwrites the earlier record
         if r.get("kind") == "metrics":
             steps[r["step"]] = r
-    if not steps:
+        elif r.get("kind") == "es_metrics":
+            iterations[r["step"]] = r
+    if not steps and not iterations:
         raise UserError(f"{run_dir}/metrics.jsonl: no step records to plot")
-    xs = sorted(steps)
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(xs, [steps[s]["loss"] for s in xs], lw=1, label="train loss")
-    evals = [(s, steps[s]["eval"]) for s in xs if steps[s].get("eval") is not None]
-    if evals:
-        ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", label=steps[evals[0][0]].get("eval_name", "eval"))
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    if steps:
+        _draw_loss(ax, steps)
+    else:
+        _draw_rewards(ax, iterations)
     ax.set_title(os.path.basename(os.path.abspath(run_dir)))
     ax.grid(alpha=0.3)
-    ax.legend()
     out = out or os.path.join(run_dir, "loss.png")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def _evals(records: dict):
+    """[(step, eval)] of the records that carry one, and the metric's name."""
+    evals = [(s, records[s]["eval"]) for s in sorted(records) if records[s].get("eval") is not None]
+    return evals, (records[evals[0][0]].get("eval_name") or "eval") if evals else ""
+
+
+def _draw_loss(ax, steps):
+    xs = sorted(steps)
+    ax.plot(xs, [steps[s]["loss"] for s in xs], lw=1, label="train loss")
+    evals, name = _evals(steps)
+    if evals:
+        ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+
+
+def _draw_rewards(ax, iterations):
+    import numpy as np
+    xs = sorted(iterations)
+    mean, std, low, high = (np.array([iterations[s][f"reward_{k}"] for s in xs]) for k in ("mean", "std", "min", "max"))
+    ax.fill_between(xs, low, high, alpha=0.2, label="reward min..max")
+    ax.plot(xs, mean - std, "--", lw=0.8, color="C0", label="reward mean +- std")
+    ax.plot(xs, mean + std, "--", lw=0.8, color="C0")
+    ax.plot(xs, mean, lw=1.2, color="C0", label="reward mean")
+    ax.set_xlabel("ES iteration")
+    ax.set_ylabel("population reward")
+    handles, labels = ax.get_legend_handles_labels()
+    evals, name = _evals(iterations)
+    if evals:
+        twin = ax.twinx()
+        twin.plot([s for s, _ in evals], [v for _, v in evals], color="C1", lw=1, label=name)
+        twin.set_ylabel(name)
+        more = twin.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    ax.legend(handles, labels, fontsize="small")

@@ -229,7 +229,7 @@ class Scheduler:
         if known is not None:  # a second hello on one connection changes nothing
             return self.drop(known, msg, "a second hello on one connection")
         if role not in self.ROLES:  # e.g. an es_member at a trainer run: it would hold no task ever
-            self.router.send(identity, "shutdown", reason=f"this {self.job.name} run has no {role} role")
+            self.router.send(identity, "shutdown", reason=f"this {self.job.name} run has no {role} role", unused=True)
             self.log(f"[scheduler] refused a hello as {wid!r}: this run has no {role} role")
             return
         if self.by_identity_of(wid) is not None:

@@ -24,6 +24,7 @@ import sys
 import time
 import traceback
 
+from ..commands._args import add_threads_flag
 from ..errors import FucinaError, UserError
 from ..jobs import get_job
 from ..threads import pin_threads
@@ -42,7 +43,11 @@ def worker_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--connect", default=None, help="scheduler control endpoint (ipc://... or tcp://host:port)")
     parser.add_argument("--key", default=None, metavar="FILE",
                         help="the run's worker.key, needed for tcp:// (default: RUN_DIR/worker.key with --run-dir)")
-    parser.add_argument("--threads", type=int, default=1, help="BLAS/numba threads for this worker")
+    add_threads_flag(parser, 1, "this worker")
+    parser.add_argument("--stand-by", action="store_true",
+                        help="when the run has no use for this role (a trainer at an ES run, an es_member at a "
+                             "training run), wait for SIGTERM instead of exiting: the Procfile starts every role "
+                             "for any job, and honcho ends the whole run when the first process exits")
     parser.add_argument("--log-level", default="WARNING", help="logging level")
 
 
@@ -64,12 +69,16 @@ def client_key(args, endpoint: str):
     return security.load_client_key(path)
 
 
+class RoleUnused(Exception):
+    """The scheduler said this run has no use for the role (raised only for a --stand-by worker)."""
+
+
 class Worker:
     role = "worker"
     remote = False  # True: fed by buffer frames, maps no shared memory (workers/trainer.py --remote)
 
-    def __init__(self, endpoint: str, threads: int = 1, key=None):
-        self.endpoint, self.threads, self.key = endpoint, threads, key
+    def __init__(self, endpoint: str, threads: int = 1, key=None, stand_by=False):
+        self.endpoint, self.threads, self.key, self.stand_by = endpoint, threads, key, stand_by
         self.id = f"{self.role}-{os.getpid()}"
         self.log = logging.getLogger(f"fucina.{self.role}")
         self.registry = None
@@ -98,6 +107,11 @@ class Worker:
             self.registry = Registry(self.run["run_id"], self.role)
             self.setup()
             return self._serve()
+        except RoleUnused as e:
+            heartbeat.stop()
+            heartbeat = None
+            print(f"{self.id}: {e}; standing by until SIGTERM (--stand-by)", file=sys.stderr, flush=True)
+            return self._wait_for_a_signal()
         except SystemExit as e:  # SIGTERM / SIGHUP / lost scheduler: a clean exit
             if isinstance(e.code, str):
                 print(e.code, file=sys.stderr)
@@ -123,10 +137,20 @@ class Worker:
             if msg and msg["kind"] == "welcome":
                 return msg
             if msg and msg["kind"] == "shutdown":
+                if msg.get("unused") and self.stand_by:
+                    raise RoleUnused(msg["reason"])
                 raise SystemExit(EXIT_REPLACED if msg.get("replace") else 0)
         raise SystemExit(f"{self.id}: no welcome from the scheduler at {self.endpoint} within "
                          f"{WELCOME_TIMEOUT_S:.0f} s (none is listening, the key is not this run's, or a live "
                          f"{self.role} holds the role and this one was queued behind it)")
+
+    @staticmethod
+    def _wait_for_a_signal() -> int:
+        try:
+            while True:
+                signal.pause()
+        except (SystemExit, KeyboardInterrupt):  # SIGTERM / SIGHUP (exit_on_signals) or Ctrl-C: done
+            return 0
 
     def _serve(self) -> int:
         while True:
@@ -176,4 +200,4 @@ def run_worker(cls, argv=None, remote_cls=None) -> int:
     except FucinaError as e:
         print(f"{cls.role}: error: {e}", file=sys.stderr)
         return 2
-    return cls(endpoint, threads=args.threads, key=key).main()
+    return cls(endpoint, threads=args.threads, key=key, stand_by=args.stand_by).main()

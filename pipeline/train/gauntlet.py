@@ -24,7 +24,7 @@ import numpy as np
 from ..autograd import Tensor, cross_entropy, named_parameters
 from ..models.spirals import SpiralsMLP, accuracy, make_spirals
 from .. import optim
-from .checkpoint import load_checkpoint, save_checkpoint, step_dir
+from ..runtime.ckpt import checkpoint_dir, load_checkpoint, save_checkpoint
 from .trainer_state import TrainerState
 
 
@@ -145,7 +145,7 @@ def run_recipe(recipe: Recipe, run_dir, steps=2000, seed=0, hidden=64, sabotage=
     model = SpiralsMLP(seed=seed, hidden=hidden)
     opt, schedule = recipe.make(model, positional=positional)
     train(model, opt, schedule, recipe, X, y, 0, half, steps)
-    save_checkpoint(step_dir(run_dir, half), state(half), model, opt)
+    save_checkpoint(checkpoint_dir(run_dir, half), state(half), model, opt)
     loss = train(model, opt, schedule, recipe, X, y, half, steps, steps)
     reference = _params(model)
     trained_accuracy = accuracy(model, X, y)
@@ -154,7 +154,7 @@ def run_recipe(recipe: Recipe, run_dir, steps=2000, seed=0, hidden=64, sabotage=
     resumed = SpiralsMLP(seed=seed + 1, hidden=hidden)
     opt2, schedule2 = recipe.make(resumed, positional=positional, swap_biases=sabotage == "swap-biases")
     # explicit directory, not latest_checkpoint: a reused --run-dir may hold a later step
-    start = load_checkpoint(step_dir(run_dir, half), resumed, opt2).step
+    start = load_checkpoint(checkpoint_dir(run_dir, half), resumed, opt2).step
     train(resumed, opt2, schedule2, recipe, X, y, start, steps, steps, restart_schedule=sabotage == "restart-schedule")
     replayed = _params(resumed)
     same_bits = all(reference[n].tobytes() == replayed[n].tobytes() for n in reference)  # also tells -0.0 from 0.0
@@ -162,9 +162,9 @@ def run_recipe(recipe: Recipe, run_dir, steps=2000, seed=0, hidden=64, sabotage=
         float(np.max(np.abs(reference[n].astype(np.float64) - replayed[n]))) for n in reference)
 
     # phase 3: the final weights into a gradient-free model
-    save_checkpoint(step_dir(run_dir, steps), state(steps), model, opt)
+    save_checkpoint(checkpoint_dir(run_dir, steps), state(steps), model, opt)
     frozen = _frozen_model(seed + 2, hidden)
-    load_checkpoint(step_dir(run_dir, steps), frozen, trainable_only=False)
+    load_checkpoint(checkpoint_dir(run_dir, steps), frozen, trainable_only=False)
     return {"name": recipe.name, "loss": loss, "accuracy": trained_accuracy, "resume_from": start,
             "resume_max_abs_diff": max_diff, "bit_exact": same_bits,
             "inference_accuracy": accuracy(frozen, X, y), "seconds": time.perf_counter() - t0}

@@ -205,3 +205,50 @@ def test_member_processes_equal_in_process(tmp_path, capsys):
     assert "2 es_member processes on the runtime" in err
     assert fanned["adapters_sha256"] == inproc["adapters_sha256"]
     assert fanned["reward_means"] == inproc["reward_means"]
+
+
+def _flags(*argv):
+    import argparse
+
+    from pipeline.commands import es_finetune
+    p = argparse.ArgumentParser()
+    es_finetune.add_arguments(p)
+    return p.parse_args(["--model", MODEL, *argv])
+
+
+@pytest.mark.parametrize("argv", [(), ("--task", "countdown", "--task-numbers", "3", "--population", "6",
+                                       "--anchor-decay", "l1", "--anchor-lambda", "0.5", "--shuffle", "--data-seed",
+                                       "9", "--no-antithetic", "--reward", "rule:format", "--member-batch", "2")])
+def test_the_job_spec_stands_for_the_flags_every_replica_builds_from(argv):
+    """spec_of (flags -> the es-finetune job's typed fields) and args_of (back) agree on everything build() reads,
+    with the ES settings resolved (the noise seed derived from --seed, population/sigma/... their defaults)."""
+    from pipeline.commands.es_finetune import ES_DEFAULTS, _es_settings, args_of, spec_of
+    from pipeline.es.finetune import ESFinetuneSpec
+    from pipeline.jobs.spec import build
+    args = _flags(*argv)
+    back = args_of(build(ESFinetuneSpec, spec_of(args)))
+    settings = _es_settings(args, None, log=lambda m: None)
+    for name in ("model", "data", "task", "task_numbers", "shuffle", "seed", "data_seed", "reward", "rank",
+                 "lora_alpha", "targets", "seq_max", "member_batch", "max_new_tokens", "load", "chat_template"):
+        assert getattr(back, name) == getattr(args, name), name
+    assert {k: getattr(back, k) for k in ES_DEFAULTS if k != "anchor_lambda"} == \
+           {k: settings[k] for k in ES_DEFAULTS if k != "anchor_lambda"}
+    assert back.es_seed == settings["seed"] and _es_settings(back, None, log=lambda m: None) == settings
+
+
+@pytest.mark.parametrize("text, message", [
+    ('model = "m.gguf"\nbatch = 0\n', "field 'batch' must be >= 1, got 0"),
+    ('model = "m.gguf"\npopulation = 5\n', "field 'population' must be even with antithetic pairs"),
+    ('model = "m.gguf"\nsearch = "full"\n', "field 'search' must be one of"),
+    ('model = "m.gguf"\nflags = "{}"\n', "unknown field 'flags'"),
+    ('batch = 2\n', "field 'model' (a GGUF file) is required"),
+])
+def test_a_bad_es_finetune_job_file_is_one_error_naming_the_field(tmp_path, text, message):
+    from pipeline.errors import UserError
+    from pipeline.es.finetune import ESFinetuneSpec
+    from pipeline.jobs.spec import build, load_toml
+    path = tmp_path / "es.toml"
+    path.write_text(text)
+    with pytest.raises(UserError) as e:
+        build(ESFinetuneSpec, load_toml(str(path), ESFinetuneSpec), where=str(path))
+    assert message in str(e.value)

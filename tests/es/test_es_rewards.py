@@ -139,20 +139,16 @@ def test_exact_reward_runs(capsys):
 
 def test_a_member_imports_a_reward_file_only_when_its_own_environment_lists_it(tmp_path):
     """The file comes to a member in the scheduler's run description: a message alone never makes it run code."""
-    import json as _json
-
     from pipeline.es.finetune import REWARD_FILES_ENV, ESFinetuneJob, check_reward_files
     from pipeline.jobs.spec import build
     f = tmp_path / "mine.py"
     f.write_text("def reward(p, c, r):\n    return 1.0\n")
-    job = ESFinetuneJob(build(ESFinetuneJob.Spec, {"flags": _json.dumps({"reward": f"{f}:reward"}),
-                                                   "iterations": 1, "population": 2}))
+    job = ESFinetuneJob(build(ESFinetuneJob.Spec, {"model": "m.gguf", "reward": f"{f}:reward", "population": 2}))
     assert job.reward_files() == [os.path.realpath(f)]
     with pytest.raises(UserError, match=f"{REWARD_FILES_ENV}="):
         check_reward_files(job, {})
     with pytest.raises(UserError, match="lists it"):
         check_reward_files(job, {REWARD_FILES_ENV: str(tmp_path / "other.py")})
     check_reward_files(job, {REWARD_FILES_ENV: os.pathsep.join(["/nowhere.py", str(f)])})
-    plain = ESFinetuneJob(build(ESFinetuneJob.Spec, {"flags": _json.dumps({"reward": "rule:format"}),
-                                                     "iterations": 1, "population": 2}))
+    plain = ESFinetuneJob(build(ESFinetuneJob.Spec, {"model": "m.gguf", "reward": "rule:format", "population": 2}))
     check_reward_files(plain, {})

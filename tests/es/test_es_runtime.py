@@ -35,9 +35,21 @@ def _inprocess(run_dir, **fields):
         return run_es_inprocess(_job(**fields), str(run_dir), log=lambda m: None)
 
 
-def test_es_spirals_is_a_runtime_job_not_a_launch_job():
-    from pipeline.jobs import JOBS
-    assert get_job("es-spirals") is ESSpiralsJob and "es-spirals" not in JOBS
+def test_es_spirals_is_a_runtime_job_of_the_es_kind():
+    from pipeline.jobs import ES_JOBS, JOBS
+    assert get_job("es-spirals") is ESSpiralsJob and "es-spirals" in ES_JOBS and "es-spirals" not in JOBS
+
+
+def test_fucina_launch_runs_an_es_job_as_es_spirals_does(tmp_path, capsys):
+    from pipeline.cli import main
+    reference = _inprocess(tmp_path / "ref")
+    with threadpool_limits(1):
+        assert main(["launch", "es-spirals", "--inprocess", "--threads", "0", "--iterations", str(ITERS),
+                     "--population", str(POP), "--model-seed", "3", "--run-dir", str(tmp_path / "l"), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["params_sha256"] == reference["sha256"] and summary["iterations"] == ITERS
+    assert main(["launch", "es-spirals", "--members", "0", "--run-dir", str(tmp_path / "m")]) == 2
+    assert "--members must be >= 1" in capsys.readouterr().err
 
 
 def test_inprocess_run_is_deterministic_and_resumes_bit_exactly(tmp_path):
@@ -58,6 +70,8 @@ def test_inprocess_run_is_deterministic_and_resumes_bit_exactly(tmp_path):
     stats = [r for r in records if r["kind"] == "es_metrics"]
     assert [r["step"] for r in stats] == list(range(1, ITERS + 1))
     assert all(r["reward_min"] <= r["reward_mean"] <= r["reward_max"] and r["reward_std"] >= 0 for r in stats)
+    plot = tmp_path / "a" / "loss.png"  # the reward per iteration: an ES run dir gets its plot too
+    assert full["plot"] == str(plot) and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 class _Sent:
@@ -136,6 +150,32 @@ def test_the_scheduler_counts_a_reward_only_for_the_members_assigned_to_that_con
         assert sched.es.iteration == 1 and sched.prev_rewards == [1.0] * 8 + [2.0] * 8
         sched.pump()  # iteration 1 is handed out, with iteration 0's rewards as the catch-up
         assert a.task == (1, tuple(range(16)))
+    finally:
+        sched.close()
+
+
+def test_without_a_center_score_the_next_iteration_is_handed_out_before_the_schedulers_own_update(tmp_path):
+    """es-finetune's stop test needs no parameters: members start on t+1 from the catch-up rewards while the
+    scheduler's replica updates; a member that needs a state transfer gets the updated parameters after."""
+    job = _job()
+    job.center_scored = False
+    sched = ESScheduler(job, str(tmp_path), "t3st", ipc_endpoints(str(tmp_path)), trainers=2, log=lambda m: None)
+    try:
+        a, b = _hello(sched, b"es_member-1"), _hello(sched, b"es_member-2")
+        sched.pump()
+        assert a.task == (0, tuple(range(8))) and b.task == (0, tuple(range(8, 16)))
+        c = _hello(sched, b"es_member-3")  # joins mid-iteration: its replica is nowhere yet
+        tasks_at_update, commit = [], sched.es.commit
+        sched.es.commit = lambda rewards: (tasks_at_update.append((a.task, b.task, c.task)), commit(rewards))[1]
+        _rewards(sched, b"es_member-1", 0, list(range(8)), 1.0)
+        _rewards(sched, b"es_member-2", 0, list(range(8, 16)), 2.0)
+        sent = []
+        sched.send = lambda peer, kind, step, **f: sent.append((peer.id, kind, step))
+        sched.pump()
+        assert tasks_at_update == [((1, tuple(range(5))), (1, tuple(range(5, 10))), None)]
+        assert sched.es.iteration == 1 and c.task == (1, tuple(range(10, 16)))
+        assert sent == [("es_member-1", "es_eval", 1), ("es_member-2", "es_eval", 1),
+                        ("es_member-3", "es_state", 1), ("es_member-3", "es_eval", 1)]
     finally:
         sched.close()
 
@@ -227,3 +267,43 @@ def test_the_monitor_shows_an_es_iterations_reward_stats():
     out = io.StringIO()
     plain_view([msg, messages.parse(messages.pack("event", 4, event="worker_lost", detail={"worker": "w"}))], out)
     assert out.getvalue().splitlines() == [line, "step 4: worker_lost worker=w"]
+
+
+@pytest.mark.slow
+def test_the_procfile_runs_es_spirals_and_a_monitor_attaches_while_it_runs(tmp_path):
+    """JOB=es-spirals CONFIG=es.toml honcho start: the trainer-plan roles stand by, the es_member scores; a
+    `fucina monitor` started once the first iteration is in sees the later iterations' reward stats."""
+    import time
+    job_file, run_dir = tmp_path / "es.toml", tmp_path / "run"
+    job_file.write_text(f"iterations = 250\npopulation = {POP}\nmodel_seed = 3\n")
+    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHON": sys.executable, "JOB": "es-spirals",
+           "CONFIG": str(job_file), "RUN_DIR": str(run_dir)}
+    honcho = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "honcho"), "start"], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    monitor = None
+    try:
+        deadline, attached_at = time.monotonic() + 120, None
+        while attached_at is None and time.monotonic() < deadline and honcho.poll() is None:
+            time.sleep(0.1)
+            if (run_dir / "metrics.jsonl").exists():
+                its = [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl") if '"es_metrics"' in line]
+                attached_at = its[-1] if its else None
+        assert attached_at is not None, "the run never reached its first iteration"
+        monitor = subprocess.run([sys.executable, "-m", "pipeline.cli", "monitor", "--run-dir", str(run_dir),
+                                  "--jsonl", "--timeout", "120"], cwd=ROOT, env=env, capture_output=True, text=True,
+                                 timeout=180)
+        out, _ = honcho.communicate(timeout=180)
+    finally:
+        if honcho.poll() is None:
+            honcho.kill()
+    assert monitor.returncode == 0, monitor.stderr[-2000:]
+    seen = [json.loads(line) for line in monitor.stdout.splitlines() if line.strip()]
+    stats = [r for r in seen if r["kind"] == "es_metrics"]
+    assert stats and stats[-1]["step"] == 250 and min(r["step"] for r in stats) > attached_at
+    assert all(r["reward_min"] <= r["reward_mean"] <= r["reward_max"] and r["reward_std"] >= 0 for r in stats)
+    assert any(r["kind"] == "event" and r["event"] == "run_finished" for r in seen)
+    assert "has no trainer role; standing by" in out and '"event": "run_finished"' in out, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["job"] == "es-spirals" and summary["iterations"] == 250 and summary["replicas_checked"] == 1
+    assert (run_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert _segments_of([run_dir]) == []

@@ -58,7 +58,7 @@ def test_chat_loop_reads_turns_until_exit():
     (["generate", "--model", MINI, "--prompt", "x " * 400], "the model's context is 256"),
     (["eval-logits", "--model", MINI, "--tokens", "1,a"], "comma-separated integers"),
     (["eval-logits", "--model", MINI, "--tokens", "1,99999"], "out of range"),
-    (["generate", "--model", MINI, "--prompt", "x", "--threads", "0"], "--threads must be at least 1"),
+    (["generate", "--model", MINI, "--prompt", "x", "--threads", "-1"], "--threads must be >= 0"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv, message):
     assert main(argv) == 2

@@ -1,5 +1,6 @@
 """The checkpoint directory protocol, with a stand-in optimizer (tests/train/conftest.py)."""
 import json
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -7,8 +8,8 @@ import pytest
 
 from pipeline.autograd import Module, Tensor
 from pipeline.errors import CheckpointError, ConfigMismatchError, DTypeMismatchError
-from pipeline.train import checkpoint as ckpt
-from pipeline.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, step_dir
+from pipeline.runtime import ckpt
+from pipeline.runtime.ckpt import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from pipeline.train.optimizer_state import load_optimizer, read_optimizer, save_optimizer
 from pipeline.train.trainer_state import TrainerState
 
@@ -52,7 +53,7 @@ def run_with_resume(tmp_path, fake_momentum, resumed_order, named, state_dtype="
     opt = fake_momentum(state_dtype=state_dtype)
     register(opt, model, named=named)
     train(model, opt, 0, 5)
-    save_checkpoint(step_dir(tmp_path, 5), TrainerState(step=5, seeds={"init": 0}), model, opt)
+    save_checkpoint(checkpoint_dir(tmp_path, 5), TrainerState(step=5, seeds={"init": 0}), model, opt)
     train(model, opt, 5, 10)
     fresh, fresh_opt = Net(1), fake_momentum(state_dtype=state_dtype)
     register(fresh_opt, fresh, order=resumed_order, named=named)
@@ -80,7 +81,7 @@ def test_directory_layout_and_sentinel(tmp_path, fake_momentum):
     model, opt = Net(0), fake_momentum()
     register(opt, model)
     train(model, opt, 0, 2)
-    d = save_checkpoint(step_dir(tmp_path, 2), TrainerState(step=2, loader={"epoch": 0, "index": 2}), model, opt)
+    d = save_checkpoint(checkpoint_dir(tmp_path, 2), TrainerState(step=2, loader={"epoch": 0, "index": 2}), model, opt)
     assert sorted(p.name for p in d.iterdir()) == ["model.safetensors", "optimizer.safetensors", "trainer_state.json"]
     raw = json.loads((d / "trainer_state.json").read_text())
     assert raw["step"] == 2 and raw["loader"] == {"epoch": 0, "index": 2} and raw["accum_steps"] == 1
@@ -95,7 +96,7 @@ def test_crash_between_data_and_sentinel_keeps_previous_latest(tmp_path, fake_mo
     model, opt = Net(0), fake_momentum()
     register(opt, model)
     train(model, opt, 0, 4)
-    save_checkpoint(step_dir(tmp_path, 4), TrainerState(step=4), model, opt)
+    save_checkpoint(checkpoint_dir(tmp_path, 4), TrainerState(step=4), model, opt)
     train(model, opt, 4, 8)
     real_write = ckpt.atomic_write_bytes
 
@@ -106,32 +107,32 @@ def test_crash_between_data_and_sentinel_keeps_previous_latest(tmp_path, fake_mo
 
     monkeypatch.setattr(ckpt, "atomic_write_bytes", crash_on_sentinel)
     with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(step_dir(tmp_path, 8), TrainerState(step=8), model, opt)
-    assert (step_dir(tmp_path, 8) / "model.safetensors").is_file()
-    assert (step_dir(tmp_path, 8) / "optimizer.safetensors").is_file()
-    assert latest_checkpoint(tmp_path) == step_dir(tmp_path, 4)
+        save_checkpoint(checkpoint_dir(tmp_path, 8), TrainerState(step=8), model, opt)
+    assert (Path(checkpoint_dir(tmp_path, 8)) / "model.safetensors").is_file()
+    assert (Path(checkpoint_dir(tmp_path, 8)) / "optimizer.safetensors").is_file()
+    assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 4)
     with pytest.raises(CheckpointError, match="not a committed checkpoint"):
-        load_checkpoint(step_dir(tmp_path, 8), Net(1))
+        load_checkpoint(checkpoint_dir(tmp_path, 8), Net(1))
     # A crash while overwriting a committed directory uncommits it first.
     with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(step_dir(tmp_path, 4), TrainerState(step=4), model, opt)
+        save_checkpoint(checkpoint_dir(tmp_path, 4), TrainerState(step=4), model, opt)
     assert latest_checkpoint(tmp_path) is None
 
 
 def test_latest_ignores_unparseable_sentinels_and_strays(tmp_path, fake_momentum):
     model = Net(0)
     for step in (3, 10, 7):
-        save_checkpoint(step_dir(tmp_path, step), TrainerState(step=step), model)
+        save_checkpoint(checkpoint_dir(tmp_path, step), TrainerState(step=step), model)
     (tmp_path / "checkpoint-step-99").mkdir()
     (tmp_path / "checkpoint-step-99" / "trainer_state.json").write_text("{\"step\": 9")  # torn
     (tmp_path / "checkpoint-step-12").mkdir()
     (tmp_path / "notes-step-50").mkdir()
-    assert latest_checkpoint(tmp_path) == step_dir(tmp_path, 10)
+    assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 10)
     assert latest_checkpoint(tmp_path / "absent") is None
 
 
 def test_sentinel_missing_field_names_it(tmp_path):
-    d = save_checkpoint(step_dir(tmp_path, 2), TrainerState(step=2), Net(0))
+    d = save_checkpoint(checkpoint_dir(tmp_path, 2), TrainerState(step=2), Net(0))
     raw = json.loads((d / "trainer_state.json").read_text())
     del raw["loader"]
     (d / "trainer_state.json").write_text(json.dumps(raw))
@@ -141,7 +142,7 @@ def test_sentinel_missing_field_names_it(tmp_path):
 
 
 def test_sentinel_bad_field_type_names_it(tmp_path):
-    d = save_checkpoint(step_dir(tmp_path, 2), TrainerState(step=2), Net(0))
+    d = save_checkpoint(checkpoint_dir(tmp_path, 2), TrainerState(step=2), Net(0))
     raw = json.loads((d / "trainer_state.json").read_text())
     raw["seeds"] = {"init": "zero"}
     (d / "trainer_state.json").write_text(json.dumps(raw))
@@ -151,9 +152,9 @@ def test_sentinel_bad_field_type_names_it(tmp_path):
 
 def test_non_boundary_save_and_resume_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="inside an accumulation window"):
-        save_checkpoint(step_dir(tmp_path, 6), TrainerState(step=6, accum_steps=4), Net(0))
+        save_checkpoint(checkpoint_dir(tmp_path, 6), TrainerState(step=6, accum_steps=4), Net(0))
     assert not any(tmp_path.iterdir())
-    d = save_checkpoint(step_dir(tmp_path, 8), TrainerState(step=8, accum_steps=4), Net(0))
+    d = save_checkpoint(checkpoint_dir(tmp_path, 8), TrainerState(step=8, accum_steps=4), Net(0))
     assert load_checkpoint(d, Net(1), accum_steps=4).macro_step == 2
     with pytest.raises(CheckpointError, match="not a multiple of this run's accum_steps=3"):
         load_checkpoint(d, Net(1), accum_steps=3)
@@ -171,7 +172,7 @@ def test_other_optimizer_type_is_refused(tmp_path, fake_momentum):
     model, opt = Net(0), OtherOpt()
     register(opt, model)
     train(model, opt, 0, 2)
-    d = save_checkpoint(step_dir(tmp_path, 2), TrainerState(step=2), model, opt)
+    d = save_checkpoint(checkpoint_dir(tmp_path, 2), TrainerState(step=2), model, opt)
     fresh_model, fresh = Net(1), fake_momentum()
     register(fresh, fresh_model)
     before = params(fresh_model)
@@ -222,7 +223,7 @@ def test_truncated_optimizer_file_names_the_file(tmp_path, fake_momentum):
     model, opt = Net(0), fake_momentum()
     register(opt, model)
     train(model, opt, 0, 2)
-    d = save_checkpoint(step_dir(tmp_path, 2), TrainerState(step=2), model, opt)
+    d = save_checkpoint(checkpoint_dir(tmp_path, 2), TrainerState(step=2), model, opt)
     blob = (d / "optimizer.safetensors").read_bytes()
     (d / "optimizer.safetensors").write_bytes(blob[: len(blob) // 2])
     fresh = fake_momentum()

@@ -1,4 +1,6 @@
 """Checkpoints with the real optimizers (pipeline/optim): resume, permutations, mismatches."""
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -8,7 +10,7 @@ from pipeline import optim
 from pipeline.autograd import Tensor, cross_entropy
 from pipeline.errors import CheckpointError, ConfigMismatchError, DTypeMismatchError
 from pipeline.models.spirals import SpiralsMLP, make_spirals
-from pipeline.train.checkpoint import load_checkpoint, save_checkpoint, step_dir
+from pipeline.runtime.ckpt import checkpoint_dir, load_checkpoint, save_checkpoint
 from pipeline.train.optimizer_state import load_optimizer, read_optimizer, save_optimizer
 from pipeline.train.trainer_state import TrainerState
 
@@ -55,11 +57,11 @@ def test_permuted_named_registration_resumes_bit_exact(tmp_path, kind):
     model = SpiralsMLP(seed=0)
     opt = make(named(model, ORDER))
     train(model, opt, 4)
-    save_checkpoint(step_dir(tmp_path, 4), TrainerState(step=4), model, opt)
+    save_checkpoint(checkpoint_dir(tmp_path, 4), TrainerState(step=4), model, opt)
     train(model, opt, 4)
     resumed = SpiralsMLP(seed=7)
     opt2 = make(named(resumed, PERMUTED))
-    assert load_checkpoint(step_dir(tmp_path, 4), resumed, opt2).step == 4
+    assert load_checkpoint(checkpoint_dir(tmp_path, 4), resumed, opt2).step == 4
     train(resumed, opt2, 4)
     a, b = final_params(model), final_params(resumed)
     assert all(a[n].tobytes() == b[n].tobytes() for n in a)
@@ -69,12 +71,12 @@ def test_swapped_unnamed_same_shape_params_diverge(tmp_path):
     model = SpiralsMLP(seed=0)
     opt = optim.AdamW([getattr(model, n) for n in ORDER], lr=0.01)
     train(model, opt, 4)
-    save_checkpoint(step_dir(tmp_path, 4), TrainerState(step=4), model, opt)
+    save_checkpoint(checkpoint_dir(tmp_path, 4), TrainerState(step=4), model, opt)
     train(model, opt, 4)
     swapped = ["w1", "b2", "w2", "b1", "w3", "b3"]  # b1 and b2 are both [64]: positional names swap
     resumed = SpiralsMLP(seed=7)
     opt2 = optim.AdamW([getattr(resumed, n) for n in swapped], lr=0.01)
-    load_checkpoint(step_dir(tmp_path, 4), resumed, opt2)  # loads fine: shapes agree
+    load_checkpoint(checkpoint_dir(tmp_path, 4), resumed, opt2)  # loads fine: shapes agree
     train(resumed, opt2, 4)
     a, b = final_params(model), final_params(resumed)
     assert max(float(np.abs(a[n] - b[n]).max()) for n in a) > 0
@@ -136,18 +138,18 @@ def test_optimizer_set_round_trip(tmp_path):
     model = SpiralsMLP(seed=0)
     opt = make(model)
     train(model, opt, 3)
-    save_checkpoint(step_dir(tmp_path, 3), TrainerState(step=3), model, opt)
-    assert "0.w1.exp_avg" in read_optimizer(step_dir(tmp_path, 3) / "optimizer.safetensors")["tensors"]
+    save_checkpoint(checkpoint_dir(tmp_path, 3), TrainerState(step=3), model, opt)
+    assert "0.w1.exp_avg" in read_optimizer(Path(checkpoint_dir(tmp_path, 3)) / "optimizer.safetensors")["tensors"]
     train(model, opt, 3)
     resumed = SpiralsMLP(seed=5)
     opt2 = make(resumed)
-    load_checkpoint(step_dir(tmp_path, 3), resumed, opt2)
+    load_checkpoint(checkpoint_dir(tmp_path, 3), resumed, opt2)
     train(resumed, opt2, 3)
     a, b = final_params(model), final_params(resumed)
     assert all(a[n].tobytes() == b[n].tobytes() for n in a)
     lone = optim.OptimizerSet(optim.AdamW(named(SpiralsMLP(seed=1), ORDER), lr=0.01))
     with pytest.raises(ConfigMismatchError, match="members"):
-        load_optimizer(step_dir(tmp_path, 3) / "optimizer.safetensors", lone)
+        load_optimizer(Path(checkpoint_dir(tmp_path, 3)) / "optimizer.safetensors", lone)
 
 
 def test_bf16_params_resume_bit_exact_through_their_f32_masters(tmp_path):
@@ -169,7 +171,7 @@ def test_bf16_params_resume_bit_exact_through_their_f32_masters(tmp_path):
     model = make_model(0)
     opt = optim.AdamW(list(model.items()), lr=0.01)
     steps(model, opt, 0, 3)
-    d = save_checkpoint(step_dir(tmp_path, 3), TrainerState(step=3), model, opt)
+    d = save_checkpoint(checkpoint_dir(tmp_path, 3), TrainerState(step=3), model, opt)
     assert read_optimizer(d / "optimizer.safetensors")["tensors"]["w.master"].dtype == np.float32
     steps(model, opt, 3, 6)
     resumed = make_model(1)

@@ -8,7 +8,7 @@ import pytest
 from threadpoolctl import threadpool_limits
 
 from pipeline.cli import main
-from pipeline.train.checkpoint import is_committed, step_dir
+from pipeline.runtime.ckpt import checkpoint_dir, is_committed
 from pipeline.train.gauntlet import RECIPES, run_recipe
 from pipeline.train.state_dict import load_state_dict
 from pipeline.train.trainer_state import TrainerState
@@ -20,14 +20,14 @@ from pipeline.threads import pin_threads
 pin_threads(int(sys.argv[3]))  # the project's thread knob: numba and kernel-pool threads (BLAS held at one)
 from pipeline.autograd import Tensor
 from pipeline.models.spirals import SpiralsMLP, make_spirals
-from pipeline.train.checkpoint import load_checkpoint, step_dir
+from pipeline.runtime.ckpt import checkpoint_dir, load_checkpoint
 from pipeline.train.gauntlet import RECIPES, train
 from pipeline.train.state_dict import model_state_dict, save_state_dict
 recipe, run = RECIPES[sys.argv[1]], sys.argv[2]
 X, y = make_spirals()
 model = SpiralsMLP(seed=99)
 opt, schedule = recipe.make(model)
-start = load_checkpoint(step_dir(run, 10), model, opt).step
+start = load_checkpoint(checkpoint_dir(run, 10), model, opt).step
 train(model, opt, schedule, recipe, Tensor(X), y, start, 20, 20)
 save_state_dict(run + "/replayed.safetensors", model_state_dict(model))
 """
@@ -51,7 +51,7 @@ def test_every_recipe_resumes_bit_exact(tmp_path, name):
     assert r["bit_exact"] and r["resume_max_abs_diff"] == 0.0
     assert r["resume_from"] == 8
     assert r["inference_accuracy"] == r["accuracy"]  # the frozen model got exactly the trained weights
-    assert is_committed(step_dir(tmp_path / name, 8)) and is_committed(step_dir(tmp_path / name, 16))
+    assert is_committed(checkpoint_dir(tmp_path / name, 8)) and is_committed(checkpoint_dir(tmp_path / name, 16))
 
 
 @pytest.mark.parametrize("name,sabotage", [("adamw", "swap-biases"), ("muon", "swap-biases"),
@@ -67,7 +67,7 @@ def test_resume_in_another_process_with_two_threads_is_bit_exact(tmp_path, name)
     run_recipe(RECIPES[name], tmp_path, steps=20)
     run = tmp_path / name
     subprocess.run([sys.executable, "-c", REPLAY, name, str(run), "2"], cwd=ROOT, check=True, timeout=300)
-    final = load_state_dict(step_dir(run, 20) / "model.safetensors")
+    final = load_state_dict(pathlib.Path(checkpoint_dir(run, 20)) / "model.safetensors")
     replayed = load_state_dict(run / "replayed.safetensors")
     assert final.keys() == replayed.keys()
     assert all(final[n].tobytes() == replayed[n].tobytes() for n in final)
@@ -75,7 +75,7 @@ def test_resume_in_another_process_with_two_threads_is_bit_exact(tmp_path, name)
 
 def test_sentinel_records_the_run(tmp_path):
     run_recipe(RECIPES["groups"], tmp_path, steps=6, seed=3)
-    state = TrainerState.read(step_dir(tmp_path / "groups", 3) / "trainer_state.json")
+    state = TrainerState.read(pathlib.Path(checkpoint_dir(tmp_path / "groups", 3)) / "trainer_state.json")
     assert state.step == 3 and state.seeds == {"data": 3, "init": 3}
     assert state.schedule == {"name": "warmup_cosine", "total": 6}
     assert state.config["recipe"] == "groups"
@@ -90,7 +90,7 @@ def test_command_json_shape_and_exit_code(tmp_path, capsys):
     for r in doc["runs"]:
         assert {"name", "loss", "accuracy", "resume_max_abs_diff", "inference_accuracy"} <= set(r)
         assert r["resume_max_abs_diff"] == 0.0 and 0.0 <= r["accuracy"] <= 1.0
-    assert is_committed(step_dir(tmp_path / "lion", 3))
+    assert is_committed(checkpoint_dir(tmp_path / "lion", 3))
     # a reused run dir (holding a later step) still resumes from the halfway checkpoint
     assert main(["spirals", "--steps", "6", "--optimizer", "lion", "--json", "--run-dir", str(tmp_path)]) == 0
     assert json.loads(capsys.readouterr().out)["runs"][0]["resume_from"] == 3

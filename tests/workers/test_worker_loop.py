@@ -100,3 +100,29 @@ def test_a_trainer_that_wakes_after_the_step_moved_on_answers_stale_and_leaves_t
         trainer.registry.close()
     finally:
         owner.close()
+
+
+def test_a_stand_by_worker_the_run_has_no_use_for_waits_for_sigterm(tmp_path):
+    """The Procfile starts every role for any job: an es_member at a spirals run (or a trainer at an ES run)
+    must not exit, since honcho ends the whole run when its first process does."""
+    import signal
+    import time
+    ep = transport.ipc_endpoints(str(tmp_path))
+    router = transport.RouterSocket(ep.control)
+    p = subprocess.Popen([sys.executable, "-m", "workers.es_member", "--run-dir", str(tmp_path), "--stand-by"],
+                         cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        got = None
+        while got is None or got[1] is None or got[1]["kind"] != "hello":
+            got = router.recv(60000)
+            assert got is not None, "no hello from the worker"
+        router.send(got[0], "shutdown", reason="this spirals run has no es_member role", unused=True)
+        time.sleep(1.0)
+        assert p.poll() is None, p.communicate()[0]
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 0 and "no es_member role; standing by until SIGTERM" in out, out
+    finally:
+        router.close()
+        if p.poll() is None:
+            p.kill()

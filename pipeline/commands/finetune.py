@@ -65,7 +65,7 @@ def add_arguments(p):
                    "unless --trainers N)")
     p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint dir or a run dir's newest checkpoint "
                    "(adapters, optimizer, step; the checkpoint's accum_steps, lr and warm-up win over the flags)")
-    add_threads_flag(p, 0, "this process and of each trainer process")
+    add_threads_flag(p, 0, "this process and of each trainer process (0: each trainer takes one)")
     p.add_argument("--prompt", default=None, help="held prompt for the BEFORE/AFTER answers (default: the first "
                                                   "training instruction)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="length of the BEFORE/AFTER greedy answers (tokens; "
@@ -240,7 +240,7 @@ def run(args):
         else:
             from ..runtime.launch import Supervisor
             sup = Supervisor("finetune", to_dict(job.spec), run_dir, trainers=args.trainers, resume=resume,
-                             threads=args.threads, quiet=args.json)
+                             threads=max(1, args.threads), quiet=args.json)  # 0: one per trainer, not every core each
             with _progress(job.steps, args.json, sup.events_endpoint, sup.client_key):
                 summary = sup.run()
     if summary.get("run_dir"):  # the trained adapters, wherever they were trained

@@ -55,10 +55,25 @@ HELP = "ES noise regeneration (values/s vs numpy) and es-spirals ms/iteration fo
 FIXTURE = "tests/fixtures/qwen3-mini-q8_0.gguf"
 
 
+def _model_path(model):
+    """--finetune-model, else the checkout's tiny test fixture (an installed package has no tests/)."""
+    from pathlib import Path
+    import pipeline
+    from ..errors import UserError
+    if model:
+        return model
+    path = Path(pipeline.__file__).resolve().parents[1] / FIXTURE
+    if not path.is_file():
+        raise UserError(f"bench es: --finetune-model GGUF is needed here (the default, {FIXTURE}, exists only "
+                        "in a checkout of the repository)")
+    return str(path)
+
+
 def add_arguments(p):
     p.add_argument("--cases", choices=("all", "noise-spirals", "finetune"), default="all",
                    help="which rows: all, the noise + es-spirals rows, or the es-finetune rows")
-    p.add_argument("--finetune-model", default=None, metavar="GGUF", help=f"es-finetune model (default {FIXTURE})")
+    p.add_argument("--finetune-model", default=None, metavar="GGUF",
+                   help=f"es-finetune model (default: {FIXTURE} of a checkout)")
     p.add_argument("--finetune-population", type=int, default=16, help="es-finetune population (default 16)")
     p.add_argument("--finetune-batch", type=int, default=2, help="samples every member scores (default 2)")
     p.add_argument("--member-batch", type=int, default=8, help="members per batched pass (default 8)")
@@ -92,7 +107,6 @@ def _spirals_ms(workers, iterations, population):
 
 def _finetune_run(model, args, member_batch=0, reward="nll", plain=False):
     from pathlib import Path
-    import pipeline
     from ..commands.finetune import _load_tokenizer
     from ..commands.es_finetune import _items
     from ..es import ESConfig
@@ -102,7 +116,7 @@ def _finetune_run(model, args, member_batch=0, reward="nll", plain=False):
     from ..llm.chat import ChatTemplate
     from ..llm.finetune import Trainer
     from ..llm.gguf import open_gguf
-    model = model or str(Path(pipeline.__file__).resolve().parents[1] / FIXTURE)
+    model = _model_path(model)
     gg = open_gguf(model)
     tokenizer = _load_tokenizer(gg)
     encoder, template = sft.RawEncoder(tokenizer), ChatTemplate.from_gguf(gg)
@@ -130,12 +144,10 @@ def _finetune_runtime_ms(model, args, member_batch, workers, reward):
     iteration (state transfers, first calls) is not timed."""
     import argparse
     import tempfile
-    from pathlib import Path
-    import pipeline
     from ..commands import es_finetune
     from ..runtime.launch import Supervisor
     from ..runtime.metrics import read_metrics
-    model = model or str(Path(pipeline.__file__).resolve().parents[1] / FIXTURE)
+    model = _model_path(model)
     parser = argparse.ArgumentParser()
     es_finetune.add_arguments(parser)
     flags = parser.parse_args(["--model", model, "--population", str(args.finetune_population), "--batch",

@@ -127,7 +127,8 @@ class Scheduler:
     # --- wiring ------------------------------------------------------------
     def run_description(self):
         return {"run_id": self.run_id, "run_dir": os.path.abspath(self.run_dir), "job": self.job.name,
-                "spec": to_dict(self.job.spec), "endpoints": self.endpoints.to_wire(), "trainers": self.trainers_wanted}
+                "spec": to_dict(self.job.spec), "endpoints": self.endpoints.to_wire(), "trainers": self.trainers_wanted,
+                "liveness_s": self.liveness.timeout_s}  # the workers give the scheduler as long as it gives them
 
     def send(self, peer: Peer, kind, step=0, **fields):
         self.router.send(peer.identity, kind, step, **fields)

@@ -31,10 +31,18 @@ from ..threads import pin_threads
 from ..jobs.spec import build
 from . import security
 from .shm import Registry, exit_on_signals
-from .transport import DealerSocket, HeartbeatThread, ipc_endpoints
+from .transport import LIVENESS_S, DealerSocket, HeartbeatThread, ipc_endpoints
 
 WELCOME_TIMEOUT_S = 60.0
 EXIT_REPLACED = 75  # EX_TEMPFAIL: the scheduler declared us lost; a supervisor should start a new one
+
+
+def _liveness(seconds) -> float:
+    """The scheduler's --liveness from the welcome, as this worker's patience with a silent scheduler (never
+    less than the default; a scheduler that sent none or nonsense gets the default)."""
+    if type(seconds) not in (int, float) or not 0 < seconds < 86_400:
+        return LIVENESS_S
+    return max(LIVENESS_S, float(seconds))
 
 
 def worker_arguments(parser: argparse.ArgumentParser):
@@ -102,6 +110,7 @@ class Worker:
             heartbeat.start()
             welcome = self._await_welcome()
             self.run = welcome["run"]
+            heartbeat.timeout_s = _liveness(self.run.get("liveness_s"))
             self.run_dir = self.run["run_dir"]
             self.job = get_job(self.run["job"])(build(get_job(self.run["job"]).Spec, self.run["spec"]))
             self.registry = Registry(self.run["run_id"], self.role)

@@ -279,3 +279,14 @@ def test_a_local_worker_whose_process_exits_is_lost_at_once(tmp_path):
         for f in fakes.values():
             f.sock.close()
         sched.close()
+
+
+def test_the_welcome_carries_the_liveness_and_a_worker_waits_as_long(rig):
+    """--liveness 60 must not leave a worker giving up on a busy scheduler after the default 5 s."""
+    from pipeline.runtime.transport import LIVENESS_S
+    from pipeline.runtime.worker import _liveness
+    sched, _ = rig
+    assert sched.run_description()["liveness_s"] == 1.0  # the rig's liveness_s, in every welcome
+    assert _liveness(60.0) == 60.0 and _liveness(60) == 60.0
+    assert _liveness(1.0) == LIVENESS_S  # never less patient than the default
+    assert _liveness(None) == _liveness("5") == _liveness(-3) == _liveness(float("nan")) == LIVENESS_S

@@ -115,3 +115,74 @@ def test_threads_follows_numba_set_num_threads_on_every_thread():
         thread.start()
         thread.join()
     assert seen[0][0] == seen[0][1]  # numba's count is per thread: a new thread reads its own
+
+
+def test_an_idle_pool_stops_spinning():
+    """After a dispatch the waiting threads spin for at most the spin bound, then sleep: a process that
+    waits (for input, say) burns no CPU. A burning worker would add ~0.3 s of CPU time over the 0.3 s wait."""
+    import time
+    from pipeline.threads import numba_threads
+    with numba_threads(2):
+        for _ in range(50):  # long enough for the spin budgets to grow to their bound
+            workpool.run_dynamic(4, lambda i: None)
+        time.sleep(0.05)
+        cpu = time.process_time()
+        time.sleep(0.3)
+        assert time.process_time() - cpu < 0.1
+
+
+def test_spinning_or_not_a_dispatch_runs_every_task():
+    from pipeline.threads import numba_threads
+    try:
+        with numba_threads(2):
+            for spin_us in (0, 50):
+                workpool.set_spin_us(spin_us)
+                for _ in range(100):
+                    seen = []
+                    workpool.run_dynamic(6, seen.append)
+                    assert sorted(seen) == list(range(6))
+    finally:
+        workpool.set_spin_us(float(__import__("os").environ.get("FUCINA_SPIN_US", "200")))
+
+
+def test_handoff_cells_post_and_wait():
+    """The cell protocol on one thread: a wait for a post already made returns at once whatever the spin, and
+    a post with no sleeper asks nobody to release a lock."""
+    from kernels import handoff
+    cell = handoff.new_cell()
+    assert not handoff.post(cell)
+    assert handoff.wait(cell, 1, 0) and handoff.wait(cell, 1, 10 ** 6)
+    assert cell[handoff.SEQ] == 1 and cell[handoff.SLEEPING] == 0
+
+
+def test_native_products_from_two_threads_at_once_give_the_serial_bits():
+    """Two threads' integer products at once: one has the workers, the other runs its job alone; both give
+    the bits of a serial call."""
+    import sys
+    import threading
+    from pathlib import Path
+    import numpy as np
+    from gguf import GGMLQuantizationType as QT
+    from kernels import qint
+    from pipeline.threads import numba_threads
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "llm"))
+    from test_gguf_dequant import random_blocks
+    raw = random_blocks(QT.Q4_K, 96, 256, seed=3)
+    x = np.random.default_rng(4).standard_normal((1, 256)).astype(np.float32)
+    with numba_threads(1):
+        want = qint.matmul_t_many([(int(QT.Q4_K), raw)], x)[0]
+    bad, barrier = [], threading.Barrier(2)
+
+    def caller():
+        barrier.wait()
+        for _ in range(100):
+            if not np.array_equal(qint.matmul_t_many([(int(QT.Q4_K), raw)], x)[0], want):
+                bad.append(1)
+
+    with numba_threads(2):
+        threads = [threading.Thread(target=caller) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    assert not bad and not any(t.is_alive() for t in threads)

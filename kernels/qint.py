@@ -200,14 +200,14 @@ def supports(qtype: int) -> bool:
 
 
 # A product's job block (int64, read by every thread that runs it): the header, one entry per weight, one per
-# piece. Arrays are passed by address (0: a partner no weight uses); the caller keeps them alive until the job
-# returns.
-_LENGTH, _NEXT, _PIECES, _M, _N, _LUT, _Q80, _D80, _Q8K, _D8K, _SUMS = range(11)
+# piece. Arrays are passed by address (a partner no weight uses gets the other partner's, never read); the
+# caller keeps them alive until the job returns.
+_LENGTH, _NEXT, _PIECES, _WEIGHTS, _M, _N, _LUT, _Q80, _D80, _Q8K, _D8K, _SUMS = range(12)
 _HEADER, _WEIGHT, _PIECE = 16, 5, 3  # slots: header, per weight (qtype, raw, rows, row bytes, out), per piece
 
 
 @njit(cache=True, nogil=True)
-def _run_pieces(job, n_weights):
+def _run_pieces(job):
     """Take the job's pieces from its counter (job[_NEXT]) until none are left; a piece is rows r0..r1 of
     one weight, computed by that weight's kernel as a serial call would."""
     m, n = job[_M], job[_N]
@@ -215,7 +215,7 @@ def _run_pieces(job, n_weights):
     q80, d80 = carray(i8_pointer(job[_Q80]), (m, n)), carray(f32_pointer(job[_D80]), (m, n // 32))
     q8k, d8k = carray(i8_pointer(job[_Q8K]), (m, n)), carray(f32_pointer(job[_D8K]), (m, n // 256))
     sums = carray(i32_pointer(job[_SUMS]), (m, n // 32))
-    pieces = _HEADER + _WEIGHT * n_weights
+    pieces = _HEADER + _WEIGHT * job[_WEIGHTS]
     while True:
         i = atomic_add(job, _NEXT, 1)
         if i >= job[_PIECES]:
@@ -253,8 +253,8 @@ def _job(qtypes, raws, outs, q80, d80, q8k, d8k, sums, lut, parts):
         steps[w] = -(-rows // max(1, min(parts, rows // ROW_CHUNK)))
         n_pieces += -(-rows // steps[w])
     job = np.zeros(_HEADER + _WEIGHT * len(raws) + _PIECE * n_pieces, np.int64)
-    job[_LENGTH], job[_PIECES], job[_M], job[_N], job[_LUT] = (len(job), n_pieces, q80.shape[0], q80.shape[1],
-                                                              lut.ctypes.data)
+    job[_LENGTH], job[_PIECES], job[_WEIGHTS] = len(job), n_pieces, len(raws)
+    job[_M], job[_N], job[_LUT] = q80.shape[0], q80.shape[1], lut.ctypes.data
     job[_Q80], job[_D80], job[_Q8K], job[_D8K], job[_SUMS] = (q80.ctypes.data, d80.ctypes.data, q8k.ctypes.data,
                                                                d8k.ctypes.data, sums.ctypes.data)
     p = _HEADER + _WEIGHT * len(raws)
@@ -270,9 +270,7 @@ def _job(qtypes, raws, outs, q80, d80, q8k, d8k, sums, lut, parts):
 
 
 def _native_job(address):
-    header = carray(i64_pointer(address), _HEADER)
-    job = carray(i64_pointer(address), header[_LENGTH])
-    _run_pieces(job, (header[_LENGTH] - _HEADER - _PIECE * header[_PIECES]) // _WEIGHT)
+    _run_pieces(carray(i64_pointer(address), carray(i64_pointer(address), _HEADER)[_LENGTH]))
 
 
 @functools.cache

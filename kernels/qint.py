@@ -18,7 +18,7 @@ its rows, so results are bitwise independent of the thread count.
 """
 from __future__ import annotations
 
-import functools
+import threading
 
 import numpy as np
 from numba import carray, cfunc, njit, types
@@ -273,10 +273,17 @@ def _native_job(address):
     _run_pieces(carray(i64_pointer(address), carray(i64_pointer(address), _HEADER)[_LENGTH]))
 
 
-@functools.cache
+_NATIVE = []  # the compiled pieces runner, kept alive for the life of the process (its address is handed out)
+_NATIVE_LOCK = threading.Lock()
+
+
 def _native_address() -> int:
     """The C address of the pieces runner (compiled, or loaded from numba's cache, on first use)."""
-    return cfunc(types.void(types.int64), cache=True)(_native_job).address
+    if not _NATIVE:
+        with _NATIVE_LOCK:
+            if not _NATIVE:
+                _NATIVE.append(cfunc(types.void(types.int64), cache=True)(_native_job))
+    return _NATIVE[0].address
 
 
 _EMPTY_JOB = np.zeros(_HEADER, np.int64)

@@ -4,7 +4,7 @@ Trade-off: a worker blocked on a lock is woken by the kernel scheduler (tens of 
 worker that runs a Python job must also win the GIL from the thread that dispatched it. Decode makes ~113
 dispatches per token, so both costs are paid ~113 times. Here a waiting thread first spins on an int64 cell
 inside a numba nogil function (so it never holds the GIL while it spins) for at most `ticks` of the CPU's
-cycle counter, then sleeps: on Linux in the futex syscall from inside the same nogil function (so waking
+cycle counter (x86; elsewhere it does not spin), then sleeps: on Linux in the futex syscall from inside the same nogil function (so waking
 needs no GIL either), elsewhere on a Python lock; the poster wakes a sleeper only when the cell says one
 sleeps. A "native" job is a C function pointer (a numba cfunc) called with one int64 argument from inside the
 spin loop, so a worker runs it with no Python at all: the decode products are native jobs (kernels/qint.py).
@@ -83,8 +83,11 @@ def atomic_cas(typingctx, cell, i, old, new):
 
 @intrinsic
 def _cycles(typingctx):
-    """The CPU's cycle counter (rdtsc on x86; 0 where LLVM has none, which turns spinning off)."""
+    """The CPU's cycle counter on x86 (rdtsc); 0 elsewhere, which turns spinning off (on AArch64 LLVM reads
+    PMCCNTR_EL0, which user code may not)."""
     def codegen(context, builder, sig, args):
+        if not _X86:
+            return ir.Constant(_I64, 0)
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I64, []), "llvm.readcyclecounter")
         return builder.call(fn, [])
     return types.int64(), codegen
@@ -172,7 +175,7 @@ def spin_until(cell, target, ticks) -> bool:
     start = _cycles()
     polls = 0
     while atomic_load(cell, SEQ) < target:
-        if _cycles() - start > ticks:
+        if _cycles() - start >= ticks:  # >=: a counter that reads 0 with ticks 0 must not spin forever
             return False
         polls += 1
         if polls % 64 == 0:

@@ -4,10 +4,11 @@ Trade-off: a worker blocked on a lock is woken by the kernel scheduler (tens of 
 worker that runs a Python job must also win the GIL from the thread that dispatched it. Decode makes ~113
 dispatches per token, so both costs are paid ~113 times. Here a waiting thread first spins on an int64 cell
 inside a numba nogil function (so it never holds the GIL while it spins) for at most `ticks` of the CPU's
-cycle counter (x86; elsewhere it does not spin), then sleeps: on Linux in the futex syscall from inside the same nogil function (so waking
-needs no GIL either), elsewhere on a Python lock; the poster wakes a sleeper only when the cell says one
-sleeps. A "native" job is a C function pointer (a numba cfunc) called with one int64 argument from inside the
-spin loop, so a worker runs it with no Python at all: the decode products are native jobs (kernels/qint.py).
+cycle counter (x86; elsewhere it does not spin), then sleeps: on Linux in the futex syscall from inside the
+same nogil function (so waking needs no GIL either), elsewhere on a Python lock; the poster wakes a sleeper
+only when the cell says one sleeps. A "native" job is a C function pointer (a numba cfunc) called with one
+int64 argument from inside the spin loop, so a worker runs it with no Python at all: the decode products are
+native jobs (kernels/qint.py).
 
 A signal cell is an int64 array of 8 (one cache line): cell[SEQ] counts posts, cell[SLEEPING] is 1 while
 its waiter sleeps (set by the waiter before it sleeps; the poster swaps it to 0 and wakes the waiter when it

@@ -18,13 +18,16 @@ its rows, so results are bitwise independent of the thread count.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
-from numba import njit
+from numba import carray, cfunc, njit, types
 
 from .dequant import (HALF_TO_FLOAT, MATVEC_PIECES_PER_THREAD, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, ROW_CHUNK, _check,
                       _half)
 from .qblocks import idot_q4_0, idot_q4_k, idot_q5_0, idot_q5_k, idot_q6_k, idot_q8_0
-from .workpool import run_dynamic, threads as pool_threads
+from .handoff import atomic_add, f32_pointer, i8_pointer, i32_pointer, i64_pointer, u8_pointer
+from .workpool import run_native, threads as pool_threads
 
 Q8_0_PARTNER, Q8_K_PARTNER = "Q8_0", "Q8_K"
 # weight format -> the activation blocks llama.cpp pairs it with (its vec_dot_type)
@@ -196,10 +199,109 @@ def supports(qtype: int) -> bool:
     return int(qtype) in KERNELS
 
 
+# A product's job block (int64, read by every thread that runs it): the header, one entry per weight, one per
+# piece. Arrays are passed by address (a partner no weight uses gets the other partner's, never read); the
+# caller keeps them alive until the job returns.
+_LENGTH, _NEXT, _PIECES, _WEIGHTS, _M, _N, _LUT, _Q80, _D80, _Q8K, _D8K, _SUMS = range(12)
+_HEADER, _WEIGHT, _PIECE = 16, 5, 3  # slots: header, per weight (qtype, raw, rows, row bytes, out), per piece
+
+
+@njit(cache=True, nogil=True)
+def _run_pieces(job):
+    """Take the job's pieces from its counter (job[_NEXT]) until none are left; a piece is rows r0..r1 of
+    one weight, computed by that weight's kernel as a serial call would."""
+    m, n = job[_M], job[_N]
+    lut = carray(f32_pointer(job[_LUT]), 65536)
+    q80, d80 = carray(i8_pointer(job[_Q80]), (m, n)), carray(f32_pointer(job[_D80]), (m, n // 32))
+    q8k, d8k = carray(i8_pointer(job[_Q8K]), (m, n)), carray(f32_pointer(job[_D8K]), (m, n // 256))
+    sums = carray(i32_pointer(job[_SUMS]), (m, n // 32))
+    pieces = _HEADER + _WEIGHT * job[_WEIGHTS]
+    while True:
+        i = atomic_add(job, _NEXT, 1)
+        if i >= job[_PIECES]:
+            return
+        w, r0, r1 = job[pieces + _PIECE * i], job[pieces + _PIECE * i + 1], job[pieces + _PIECE * i + 2]
+        e = _HEADER + _WEIGHT * w
+        qtype, rows = job[e], job[e + 2]
+        raw = carray(u8_pointer(job[e + 1]), (rows, job[e + 3]))
+        out = carray(f32_pointer(job[e + 4]), (m, rows))
+        if qtype == Q8_0:
+            _mm_q8_0(raw, q80, d80, sums, out, lut, r0, r1)
+        elif qtype == Q4_0:
+            _mm_q4_0(raw, q80, d80, sums, out, lut, r0, r1)
+        elif qtype == Q5_0:
+            _mm_q5_0(raw, q80, d80, sums, out, lut, r0, r1)
+        elif qtype == Q4_K:
+            _mm_q4_k(raw, q8k, d8k, sums, out, lut, r0, r1)
+        elif qtype == Q5_K:
+            _mm_q5_k(raw, q8k, d8k, sums, out, lut, r0, r1)
+        else:
+            _mm_q6_k(raw, q8k, d8k, sums, out, lut, r0, r1)
+
+
+_NO_SUMS = np.zeros((1, 1), np.int32)  # no Q8_K partner: its sums are never read
+
+
+@njit(cache=True)
+def _job(qtypes, raws, outs, q80, d80, q8k, d8k, sums, lut, parts):
+    """The job block of a product and its address (read here, where addresses cost nothing; numpy's
+    .ctypes.data took 1.5-6 us each): each weight's rows cut into at most `parts` pieces of whole ROW_CHUNKs."""
+    steps = np.empty(len(raws), np.int64)
+    n_pieces = 0
+    for w in range(len(raws)):
+        rows = raws[w].shape[0]
+        steps[w] = -(-rows // max(1, min(parts, rows // ROW_CHUNK)))
+        n_pieces += -(-rows // steps[w])
+    job = np.zeros(_HEADER + _WEIGHT * len(raws) + _PIECE * n_pieces, np.int64)
+    job[_LENGTH], job[_PIECES], job[_WEIGHTS] = len(job), n_pieces, len(raws)
+    job[_M], job[_N], job[_LUT] = q80.shape[0], q80.shape[1], lut.ctypes.data
+    job[_Q80], job[_D80], job[_Q8K], job[_D8K], job[_SUMS] = (q80.ctypes.data, d80.ctypes.data, q8k.ctypes.data,
+                                                               d8k.ctypes.data, sums.ctypes.data)
+    p = _HEADER + _WEIGHT * len(raws)
+    for w in range(len(raws)):
+        raw, out = raws[w], outs[w]
+        e = _HEADER + _WEIGHT * w
+        job[e], job[e + 1], job[e + 2], job[e + 3], job[e + 4] = (qtypes[w], raw.ctypes.data, raw.shape[0],
+                                                                   raw.shape[1], out.ctypes.data)
+        for r0 in range(0, raw.shape[0], steps[w]):
+            job[p], job[p + 1], job[p + 2] = w, r0, min(raw.shape[0], r0 + steps[w])
+            p += _PIECE
+    return job, job.ctypes.data
+
+
+def _native_job(address):
+    _run_pieces(carray(i64_pointer(address), carray(i64_pointer(address), _HEADER)[_LENGTH]))
+
+
+_NATIVE = []  # the compiled pieces runner, kept alive for the life of the process (its address is handed out)
+_NATIVE_LOCK = threading.Lock()
+
+
+def _native_address() -> int:
+    """The C address of the pieces runner (compiled, or loaded from numba's cache, on first use)."""
+    if not _NATIVE:
+        with _NATIVE_LOCK:
+            if not _NATIVE:
+                _NATIVE.append(cfunc(types.void(types.int64), cache=True)(_native_job))
+    return _NATIVE[0].address
+
+
+_EMPTY_JOB = np.zeros(_HEADER, np.int64)
+_EMPTY_JOB[_LENGTH] = _HEADER
+_EMPTY_JOB_ADDRESS = _EMPTY_JOB.ctypes.data
+
+
+def empty_dispatch(threads: int):
+    """A product with no pieces on `threads` threads: the fixed cost of a decode product's hand-off
+    (`fucina bench llm`'s machine/dispatch row)."""
+    run_native(_native_address(), _EMPTY_JOB_ADDRESS, threads)
+
+
 def matmul_t_many(weights, x: np.ndarray) -> list:
     """[x @ W.T for (qtype, raw) in weights] through integer block dots, x f32 [m, n] quantized once per
     partner format. Rows are cut into a fixed number of pieces per weight (ROW_CHUNK multiples) that the
-    threads take dynamically; every element is the same serial code whichever thread runs it."""
+    threads take from one counter, in one native job (kernels/workpool.run_native: no Python and no GIL on
+    the workers); every element is the same serial code whichever thread runs it."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2:
         raise ValueError(f"qint: x must be [m, n_cols], got shape {x.shape}")
@@ -210,21 +312,19 @@ def matmul_t_many(weights, x: np.ndarray) -> list:
         _check(qtype, raw, x.shape[1])
         if PARTNER[qtype] not in activations:
             activations[PARTNER[qtype]] = quantize_activations(PARTNER[qtype], x)
+    raws = tuple(np.ascontiguousarray(raw) for _, raw in weights)
+    outs = tuple(np.empty((x.shape[0], raw.shape[0]), np.float32) for raw in raws)
     threads = pool_threads()
-    outs, pieces = [], []
-    for qtype, raw in weights:
-        raw = np.ascontiguousarray(raw)
-        out = np.empty((x.shape[0], raw.shape[0]), np.float32)
-        rows = raw.shape[0]
-        parts = max(1, min(threads * MATVEC_PIECES_PER_THREAD if threads > 1 else 1, rows // ROW_CHUNK))
-        step = -(-rows // parts)
-        pieces += [(KERNELS[qtype], raw, activations[PARTNER[qtype]], out, r0, min(rows, r0 + step))
-                   for r0 in range(0, rows, step)]
-        outs.append(out)
-
-    def piece(i):
-        kernel, raw, (q, d, sums), out, r0, r1 = pieces[i]
-        kernel(raw, q, d, sums if sums is not None else np.empty((0, 0), np.int32), out, HALF_TO_FLOAT, r0, r1)
-
-    run_dynamic(len(pieces), piece)
-    return outs
+    if threads == 1:  # one piece per weight: its kernel called directly, as the job would
+        for (qtype, _), raw, out in zip(weights, raws, outs):
+            q, d, sums = activations[PARTNER[qtype]]
+            KERNELS[qtype](raw, q, d, sums if sums is not None else _NO_SUMS, out, HALF_TO_FLOAT, 0, raw.shape[0])
+        return list(outs)
+    parts = threads * MATVEC_PIECES_PER_THREAD
+    none = activations.get(Q8_0_PARTNER) or activations[Q8_K_PARTNER]  # stands in for the unused partner's arrays
+    q80, d80, _ = activations.get(Q8_0_PARTNER, none)
+    q8k, d8k, sums = activations.get(Q8_K_PARTNER, none)
+    job, address = _job(tuple(int(qtype) for qtype, _ in weights), raws, outs, q80, d80, q8k, d8k,
+                        sums if sums is not None else _NO_SUMS, HALF_TO_FLOAT, parts)
+    run_native(_native_address(), address, min(threads, int(job[_PIECES])))
+    return list(outs)

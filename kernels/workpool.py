@@ -4,18 +4,22 @@ Trade-off: numba's own parallel launch and OpenBLAS's threads spin-wait after
 their work, which steals the core from whatever runs next on a 2-core machine
 (measured: a parallel RMSNorm launch slowed the next tiled GEMM from 5.5 to
 9.3 ms; 2-thread OpenBLAS on a small batched matmul took 23 ms instead of 6.9).
-Threads here block instead of spinning, so work is split over them explicitly
-and BLAS runs single-threaded inside (`single_thread_blas`). Every helper
+So work is split over these threads explicitly, BLAS runs single-threaded
+inside (`single_thread_blas`), and the threads spin only briefly and only
+while waiting on each other (below). Every helper
 leaves the result independent of who computes which piece: each index is
 computed by the same serial code whatever the split, so bits never depend on
 the thread count. Calls made from a pool thread (a row kernel inside a GEMM
 tile) run serially, so a pool thread never waits on the pool.
-The hand-off is a pair of plain locks per worker (release to start it, acquire
-to wait for it), not an executor's futures: decode makes 4 dispatches per
-layer plus one per token, and a two-thread dispatch of empty tasks measured
-49 us median through ThreadPoolExecutor against 33 us this way (docs/models.md). The workers serve one dispatch at a
-time; a call made while another thread's dispatch holds them runs on its own
-thread alone, which gives the same bits.
+The hand-off (kernels/handoff.py) is an int64 cell per direction and worker: the waiting thread spins on it
+inside a numba nogil function for at most FUCINA_SPIN_US microseconds (default 200, `set_spin_us`), then
+sleeps on a plain lock, which a poster releases only when the cell says its waiter sleeps. While a decode
+runs, dispatches come tens of microseconds apart and no thread sleeps; an idle process stops spinning
+within that bound. Decode's products are native jobs (`run_native`): a worker calls them from inside its
+spin loop, without taking the GIL. A lock-woken worker measured 33-87 us per empty dispatch
+(docs/models.md, 'Threads'). The workers serve one dispatch at a
+time; a call made while another thread's dispatch holds them runs on its own thread alone, which gives the
+same bits.
 """
 from __future__ import annotations
 
@@ -24,9 +28,12 @@ import functools
 import itertools
 import os
 import threading
+import time
 from collections.abc import Callable
 
 import numba
+
+from . import handoff
 
 _THREAD_NAME = "fucina-kernels"
 _POOL = None  # the _Pool of this process, made on first use
@@ -35,32 +42,88 @@ _BLAS = None  # threadpoolctl controller (the library lookup is slow: once)
 _BLAS_LIMIT, _BLAS_DEPTH, _BLAS_LOCK = None, 0, threading.Lock()  # the outermost single_thread_blas
 
 
+_SPIN_TICKS = None  # cycle-counter ticks a waiting thread spins before it sleeps (set with the pool)
+
+
+def set_spin_us(microseconds: float):
+    """How long a waiting pool thread spins before it sleeps (0: sleep at once); the cycle counter is
+    calibrated against the clock the first time."""
+    global _SPIN_TICKS
+    _SPIN_TICKS = max(0, int(microseconds * _ticks_per_us()))
+
+
+@functools.cache
+def _ticks_per_us() -> float:
+    handoff.cycles()  # compiled (or loaded from the cache) before the clock starts
+    t0, c0 = time.perf_counter_ns(), handoff.cycles()
+    time.sleep(0.002)
+    t1, c1 = time.perf_counter_ns(), handoff.cycles()
+    return max(0.0, (c1 - c0) * 1e3 / max(1, t1 - t0))  # 0 where there is no cycle counter: no spinning
+
+
+def _spin_ticks() -> int:
+    if _SPIN_TICKS is None:
+        set_spin_us(float(os.environ.get("FUCINA_SPIN_US", "200")))
+    return _SPIN_TICKS
+
+
+class _Signal:
+    """One hand-off cell, and the lock its waiter sleeps on once its spin is over where there is no futex."""
+
+    def __init__(self):
+        self.cell = handoff.new_cell()
+        self.lock = threading.Lock()
+        self.lock.acquire()
+
+    def post(self):
+        if handoff.post(self.cell):
+            self.lock.release()
+
+    def wait(self, target: int):
+        if not handoff.wait(self.cell, target, _spin_ticks()):
+            self.lock.acquire()
+
+
 class _Worker:
-    """One daemon thread that runs a job each time `start` releases its lock; `wait` returns its error, if any."""
+    """One daemon thread that runs each job `start` / `start_native` posts; `wait` returns its error, if any."""
 
     def __init__(self, index: int):
-        self._go, self._done = threading.Lock(), threading.Lock()
-        self._go.acquire()
-        self._done.acquire()
+        self._go, self._done = _Signal(), _Signal()
+        self._posted = 0  # jobs handed to this worker, i.e. the done count `wait` waits for
         self._job, self._error = None, None
         threading.Thread(target=self._loop, name=f"{_THREAD_NAME}_{index}", daemon=True).start()
 
     def _loop(self):
+        seen = 0
         while True:
-            self._go.acquire()
-            try:
-                self._job()
-            except BaseException as error:  # re-raised on the dispatching thread
-                self._error = error
-            self._job = None
-            self._done.release()
+            what, seen = handoff.serve(self._go.cell, self._done.cell, seen, _spin_ticks())
+            if what == handoff.TIMEOUT:
+                self._go.lock.acquire()
+            elif what == handoff.WAKE_CALLER:
+                self._done.lock.release()
+            else:
+                try:
+                    self._job()
+                except BaseException as error:  # re-raised on the dispatching thread
+                    self._error = error
+                self._job = None
+                self._done.post()
 
     def start(self, job: Callable[[], None]):
         self._job, self._error = job, None
-        self._go.release()
+        self._post(handoff.PYTHON, 0, 0)
+
+    def start_native(self, fn: int, arg: int):
+        self._error = None
+        self._post(handoff.NATIVE, fn, arg)
+
+    def _post(self, kind, fn, arg):
+        self._posted += 1
+        if handoff.post_job(self._go.cell, kind, fn, arg):
+            self._go.lock.release()
 
     def wait(self) -> BaseException | None:
-        self._done.acquire()
+        self._done.wait(self._posted)
         return self._error
 
 
@@ -113,6 +176,27 @@ def _dispatch(jobs: list, own: Callable[[], None]):
     for error in errors:
         if error is not None:
             raise error
+
+
+def run_native(fn: int, arg: int, n_threads: int):
+    """The native job fn(arg) (a cfunc address, kernels/handoff.py) on up to n_threads threads at once, the
+    caller one of them: each call takes the job's pieces from a shared counter until none are left, so the
+    pieces' results do not depend on who runs them. One thread (or the workers busy with another thread's
+    dispatch): the caller runs it alone."""
+    n = min(n_threads, workers(n_threads))
+    pool = _pool() if n > 1 else None
+    if pool is None or not pool.busy.acquire(blocking=False):
+        handoff.run_native(fn, arg)
+        return
+    started = pool.workers[:n - 1]
+    try:
+        for worker in started:
+            worker.start_native(fn, arg)
+        handoff.run_native(fn, arg)
+    finally:
+        for worker in started:
+            worker.wait()
+        pool.busy.release()
 
 
 _NUM_THREADS_READER = None  # numba's thread-local count as a C call, once its threading layer is up

@@ -7,8 +7,8 @@ thread count in a subprocess, so its memory does not pollute our peak RSS and a
 crash in it cannot take the benchmark down. Its KV cache is f32 like ours.
 Per-kernel rows then time one decode matvec and one 64-row prefill product per
 weight format and shape of the file, as GB/s of weight bytes and GFLOP/s beside
-the machine's measured memory bandwidth and f32 BLAS peak, and the thread pool's
-cost per dispatch times the dispatches a decode token makes (`--no-kernels` skips them).
+the machine's measured memory bandwidth and f32 BLAS peak, the output head's decode product, and the
+thread pool's cost per dispatch times the dispatches a decode token makes (`--no-kernels` skips them).
 """
 from __future__ import annotations
 
@@ -97,16 +97,21 @@ def _machine_limits(threads, repeat):
 
 
 def _dispatch_row(gg, threads, repeat):
-    """The thread pool's fixed cost: one dispatch of empty tasks to `threads` threads (a mean over 200, as a
-    decode makes them back to back), and what the 4 dispatches per layer plus the output head's add per token."""
-    from kernels import workpool
+    """The thread pool's fixed cost: one dispatch of an empty decode product (a native job with no pieces,
+    kernels/qint.py) to `threads` threads, a mean over 200 back to back as a decode makes them, and what the 4
+    dispatches per layer plus the output head's add per token; beside it an empty dispatch of Python tasks
+    (what the GEMM tiles and row kernels pay)."""
+    from kernels import qint, workpool
     layers = sum(1 for name in gg.tensor_names if name.endswith(".ffn_down.weight"))
     per_token = 4 * layers + 1
     calls = 200
-    ms = timed(lambda: [workpool.run_dynamic(threads, lambda i: None) for _ in range(calls)], repeat)[0] / calls
+    ms = timed(lambda: [qint.empty_dispatch(threads) for _ in range(calls)], repeat)[0] / calls
+    python_ms = timed(lambda: [workpool.run_dynamic(threads, lambda i: None) for _ in range(calls)], repeat)[0] / calls
     return {"case": "machine/dispatch", "ms": ms, "baselines": {}, "dispatches_per_token": per_token,
-            "notes": f"one empty {threads}-thread pool dispatch: {ms * 1e3:.1f} us; a decode token makes "
-                     f"{per_token} ({layers} layers x 4 + the output head): {per_token * ms:.2f} ms per token"}
+            "python_ms": python_ms,
+            "notes": f"one empty {threads}-thread decode-product dispatch: {ms * 1e3:.1f} us; a decode token makes "
+                     f"{per_token} ({layers} layers x 4 + the output head): {per_token * ms:.2f} ms per token; "
+                     f"an empty dispatch of Python tasks: {python_ms * 1e3:.1f} us"}
 
 
 def _kernel_rows(path, threads, repeat):
@@ -126,16 +131,20 @@ def _kernel_rows(path, threads, repeat):
                       f"read+write); f32 BLAS 1024^3 at {threads} thread(s): {peak:.1f} GFLOP/s"}]
     rows.append(_dispatch_row(gg, threads, repeat))
     seen = set()
+    head = "output.weight" if "output.weight" in gg.tensor_names else "token_embd.weight"
     for name in gg.tensor_names:
-        if not name.endswith(".weight") or ".attn_" not in name and ".ffn_" not in name:
+        if name != head and (not name.endswith(".weight") or ".attn_" not in name and ".ffn_" not in name):
             continue
         w = gg.weight(name)
         if len(w.shape) != 2 or "norm" in name or (w.format.name, w.shape) in seen:
             continue
         seen.add((w.format.name, w.shape))
-        cases = [("decode", 1, True), ("prefill64", 64, True)]
-        if qint.supports(w.format.qtype):  # the A/B: the same products through the other kernels
-            cases += [("decode_f32", 1, False), ("prefill64_integer", 64, None)]
+        if name == head:  # the output head: one decode product, the largest weight a token reads
+            cases = [("decode_head", 1, True)]
+        else:
+            cases = [("decode", 1, True), ("prefill64", 64, True)]
+            if qint.supports(w.format.qtype):  # the A/B: the same products through the other kernels
+                cases += [("decode_f32", 1, False), ("prefill64_integer", 64, None)]
         for kind, m, integer in cases:
             x = np.random.default_rng(0).standard_normal((m, w.shape[1])).astype(np.float32)
             w.integer_dot, w.llama_numerics = integer is not False, integer is None  # parity mode forces integer

@@ -21,12 +21,13 @@ def test_bench_llm_reports_kernel_rows_beside_the_machine_limits():
     limits = rows[4]
     assert limits["case"] == "machine/memory_read" and limits["gbps"] > 0 and limits["peak_gflops"] > 0
     dispatch = rows[5]
-    assert dispatch["case"] == "machine/dispatch" and dispatch["ms"] > 0
+    assert dispatch["case"] == "machine/dispatch" and dispatch["ms"] > 0 and dispatch["python_ms"] > 0
     assert dispatch["dispatches_per_token"] == 4 * 2 + 1  # the fixture's two layers, then the output head
     kernels = rows[6:]
     assert kernels and all(r["case"].startswith("kernel/Q8_0/") and r["gbps"] > 0 and r["gflops"] > 0
                            for r in kernels)
     paths = {r["case"].rsplit("/", 1)[1]: r["path"] for r in kernels}
-    assert paths == {"decode": "integer", "prefill64": "f32", "decode_f32": "f32", "prefill64_integer": "integer"}
+    assert paths == {"decode": "integer", "prefill64": "f32", "decode_f32": "f32", "prefill64_integer": "integer",
+                     "decode_head": "integer"}
     args.no_kernels = True
     assert len(bench.run(args)) == 4

@@ -1,7 +1,10 @@
-"""kernels/workpool.py: the single-thread BLAS guard nests."""
+"""kernels/workpool.py and kernels/handoff.py: the single-thread BLAS guard nests, dispatches run every task
+(Python or native), the hand-off spins only briefly."""
+import numba
+import pytest
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from kernels import workpool
+from kernels import handoff, workpool
 
 
 def _blas_threads():
@@ -115,3 +118,126 @@ def test_threads_follows_numba_set_num_threads_on_every_thread():
         thread.start()
         thread.join()
     assert seen[0][0] == seen[0][1]  # numba's count is per thread: a new thread reads its own
+
+
+def test_an_idle_pool_stops_spinning():
+    """After a dispatch the waiting threads spin for at most the spin bound, then sleep: a process that
+    waits (for input, say) burns no CPU. A burning worker would add ~0.3 s of CPU time over the 0.3 s wait."""
+    import time
+    from pipeline.threads import numba_threads
+    with numba_threads(2):
+        for _ in range(50):  # long enough for the spin budgets to grow to their bound
+            workpool.run_dynamic(4, lambda i: None)
+        time.sleep(0.05)
+        cpu = time.process_time()
+        time.sleep(0.3)
+        assert time.process_time() - cpu < 0.1
+
+
+def test_spinning_or_not_a_dispatch_runs_every_task():
+    from pipeline.threads import numba_threads
+    try:
+        with numba_threads(2):
+            for spin_us in (0, 50):
+                workpool.set_spin_us(spin_us)
+                for _ in range(100):
+                    seen = []
+                    workpool.run_dynamic(6, seen.append)
+                    assert sorted(seen) == list(range(6))
+    finally:
+        workpool.set_spin_us(float(__import__("os").environ.get("FUCINA_SPIN_US", "200")))
+
+
+def test_handoff_cells_post_and_wait():
+    """The cell protocol on one thread: a wait for a post already made returns at once whatever the spin, and
+    a post with no sleeper asks nobody to release a lock."""
+    cell = handoff.new_cell()
+    assert not handoff.post(cell)
+    assert handoff.wait(cell, 1, 0) and handoff.wait(cell, 1, 10 ** 6)
+    assert cell[handoff.SEQ] == 1 and cell[handoff.SLEEPING] == 0
+
+
+def test_native_products_from_two_threads_at_once_give_the_serial_bits():
+    """Two threads' integer products at once: one has the workers, the other runs its job alone; both give
+    the bits of a serial call."""
+    import sys
+    import threading
+    from pathlib import Path
+    import numpy as np
+    from gguf import GGMLQuantizationType as QT
+    from kernels import qint
+    from pipeline.threads import numba_threads
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "llm"))
+    from test_gguf_dequant import random_blocks
+    raw = random_blocks(QT.Q4_K, 96, 256, seed=3)
+    x = np.random.default_rng(4).standard_normal((1, 256)).astype(np.float32)
+    with numba_threads(1):
+        want = qint.matmul_t_many([(int(QT.Q4_K), raw)], x)[0]
+    bad, barrier = [], threading.Barrier(2)
+
+    def caller():
+        barrier.wait()
+        for _ in range(100):
+            if not np.array_equal(qint.matmul_t_many([(int(QT.Q4_K), raw)], x)[0], want):
+                bad.append(1)
+
+    with numba_threads(2):
+        threads = [threading.Thread(target=caller) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    assert not bad and not any(t.is_alive() for t in threads)
+
+
+def _count_calls(address):
+    """A native job: cell[0] += 1 (how many threads ran it)."""
+    handoff.atomic_add(numba.carray(handoff.i64_pointer(address), 1), 0, 1)
+
+
+def _native_counts(threads, rounds=50):
+    """How many calls each of `rounds` native dispatches made, spinning and not."""
+    import numpy as np
+    from numba import types
+    from pipeline.threads import numba_threads
+    job = numba.cfunc(types.void(types.int64))(_count_calls)
+    counts = set()
+    try:
+        with numba_threads(threads):
+            for spin_us in (0, 200):
+                workpool.set_spin_us(spin_us)
+                for _ in range(rounds):
+                    cell = np.zeros(1, np.int64)
+                    workpool.run_native(job.address, cell.ctypes.data, threads)
+                    counts.add(int(cell[0]))
+    finally:
+        workpool.set_spin_us(float(__import__("os").environ.get("FUCINA_SPIN_US", "200")))
+    return counts
+
+
+def test_a_native_job_runs_once_on_each_thread():
+    assert _native_counts(1) == {1}
+    if numba.config.NUMBA_NUM_THREADS >= 2:
+        assert _native_counts(2) == {2}  # the caller and the worker, every dispatch
+
+
+@pytest.mark.slow
+def test_without_a_futex_waiters_sleep_on_locks(tmp_path):
+    """Where there is no futex (not Linux) waiters sleep on Python locks: the same dispatches, in a fresh
+    process that compiles the hand-off as for such a platform (its own numba cache)."""
+    import os
+    import subprocess
+    import sys
+    code = ("import platform; platform.system = lambda: 'Darwin'\n"
+            "from kernels import handoff; assert not handoff.FUTEX\n"
+            "import test_workpool as t\n"
+            "t.test_run_dynamic_runs_every_index_once_and_split_range_covers_the_range()\n"
+            "t.test_spinning_or_not_a_dispatch_runs_every_task()\n"
+            "t.test_a_native_job_runs_once_on_each_thread()\n"
+            "t.test_an_idle_pool_stops_spinning()\n"
+            "print('ok')\n")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), NUMBA_NUM_THREADS="2",
+               PYTHONPATH=os.pathsep.join([here, os.path.dirname(os.path.dirname(here))]))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-3000:]

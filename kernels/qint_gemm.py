@@ -60,11 +60,21 @@ def _scalar_fma_at(h, arg, at, scale, value):
 # Argument layout of the blocked intrinsics (one weight block, ROWS activation rows):
 #   0 acc f32 [ROWS * 8]   1 b uint8 (the weight row)   2 o (block offset in b)
 #   3 q int8 (activations, any shape: flat offsets)      4 qo (row 0's block start in q)   5 q_stride (per row)
-#   6 d f32 [ROWS] (activation d * weight d per row)
-#   Q4_K / Q5_K only: 7 accm f32 [ROWS * 4 | ROWS]   8 sums int32 (flat)   9 so   10 s_stride   11 dmin f32 [ROWS]
+#   6 d f32 (the activations' Q8_K scales, flat)         7 do (row 0's)   8 d_stride   9 wd (the weight's d)
+#   Q4_K / Q5_K only: 10 accm f32 [ROWS * 4 | ROWS]   11 sums int32 (flat)   12 so   13 s_stride   14 wmin
+# Row r's block scale is d[do + r * d_stride] * wd and its min scale (-d[...]) * wmin: the f32 products the
+# row kernels form in numba (qint._mm_q4_k), formed here so no scale goes through memory.
+def _row_scale(h, r, weight_arg):
+    """f32 d[do + r * d_stride] * h.ptrs[weight_arg] (weight_arg 14, the min scale: its negation first)."""
+    a = h.b.load(h.b.gep(h.ptrs[6], [_row_offset(h, 7, 8, r)]))
+    if weight_arg == 14:
+        a = h.b.fneg(a)
+    return h.b.fmul(a, h.ptrs[weight_arg])
+
+
 def _k_mins(h, m, r):
-    """<8 x i32> min_j * sum(q8_j) of activation row r (the Q8_K block's 32-element sums at args 8-10)."""
-    p = h.b.bitcast(h.b.gep(h.ptrs[8], [_row_offset(h, 9, 10, r)]), _V8I.as_pointer())
+    """<8 x i32> min_j * sum(q8_j) of activation row r (the Q8_K block's 32-element sums, args 11-13)."""
+    p = h.b.bitcast(h.b.gep(h.ptrs[11], [_row_offset(h, 12, 13, r)]), _V8I.as_pointer())
     return h.b.mul(h.b.zext(m, _V8I), h.b.load(p, align=1))
 
 
@@ -89,35 +99,39 @@ def _k_block_rows(high_bit):
         und = ir.Constant(_V8I, ir.Undefined)
         v4i = ir.VectorType(_I32, 4)
         for r in range(ROWS):
-            _fma_at(h, 0, 8 * r, h.scalar(6, r), totals[r])
+            _fma_at(h, 0, 8 * r, _row_scale(h, r, 9), totals[r])
             prod = _k_mins(h, m, r)
             if high_bit:
                 mins = h.b.extract_element(prod, ir.Constant(_I32, 0))
                 for k in range(1, 8):  # an exact integer sum: any order
                     mins = h.b.add(mins, h.b.extract_element(prod, ir.Constant(_I32, k)))
-                _scalar_fma_at(h, 7, r, h.scalar(11, r), mins)
+                _scalar_fma_at(h, 10, r, _row_scale(h, r, 14), mins)
             else:
                 pairs = h.b.add(h.b.shuffle_vector(prod, und, ir.Constant(v4i, [0, 2, 4, 6])),
                                 h.b.shuffle_vector(prod, und, ir.Constant(v4i, [1, 3, 5, 7])))
-                _fma_at(h, 7, 4 * r, h.scalar(11, r), pairs)
+                _fma_at(h, 10, 4 * r, _row_scale(h, r, 14), pairs)
         return context.get_dummy_value()
     return codegen
 
 
 @intrinsic
-def idot_q4_k_rows(typingctx, acc, b, o, q, qo, q_stride, d, accm, sums, so, s_stride, dmin):
+def idot_q4_k_rows(typingctx, acc, b, o, q, qo, q_stride, d, do, d_stride, wd, accm, sums, so, s_stride,
+                   wmin):
     """One Q4_K block x ROWS Q8_K rows: for row r, what idot_q4_k does into acc[8r:8r+8] and accm[4r:4r+4]."""
-    return types.void(acc, b, o, q, qo, q_stride, d, accm, sums, so, s_stride, dmin), _k_block_rows(False)
+    sig = types.void(acc, b, o, q, qo, q_stride, d, do, d_stride, wd, accm, sums, so, s_stride, wmin)
+    return sig, _k_block_rows(False)
 
 
 @intrinsic
-def idot_q5_k_rows(typingctx, acc, b, o, q, qo, q_stride, d, accm, sums, so, s_stride, dmin):
+def idot_q5_k_rows(typingctx, acc, b, o, q, qo, q_stride, d, do, d_stride, wd, accm, sums, so, s_stride,
+                   wmin):
     """One Q5_K block x ROWS Q8_K rows: for row r, what idot_q5_k does into acc[8r:8r+8] and accm[r]."""
-    return types.void(acc, b, o, q, qo, q_stride, d, accm, sums, so, s_stride, dmin), _k_block_rows(True)
+    sig = types.void(acc, b, o, q, qo, q_stride, d, do, d_stride, wd, accm, sums, so, s_stride, wmin)
+    return sig, _k_block_rows(True)
 
 
 @intrinsic
-def idot_q6_k_rows(typingctx, acc, b, o, q, qo, q_stride, d):
+def idot_q6_k_rows(typingctx, acc, b, o, q, qo, q_stride, d, do, d_stride, wd):
     """One Q6_K block x ROWS Q8_K rows: for row r, what idot_q6_k does into acc[8r:8r+8]."""
     def codegen(context, builder, signature, args):
         h = _IR(context, builder, signature, args)
@@ -136,9 +150,9 @@ def idot_q6_k_rows(typingctx, acc, b, o, q, qo, q_stride, d):
                     part = _lane_sums(h, w, x, sc)
                     totals[r] = part if totals[r] is None else h.b.add(totals[r], part)
         for r in range(ROWS):
-            _fma_at(h, 0, 8 * r, h.scalar(6, r), totals[r])
+            _fma_at(h, 0, 8 * r, _row_scale(h, r, 9), totals[r])
         return context.get_dummy_value()
-    return types.void(acc, b, o, q, qo, q_stride, d), codegen
+    return types.void(acc, b, o, q, qo, q_stride, d, do, d_stride, wd), codegen
 
 
 @njit(cache=True, nogil=True)
@@ -146,22 +160,17 @@ def _gemm_q4_k(raw, q, d, sums, out, lut, r0, r1):
     """out[:, r0:r1] for Q4_K raw against Q8_K activations q/d/sums: groups of ROWS rows through idot_q4_k_rows,
     the tail through qint's row kernel; each element as qint._mm_q4_k computes it."""
     m, n = q.shape
-    groups = m // ROWS * ROWS
+    nb, groups = n // 256, m // ROWS * ROWS
     acc, accm = np.empty(ROWS * 8, np.float32), np.empty(ROWS * 4, np.float32)
-    ds, dms = np.empty(ROWS, np.float32), np.empty(ROWS, np.float32)
     for i in range(0, groups, ROWS):
         for r in range(r0, r1):
             b = raw[r]
             acc[:] = 0.0
             accm[:] = 0.0
-            for blk in range(n // 256):
+            for blk in range(nb):
                 o = blk * 144
-                wd, wmin = _half(lut, b, o), _half(lut, b, o + 2)
-                for k in range(ROWS):
-                    ds[k] = d[i + k, blk] * wd
-                    dms[k] = -d[i + k, blk] * wmin
-                idot_q4_k_rows(acc, b, o, q, i * n + blk * 256, n, ds, accm, sums, i * (n // 32) + blk * 8,
-                               n // 32, dms)
+                idot_q4_k_rows(acc, b, o, q, i * n + blk * 256, n, d, i * nb + blk, nb, _half(lut, b, o), accm, sums,
+                               i * (n // 32) + blk * 8, n // 32, _half(lut, b, o + 2))
             for k in range(ROWS):
                 a = accm[4 * k:4 * k + 4]
                 out[i + k, r] = _hsum8(acc[8 * k:8 * k + 8]) + ((a[0] + a[2]) + (a[1] + a[3]))
@@ -173,22 +182,17 @@ def _gemm_q4_k(raw, q, d, sums, out, lut, r0, r1):
 def _gemm_q5_k(raw, q, d, sums, out, lut, r0, r1):
     """As _gemm_q4_k for Q5_K (each element as qint._mm_q5_k)."""
     m, n = q.shape
-    groups = m // ROWS * ROWS
+    nb, groups = n // 256, m // ROWS * ROWS
     acc, accm = np.empty(ROWS * 8, np.float32), np.empty(ROWS, np.float32)
-    ds, dms = np.empty(ROWS, np.float32), np.empty(ROWS, np.float32)
     for i in range(0, groups, ROWS):
         for r in range(r0, r1):
             b = raw[r]
             acc[:] = 0.0
             accm[:] = 0.0
-            for blk in range(n // 256):
+            for blk in range(nb):
                 o = blk * 176
-                wd, wmin = _half(lut, b, o), _half(lut, b, o + 2)
-                for k in range(ROWS):
-                    ds[k] = d[i + k, blk] * wd
-                    dms[k] = -d[i + k, blk] * wmin
-                idot_q5_k_rows(acc, b, o, q, i * n + blk * 256, n, ds, accm, sums, i * (n // 32) + blk * 8,
-                               n // 32, dms)
+                idot_q5_k_rows(acc, b, o, q, i * n + blk * 256, n, d, i * nb + blk, nb, _half(lut, b, o), accm, sums,
+                               i * (n // 32) + blk * 8, n // 32, _half(lut, b, o + 2))
             for k in range(ROWS):
                 out[i + k, r] = _hsum8(acc[8 * k:8 * k + 8]) + accm[k]
     if groups < m:
@@ -199,17 +203,15 @@ def _gemm_q5_k(raw, q, d, sums, out, lut, r0, r1):
 def _gemm_q6_k(raw, q, d, sums, out, lut, r0, r1):
     """As _gemm_q4_k for Q6_K (each element as qint._mm_q6_k)."""
     m, n = q.shape
-    groups = m // ROWS * ROWS
-    acc, ds = np.empty(ROWS * 8, np.float32), np.empty(ROWS, np.float32)
+    nb, groups = n // 256, m // ROWS * ROWS
+    acc = np.empty(ROWS * 8, np.float32)
     for i in range(0, groups, ROWS):
         for r in range(r0, r1):
             b = raw[r]
             acc[:] = 0.0
-            for blk in range(n // 256):
-                wd = _half(lut, b, blk * 210 + 208)
-                for k in range(ROWS):
-                    ds[k] = d[i + k, blk] * wd
-                idot_q6_k_rows(acc, b, blk * 210, q, i * n + blk * 256, n, ds)
+            for blk in range(nb):
+                idot_q6_k_rows(acc, b, blk * 210, q, i * n + blk * 256, n, d, i * nb + blk, nb,
+                               _half(lut, b, blk * 210 + 208))
             for k in range(ROWS):
                 out[i + k, r] = _hsum8(acc[8 * k:8 * k + 8])
     if groups < m:

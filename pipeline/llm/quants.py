@@ -196,13 +196,18 @@ def matmul_t_groups(weights: list, x3) -> list:
     """[matmul_t_many(weights, x3[j]) for every group j, stacked to [groups, N, n_out]] with the same bits,
     reading each weight once for all groups where a kernel allows it: the fused matvec computes every
     row alone (so its rows can be stacked), the tiled GEMM dequantizes each tile once for all groups
-    (qgemm.matmul_t_groups). Groups are ES members, or rows decoding in lock-step, that share nothing
-    but the weights. Paths whose per-row bits depend on the call (f32 BLAS for a few rows, the integer
-    dots, llama numerics) are called group by group."""
+    (qgemm.matmul_t_groups), and the integer dots take all groups' rows in one call (each row is quantized
+    and multiplied alone, so its bits do not depend on the rows beside it: tests/kernels/test_qint_gemm.py).
+    Groups are ES members, or rows decoding in lock-step, that share nothing but the weights. Paths whose
+    per-row bits depend on the call (f32 BLAS for a few rows, llama numerics' f32 roundtrip) are called
+    group by group."""
     import numpy as np
     from kernels import dequant, qgemm
     x3 = np.ascontiguousarray(x3, dtype=np.float32)
     groups, n, n_in = x3.shape
+    if groups > 1 and all(w.shape[1] == n_in and w.uses_integer_dot(n) for w in weights):
+        ys = integer_matmul_t_many(weights, x3.reshape(groups * n, n_in))
+        return [y.reshape(groups, n, w.shape[0]) for w, y in zip(weights, ys)]
     few = n <= FrozenWeight.FUSED_MAX_ROWS
     if groups == 1 or any(w.llama_numerics or w.uses_integer_dot(n) or w.shape[1] != n_in
                           or (few and w.format.qtype == QT.F32) for w in weights):

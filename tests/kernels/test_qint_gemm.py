@@ -58,3 +58,20 @@ def test_bad_input_is_refused():
         qint_gemm.matmul_t_many([(int(QT.Q4_K), random_blocks(QT.Q4_K, 4, 512))], x)
     with pytest.raises(ValueError, match="must be"):
         qint_gemm.matmul_t_many([(int(QT.Q4_K), random_blocks(QT.Q4_K, 4, 256))], np.zeros(256, np.float32))
+
+
+@pytest.mark.parametrize("n", [1, 3, 6])
+def test_groups_in_one_integer_call_equal_group_by_group(n):
+    """quants.matmul_t_groups stacks the groups' rows into one integer call (ES members, lock-step decode):
+    bitwise the per-group calls, for decode-sized and prefill-sized groups, K-quants and Q8_0 (row kernels)."""
+    from pipeline.autograd import no_grad
+    from pipeline.llm.quants import FORMATS, FrozenWeight, matmul_t_groups, matmul_t_many
+    for qt in (QT.Q4_K, QT.Q8_0):
+        weights = [FrozenWeight(FORMATS[qt], random_blocks(qt, rows, 256, seed=rows), (rows, 256)) for rows in (24, 40)]
+        x3 = np.random.default_rng(n).standard_normal((5, n, 256)).astype(np.float32)
+        with no_grad():
+            assert all(w.uses_integer_dot(n) for w in weights) == (qt == QT.Q4_K or n <= 4)
+            got = matmul_t_groups(weights, x3)
+            for j in range(len(x3)):
+                for y, want in zip(got, matmul_t_many(weights, x3[j])):
+                    np.testing.assert_array_equal(y[j].view(np.uint32), want.view(np.uint32))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .dequant import HALF_TO_FLOAT, Q4_K, Q5_K, Q6_K, ROW_CHUNK, _check, _half
@@ -41,7 +42,6 @@ def _row_offset(h, arg_offset, arg_stride, r, extra=0):
 
 def _fma_at(h, arg, at, scale, lanes):
     """acc[arg][at:at + n] = fma(scale, float(lanes), acc[at:at + n]) (as qblocks._fma_into, at an offset)."""
-    from numba.core import cgutils
     vf = ir.VectorType(ir.FloatType(), lanes.type.count)
     p = h.b.bitcast(h.b.gep(h.ptrs[arg], [ir.Constant(_I64, at)]), vf.as_pointer())
     fn = cgutils.get_or_insert_function(h.b.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{vf.count}f32")
@@ -50,7 +50,6 @@ def _fma_at(h, arg, at, scale, lanes):
 
 def _scalar_fma_at(h, arg, at, scale, value):
     """accm[arg][at] = fma(scale, float(value), accm[at]) for an i32 value (Q5_K's mins)."""
-    from numba.core import cgutils
     f32 = ir.FloatType()
     p = h.b.gep(h.ptrs[arg], [ir.Constant(_I64, at)])
     fn = cgutils.get_or_insert_function(h.b.module, ir.FunctionType(f32, [f32] * 3), "llvm.fma.f32")

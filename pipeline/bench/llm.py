@@ -5,7 +5,7 @@ tokens, per-token decode after a 64-token prompt), not kernel micro-timings.
 llama.cpp (llama-cpp-python, when installed) runs the same file with the same
 thread count in a subprocess, so its memory does not pollute our peak RSS and a
 crash in it cannot take the benchmark down. Its KV cache is f32 like ours.
-Per-kernel rows then time one decode matvec and one 64-row prefill product per
+Per-kernel rows then time one decode matvec and 64- and 256-row prefill products per
 weight format and shape of the file, as GB/s of weight bytes and GFLOP/s beside
 the machine's measured memory bandwidth and f32 BLAS peak, the output head's decode product, and the
 thread pool's cost per dispatch times the dispatches a decode token makes (`--no-kernels` skips them).
@@ -115,9 +115,10 @@ def _dispatch_row(gg, threads, repeat):
 
 
 def _kernel_rows(path, threads, repeat):
-    """One decode row (1 activation row, no graph: FrozenWeight's default path) and one prefill row (64 rows)
-    per (format, shape) of the model's projection weights, and for the formats with integer kernels the other
-    path too: ms, GB/s of weight bytes read, GFLOP/s (2 n_out n_in per activation row), the path that ran."""
+    """One decode row (1 activation row, no graph: FrozenWeight's default path) and two prefill rows (64 and 256
+    rows) per (format, shape) of the model's projection weights, and for the formats with integer kernels the
+    other path too (f32 where the default is integer, integer where it is f32), plus the output head's decode
+    row: ms, GB/s of weight bytes read, GFLOP/s (2 n_out n_in per activation row), the path that ran."""
     from kernels import qint
     from ..autograd import no_grad
     from ..llm.gguf import GGUFFile
@@ -142,9 +143,13 @@ def _kernel_rows(path, threads, repeat):
         if name == head:  # the output head: one decode product, the largest weight a token reads
             cases = [("decode_head", 1, True)]
         else:
-            cases = [("decode", 1, True), ("prefill64", 64, True)]
+            cases = [("decode", 1, True), ("prefill64", 64, True), ("prefill256", 256, True)]
             if qint.supports(w.format.qtype):  # the A/B: the same products through the other kernels
-                cases += [("decode_f32", 1, False), ("prefill64_integer", 64, None)]
+                cases.append(("decode_f32", 1, False))
+                w.integer_dot, w.llama_numerics = True, False
+                with no_grad():  # prefill's default path (integer for the K-quants), then the other one
+                    cases += [(f"prefill{m}_f32", m, False) if w.uses_integer_dot(m)
+                              else (f"prefill{m}_integer", m, None) for m in (64, 256)]
         for kind, m, integer in cases:
             x = np.random.default_rng(0).standard_normal((m, w.shape[1])).astype(np.float32)
             w.integer_dot, w.llama_numerics = integer is not False, integer is None  # parity mode forces integer

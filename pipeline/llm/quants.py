@@ -74,19 +74,20 @@ class FrozenWeight:
     for many rows (prefill, training; kernels/qgemm.py). `matmul(g)` computes g @ W
     (the backward of a frozen linear) the same tiled way. It carries no gradient.
 
-    `integer_dot` (default True: on AVX2 the decode-sized integer kernels beat the f32 matvec, docs/models.md):
-    forwards that record no graph (under autograd's no_grad(): inference, ES member evaluation, evaluation
-    passes) of at most INTEGER_MAX_ROWS activation
-    rows (decode) through Q8_0/Q4_0/Q5_0/Q4_K/Q5_K/Q6_K weights quantize their activations the way
-    llama.cpp does and take integer block dot products (kernels/qint.py); a forward with
-    gradients on keeps f32 activations (the training contract). Many rows (prefill) stay on the
-    tiled f32 GEMM: the integer kernel is 5-8x slower there today (docs/models.md, measured).
-    `llama_numerics` (parity runs) takes the integer path for those formats at any row count.
+    `integer_dot` (default True: on AVX2 the integer kernels beat the f32 ones where they are used,
+    docs/models.md): forwards that record no graph (under autograd's no_grad(): inference, ES member
+    evaluation, evaluation passes) quantize their activations the way llama.cpp does and take integer
+    block dot products: at most INTEGER_MAX_ROWS activation rows (decode) through Q8_0/Q4_0/Q5_0/Q4_K/
+    Q5_K/Q6_K weights (kernels/qint.py), and any number of rows (prefill) through Q4_K/Q5_K/Q6_K, whose
+    register-blocked GEMM (kernels/qint_gemm.py) measured faster than the tiled f32 GEMM at 64 rows and
+    level with it at 256; Q8_0/Q4_0/Q5_0 prefill stays on the tiled f32 GEMM. A forward with gradients on
+    keeps f32 activations (the training contract). `llama_numerics` (parity runs) takes the integer path
+    for those formats at any row count.
     """
 
     FUSED_MAX_ROWS = 4  # below this many activation rows the fused kernel wins (docs/models.md)
-    integer_dot = True  # set False (on an instance or the class) to keep no-grad decode on the f32 matvec
-    INTEGER_MAX_ROWS = FUSED_MAX_ROWS  # no-grad calls with more rows use the f32 GEMM (faster today)
+    integer_dot = True  # set False (on an instance or the class) to keep no-grad forwards on f32 activations
+    INTEGER_MAX_ROWS = FUSED_MAX_ROWS  # beyond this, only formats with a blocked integer GEMM stay integer
 
     def __init__(self, fmt: Format, raw, shape: tuple[int, int], name: str = ""):
         self.format, self.raw, self.shape, self.name = fmt, raw, tuple(shape), name
@@ -110,20 +111,22 @@ class FrozenWeight:
         return dequant.dequantize_rows(int(self.format.qtype), self.raw, self.shape[1])
 
     def uses_integer_dot(self, rows: int) -> bool:
-        """True when matmul_t of `rows` activation rows takes kernels/qint.py's integer path (the class doc)."""
-        from kernels import qint
+        """True when matmul_t of `rows` activation rows takes the integer path (kernels/qint.py, or for many
+        rows through Q4_K/Q5_K/Q6_K the blocked kernels/qint_gemm.py; the class doc)."""
+        from kernels import qint, qint_gemm
         from pipeline.autograd.tensor import grad_enabled
         if not qint.supports(self.format.qtype):
             return False
-        return self.llama_numerics or (self.integer_dot and rows <= self.INTEGER_MAX_ROWS and not grad_enabled())
+        fast = rows <= self.INTEGER_MAX_ROWS or qint_gemm.supports(self.format.qtype)
+        return self.llama_numerics or (self.integer_dot and fast and not grad_enabled())
 
     def matmul_t(self, x):
         """x [..., n_in] f32 -> x @ W.T [..., n_out] f32."""
         import numpy as np
-        from kernels import dequant, qgemm, qint
+        from kernels import dequant, qgemm
         x2 = np.asarray(x, dtype=np.float32).reshape(-1, self.shape[1])
         if self.uses_integer_dot(x2.shape[0]):
-            y = qint.matmul_t_many([(int(self.format.qtype), self.raw)], x2)[0]
+            y = integer_matmul_t_many([self], x2)[0]
             return y.reshape(*np.shape(x)[:-1], self.shape[0])
         correction = None
         if self.llama_numerics:
@@ -162,10 +165,10 @@ def matmul_t_many(weights: list, x) -> list:
     the fused matvec for a few rows through block or 16-bit weights (dequant.matvec_many).
     The results equal the one-by-one calls bit for bit."""
     import numpy as np
-    from kernels import dequant, qgemm, qint
+    from kernels import dequant, qgemm
     x2 = np.asarray(x, dtype=np.float32).reshape(-1, weights[0].shape[1])
     if all(w.shape[1] == x2.shape[1] and w.uses_integer_dot(x2.shape[0]) for w in weights):
-        ys = qint.matmul_t_many([(int(w.format.qtype), w.raw) for w in weights], x2)
+        ys = integer_matmul_t_many(weights, x2)
         return [y.reshape(*np.shape(x)[:-1], w.shape[0]) for w, y in zip(weights, ys)]
     few = x2.shape[0] <= FrozenWeight.FUSED_MAX_ROWS
     if any(w.llama_numerics or w.shape[1] != x2.shape[1] or (few and w.format.qtype == QT.F32) for w in weights):
@@ -177,17 +180,34 @@ def matmul_t_many(weights: list, x) -> list:
     return [y.reshape(*np.shape(x)[:-1], w.shape[0]) for w, y in zip(weights, ys)]
 
 
+def integer_matmul_t_many(weights: list, x2) -> list:
+    """x2 [m, n_in] @ W.T for weights on the integer path: the register-blocked GEMM (kernels/qint_gemm.py) for
+    at least qint_gemm.ROWS rows through Q4_K/Q5_K/Q6_K, else the row kernels (kernels/qint.py). Both compute
+    every element with the same arithmetic (the same bits); the blocked one unpacks each weight block once for
+    ROWS activation rows."""
+    from kernels import qint, qint_gemm
+    pairs = [(int(w.format.qtype), w.raw) for w in weights]
+    if x2.shape[0] >= qint_gemm.ROWS and all(qint_gemm.supports(qtype) for qtype, _ in pairs):
+        return qint_gemm.matmul_t_many(pairs, x2)
+    return qint.matmul_t_many(pairs, x2)
+
+
 def matmul_t_groups(weights: list, x3) -> list:
     """[matmul_t_many(weights, x3[j]) for every group j, stacked to [groups, N, n_out]] with the same bits,
     reading each weight once for all groups where a kernel allows it: the fused matvec computes every
     row alone (so its rows can be stacked), the tiled GEMM dequantizes each tile once for all groups
-    (qgemm.matmul_t_groups). Groups are ES members, or rows decoding in lock-step, that share nothing
-    but the weights. Paths whose per-row bits depend on the call (f32 BLAS for a few rows, the integer
-    dots, llama numerics) are called group by group."""
+    (qgemm.matmul_t_groups), and the integer dots take all groups' rows in one call (each row is quantized
+    and multiplied alone, so its bits do not depend on the rows beside it: tests/kernels/test_qint_gemm.py).
+    Groups are ES members, or rows decoding in lock-step, that share nothing but the weights. Paths whose
+    per-row bits depend on the call (f32 BLAS for a few rows, llama numerics' f32 roundtrip) are called
+    group by group."""
     import numpy as np
     from kernels import dequant, qgemm
     x3 = np.ascontiguousarray(x3, dtype=np.float32)
     groups, n, n_in = x3.shape
+    if groups > 1 and all(w.shape[1] == n_in and w.uses_integer_dot(n) for w in weights):
+        ys = integer_matmul_t_many(weights, x3.reshape(groups * n, n_in))
+        return [y.reshape(groups, n, w.shape[0]) for w, y in zip(weights, ys)]
     few = n <= FrozenWeight.FUSED_MAX_ROWS
     if groups == 1 or any(w.llama_numerics or w.uses_integer_dot(n) or w.shape[1] != n_in
                           or (few and w.format.qtype == QT.F32) for w in weights):

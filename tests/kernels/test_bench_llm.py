@@ -27,7 +27,19 @@ def test_bench_llm_reports_kernel_rows_beside_the_machine_limits():
     assert kernels and all(r["case"].startswith("kernel/Q8_0/") and r["gbps"] > 0 and r["gflops"] > 0
                            for r in kernels)
     paths = {r["case"].rsplit("/", 1)[1]: r["path"] for r in kernels}
-    assert paths == {"decode": "integer", "prefill64": "f32", "decode_f32": "f32", "prefill64_integer": "integer",
+    assert paths == {"decode": "integer", "prefill64": "f32", "prefill256": "f32", "decode_f32": "f32",
+                     "prefill64_integer": "integer", "prefill256_integer": "integer",  # no blocked Q8_0 GEMM
                      "decode_head": "integer"}
     args.no_kernels = True
     assert len(bench.run(args)) == 4
+
+
+def test_bench_llm_kernel_rows_of_a_k_quant_take_the_blocked_integer_gemm():
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["--model", os.path.join(ROOT, "tests", "fixtures", "qwen3-tied-q4_k_s.gguf"), "--no-llama",
+                         "--repeat", "1", "--decode-tokens", "1", "--threads", "1"])
+    kernels = [r for r in bench.run(args) if r["case"].startswith("kernel/Q4_K/")]
+    paths = {r["case"].rsplit("/", 1)[1]: r["path"] for r in kernels}
+    assert paths == {"decode": "integer", "prefill64": "integer", "prefill256": "integer", "decode_f32": "f32",
+                     "prefill64_f32": "f32", "prefill256_f32": "f32"}

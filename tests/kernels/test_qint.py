@@ -201,12 +201,19 @@ def test_frozen_weight_takes_the_integer_path_only_without_gradients():
     with no_grad():
         np.testing.assert_array_equal(fw.matmul_t(x), integer)
         np.testing.assert_array_equal(matmul_t_many([fw, fw], x)[1], integer)
-        many = np.repeat(x, 3, axis=0)  # prefill-sized: the f32 GEMM unless in parity mode
+        many = np.repeat(x, 3, axis=0)  # prefill-sized: a K-quant takes the blocked integer GEMM, same bits
+        np.testing.assert_array_equal(fw.matmul_t(many), np.repeat(integer, 3, axis=0))
+        np.testing.assert_array_equal(matmul_t_many([fw, fw], many)[0], np.repeat(integer, 3, axis=0))
+        q8 = FrozenWeight(FORMATS[QT.Q8_0], random_blocks(QT.Q8_0, 48, 256, seed=9), (48, 256), "q8")
+        assert q8.uses_integer_dot(4) and not q8.uses_integer_dot(9)  # no blocked Q8_0 kernel: f32 GEMM
+        fw.integer_dot = False
         np.testing.assert_array_equal(fw.matmul_t(many), qgemm.matmul_t(int(QT.Q4_K), raw, many, (48, 256)))
         fw.llama_numerics = True
         np.testing.assert_array_equal(fw.matmul_t(many), np.repeat(integer, 3, axis=0))
-        fw.llama_numerics, fw.integer_dot = False, False
+        fw.llama_numerics = False
         np.testing.assert_array_equal(fw.matmul_t(x), f32)
+    np.testing.assert_array_equal(FrozenWeight(FORMATS[QT.Q4_K], raw, (48, 256)).matmul_t(many),
+                                  qgemm.matmul_t(int(QT.Q4_K), raw, many, (48, 256)))  # gradients on: f32
 
 
 @pytest.mark.slow
@@ -219,7 +226,8 @@ def test_portable_ir_gives_the_same_bits(tmp_path):
     probe = subprocess.run([sys.executable, "-c", "from kernels import qblocks; print(qblocks.AVX2)"], env=env,
                            capture_output=True, text=True, check=True)
     assert probe.stdout.strip() == "False"
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+    blocked = str(Path(__file__).with_name("test_qint_gemm.py"))  # the blocked GEMM's kernels share the IR
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, blocked, "-k",
                           "bitwise_equals_llama_model or thread_count"], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert run.stdout.strip().splitlines()[-1].startswith("8 passed"), run.stdout[-500:]
+    assert run.stdout.strip().splitlines()[-1].startswith("11 passed"), run.stdout[-500:]

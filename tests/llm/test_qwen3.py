@@ -19,7 +19,11 @@ def model(request):
     return Qwen3.from_gguf(FIXTURES / request.param)
 
 
-def test_infer_matches_autograd_forward(model):
+def test_infer_matches_autograd_forward(model, monkeypatch):
+    # f32 activations in both (the tolerance is float32 rounding): by default the no-grad K-quant products round
+    # their activations to 8 bits as llama.cpp does (tests/kernels/test_qint.py bounds that)
+    from pipeline.llm.quants import FrozenWeight
+    monkeypatch.setattr(FrozenWeight, "integer_dot", False)
     a = model.infer(IDS, all_logits=True)
     b = model.forward(IDS).data
     assert a.shape == (len(IDS), model.config.vocab_size)

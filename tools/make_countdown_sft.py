@@ -1,4 +1,4 @@
-"""Write Countdown SFT pairs (JSONL) for `fucina finetune --data`: the warm start of the ES Countdown demo.
+"""Write Countdown SFT pairs (JSONL) for `fucina sft --data` or `fucina finetune --data`: the ES demo's warm start.
 
 Each line is {"instruction": problem prompt, "response": "<answer>SOLUTION</answer>"} for problems
 0..N-1 of the built-in set of --seed (pipeline/es/countdown.py): the same prompts and reference
@@ -7,6 +7,7 @@ responses `fucina es-finetune --task countdown` builds. Use a --seed other than 
 
     python tools/make_countdown_sft.py --out countdown-sft.jsonl --seed 1 --size 256
     python tools/make_countdown_sft.py --out easy-sft.jsonl --seed 1 --size 512 --numbers 2 --max-number 9
+    python tools/make_countdown_sft.py --out mid.jsonl --seed 1 --size 4096 --numbers 3 --max-number 20
 
 --numbers and --max-number are `--task-numbers` and `--task-max-number` of es-finetune: pass the same
 values to both.

@@ -253,9 +253,11 @@ def run(args):
     rows = []
     for name in names:
         trainers = args.trainers > 0 and name in PRESET_SHAPES
-        counts = args.threads + ([args.trainers] if trainers and args.trainers not in args.threads else [])
+        baseline_row = trainers and not args.no_torch and args.trainers not in args.threads
+        counts = args.threads + ([args.trainers] if baseline_row else [])
         by_threads = {n: _subprocess_row(name, n, args) for n in counts}  # the K-thread row is K trainers' baseline
         rows.extend(by_threads.values())
         if trainers:
-            rows.append(_trainers_row(name, args, by_threads[args.trainers]["baselines"].get("torch_eager")))
+            torch_ms = by_threads[args.trainers]["baselines"].get("torch_eager") if not args.no_torch else None
+            rows.append(_trainers_row(name, args, torch_ms))
     return rows

@@ -461,7 +461,8 @@ def _check_gemm(op, a, b, a_dim, b_dim):
         raise ValueError(f"{op}: expected float32 a [M, K] and b with K on axis {b_dim}, got "
                          f"{getattr(a, 'dtype', None)}{getattr(a, 'shape', None)} and "
                          f"{getattr(b, 'dtype', None)}{getattr(b, 'shape', None)}")
-    return np.ascontiguousarray(a)
+    # a transposed view (g.T in a weight gradient) goes to BLAS as it is: copying it costs as much as the product
+    return a if a.flags.f_contiguous else np.ascontiguousarray(a)
 
 
 def matmul_nt(a, b):

@@ -7,9 +7,10 @@ the engine (`_reduce_to_shape`), so elementwise ops may return full-shape grads.
 Trade-off: plain numpy first (legible, BLAS for contractions); the few row
 kernels that dominate training time (cross-entropy, RMSNorm, dropout, and for
 float32 sigmoid/SiLU/RoPE) call numba kernels in `kernels/`; attention runs its
-(batch, kv head) GEMMs on our threads. Forward values keep the input dtype (float64
-inputs stay float64, which the finite-difference tests rely on); 16-bit inputs
-to contractions are widened to float32 for the compute. Gradients are float32.
+(batch, kv head) GEMMs and `linear` its float32 products in tiles on our threads.
+Forward values keep the input dtype (float64 inputs stay float64, which the
+finite-difference tests rely on); 16-bit inputs to contractions are widened to
+float32 for the compute. Gradients are float32.
 
 Anything that is not a Tensor (a numpy array, a Python number, a frozen
 bf16 weight) is a constant: it takes part in the forward and gets no gradient.
@@ -21,6 +22,8 @@ import math
 
 import ml_dtypes
 import numpy as np
+
+from kernels.nn import matmul_nn
 
 from .tensor import OpError, OpIndexError, Tensor, _state, enable_grad, grad_enabled, no_grad
 
@@ -263,6 +266,15 @@ def matmul(a, b):
     return Tensor.make(out, (a, b), backward, "matmul")
 
 
+def _gemm(a, b):
+    """a @ b of 2-D arrays. float32 products go to kernels.nn.matmul_nn: a big one is cut into tiles on a
+    grid fixed by the shapes and run on our threads (the training step holds BLAS at one thread, so a
+    plain `@` would use one core whatever --threads says); the bits never depend on the thread count."""
+    if a.dtype == b.dtype == np.float32:
+        return matmul_nn(a, b)
+    return a @ b
+
+
 def linear(x, w, b=None):
     """y = x @ w.T + b with w laid out [out, in] (torch nn.Linear). w may be a
     16-bit constant or leaf; the product is computed in float32."""
@@ -276,14 +288,14 @@ def linear(x, w, b=None):
             raise OpError(f"linear: bias shape {b.shape} must be ({w.shape[0]},) for weight {w.shape}")
     X = _compute(x.data)
     W = _compute(w.data)
-    out = X @ W.T
+    out = _gemm(X.reshape(-1, X.shape[-1]), W.T).reshape(X.shape[:-1] + (W.shape[0],))
     if b is not None:
         out = out + _compute(b.data)
 
     def backward(g):
         g2 = g.reshape(-1, g.shape[-1])
-        gx = g @ _compute(w.data) if x.requires_grad else None
-        gw = g2.T @ _compute(x.data).reshape(-1, x.shape[-1]) if w.requires_grad else None
+        gx = _gemm(g2, _compute(w.data)).reshape(x.shape) if x.requires_grad else None
+        gw = _gemm(g2.T, _compute(x.data).reshape(-1, x.shape[-1])) if w.requires_grad else None
         gb = g2.sum(axis=0) if b is not None and b.requires_grad else None
         return gx, gw, gb
 

@@ -2,25 +2,45 @@
 micro-batches, global clip, Muon on block matrices + AdamW on the rest) of the d6 preset and of the `lm`
 job's shape, against the same model in torch eager with the same optimizer split, batch and threads.
 
-Both sides run one after the other in one process on the same random token batch: ours through the
-autograd ops and pipeline.optim, torch's through nn.functional and torch.optim.Muon + AdamW (the same
-split; torch's Muon scales its update by its own rule, which costs the same). peak_rss_mb is the process's,
-both sides included. Run it on a quiet machine: the default sizes take seconds to minutes per step.
+Rows, all in one run: for each shape and each of the `--threads` counts, the step in-process, measured in a
+subprocess of its own (`--row`), where ours and torch run one after the other on the same random token
+batch: ours through the autograd ops and pipeline.optim, torch's through nn.functional and torch.optim.Muon
++ AdamW (the same split; torch's Muon scales its update by its own rule, which costs the same). peak_rss_mb
+is that subprocess's peak before torch is imported: ours alone. Then, for a shape that is a pretrain preset
+(d6), the `--trainers K` row: a real `fucina pretrain --trainers K --threads 1` run (the job on the
+runtime: scheduler, optimizer role and K trainer processes), ms = the median of its steps after the first
+two (numba compiles), against torch's step at K threads (the total of the K trainers); its peak_rss_mb is
+the largest sum of resident sets of that run's processes, sampled every 0.2 s. Run it on a quiet machine:
+the default sizes take seconds to minutes per step.
 """
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+
 import numpy as np
 
+from ..errors import FucinaError, UserError
 from ..runtime.metrics import peak_rss_mb
 from ..commands._args import add_threads_flag
 from . import timed
 
 NAME = "pretrain"
-HELP = "pretrain step ms and tokens/s: the d6 preset and the lm shape, vs torch eager (same optimizer split)"
+HELP = ("pretrain step ms and tokens/s: the d6 preset and the lm shape at 1 and 2 threads and with 2 trainer "
+        "processes, vs torch eager (same optimizer split)")
 
 # name -> (layers, hidden, heads, kv_heads, head_dim, ffn, vocab, seq, batch_tokens, tied)
 SHAPES = {"d6": (6, 384, 6, 6, 64, 1024, 8192, 512, 16384, False),
-          "lm": (2, 128, 4, 2, 32, 384, 262, 128, 2048, True)}
+          "lm": (2, 128, 4, 2, 32, 384, 262, 128, 2048, True),
+          "tiny": (2, 64, 2, 2, 32, 192, 8192, 64, 1024, False)}
+PRESET_SHAPES = ("d6", "tiny")  # the shapes that are pretrain presets: they get the --trainers row
+STEADY_AFTER = 2  # leading steps of a --trainers run left out of its median (numba compiles in each process)
 
 
 def add_arguments(parser):
@@ -28,10 +48,17 @@ def add_arguments(parser):
     parser.add_argument("--batch-tokens", type=int, default=0, help="tokens per step (0: the shape's)")
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per side (median)")
-    add_threads_flag(parser, 1, "the bench", also="; torch gets the same N")
+    add_threads_flag(parser, [1, 2], "each in-process row (one row per count and shape, each in a subprocess "
+                     "of its own)", also="; torch gets the same N", many=True)
+    parser.add_argument("--trainers", type=int, default=2,
+                        help="also, for a pretrain preset shape (d6), the pretrain job on the runtime with this "
+                             "many trainer processes of one thread each, vs torch at as many threads (0: no such row)")
+    parser.add_argument("--data", default="",
+                        help="the --trainers run's corpus, as `fucina pretrain --data` (empty: the built-in one)")
+    parser.add_argument("--cache-dir", default="runs/cache",
+                        help="the --trainers run's tokenizer and token cache (a cold one trains the BPE first)")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
-
-
+    parser.add_argument("--row", action="store_true", help=argparse.SUPPRESS)  # a subprocess measuring one row
 def _ours(shape, batch_tokens, micro, ids):
     from ..autograd.losses import cross_entropy
     from ..jobs.recipes import muon_adamw
@@ -112,27 +139,116 @@ def _torch(shape, batch_tokens, micro, ids, threads):
     return step
 
 
-def run(args):
-    from ..errors import UserError
+def _measure(name, args):
+    """The in-process row of shape `name` at args.threads[0] threads, in this process (the --row subprocess)."""
     from ..threads import pin_threads
-    pin_threads(args.threads)
-    rows = []
-    for name in (s.strip() for s in args.shapes.split(",") if s.strip()):
+    threads = args.threads[0]
+    pin_threads(threads)
+    shape = SHAPES[name]
+    seq, batch_tokens = shape[7], _batch_tokens(name, args)
+    n_rows = batch_tokens // seq
+    ids = np.random.default_rng(0).integers(0, shape[6], (n_rows, seq + 1)).astype(np.int64)
+    ms, cpu = timed(_ours(shape, batch_tokens, args.micro_batches, ids), repeat=args.steps)
+    rss = peak_rss_mb()  # before torch is imported: ours alone
+    theirs = None if args.no_torch else _torch(shape, batch_tokens, args.micro_batches, ids, threads)
+    torch_ms = timed(theirs, repeat=args.steps)[0] if theirs else None
+    return {"case": f"{name} step ({batch_tokens} tokens), {threads} thread(s)", "ms": ms, "cpu_ms": cpu,
+            "tokens_per_s": batch_tokens / ms * 1e3, "baselines": {"torch_eager": torch_ms} if torch_ms else {},
+            "peak_rss_mb": rss, "threads": threads,
+            "notes": f"in-process, {threads} thread(s), {args.micro_batches} micro-batches"}
+
+
+def _batch_tokens(name, args):
+    seq, batch_tokens = SHAPES[name][7], args.batch_tokens or SHAPES[name][8]
+    n_rows = batch_tokens // seq
+    if n_rows < 1 or n_rows % args.micro_batches:
+        raise UserError(f"--batch-tokens {batch_tokens}: {n_rows} windows of {seq} do not split into "
+                        f"{args.micro_batches} micro-batches")
+    return n_rows * seq
+
+
+def _subprocess_row(name, threads, args):
+    cmd = [sys.executable, "-m", "pipeline.cli", "bench", "pretrain", "--json", "--row", "--shapes", name,
+           "--threads", str(threads), "--batch-tokens", str(_batch_tokens(name, args)),
+           "--micro-batches", str(args.micro_batches), "--steps", str(args.steps)] + (["--no-torch"] * args.no_torch)
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise FucinaError(f"bench pretrain: the {name} row at {threads} thread(s) failed:\n{out.stderr[-2000:]}")
+    (row,) = json.loads(out.stdout)["results"]
+    return row
+
+
+def _tree_rss_mb(root_pid):
+    """Resident MB of root_pid and all its descendants now (Linux /proc; 0 elsewhere)."""
+    parents, rss = {}, {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as fh:
+                fields = dict(line.split(":", 1) for line in fh if ":" in line)
+        except OSError:  # the process ended meanwhile
+            continue
+        parents[int(entry)] = int(fields.get("PPid", "0"))
+        rss[int(entry)] = int(fields.get("VmRSS", "0 kB").split()[0]) / 1024.0
+    tree, grew = {root_pid}, True
+    while grew:
+        grew = False
+        for pid, parent in parents.items():
+            if parent in tree and pid not in tree:
+                tree.add(pid)
+                grew = True
+    return sum(rss.get(pid, 0.0) for pid in tree)
+
+
+def _trainers_row(name, args, torch_ms):
+    """`fucina pretrain --preset NAME --trainers K` for a few steps: the median steady-state step."""
+    k, batch_tokens = args.trainers, _batch_tokens(name, args)
+    with tempfile.TemporaryDirectory(prefix="fucina-bench-pretrain-") as run_dir:
+        cmd = [sys.executable, "-m", "pipeline.cli", "pretrain", "--preset", name, "--trainers", str(k),
+               "--threads", "1", "--steps", str(args.steps + STEADY_AFTER), "--batch-tokens", str(batch_tokens),
+               "--micro-batches", str(args.micro_batches), "--no-seq-warmup", "--eval-every", "0",
+               "--sample-tokens", "0", "--checkpoint-every", "0", "--data", args.data, "--cache-dir",
+               args.cache_dir, "--run-dir", run_dir, "--json"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        peak, done = [0.0], threading.Event()
+
+        def sample():
+            while not done.wait(0.2):
+                peak[0] = max(peak[0], _tree_rss_mb(proc.pid))
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        _, err = proc.communicate()
+        done.set()
+        sampler.join()
+        if proc.returncode != 0:
+            raise FucinaError(f"bench pretrain: the {name} --trainers {k} run failed:\n{err[-2000:]}")
+        with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+            steps = [r["step_ms"] for r in map(json.loads, fh) if r.get("kind") == "metrics"]
+    ms = statistics.median(steps[STEADY_AFTER:])
+    return {"case": f"{name} step ({batch_tokens} tokens), {k} trainers", "ms": ms,
+            "tokens_per_s": batch_tokens / ms * 1e3, "baselines": {"torch_eager": torch_ms} if torch_ms else {},
+            "peak_rss_mb": peak[0], "threads": k,
+            "notes": f"pretrain job on the runtime, {k} trainer processes x 1 thread, {args.micro_batches} "
+                     f"micro-batches, median of steps {STEADY_AFTER + 1}-{len(steps)}; torch at {k} threads"}
+
+
+def run(args):
+    names = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    for name in names:
         if name not in SHAPES:
             raise UserError(f"--shapes: unknown shape {name!r} (known: {', '.join(SHAPES)})")
-        shape = SHAPES[name]
-        seq, batch_tokens = shape[7], args.batch_tokens or shape[8]
-        n_rows = batch_tokens // seq
-        if n_rows < 1 or n_rows % args.micro_batches:
-            raise UserError(f"--batch-tokens {batch_tokens}: {n_rows} windows of {seq} do not split into "
-                            f"{args.micro_batches} micro-batches")
-        ids = np.random.default_rng(0).integers(0, shape[6], (n_rows, seq + 1)).astype(np.int64)
-        ours = _ours(shape, n_rows * seq, args.micro_batches, ids)
-        theirs = None if args.no_torch else _torch(shape, n_rows * seq, args.micro_batches, ids, args.threads)
-        ms, cpu = timed(ours, repeat=args.steps)
-        torch_ms = timed(theirs, repeat=args.steps)[0] if theirs else None
-        rows.append({"case": f"{name} step ({n_rows * seq} tokens)", "ms": ms, "cpu_ms": cpu,
-                     "tokens_per_s": n_rows * seq / ms * 1e3,
-                     "baselines": {"torch_eager": torch_ms} if torch_ms else {}, "peak_rss_mb": peak_rss_mb(),
-                     "notes": f"{args.threads} thread(s), {args.micro_batches} micro-batches"})
+        _batch_tokens(name, args)
+    if args.row:
+        return [_measure(name, args) for name in names]
+    rows = []
+    for name in names:
+        trainers = args.trainers > 0 and name in PRESET_SHAPES
+        baseline_row = trainers and not args.no_torch and args.trainers not in args.threads
+        counts = args.threads + ([args.trainers] if baseline_row else [])
+        by_threads = {n: _subprocess_row(name, n, args) for n in counts}  # the K-thread row is K trainers' baseline
+        rows.extend(by_threads.values())
+        if trainers:
+            torch_ms = by_threads[args.trainers]["baselines"].get("torch_eager") if not args.no_torch else None
+            rows.append(_trainers_row(name, args, torch_ms))
     return rows

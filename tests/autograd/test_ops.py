@@ -1,9 +1,11 @@
 """Every differentiable op against central finite differences (float64)."""
+import numba
 import numpy as np
 import pytest
 
 import pipeline.autograd as ag
 from pipeline.autograd import OpError, Tensor
+from pipeline.threads import numba_threads
 
 
 @pytest.mark.parametrize("op", [ag.add, ag.sub, ag.mul, ag.div])
@@ -52,6 +54,31 @@ def test_linear(gradcheck, rand):
     np.testing.assert_allclose(
         ag.linear(Tensor(x, dtype=np.float64), Tensor(w, dtype=np.float64), Tensor(b, dtype=np.float64)).data,
         x @ w.T + b)
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs NUMBA_NUM_THREADS >= 2")
+def test_float32_linear_tiles_bits_independent_of_threads_and_within_the_summation_bound():
+    """A float32 product big enough to run in tiles on our threads (kernels.nn.matmul_nn): forward and both
+    gradients are the same bits at 1 and 2 threads, and within K * 2^-24 * (|a| @ |b|) of float64."""
+    r = np.random.default_rng(3)
+    x, w, g = (r.standard_normal(s).astype(np.float32) for s in ((2, 128, 512), (640, 512), (2, 128, 640)))
+
+    def run():
+        xt, wt = Tensor(x, requires_grad=True), Tensor(w, requires_grad=True)
+        y = ag.linear(xt, wt)
+        y.backward(g)
+        return y.data, xt.grad, wt.grad
+
+    with numba_threads(1):
+        one = run()
+    with numba_threads(2):
+        two = run()
+    x2, g2 = x.reshape(-1, 512).astype(np.float64), g.reshape(-1, 640).astype(np.float64)
+    w64 = w.astype(np.float64)
+    for got_1, got_2, (a, b) in zip(one, two, ((x2, w64.T), (g2, w64), (g2.T, x2))):
+        np.testing.assert_array_equal(got_1, got_2)
+        bound = a.shape[1] * 2.0 ** -24 * (np.abs(a) @ np.abs(b))
+        assert np.all(np.abs(got_1.reshape(bound.shape) - a @ b) <= bound)
 
 
 @pytest.mark.parametrize("reduce", ["sum", "mean"])

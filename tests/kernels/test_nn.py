@@ -218,6 +218,8 @@ def test_tiled_gemms_match_numpy(gemm_case):
     close(nn.matmul_nt(a, b), a, b.T)
     g = a @ b.T
     close(nn.matmul_nn(g, b), g, b)
+    assert 2 * g.shape[1] * a.shape[0] * a.shape[1] >= nn.TILED_MIN_FLOPS
+    close(nn.matmul_nn(g.T, a), g.T, a)  # a transposed view, as a weight gradient g.T @ x passes it: no copy
     small = a[:2, :8]
     np.testing.assert_array_equal(nn.matmul_nt(small, b[:5, :8]), small @ b[:5, :8].T)
 

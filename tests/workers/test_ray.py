@@ -43,7 +43,7 @@ def test_es_without_ray_the_flag_is_one_error_naming_the_extra(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-ES_ITERATIONS = 150  # long enough that the kill below lands mid-run
+ES_ITERATIONS = 1500  # ~15 s at ~10 ms an iteration: the kill lands mid-run and Ray (seconds) restarts the actor before the end
 
 
 def _es_spirals(run_dir, *flags):

@@ -19,6 +19,9 @@ cell[BUDGET] is the waiter's current spin in cycles: doubled (up to the configur
 shorter than the configured spin, halved after a longer one. So a decode, whose dispatches come tens of microseconds
 apart, keeps spinning, while a waiter on a machine with more runnable threads than cores, where the thread
 it waits for may be off its core for milliseconds, soon sleeps at once and leaves the core to it.
+A `hold` cell (hold[SEQ] > 0) keeps every waiter spinning past its budget: a model forward holds it, so the
+Python between two of its products (attention, norms: hundreds of microseconds at decode) never puts a worker
+to sleep, whose futex wake-up on a VM costs more than the product it was woken for.
 """
 from __future__ import annotations
 
@@ -171,13 +174,20 @@ def cycles() -> int:
 
 
 @njit(cache=True, nogil=True)
-def spin_until(cell, target, ticks) -> bool:
-    """Spin until cell[SEQ] >= target (True) or `ticks` cycles have passed (False), without the GIL."""
+def add(cell, i, value) -> int:
+    """cell[i] += value atomically from Python (a hold count); returns the old value."""
+    return atomic_add(cell, i, value)
+
+
+@njit(cache=True, nogil=True)
+def spin_until(cell, target, ticks, hold) -> bool:
+    """Spin until cell[SEQ] >= target (True) or `ticks` cycles have passed (False), without the GIL; while
+    hold[SEQ] > 0 (a forward that dispatches every few tens of microseconds is running) the spin goes on."""
     start = _cycles()
     polls = 0
     while atomic_load(cell, SEQ) < target:
-        if _cycles() - start >= ticks:  # >=: a counter that reads 0 with ticks 0 must not spin forever
-            return False
+        if _cycles() - start >= ticks and atomic_load(hold, SEQ) <= 0:  # >=: a counter that reads 0 with
+            return False                                                 # ticks 0 must not spin forever
         polls += 1
         if polls % 64 == 0:
             _sched_yield()
@@ -187,13 +197,13 @@ def spin_until(cell, target, ticks) -> bool:
 
 
 @njit(cache=True, nogil=True)
-def wait(cell, target, ticks) -> bool:
-    """Wait for cell[SEQ] >= target without the GIL: spin (cell[BUDGET] cycles, at most `ticks`), then sleep
-    in the futex. Without a futex: False when the caller must sleep on the cell's lock (its sleep is
-    announced), True when done."""
+def wait(cell, target, ticks, hold) -> bool:
+    """Wait for cell[SEQ] >= target without the GIL: spin (cell[BUDGET] cycles, at most `ticks`, or as long
+    as `hold` is held), then sleep in the futex. Without a futex: False when the caller must sleep on the
+    cell's lock (its sleep is announced), True when done."""
     start = _cycles()
     budget = min(cell[BUDGET], ticks)
-    done = spin_until(cell, target, budget)
+    done = spin_until(cell, target, budget, hold)
     while not done:
         atomic_store(cell, SLEEPING, 1)
         seq = atomic_load(cell, SEQ)
@@ -235,13 +245,13 @@ def run_native(fn, arg):
 
 
 @njit(cache=True, nogil=True)
-def serve(go, done, seen, ticks):
+def serve(go, done, seen, ticks, hold):
     """A worker's wait: run each native job posted on `go` (seen = the posts handled so far), counting it on
     `done`, until a Python job is posted (PYTHON_JOB). Between posts it spins `ticks` cycles, then sleeps in
-    the futex; without one it returns TIMEOUT to sleep on its lock, or WAKE_CALLER when the poster of a native
+    the futex (or spins on while `hold` is held); without one it returns TIMEOUT to sleep on its lock, or WAKE_CALLER when the poster of a native
     job sleeps on its lock for `done`. Returns (what, seen)."""
     while True:
-        if not wait(go, seen + 1, ticks):
+        if not wait(go, seen + 1, ticks, hold):
             return TIMEOUT, seen
         seen += 1
         if atomic_load(go, KIND) != NATIVE:

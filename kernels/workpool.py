@@ -43,6 +43,20 @@ _BLAS_LIMIT, _BLAS_DEPTH, _BLAS_LOCK = None, 0, threading.Lock()  # the outermos
 
 
 _SPIN_TICKS = None  # cycle-counter ticks a waiting thread spins before it sleeps (set with the pool)
+_HOLD = handoff.new_cell()  # _HOLD[SEQ] > 0: a forward is running, waiting threads spin on (`hold`)
+
+
+@contextlib.contextmanager
+def hold():
+    """Context manager: the pool's waiting threads keep spinning (no futex sleep) until the outermost exits.
+    A model forward holds it: its products come a few hundred microseconds apart at most, and a worker woken
+    from its sleep for each one cost decode 2x (measured, docs/BENCHMARKS.md). Spinning yields the core every
+    64 polls, so a runnable thread on a loaded machine still gets it."""
+    handoff.add(_HOLD, handoff.SEQ, 1)
+    try:
+        yield
+    finally:
+        handoff.add(_HOLD, handoff.SEQ, -1)
 
 
 def set_spin_us(microseconds: float):
@@ -80,7 +94,7 @@ class _Signal:
             self.lock.release()
 
     def wait(self, target: int):
-        if not handoff.wait(self.cell, target, _spin_ticks()):
+        if not handoff.wait(self.cell, target, _spin_ticks(), _HOLD):
             self.lock.acquire()
 
 
@@ -96,7 +110,7 @@ class _Worker:
     def _loop(self):
         seen = 0
         while True:
-            what, seen = handoff.serve(self._go.cell, self._done.cell, seen, _spin_ticks())
+            what, seen = handoff.serve(self._go.cell, self._done.cell, seen, _spin_ticks(), _HOLD)
             if what == handoff.TIMEOUT:
                 self._go.lock.acquire()
             elif what == handoff.WAKE_CALLER:

@@ -587,6 +587,10 @@ class DecoderLM(Module):
         multiplied per row with the call one row would make). adapt(layer, target, x3, y3), when given, adds
         per-row terms to a layer projection's output y3 [rows, seq, out] in place from its input x3 (ES
         members decoding in lock-step add each member's LoRA delta to its own rows)."""
+        with workpool.hold():  # the pool's threads spin between this forward's products instead of sleeping
+            return self._infer_rows(ids, caches, adapt, all_logits)
+
+    def _infer_rows(self, ids, caches: list, adapt, all_logits: bool) -> np.ndarray:
         c = self.config
         ids = self._check_ids(ids)
         if ids.ndim != 2 or len(caches) != ids.shape[0]:

@@ -153,7 +153,7 @@ def test_handoff_cells_post_and_wait():
     a post with no sleeper asks nobody to release a lock."""
     cell = handoff.new_cell()
     assert not handoff.post(cell)
-    assert handoff.wait(cell, 1, 0) and handoff.wait(cell, 1, 10 ** 6)
+    assert handoff.wait(cell, 1, 0, handoff.new_cell()) and handoff.wait(cell, 1, 10 ** 6, handoff.new_cell())
     assert cell[handoff.SEQ] == 1 and cell[handoff.SLEEPING] == 0
 
 

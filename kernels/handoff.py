@@ -247,9 +247,9 @@ def run_native(fn, arg):
 @njit(cache=True, nogil=True)
 def serve(go, done, seen, ticks, hold):
     """A worker's wait: run each native job posted on `go` (seen = the posts handled so far), counting it on
-    `done`, until a Python job is posted (PYTHON_JOB). Between posts it spins `ticks` cycles, then sleeps in
-    the futex (or spins on while `hold` is held); without one it returns TIMEOUT to sleep on its lock, or WAKE_CALLER when the poster of a native
-    job sleeps on its lock for `done`. Returns (what, seen)."""
+    `done`, until a Python job is posted (PYTHON_JOB). Between posts it spins `ticks` cycles (on, while `hold`
+    is held), then sleeps in the futex; without one it returns TIMEOUT to sleep on its lock, or WAKE_CALLER
+    when the poster of a native job sleeps on its lock for `done`. Returns (what, seen)."""
     while True:
         if not wait(go, seen + 1, ticks, hold):
             return TIMEOUT, seen

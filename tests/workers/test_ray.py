@@ -43,7 +43,8 @@ def test_es_without_ray_the_flag_is_one_error_naming_the_extra(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-ES_ITERATIONS = 1500  # ~15 s at ~10 ms an iteration: the kill lands mid-run and Ray (seconds) restarts the actor before the end
+# ~15 s at ~10 ms an iteration: the kill lands mid-run, and Ray (~2 s) restarts the actor well before the end
+ES_ITERATIONS = 1500
 
 
 def _es_spirals(run_dir, *flags):

@@ -7,12 +7,17 @@ the SIMD exp of kernels/fastexp.py. Rows are independent; the parallel loop
 runs over a fixed grid of row chunks, so the bits do not depend on threads.
 """
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from kernels.fastexp import exp_shifted_sum_inplace, row_max
+from kernels import workpool
 from kernels.nn import threads_for
 
 ROW_CHUNK = 64
+SPLIT_WORK = 1 << 22  # multiply-adds (t * keys * heads * head_dim) below which one thread is quicker than two
+_I64, _V8F = ir.IntType(64), ir.VectorType(ir.FloatType(), 8)
 
 
 @njit(cache=True, nogil=True)
@@ -95,3 +100,97 @@ def softmax_backward_rows_serial(p, dp, scale=1.0):
         _softmax_bwd_rows(p2, dp2, np.float32(scale), 0, p2.shape[0])
         return dp
     return softmax_backward_inplace(p, dp, scale)
+
+
+# --- decode-sized attention against a KV cache ----------------------------------------------------------------
+@intrinsic
+def _dot8(typingctx, a, b, n):
+    """sum(a[:n] * b[:n]) over the first n - n % 8 elements of two f32 arrays whose last axis is contiguous, in 8
+    lanes (lane l takes the elements i = l mod 8, one fmul and fadd each, never fused) added as
+    ((0+4) + (2+6)) + ((1+5) + (3+7)). numba's loops leave such a float reduction scalar without fastmath, which
+    this project does not allow (cold and cached code differed)."""
+    def codegen(context, builder, sig, args):
+        pa, pb = (context.make_array(t)(context, builder, v).data for t, v in zip(sig.args[:2], args[:2]))
+        count = builder.and_(args[2], ir.Constant(_I64, -8))
+        zero = ir.Constant(_V8F, [0.0] * 8)
+        entry = builder.block
+        loop, done = builder.append_basic_block("dot8.loop"), builder.append_basic_block("dot8.done")
+        builder.cbranch(builder.icmp_signed(">", count, ir.Constant(_I64, 0)), loop, done)
+        builder.position_at_end(loop)
+        i, acc = builder.phi(_I64), builder.phi(_V8F)
+        load = lambda p: builder.load(builder.bitcast(builder.gep(p, [i]), _V8F.as_pointer()), align=4)
+        nxt, i_next = builder.fadd(acc, builder.fmul(load(pa), load(pb))), builder.add(i, ir.Constant(_I64, 8))
+        i.add_incoming(ir.Constant(_I64, 0), entry)
+        i.add_incoming(i_next, loop)
+        acc.add_incoming(zero, entry)
+        acc.add_incoming(nxt, loop)
+        builder.cbranch(builder.icmp_signed("<", i_next, count), loop, done)
+        builder.position_at_end(done)
+        lanes = builder.phi(_V8F)
+        lanes.add_incoming(zero, entry)
+        lanes.add_incoming(nxt, loop)
+        lane = lambda k: builder.extract_element(lanes, ir.Constant(ir.IntType(32), k))
+        pair = lambda x, y: builder.fadd(lane(x), lane(y))
+        return builder.fadd(builder.fadd(pair(0, 4), pair(2, 6)), builder.fadd(pair(1, 5), pair(3, 7)))
+    return types.float32(a, b, n), codegen
+
+
+@njit(cache=True, inline="always")
+def _dot(a, b, n):
+    """sum(a[:n] * b[:n]) in f32: _dot8's lanes, then the tail in order."""
+    total = _dot8(a, b, n)
+    for i in range(n - n % 8, n):
+        total += a[i] * b[i]
+    return total
+
+
+@njit(cache=True, nogil=True)
+def _attend_cached(q, k, v, pos0, scale, window, out, h0, h1):
+    """out[p, h*D:(h+1)*D] = softmax(q[p, h] . k[visible, h // g] * scale) @ v[visible, h // g] for each query
+    p (at position pos0 + p) and head h, the keys visible to it being positions max(0, pos0+p-window+1) (window
+    > 0) .. pos0 + p; g = H // KV query heads share a kv head. Query heads h0..h1 only (a thread's share)."""
+    t, n_h, d = q.shape
+    g = n_h // k.shape[1]
+    scores = np.empty(pos0 + t, np.float32)
+    for p in range(t):
+        last = pos0 + p
+        first = max(0, last - window + 1) if window > 0 else 0
+        n = last + 1 - first
+        row = scores[:n]
+        for h in range(h0, h1):
+            kv = h // g
+            qh = q[p, h]
+            for j in range(n):
+                row[j] = _dot(qh, k[first + j, kv], d) * scale
+            inv = np.float32(1.0 / exp_shifted_sum_inplace(row, row_max(row)))
+            o = out[p, h * d:(h + 1) * d]
+            o[:] = 0.0
+            j = 0
+            while j + 4 <= n:  # four keys a pass over o: a quarter of its loads and stores
+                w0, w1, w2, w3 = row[j] * inv, row[j + 1] * inv, row[j + 2] * inv, row[j + 3] * inv
+                v0, v1, v2, v3 = v[first + j, kv], v[first + j + 1, kv], v[first + j + 2, kv], v[first + j + 3, kv]
+                for i in range(d):
+                    o[i] += (w0 * v0[i] + w1 * v1[i]) + (w2 * v2[i] + w3 * v3[i])
+                j += 4
+            for j in range(j, n):
+                w, vj = row[j] * inv, v[first + j, kv]
+                for i in range(d):
+                    o[i] += w * vj[i]
+
+
+def attend_cached(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: float, window: int = 0):
+    """Causal grouped-query attention of a few new queries against a KV cache, in one serial numba call (no
+    score matrix, no BLAS: at decode sizes numpy's per-call overhead was most of the time). q f32 [t, H, D] at
+    positions pos0.., k/v f32 [s, KV, D] with s >= pos0 + t (H a multiple of KV) -> f32 [t, H*D]. A long
+    context splits the query heads over the kernel pool's threads; each head is the same serial code whoever
+    runs it, so the bits depend on the inputs only (not on threads or the BLAS)."""
+    t, n_h, d = q.shape
+    if k.ndim != 3 or k.shape != v.shape or k.shape[2] != d or n_h % k.shape[1] or k.shape[0] < pos0 + t:
+        raise ValueError(f"attend_cached: q {q.shape} needs k, v [>= {pos0 + t}, KV, {d}] with H % KV == 0, "
+                         f"got k {k.shape}, v {v.shape}")
+    out = np.empty((t, n_h * d), np.float32)
+    q = np.ascontiguousarray(q, np.float32)
+    scale, parts = np.float32(scale), workpool.threads() if t * (pos0 + t) * n_h * d >= SPLIT_WORK else 1
+    workpool.split_range(n_h, parts, lambda h0, h1: _attend_cached(q, k, v, int(pos0), scale, int(window), out,
+                                                                   h0, h1))
+    return out

@@ -65,6 +65,19 @@ def format_of(qtype) -> Format | None:
         return None
 
 
+_INTEGER = None  # (qint.supports, qint_gemm.supports, grad_enabled), imported on first use
+
+
+def _integer_kernels():
+    """What uses_integer_dot asks, imported once: a decode asks ~300 times a token, and an import statement
+    inside the method cost more than the rest of it."""
+    global _INTEGER
+    from kernels import qint, qint_gemm
+    from pipeline.autograd.tensor import grad_enabled
+    _INTEGER = (qint.supports, qint_gemm.supports, grad_enabled)
+    return _INTEGER
+
+
 class FrozenWeight:
     """A frozen [n_out, n_in] matrix kept in its file format (quantized stays quantized).
 
@@ -113,11 +126,10 @@ class FrozenWeight:
     def uses_integer_dot(self, rows: int) -> bool:
         """True when matmul_t of `rows` activation rows takes the integer path (kernels/qint.py, or for many
         rows through Q4_K/Q5_K/Q6_K the blocked kernels/qint_gemm.py; the class doc)."""
-        from kernels import qint, qint_gemm
-        from pipeline.autograd.tensor import grad_enabled
-        if not qint.supports(self.format.qtype):
+        supports, gemm_supports, grad_enabled = _INTEGER or _integer_kernels()
+        if not supports(self.format.qtype):
             return False
-        fast = rows <= self.INTEGER_MAX_ROWS or qint_gemm.supports(self.format.qtype)
+        fast = rows <= self.INTEGER_MAX_ROWS or gemm_supports(self.format.qtype)
         return self.llama_numerics or (self.integer_dot and fast and not grad_enabled())
 
     def matmul_t(self, x):
@@ -185,11 +197,26 @@ def integer_matmul_t_many(weights: list, x2) -> list:
     at least qint_gemm.ROWS rows through Q4_K/Q5_K/Q6_K, else the row kernels (kernels/qint.py). Both compute
     every element with the same arithmetic (the same bits); the blocked one unpacks each weight block once for
     ROWS activation rows."""
-    from kernels import qint, qint_gemm
-    pairs = [(int(w.format.qtype), w.raw) for w in weights]
-    if x2.shape[0] >= qint_gemm.ROWS and all(qint_gemm.supports(qtype) for qtype, _ in pairs):
-        return qint_gemm.matmul_t_many(pairs, x2)
-    return qint.matmul_t_many(pairs, x2)
+    from kernels import qint_gemm
+    if x2.shape[0] >= qint_gemm.ROWS and all(qint_gemm.supports(w.format.qtype) for w in weights):
+        return qint_gemm.matmul_t_many([(int(w.format.qtype), w.raw) for w in weights], x2)
+    return integer_product(weights)(x2)
+
+
+def integer_product(weights: list):
+    """The kernels/qint.Product of this group of weights, kept on the first one: a decode makes the same ~113
+    products every token, and laying a product's job out once saves most of its per-call Python. The group is
+    found again only while it holds the same weights with the same raw arrays (identity, so a replaced raw or
+    a new weight object gets a new product)."""
+    from kernels import qint
+    cache = weights[0].__dict__.setdefault("_integer_products", {})
+    key = tuple(map(id, weights))
+    hit = cache.get(key)
+    if hit is not None and all(w is kw and w.raw is raw for w, (kw, raw) in zip(weights, hit[0])):
+        return hit[1]
+    product = qint.Product([(int(w.format.qtype), w.raw) for w in weights], weights[0].shape[1])
+    cache[key] = (tuple((w, w.raw) for w in weights), product)
+    return product
 
 
 def matmul_t_groups(weights: list, x3) -> list:

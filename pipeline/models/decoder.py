@@ -41,7 +41,8 @@ from typing import Callable
 import numpy as np
 from numba import njit
 
-from kernels import rng, workpool
+from kernels import attention, rng, workpool
+from kernels.nn import swiglu as swiglu_f32  # the training path's kernel: the same bits in inference
 from ..autograd import Module, Tensor, no_grad, ops, parameter
 from ..errors import GGUFError, UserError
 from ..llm.quants import FrozenWeight, matmul_t_groups, matmul_t_many, weight_rows
@@ -322,7 +323,7 @@ def _infer_rows(projs, x3: np.ndarray) -> list:
 def swiglu(gate, up):
     """silu(gate) * up as one op: the bits of ops.silu then ops.mul, in one pass
     each way with no [T, ffn] temporaries beyond the outputs."""
-    from kernels.nn import swiglu as swiglu_f32, swiglu_backward
+    from kernels.nn import swiglu_backward
     a = np.ascontiguousarray(gate.data, dtype=np.float32)
     b = np.ascontiguousarray(up.data, dtype=np.float32)
 
@@ -637,7 +638,7 @@ class DecoderLM(Module):
             x = x + _infer_post_norm(project(li, ("o",), a)[0], blk.post_attn_norm, c.rms_eps)
             h = _rms(x, blk.ffn_norm.data, c.rms_eps)
             g, u = project(li, ("gate", "up"), h)
-            m = project(li, ("down",), _silu_mul(g, u) if self.family.activation == "silu"
+            m = project(li, ("down",), swiglu_f32(g, u) if self.family.activation == "silu"
                         else _gelu_tanh_mul(g, u, self.llama_numerics))[0]
             x = x + _infer_post_norm(m, blk.post_ffn_norm, c.rms_eps)
         for cache, p0 in zip(caches, starts):
@@ -737,7 +738,8 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale=None, 
     positions behind the query (sliding-window layers); a chunk multiplies only against the keys some
     row of it can see.
 
-    Queries go in chunks of ATTEND_CHUNK positions, each against only the keys it can see
+    At most ATTEND_CACHED_MAX_T queries (decode) go through kernels/attention.attend_cached in one numba call;
+    more go in chunks of ATTEND_CHUNK positions, each against only the keys it can see
     (a prompt from an empty cache does ~5/8 of the full t x s work). A long prompt splits
     the kv heads over the worker threads (numpy releases the GIL). Chunks depend on t only
     and a head's arithmetic not on the split, so the result is the same for any thread count."""
@@ -745,6 +747,8 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale=None, 
     s, n_kv, _ = k.shape
     g = n_h // n_kv
     scale = np.float32(d ** -0.5 if scale is None else scale)
+    if t <= ATTEND_CACHED_MAX_T:  # decode: one numba call, no score matrix (kernels/attention.attend_cached)
+        return attention.attend_cached(q, k, v, pos0, scale, window)
     q4 = q.reshape(t, n_kv, g, d).transpose(1, 2, 0, 3)                    # [KV, g, t, D]
     kt, vt = k.transpose(1, 2, 0), v.transpose(1, 0, 2)
     out = np.empty((n_kv, g, t, d), np.float32)
@@ -773,23 +777,6 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale=None, 
     return out.transpose(2, 0, 1, 3).reshape(t, n_h * d)
 
 
-def _silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """silu(g) * u = g / (1 + exp(-g)) * u, in place in g; a long prompt's rows are split over
-    the worker threads (elementwise, so the split cannot change a bit)."""
-    g = np.ascontiguousarray(g, dtype=np.float32)
-
-    def rows(r0, r1):
-        gr = g[r0:r1]
-        e = np.exp(-gr)
-        e += 1.0
-        np.divide(gr, e, out=gr)
-        gr *= u[r0:r1]
-
-    parts = _worker_threads() if g.size >= ATTEND_SPLIT_WORK else 1
-    workpool.split_range(len(g), parts, rows)
-    return g
-
-
 def _gelu_tanh_mul(g: np.ndarray, u: np.ndarray, f16_table: bool = False) -> np.ndarray:
     """gelu_tanh(g) * u with the bits of the training path (ops.gelu's float64 formula rounded to f32,
     then the f32 product). f16_table: as ggml's CPU geglu (GGML_GELU_FP16) instead: g rounded to f16,
@@ -809,6 +796,7 @@ def _gelu_tanh_mul(g: np.ndarray, u: np.ndarray, f16_table: bool = False) -> np.
 
 
 ATTEND_CHUNK = 64             # query positions per chunk
+ATTEND_CACHED_MAX_T = 4       # at most this many new queries (decode) take the one-call kernel
 ATTEND_SPLIT_WORK = 1 << 16  # score elements below which one thread is quicker than two
 
 

@@ -88,3 +88,49 @@ def test_attention_op_thread_count_bitwise():
         two = run()
     for a, b in zip(one, two):
         np.testing.assert_array_equal(a, b)
+
+
+def _attention_reference(q, k, v, pos0, scale, window):
+    """float64 causal GQA attention with an optional sliding window: q [t, H, D] at positions pos0..."""
+    t, n_h, d = q.shape
+    g = n_h // k.shape[1]
+    kk, vv = (np.repeat(a.astype(np.float64), g, axis=1) for a in (k, v))
+    s = np.einsum("thd,shd->hts", q.astype(np.float64), kk) * scale
+    key, query = np.arange(k.shape[0])[None, :], (pos0 + np.arange(t))[:, None]
+    hidden = (key > query) | ((query - key >= window) if window else False)
+    s[:, hidden] = -np.inf
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("hts,shd->thd", p / p.sum(-1, keepdims=True), vv).reshape(t, -1)
+
+
+@pytest.mark.parametrize("t, keys, heads, kv, d, window", [(1, 65, 16, 8, 128, 0), (3, 40, 4, 1, 36, 0),
+                                                           (2, 300, 8, 2, 64, 50), (4, 9, 2, 2, 8, 3)])
+def test_attend_cached_matches_a_float64_reference(t, keys, heads, kv, d, window):
+    """The decode attention kernel (one numba call, 8-lane dots, head dims that are not a multiple of 8 too):
+    within f32 rounding of the float64 attention, a cache longer than the visible keys ignored."""
+    r = np.random.default_rng(t * 100 + keys)
+    pos0 = keys - t
+    q = r.standard_normal((t, heads, d)).astype(np.float32)
+    k, v = (r.standard_normal((keys + 5, kv, d)).astype(np.float32) for _ in range(2))  # 5 unused slots
+    got = ka.attend_cached(q, k, v, pos0, d ** -0.5, window)
+    np.testing.assert_allclose(got, _attention_reference(q, k[:keys], v[:keys], pos0, d ** -0.5, window),
+                               rtol=1e-5, atol=2e-6)
+
+
+@two_threads
+def test_attend_cached_split_over_threads_gives_the_serial_bits(monkeypatch):
+    r = np.random.default_rng(7)
+    q = r.standard_normal((1, 8, 64)).astype(np.float32)
+    k, v = (r.standard_normal((500, 2, 64)).astype(np.float32) for _ in range(2))
+    outs = []
+    for n, split in ((1, 1 << 40), (2, 0)):  # split 0: every call splits the heads over the threads
+        monkeypatch.setattr(ka, "SPLIT_WORK", split)
+        with numba_threads(n):
+            outs.append(ka.attend_cached(q, k, v, 499, 0.125))
+    np.testing.assert_array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+
+
+def test_attend_cached_refuses_a_short_cache():
+    q = np.zeros((2, 4, 8), np.float32)
+    with pytest.raises(ValueError, match="attend_cached"):
+        ka.attend_cached(q, np.zeros((5, 2, 8), np.float32), np.zeros((5, 2, 8), np.float32), 4, 1.0)

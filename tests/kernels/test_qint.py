@@ -231,3 +231,44 @@ def test_portable_ir_gives_the_same_bits(tmp_path):
                           "bitwise_equals_llama_model or thread_count"], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.stdout.strip().splitlines()[-1].startswith("11 passed"), run.stdout[-500:]
+
+
+def test_fp16_rounding_of_the_q8_0_scales_is_numpys():
+    """The scales a Product writes into its job go through qint._f16_round (numba has no fp16): bit for bit
+    numpy's float16 rounding over a sweep of f32 bit patterns (normal, fp16-subnormal, overflowing) and ties."""
+    from numba import njit
+
+    @njit
+    def rounded(bits, out):
+        for i in range(bits.shape[0]):
+            out[i] = qint._f16_round(np.int64(bits[i]))
+
+    sweep = np.arange(0x30000000, 0x48000000, 4093, dtype=np.uint32).view(np.float32)
+    ties = (np.arange(1, 2048, dtype=np.float32) + np.float32(0.5)) * np.float32(2.0 ** -24)  # subnormal halves
+    special = np.float32([0.0, 65504.0, 65519.0, 65520.0, 1e9, np.inf, 2.0 ** -25, 2.0 ** -24, 6.1e-5])
+    values = np.concatenate([sweep, ties, special])
+    got = np.empty(len(values), np.int64)
+    rounded(values.view(np.uint32), got)
+    with np.errstate(over="ignore"):
+        want = values.astype(np.float16).view(np.uint16).astype(np.int64)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_kept_product_gives_the_one_off_bits_and_follows_its_weights():
+    """pipeline.llm.quants.integer_product keeps one qint.Product per weight group: it gives matmul_t_many's
+    bits call after call (Q8_0 and Q8_K partners in one group), and a weight whose raw array is replaced gets a
+    new product rather than the old addresses."""
+    from pipeline.llm.quants import FORMATS, FrozenWeight, integer_product
+    raws = [random_blocks(QT.Q4_K, 40, 512, seed=11), random_blocks(QT.Q8_0, 24, 512, seed=12)]
+    weights = [FrozenWeight(FORMATS[qt], raw, (len(raw), 512)) for qt, raw in zip((QT.Q4_K, QT.Q8_0), raws)]
+    x = np.random.default_rng(13).standard_normal((2, 512)).astype(np.float32)
+    want = qint.matmul_t_many([(int(QT.Q4_K), raws[0]), (int(QT.Q8_0), raws[1])], x)
+    product = integer_product(weights)
+    for _ in range(2):
+        for a, b in zip(product(x), want):
+            np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    assert integer_product(weights) is product
+    weights[1].raw = random_blocks(QT.Q8_0, 24, 512, seed=14)
+    renewed = integer_product(weights)
+    assert renewed is not product
+    np.testing.assert_array_equal(renewed(x)[1], qint.matmul_t_many([(int(QT.Q8_0), weights[1].raw)], x)[0])

@@ -241,3 +241,22 @@ def test_without_a_futex_waiters_sleep_on_locks(tmp_path):
                PYTHONPATH=os.pathsep.join([here, os.path.dirname(os.path.dirname(here))]))
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-2000:] + run.stderr[-3000:]
+
+
+def test_a_held_pool_spins_past_its_budget():
+    """workpool.hold: a waiter with no spin budget gives up at once, unless the hold cell is held; then it spins
+    until the post comes (from another thread, 20 ms later) instead of going to sleep."""
+    import threading
+    import time
+    hold, cell = handoff.new_cell(), handoff.new_cell()
+    assert not handoff.spin_until(cell, 1, 0, hold)  # no budget, not held: gives up
+    handoff.add(hold, handoff.SEQ, 1)
+    poster = threading.Thread(target=lambda: (time.sleep(0.02), handoff.post(cell)))
+    poster.start()
+    assert handoff.spin_until(cell, 1, 0, hold)  # held: spun on until the post
+    poster.join()
+    handoff.add(hold, handoff.SEQ, -1)
+    assert hold[handoff.SEQ] == 0
+    with workpool.hold(), workpool.hold():  # nested holds count
+        assert workpool._HOLD[handoff.SEQ] == 2
+    assert workpool._HOLD[handoff.SEQ] == 0

@@ -12,11 +12,9 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from kernels.fastexp import exp_shifted_sum_inplace, row_max
-from kernels import workpool
 from kernels.nn import threads_for
 
 ROW_CHUNK = 64
-SPLIT_WORK = 1 << 22  # multiply-adds (t * keys * heads * head_dim) below which one thread is quicker than two
 _I64, _V8F = ir.IntType(64), ir.VectorType(ir.FloatType(), 8)
 
 
@@ -147,33 +145,37 @@ def _dot(a, b, n):
 @njit(cache=True, nogil=True)
 def _attend_cached(q, k, v, pos0, scale, window, out, h0, h1):
     """out[p, h*D:(h+1)*D] = softmax(q[p, h] . k[visible, h // g] * scale) @ v[visible, h // g] for each query
-    p (at position pos0 + p) and head h, the keys visible to it being positions max(0, pos0+p-window+1) (window
-    > 0) .. pos0 + p; g = H // KV query heads share a kv head. Query heads h0..h1 only (a thread's share)."""
+    p (at position pos0 + p) and head h in h0..h1, the keys visible to it being positions
+    max(0, pos0+p-window+1) (window > 0) .. pos0 + p; g = H // KV query heads share a kv head. Keys and values
+    are read in memory order (position by position, every head of it), each once per query: strided per head,
+    the cache came from DRAM at a third of its bandwidth."""
     t, n_h, d = q.shape
     g = n_h // k.shape[1]
-    scores = np.empty(pos0 + t, np.float32)
+    scores = np.empty((h1 - h0, pos0 + t), np.float32)
+    weights = np.empty(h1 - h0, np.float32)
     for p in range(t):
         last = pos0 + p
         first = max(0, last - window + 1) if window > 0 else 0
         n = last + 1 - first
-        row = scores[:n]
+        for j in range(n):
+            for h in range(h0, h1):
+                scores[h - h0, j] = _dot(q[p, h], k[first + j, h // g], d) * scale
         for h in range(h0, h1):
-            kv = h // g
-            qh = q[p, h]
-            for j in range(n):
-                row[j] = _dot(qh, k[first + j, kv], d) * scale
-            inv = np.float32(1.0 / exp_shifted_sum_inplace(row, row_max(row)))
-            o = out[p, h * d:(h + 1) * d]
-            o[:] = 0.0
-            j = 0
-            while j + 4 <= n:  # four keys a pass over o: a quarter of its loads and stores
+            row = scores[h - h0, :n]
+            weights[h - h0] = np.float32(1.0 / exp_shifted_sum_inplace(row, row_max(row)))
+        out[p, h0 * d:h1 * d] = 0.0
+        j = 0
+        while j + 4 <= n:  # four keys a pass over each head's output: a quarter of its loads and stores
+            for h in range(h0, h1):
+                row, inv, kv, o = scores[h - h0], weights[h - h0], h // g, out[p, h * d:(h + 1) * d]
                 w0, w1, w2, w3 = row[j] * inv, row[j + 1] * inv, row[j + 2] * inv, row[j + 3] * inv
                 v0, v1, v2, v3 = v[first + j, kv], v[first + j + 1, kv], v[first + j + 2, kv], v[first + j + 3, kv]
                 for i in range(d):
                     o[i] += (w0 * v0[i] + w1 * v1[i]) + (w2 * v2[i] + w3 * v3[i])
-                j += 4
-            for j in range(j, n):
-                w, vj = row[j] * inv, v[first + j, kv]
+            j += 4
+        for j in range(j, n):
+            for h in range(h0, h1):
+                w, vj, o = scores[h - h0, j] * weights[h - h0], v[first + j, h // g], out[p, h * d:(h + 1) * d]
                 for i in range(d):
                     o[i] += w * vj[i]
 
@@ -181,16 +183,15 @@ def _attend_cached(q, k, v, pos0, scale, window, out, h0, h1):
 def attend_cached(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: float, window: int = 0):
     """Causal grouped-query attention of a few new queries against a KV cache, in one serial numba call (no
     score matrix, no BLAS: at decode sizes numpy's per-call overhead was most of the time). q f32 [t, H, D] at
-    positions pos0.., k/v f32 [s, KV, D] with s >= pos0 + t (H a multiple of KV) -> f32 [t, H*D]. A long
-    context splits the query heads over the kernel pool's threads; each head is the same serial code whoever
-    runs it, so the bits depend on the inputs only (not on threads or the BLAS)."""
+    positions pos0.., k/v f32 [s, KV, D] with s >= pos0 + t (H a multiple of KV) -> f32 [t, H*D]. The bits
+    depend on the inputs only (not on threads or the BLAS). Serial on purpose: the cache streams from DRAM in
+    memory order near its bandwidth (4096 keys x 8 x 128: 3.3 ms), and two threads sharing the kv heads, each
+    reading its heads' strided slices, measured slower at every length tried (256-4096 keys)."""
     t, n_h, d = q.shape
     if k.ndim != 3 or k.shape != v.shape or k.shape[2] != d or n_h % k.shape[1] or k.shape[0] < pos0 + t:
         raise ValueError(f"attend_cached: q {q.shape} needs k, v [>= {pos0 + t}, KV, {d}] with H % KV == 0, "
                          f"got k {k.shape}, v {v.shape}")
+    q, k, v = (np.ascontiguousarray(a, np.float32) for a in (q, k, v))
     out = np.empty((t, n_h * d), np.float32)
-    q = np.ascontiguousarray(q, np.float32)
-    scale, parts = np.float32(scale), workpool.threads() if t * (pos0 + t) * n_h * d >= SPLIT_WORK else 1
-    workpool.split_range(n_h, parts, lambda h0, h1: _attend_cached(q, k, v, int(pos0), scale, int(window), out,
-                                                                   h0, h1))
+    _attend_cached(q, k, v, int(pos0), np.float32(scale), int(window), out, 0, n_h)
     return out

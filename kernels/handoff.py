@@ -26,10 +26,11 @@ to sleep, whose futex wake-up on a VM costs more than the product it was woken f
 from __future__ import annotations
 
 import platform
+import threading
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import cfunc, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -245,6 +246,18 @@ def run_native(fn, arg):
 
 
 @njit(cache=True, nogil=True)
+def dispatch(cells, n, fn, arg, ticks, hold):
+    """The native job fn(arg) on this thread and the first n pool workers at once, from native code (Linux: the
+    futex path only, workpool.native_workers): worker w's go cell is cells[2w], its done cell cells[2w + 1]; each
+    worker is waited for until its done count reaches its go count."""
+    for w in range(n):
+        post_job(cells[2 * w], NATIVE, fn, arg)
+    _call(fn, arg)
+    for w in range(n):
+        wait(cells[2 * w + 1], atomic_load(cells[2 * w], SEQ), ticks, hold)
+
+
+@njit(cache=True, nogil=True)
 def serve(go, done, seen, ticks, hold):
     """A worker's wait: run each native job posted on `go` (seen = the posts handled so far), counting it on
     `done`, until a Python job is posted (PYTHON_JOB). Between posts it spins `ticks` cycles (on, while `hold`
@@ -259,3 +272,20 @@ def serve(go, done, seen, ticks, hold):
         _call(atomic_load(go, FN), atomic_load(go, ARG))
         if post(done):
             return WAKE_CALLER, seen
+
+
+class NativeJob:
+    """A job runner `func(address)` (address: an int64 job block that the runner reads through carray views)
+    compiled as a C callback on first use, or loaded from numba's cache, and kept for the life of the process:
+    its address is handed to the pool's workers (workpool.run_native)."""
+
+    def __init__(self, func):
+        self._func, self._compiled, self._lock = func, None, threading.Lock()
+
+    @property
+    def address(self) -> int:
+        if self._compiled is None:
+            with self._lock:
+                if self._compiled is None:
+                    self._compiled = cfunc(types.void(types.int64), cache=True)(self._func)
+        return self._compiled.address

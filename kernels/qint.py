@@ -18,15 +18,13 @@ its rows, so results are bitwise independent of the thread count.
 """
 from __future__ import annotations
 
-import threading
-
 import numpy as np
-from numba import carray, cfunc, njit, types
+from numba import carray, njit
 
 from .dequant import (HALF_TO_FLOAT, MATVEC_PIECES_PER_THREAD, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, ROW_CHUNK, _check,
                       _half)
 from .qblocks import idot_q4_0, idot_q4_k, idot_q5_0, idot_q5_k, idot_q6_k, idot_q8_0
-from .handoff import atomic_add, f32_pointer, i8_pointer, i32_pointer, i64_pointer, u8_pointer
+from .handoff import NativeJob, atomic_add, f32_pointer, i8_pointer, i32_pointer, i64_pointer, u8_pointer
 from .workpool import run_native, threads as pool_threads
 
 Q8_0_PARTNER, Q8_K_PARTNER = "Q8_0", "Q8_K"
@@ -313,17 +311,7 @@ def _native_job(address):
     _run_pieces(carray(i64_pointer(address), carray(i64_pointer(address), _HEADER)[_LENGTH]))
 
 
-_NATIVE = []  # the compiled pieces runner, kept alive for the life of the process (its address is handed out)
-_NATIVE_LOCK = threading.Lock()
-
-
-def _native_address() -> int:
-    """The C address of the pieces runner (compiled, or loaded from numba's cache, on first use)."""
-    if not _NATIVE:
-        with _NATIVE_LOCK:
-            if not _NATIVE:
-                _NATIVE.append(cfunc(types.void(types.int64), cache=True)(_native_job))
-    return _NATIVE[0].address
+_RUNNER = NativeJob(_native_job)  # what the pool's threads call with a product's job block
 
 
 _EMPTY_JOB = np.zeros(_HEADER, np.int64)
@@ -334,7 +322,7 @@ _EMPTY_JOB_ADDRESS = _EMPTY_JOB.ctypes.data
 def empty_dispatch(threads: int):
     """A product with no pieces on `threads` threads: the fixed cost of a decode product's hand-off
     (`fucina bench llm`'s machine/dispatch row)."""
-    run_native(_native_address(), _EMPTY_JOB_ADDRESS, threads)
+    run_native(_RUNNER.address, _EMPTY_JOB_ADDRESS, threads)
 
 
 class Product:
@@ -359,15 +347,21 @@ class Product:
         self.use80, self.use8k = Q8_0_PARTNER in partners, Q8_K_PARTNER in partners
         self._templates = {}  # pieces per weight -> the job template
 
+    def template(self, threads: int) -> np.ndarray:
+        """The job block laid out for `threads` threads (pieces per weight: 1 on one thread, else
+        MATVEC_PIECES_PER_THREAD per thread), without this call's activations and outputs (`_fill`)."""
+        parts = 1 if threads == 1 else threads * MATVEC_PIECES_PER_THREAD
+        template = self._templates.get(parts)
+        if template is None:
+            template = self._templates[parts] = _template(self.qtypes, self.raws, self.offsets[:-1], parts)
+        return template
+
     def __call__(self, x: np.ndarray) -> list:
         x = np.ascontiguousarray(x, dtype=np.float32)
         if x.ndim != 2 or x.shape[1] != self.n_cols:
             raise ValueError(f"qint: x must be [m, {self.n_cols}], got shape {x.shape}")
         threads = pool_threads()
-        parts = 1 if threads == 1 else threads * MATVEC_PIECES_PER_THREAD
-        template = self._templates.get(parts)
-        if template is None:
-            template = self._templates[parts] = _template(self.qtypes, self.raws, self.offsets[:-1], parts)
+        template = self.template(threads)
         m, n = x.shape
         q80, d80 = ((np.empty((m, n), np.int8), np.empty((m, n // 32), np.float32)) if self.use80 else
                     (_NO_Q, _NO_D))
@@ -378,7 +372,7 @@ class Product:
             q8k, d8k, sums = _NO_Q, _NO_D, _NO_SUMS
         flat = np.empty(m * int(self.offsets[-1]), np.float32)
         job, address = _fill(template, x, q80, d80, q8k, d8k, sums, HALF_TO_FLOAT, flat, self.use80, self.use8k)
-        run_native(_native_address(), address, min(threads, int(job[_PIECES])))
+        run_native(_RUNNER.address, address, min(threads, int(job[_PIECES])))
         return [flat[m * o:m * (o + r)].reshape(m, r) for o, r in zip(self.offsets, self.rows)]
 
 

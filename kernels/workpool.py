@@ -32,10 +32,12 @@ import time
 from collections.abc import Callable
 
 import numba
+import numpy as np
 
 from . import handoff
 
 _THREAD_NAME = "fucina-kernels"
+_IN_POOL = threading.local()  # .yes on the pool's own threads (cheaper to ask than the thread's name)
 _POOL = None  # the _Pool of this process, made on first use
 _POOL_LOCK = threading.Lock()  # creating the pool
 _BLAS = None  # threadpoolctl controller (the library lookup is slow: once)
@@ -44,6 +46,7 @@ _BLAS_LIMIT, _BLAS_DEPTH, _BLAS_LOCK = None, 0, threading.Lock()  # the outermos
 
 _SPIN_TICKS = None  # cycle-counter ticks a waiting thread spins before it sleeps (set with the pool)
 _HOLD = handoff.new_cell()  # _HOLD[SEQ] > 0: a forward is running, waiting threads spin on (`hold`)
+_NO_CELLS = np.zeros((0, 2 * handoff.CELL), np.int64)
 
 
 @contextlib.contextmanager
@@ -84,8 +87,8 @@ def _spin_ticks() -> int:
 class _Signal:
     """One hand-off cell, and the lock its waiter sleeps on once its spin is over where there is no futex."""
 
-    def __init__(self):
-        self.cell = handoff.new_cell()
+    def __init__(self, cell):
+        self.cell = cell
         self.lock = threading.Lock()
         self.lock.acquire()
 
@@ -101,13 +104,13 @@ class _Signal:
 class _Worker:
     """One daemon thread that runs each job `start` / `start_native` posts; `wait` returns its error, if any."""
 
-    def __init__(self, index: int):
-        self._go, self._done = _Signal(), _Signal()
-        self._posted = 0  # jobs handed to this worker, i.e. the done count `wait` waits for
+    def __init__(self, index: int, go, done):
+        self._go, self._done = _Signal(go), _Signal(done)  # go[SEQ] counts the jobs posted, done[SEQ] the finished
         self._job, self._error = None, None
         threading.Thread(target=self._loop, name=f"{_THREAD_NAME}_{index}", daemon=True).start()
 
     def _loop(self):
+        _IN_POOL.yes = True
         seen = 0
         while True:
             what, seen = handoff.serve(self._go.cell, self._done.cell, seen, _spin_ticks(), _HOLD)
@@ -132,18 +135,21 @@ class _Worker:
         self._post(handoff.NATIVE, fn, arg)
 
     def _post(self, kind, fn, arg):
-        self._posted += 1
         if handoff.post_job(self._go.cell, kind, fn, arg):
             self._go.lock.release()
 
     def wait(self) -> BaseException | None:
-        self._done.wait(self._posted)
+        self._done.wait(int(self._go.cell[handoff.SEQ]))  # every job posted so far (by Python or handoff.dispatch)
         return self._error
 
 
 class _Pool:
     def __init__(self, size: int):
-        self.workers = [_Worker(i) for i in range(size)]
+        # worker i's go cell is row 2i, its done cell row 2i + 1 (rows of 128 bytes, so no two share a line):
+        # native code (handoff.dispatch) posts and waits on the rows directly
+        self.cells = np.zeros((2 * size, 2 * handoff.CELL), np.int64)
+        self.workers = [_Worker(i, self.cells[2 * i, :handoff.CELL], self.cells[2 * i + 1, :handoff.CELL])
+                        for i in range(size)]
         self.busy = threading.Lock()  # held by the thread whose dispatch the workers serve
 
 
@@ -192,6 +198,24 @@ def _dispatch(jobs: list, own: Callable[[], None]):
             raise error
 
 
+@contextlib.contextmanager
+def native_workers():
+    """Context manager -> (cells, n, ticks, hold) for native code that dispatches its own jobs with
+    handoff.dispatch: the pool's cell rows, how many workers it may post to (threads() - 1; 0 on one thread, on a
+    pool thread, without a futex, or when another thread's dispatch holds the workers, and the caller then
+    runs every job alone, which gives the same bits), the spin budget and the hold cell. The workers are this
+    thread's until the context exits."""
+    n = workers(threads()) - 1
+    pool = _pool() if n > 0 and handoff.FUTEX else None
+    if pool is None or not pool.busy.acquire(blocking=False):
+        yield _NO_CELLS, 0, _spin_ticks(), _HOLD
+        return
+    try:
+        yield pool.cells, min(n, len(pool.workers)), _spin_ticks(), _HOLD
+    finally:
+        pool.busy.release()
+
+
 def run_native(fn: int, arg: int, n_threads: int):
     """The native job fn(arg) (a cfunc address, kernels/handoff.py) on up to n_threads threads at once, the
     caller one of them: each call takes the job's pieces from a shared counter until none are left, so the
@@ -231,7 +255,7 @@ def threads() -> int:
 
 def workers(n_tasks: int) -> int:
     """Threads worth using for n_tasks pieces: threads(), fewer for few pieces, 1 on a pool thread."""
-    if threading.current_thread().name.startswith(_THREAD_NAME):
+    if getattr(_IN_POOL, "yes", False):
         return 1
     return max(1, min(threads(), n_tasks))
 

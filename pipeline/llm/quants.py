@@ -206,16 +206,16 @@ def integer_matmul_t_many(weights: list, x2) -> list:
 def integer_product(weights: list):
     """The kernels/qint.Product of this group of weights, kept on the first one: a decode makes the same ~113
     products every token, and laying a product's job out once saves most of its per-call Python. The group is
-    found again only while it holds the same weights with the same raw arrays (identity, so a replaced raw or
-    a new weight object gets a new product)."""
+    found again only while its weights hold the same raw arrays (a replaced raw gets a new product); the key
+    holds the weights themselves, so no other object can take their ids."""
     from kernels import qint
     cache = weights[0].__dict__.setdefault("_integer_products", {})
-    key = tuple(map(id, weights))
+    key = tuple(weights)
     hit = cache.get(key)
-    if hit is not None and all(w is kw and w.raw is raw for w, (kw, raw) in zip(weights, hit[0])):
+    if hit is not None and all(w.raw is raw for w, raw in zip(weights, hit[0])):
         return hit[1]
     product = qint.Product([(int(w.format.qtype), w.raw) for w in weights], weights[0].shape[1])
-    cache[key] = (tuple((w, w.raw) for w in weights), product)
+    cache[key] = (tuple(w.raw for w in weights), product)
     return product
 
 

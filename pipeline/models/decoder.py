@@ -39,13 +39,14 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 import numpy as np
-from numba import njit
 
-from kernels import attention, rng, workpool
+from kernels import attention, decode, handoff, rng, workpool
+from kernels.dequant import HALF_TO_FLOAT
+from kernels.decode import norm_rope_heads as _norm_rope_heads, rms_rows as _rms_rows
 from kernels.nn import swiglu as swiglu_f32  # the training path's kernel: the same bits in inference
 from ..autograd import Module, Tensor, no_grad, ops, parameter
 from ..errors import GGUFError, UserError
-from ..llm.quants import FrozenWeight, matmul_t_groups, matmul_t_many, weight_rows
+from ..llm.quants import FrozenWeight, integer_product, matmul_t_groups, matmul_t_many, weight_rows
 from ..untrusted import brief
 
 # the projections LoRA can adapt, in canonical order -> their llama.cpp tensor names (blk.<i>.<name>.weight)
@@ -366,18 +367,58 @@ class KVCache:
 
     def store(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray):
         end = pos + k.shape[0]
+        self._grow(layer, end)
+        self.k[layer][pos:end], self.v[layer][pos:end] = k, v
+        return self.k[layer][:end], self.v[layer][:end]
+
+    def reserve(self, end: int):
+        """Room for positions up to end in every layer (kernels/decode.layer writes its own slot)."""
+        for layer in range(len(self.k)):
+            self._grow(layer, end)
+
+    def _grow(self, layer: int, end: int):
         if end > self.k[layer].shape[0]:
             grow = max(end, 2 * self.k[layer].shape[0])
             for store in (self.k, self.v):
                 old = store[layer]
                 store[layer] = np.zeros((grow,) + old.shape[1:], np.float32)
                 store[layer][: old.shape[0]] = old
-        self.k[layer][pos:end], self.v[layer][pos:end] = k, v
-        return self.k[layer][:end], self.v[layer][:end]
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k + self.v)
+
+
+class _DecodeLayer:
+    """One layer's constant arguments of kernels/decode.layer."""
+
+    def __init__(self, blk, templates, flags, rows):
+        f32 = lambda a: np.ascontiguousarray(a, np.float32)
+        self.attn_norm, self.ffn_norm = f32(blk.attn_norm.data), f32(blk.ffn_norm.data)
+        self.normed = blk.attn.q_norm is not None
+        head_dim = blk.attn.q_norm.data.shape[0] if self.normed else 1
+        self.q_norm, self.k_norm = ((f32(blk.attn.q_norm.data), f32(blk.attn.k_norm.data)) if self.normed
+                                    else (np.ones(head_dim, np.float32),) * 2)
+        self.templates, self.flags, self.rows = templates, flags, rows
+
+
+class _DecodePlan:
+    """Model._decode_plan's result: the layers' arguments for one thread count, and the weights they were laid
+    out from (projection, weight, raw), checked by identity before each use."""
+
+    def __init__(self, threads, layers, used, ropes, scale, runner):
+        self.threads, self.layers, self.used, self.ropes, self.scale, self.runner = (threads, layers, used, ropes,
+                                                                                      scale, runner)
+
+    def current(self, model) -> bool:
+        i = 0
+        for blk in model.blocks:
+            for t in ("q", "k", "v", "o", "gate", "up", "down"):
+                p, w, raw = self.used[i]
+                if blk.projection(t) is not p or p.weight is not w or w.raw is not raw or not w.uses_integer_dot(1):
+                    return False
+                i += 1
+        return True
 
 
 class DecoderLM(Module):
@@ -589,7 +630,73 @@ class DecoderLM(Module):
         per-row terms to a layer projection's output y3 [rows, seq, out] in place from its input x3 (ES
         members decoding in lock-step add each member's LoRA delta to its own rows)."""
         with workpool.hold():  # the pool's threads spin between this forward's products instead of sleeping
+            if adapt is None and not all_logits and len(caches) == 1 and np.shape(ids) == (1, 1):
+                logits = self._decode_token(ids, caches[0])
+                if logits is not None:
+                    return logits
             return self._infer_rows(ids, caches, adapt, all_logits)
+
+    def _decode_token(self, ids, cache: KVCache):
+        """One token of one row through kernels/decode.layer (a layer per numba call, the general path's bits),
+        or None when this model or call is not the shape it covers (the general path then runs)."""
+        c = self.config
+        ids = self._check_ids(ids)
+        p0 = cache.length
+        if p0 + 1 > c.context_length or (not handoff.FUTEX and workpool.threads() > 1):
+            return None  # the general path raises the error / dispatches through Python locks (no futex)
+        with workpool.native_workers() as (cells, n, ticks, hold):
+            plan = self._decode_plan(n + 1)
+            if plan is None:
+                return None
+            x = self.embed.data[ids[0]] if isinstance(self.embed, Tensor) else weight_rows(self.embed, ids[0])
+            x = np.ascontiguousarray(self.scale_embedding(x.astype(np.float32)))
+            tables = {}
+            for base, scale in plan.ropes:
+                pos = np.array([p0], np.float64) * scale
+                tables[base, scale] = tuple(a[:, None, :] for a in
+                                            ops.rope_tables(pos, c.head_dim, base, np.float32, self._rope_factors))
+            cache.reserve(p0 + 1)
+            eps, interleaved = np.float32(c.rms_eps), self.family.rope == "normal"
+            for li, lp in enumerate(plan.layers):
+                cos, sin = tables[c.layer_rope(li)]
+                x = decode.layer(x, eps, lp.attn_norm, lp.ffn_norm, lp.q_norm, lp.k_norm, lp.normed, cos, sin,
+                                 interleaved, c.heads, c.kv_heads, c.head_dim, cache.k[li], cache.v[li], p0,
+                                 plan.scale, c.window(li), lp.templates, lp.flags, lp.rows, HALF_TO_FLOAT, cells,
+                                 n, plan.runner, ticks, hold)
+        cache.length = p0 + 1
+        x = _rms(x.reshape(1, 1, c.hidden), self.out_norm.data, c.rms_eps)
+        return _infer_rows([self.output], x)[0][:, 0]
+
+    def _decode_plan(self, threads: int):
+        """The per-layer arguments of kernels/decode.layer for `threads` threads, kept on the model while its
+        projections hold the same weights and raw arrays; None when a layer is not what it covers."""
+        from pipeline.autograd.tensor import grad_enabled
+        from kernels.qint import _RUNNER
+        plan = self.__dict__.get("_decode")
+        if grad_enabled() or self.family.activation != "silu":
+            return None
+        if plan is not None and plan.threads == threads and plan.current(self):
+            return plan
+        layers, used = [], []
+        for blk in self.blocks:
+            projections = {t: blk.projection(t) for t in ("q", "k", "v", "o", "gate", "up", "down")}
+            if (blk.post_attn_norm is not None or blk.post_ffn_norm is not None
+                    or (blk.attn.q_norm is None) != (blk.attn.k_norm is None)
+                    or any(type(p) is not FrozenLinear or p.bias is not None or not p.weight.uses_integer_dot(1)
+                           for p in projections.values())):
+                return None
+            used += [(p, p.weight, p.weight.raw) for p in projections.values()]
+            groups = [[projections[t].weight for t in g] for g in (("q", "k", "v"), ("o",), ("gate", "up"),
+                                                                   ("down",))]
+            products = [integer_product(g) for g in groups]
+            layers.append(_DecodeLayer(blk, tuple(pr.template(threads) for pr in products),
+                                       np.array([[pr.use80, pr.use8k] for pr in products], np.int64),
+                                       np.array([pr.offsets[-1] for pr in products], np.int64)))
+        c = self.config
+        plan = _DecodePlan(threads, layers, used, sorted({c.layer_rope(li) for li in range(c.layers)}),
+                           np.float32(c.head_dim ** -0.5 if not c.attn_scale else c.attn_scale), _RUNNER.address)
+        self.__dict__["_decode"] = plan
+        return plan
 
     def _infer_rows(self, ids, caches: list, adapt, all_logits: bool) -> np.ndarray:
         c = self.config
@@ -681,19 +788,6 @@ def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return out.reshape(x.shape)
 
 
-@njit(cache=True, nogil=True)
-def _rms_rows(x, w, eps, out):
-    """out[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * w for x, out f32 [n, d], w f32 [d]."""
-    n, d = x.shape
-    for r in range(n):
-        ss = np.float32(0.0)
-        for i in range(d):
-            ss += x[r, i] * x[r, i]
-        inv = np.float32(1.0) / np.sqrt(ss / np.float32(d) + eps)
-        for i in range(d):
-            out[r, i] = x[r, i] * inv * w[i]
-
-
 def _norm_rope(x: np.ndarray, norm, eps: float, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
     """Per-head RMSNorm (when norm is a weight Tensor, not None), then the rotation, of x
     [seq, heads, head_dim] in one numba pass: pairs (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin),
@@ -704,28 +798,6 @@ def _norm_rope(x: np.ndarray, norm, eps: float, cos: np.ndarray, sin: np.ndarray
     w = np.ascontiguousarray(norm.data if normed else np.ones(x.shape[-1]), dtype=np.float32)
     _norm_rope_heads(x, w, np.float32(eps), cos, sin, out, normed, interleaved)
     return out
-
-
-@njit(cache=True, nogil=True)
-def _norm_rope_heads(x, w, eps, cos, sin, out, normed, interleaved):
-    """x, out f32 [t, heads, d]; w f32 [d]; cos, sin f32 [t, 1, d/2]."""
-    t, n_heads, d = x.shape
-    half = d // 2
-    for p in range(t):
-        for h in range(n_heads):
-            inv = np.float32(1.0)
-            if normed:
-                ss = np.float32(0.0)
-                for i in range(d):
-                    ss += x[p, h, i] * x[p, h, i]
-                inv = np.float32(1.0) / np.sqrt(ss / np.float32(d) + eps)
-            for i in range(half):
-                i1, i2 = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
-                a, b = x[p, h, i1], x[p, h, i2]
-                if normed:
-                    a, b = a * inv * w[i1], b * inv * w[i2]
-                out[p, h, i1] = a * cos[p, 0, i] - b * sin[p, 0, i]
-                out[p, h, i2] = b * cos[p, 0, i] + a * sin[p, 0, i]
 
 
 def _infer_post_norm(x: np.ndarray, norm, eps: float) -> np.ndarray:

@@ -117,19 +117,6 @@ def test_attend_cached_matches_a_float64_reference(t, keys, heads, kv, d, window
                                rtol=1e-5, atol=2e-6)
 
 
-@two_threads
-def test_attend_cached_split_over_threads_gives_the_serial_bits(monkeypatch):
-    r = np.random.default_rng(7)
-    q = r.standard_normal((1, 8, 64)).astype(np.float32)
-    k, v = (r.standard_normal((500, 2, 64)).astype(np.float32) for _ in range(2))
-    outs = []
-    for n, split in ((1, 1 << 40), (2, 0)):  # split 0: every call splits the heads over the threads
-        monkeypatch.setattr(ka, "SPLIT_WORK", split)
-        with numba_threads(n):
-            outs.append(ka.attend_cached(q, k, v, 499, 0.125))
-    np.testing.assert_array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
-
-
 def test_attend_cached_refuses_a_short_cache():
     q = np.zeros((2, 4, 8), np.float32)
     with pytest.raises(ValueError, match="attend_cached"):

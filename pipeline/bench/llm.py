@@ -118,8 +118,9 @@ def _kernel_rows(path, threads, repeat):
     """One decode row (1 activation row, no graph: FrozenWeight's default path) and two prefill rows (64 and 256
     rows) per (format, shape) of the model's projection weights, and for the formats with integer kernels the
     other path too (f32 where the default is integer, integer where it is f32), plus the output head's decode
-    row: ms, GB/s of weight bytes read, GFLOP/s (2 n_out n_in per activation row), the path that ran."""
-    from kernels import qint
+    row: ms, GB/s of weight bytes read, GFLOP/s (2 n_out n_in per activation row), the path that ran. The pool
+    is held (its threads spin between calls, as inside a model forward)."""
+    from kernels import qint, workpool
     from ..autograd import no_grad
     from ..llm.gguf import GGUFFile
     from ..threads import pin_threads
@@ -153,7 +154,7 @@ def _kernel_rows(path, threads, repeat):
         for kind, m, integer in cases:
             x = np.random.default_rng(0).standard_normal((m, w.shape[1])).astype(np.float32)
             w.integer_dot, w.llama_numerics = integer is not False, integer is None  # parity mode forces integer
-            with no_grad():
+            with no_grad(), workpool.hold():  # the pool held spinning between calls, as inside a forward
                 path_name = "integer" if w.uses_integer_dot(m) else "f32"
                 ms = timed(lambda: w.matmul_t(x), repeat if m > 1 else 10 * repeat)[0]
             gbs, gflops = w.nbytes / ms / 1e6, 2.0 * m * w.shape[0] * w.shape[1] / ms / 1e6

@@ -190,10 +190,10 @@ class Finetune(Job):
 
     # --- compute ---------------------------------------------------------------------
     def micro_grad(self, model, batch, grads):
-        from kernels.workpool import single_thread_blas
+        from kernels.workpool import hold, single_thread_blas
         n = int(batch["length"][0])
         model.step = int(batch["micro"][0])  # the dropout stream of micro-batch (step, k)
-        with single_thread_blas():  # small GEMMs on one BLAS thread; big ones tile on our threads
+        with single_thread_blas(), hold():  # small GEMMs on one BLAS thread; big ones tile on our (spinning) threads
             loss = model.loss(batch["inputs"][:n], batch["labels"][:n], reduction="sum",
                               loss_scale=float(batch["scale"][0]))
             loss.backward()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernels.nn import matmul_nn, matmul_nt
+from kernels import workpool
 from kernels.workpool import single_thread_blas
 from kernels.rng import derive_seed
 from pipeline.autograd import ops
@@ -378,7 +379,8 @@ class Session:
         losses = []
         for i in idx:
             s = self.samples[i]
-            with single_thread_blas():  # small GEMMs on one BLAS thread; big ones tile on our threads (kernels/nn.py)
+            # small GEMMs on one BLAS thread, big ones tile on our threads (kernels/nn.py), which stay spinning
+            with single_thread_blas(), workpool.hold():
                 loss = self.trainer.loss(s.inputs, s.labels, reduction="sum", loss_scale=scale)
                 loss.backward()
             losses.append(loss.item())

@@ -8,9 +8,11 @@ layer does the norms, RoPE, the KV-cache write, attention, SwiGLU, the residuals
 kernels/qint.py job block posted to the workers with handoff.dispatch), through the very kernels the general
 path calls (rms_rows, norm_rope_heads, qint's fill and pieces, attention._attend_cached, nn._swiglu_range), so
 its bits equal the general path's for any thread count (tests/models/test_decode_fast.py). Cost: only the
-common shape is covered (one row, one token, integer-dot frozen weights without biases, SwiGLU, no post-norms);
-anything else takes the general path.
+common shape is covered (one row, one token, integer-dot frozen weights without biases, SwiGLU or the tanh
+GELU outside llama.cpp's f16-table numerics, post-norms or none); anything else takes the general path.
 """
+import math
+
 import numpy as np
 from numba import njit
 
@@ -55,6 +57,19 @@ def norm_rope_heads(x, w, eps, cos, sin, out, normed, interleaved):
                 out[p, h, i2] = b * cos[p, 0, i] + a * sin[p, 0, i]
 
 
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+@njit(cache=True, nogil=True)
+def gelu_tanh_mul_rows(g, u, out):
+    """out = float32(gelu_tanh(float64(g))) * u elementwise over flat f32 arrays: the tanh GELU's float64 formula
+    (autograd ops.gelu's), rounded to f32, then the f32 product."""
+    for i in range(g.shape[0]):
+        x = np.float64(g[i])
+        gelu = 0.5 * x * (1.0 + math.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x ** 3.0)))
+        out[i] = np.float32(gelu) * u[i]
+
+
 @njit(cache=True, nogil=True)
 def _product(template, use80, use8k, total_rows, x, lut, cells, n, runner, ticks, hold):
     """x @ W.T for the weights of a qint product template -> its flat output [m * total rows] (weight w's rows
@@ -74,11 +89,23 @@ def _product(template, use80, use8k, total_rows, x, lut, cells, n, runner, ticks
 
 
 @njit(cache=True, nogil=True)
-def layer(x, eps, attn_norm, ffn_norm, q_norm, k_norm, normed, cos, sin, interleaved, heads, kv_heads,
-          head_dim, kc, vc, pos, scale, window, templates, flags, rows, lut, cells, n, runner, ticks, hold):
+def _residual(x, y, post_norm, post, eps):
+    """x + y, or x + rms(y) * post_norm (families with post-norms)."""
+    if post:
+        normed = np.empty_like(y)
+        rms_rows(y, post_norm, eps, normed)
+        return x + normed
+    return x + y
+
+
+@njit(cache=True, nogil=True)
+def layer(x, eps, attn_norm, ffn_norm, q_norm, k_norm, normed, post_attn_norm, post_ffn_norm, post, gelu, cos,
+          sin, interleaved, heads, kv_heads, head_dim, kc, vc, pos, scale, window, templates, flags, rows, lut,
+          cells, n, runner, ticks, hold):
     """x f32 [1, hidden] of the token at position pos -> the layer's output [1, hidden], keys and values written
     to kc[pos], vc[pos] (f32 [capacity, kv_heads, head_dim]). templates: the qkv, o, gate+up and down product
-    job templates; flags[i] = (use Q8_0, use Q8_K) and rows[i] their total output rows."""
+    job templates; flags[i] = (use Q8_0, use Q8_K) and rows[i] their total output rows. post: RMSNorm each
+    branch's output before its residual (Gemma 3); gelu: the tanh GELU gate instead of SwiGLU."""
     h = np.empty_like(x)
     rms_rows(x, attn_norm, eps, h)
     qkv = _product(templates[0], flags[0, 0], flags[0, 1], rows[0], h, lut, cells, n, runner, ticks, hold)
@@ -93,12 +120,15 @@ def layer(x, eps, attn_norm, ffn_norm, q_norm, k_norm, normed, cos, sin, interle
     a = np.empty((1, nq), np.float32)
     _attend_cached(qr, kc[:pos + 1], vc[:pos + 1], pos, scale, window, a, 0, heads)
     o = _product(templates[1], flags[1, 0], flags[1, 1], rows[1], a, lut, cells, n, runner, ticks, hold)
-    x = x + o.reshape(1, -1)
+    x = _residual(x, o.reshape(1, -1), post_attn_norm, post, eps)
     rms_rows(x, ffn_norm, eps, h)
     gu = _product(templates[2], flags[2, 0], flags[2, 1], rows[2], h, lut, cells, n, runner, ticks, hold)
     ffn = rows[2] // 2
     s = np.empty(ffn, np.float32)
-    _swiglu_range(gu[:ffn], gu[ffn:], s)
+    if gelu:
+        gelu_tanh_mul_rows(gu[:ffn], gu[ffn:], s)
+    else:
+        _swiglu_range(gu[:ffn], gu[ffn:], s)
     down = _product(templates[3], flags[3, 0], flags[3, 1], rows[3], s.reshape(1, ffn), lut, cells, n, runner,
                     ticks, hold)
-    return x + down.reshape(1, -1)
+    return _residual(x, down.reshape(1, -1), post_ffn_norm, post, eps)

@@ -399,6 +399,10 @@ class _DecodeLayer:
         head_dim = blk.attn.q_norm.data.shape[0] if self.normed else 1
         self.q_norm, self.k_norm = ((f32(blk.attn.q_norm.data), f32(blk.attn.k_norm.data)) if self.normed
                                     else (np.ones(head_dim, np.float32),) * 2)
+        self.post = blk.post_attn_norm is not None
+        data = lambda norm: f32(norm.data if isinstance(norm, Tensor) else norm)
+        self.post_attn_norm, self.post_ffn_norm = ((data(blk.post_attn_norm), data(blk.post_ffn_norm)) if self.post
+                                                   else (self.attn_norm, self.ffn_norm))  # unread
         self.templates, self.flags, self.rows = templates, flags, rows
 
 
@@ -657,9 +661,11 @@ class DecoderLM(Module):
                                             ops.rope_tables(pos, c.head_dim, base, np.float32, self._rope_factors))
             cache.reserve(p0 + 1)
             eps, interleaved = np.float32(c.rms_eps), self.family.rope == "normal"
+            gelu = self.family.activation != "silu"
             for li, lp in enumerate(plan.layers):
                 cos, sin = tables[c.layer_rope(li)]
-                x = decode.layer(x, eps, lp.attn_norm, lp.ffn_norm, lp.q_norm, lp.k_norm, lp.normed, cos, sin,
+                x = decode.layer(x, eps, lp.attn_norm, lp.ffn_norm, lp.q_norm, lp.k_norm, lp.normed,
+                                 lp.post_attn_norm, lp.post_ffn_norm, lp.post, gelu, cos, sin,
                                  interleaved, c.heads, c.kv_heads, c.head_dim, cache.k[li], cache.v[li], p0,
                                  plan.scale, c.window(li), lp.templates, lp.flags, lp.rows, HALF_TO_FLOAT, cells,
                                  n, plan.runner, ticks, hold)
@@ -673,14 +679,14 @@ class DecoderLM(Module):
         from pipeline.autograd.tensor import grad_enabled
         from kernels.qint import _RUNNER
         plan = self.__dict__.get("_decode")
-        if grad_enabled() or self.family.activation != "silu":
-            return None
+        if grad_enabled() or (self.family.activation != "silu" and self.llama_numerics):
+            return None  # llama.cpp's f16-table GELU (parity runs) stays on the general path
         if plan is not None and plan.threads == threads and plan.current(self):
             return plan
         layers, used = [], []
         for blk in self.blocks:
             projections = {t: blk.projection(t) for t in ("q", "k", "v", "o", "gate", "up", "down")}
-            if (blk.post_attn_norm is not None or blk.post_ffn_norm is not None
+            if ((blk.post_attn_norm is None) != (blk.post_ffn_norm is None)
                     or (blk.attn.q_norm is None) != (blk.attn.k_norm is None)
                     or any(type(p) is not FrozenLinear or p.bias is not None or not p.weight.uses_integer_dot(1)
                            for p in projections.values())):
@@ -854,10 +860,11 @@ def _gelu_tanh_mul(g: np.ndarray, u: np.ndarray, f16_table: bool = False) -> np.
     then the f32 product). f16_table: as ggml's CPU geglu (GGML_GELU_FP16) instead: g rounded to f16,
     its f32 GELU rounded to f16 (the lookup table), 0 below -10 and the identity above 10; its two f16
     roundings (2^-11 relative each) are most of llama.cpp's distance from the exact GELU."""
-    if not f16_table:
-        x = np.asarray(g, np.float64)
-        gelu = (0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))).astype(np.float32)
-        return gelu * np.asarray(u, np.float32)
+    if not f16_table:  # one numba pass (kernels/decode.gelu_tanh_mul_rows: the decode layer's bits too)
+        g, u = (np.ascontiguousarray(a, np.float32) for a in (g, u))
+        out = np.empty_like(g)
+        decode.gelu_tanh_mul_rows(g.reshape(-1), u.reshape(-1), out.reshape(-1))
+        return out
     x = np.asarray(g, np.float32)
     h = x.astype(np.float16).astype(np.float32)
     one = np.float32(1.0)

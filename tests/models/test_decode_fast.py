@@ -1,7 +1,7 @@
 """kernels/decode.layer (one numba call per layer for a one-token decode) gives the general inference path's
-bits: qwen3 (q/k norms, NeoX RoPE) and llama (interleaved RoPE) layouts, Q4_K/Q6_K/Q8_0 weights (both
-activation partners in one product group), at 1 and 2 threads, and the general path still runs whatever the
-fast one does not cover."""
+bits: qwen3 (q/k norms, NeoX RoPE), llama (interleaved RoPE) and gemma3 (post-norms, tanh GELU, sliding
+window, local/global RoPE) layouts, Q4_K/Q6_K/Q8_0 weights (both activation partners in one product group), at
+1 and 2 threads, and the general path still runs whatever the fast one does not cover."""
 import sys
 from pathlib import Path
 
@@ -20,10 +20,10 @@ import make_tiny_model as mk  # noqa: E402
 MIX = {"q": "Q4_K", "k": "Q6_K", "v": "Q8_0", "o": "Q4_K", "gate": "Q4_K", "up": "Q8_0", "down": "Q6_K"}
 
 
-def quantized_model(tmp_path, arch):
+def quantized_model(tmp_path, arch, shape="tied"):
     """The tiny F32 model of `arch`, its projections re-encoded in MIX's block formats (kernels/quantize)."""
     from gguf import GGMLQuantizationType as QT
-    model = load_model(mk.make(tmp_path, arch, "tied", "F32", seed=3))
+    model = load_model(mk.make(tmp_path, arch, shape, "F32", seed=3))
     for blk in model.blocks:
         for target, kind in MIX.items():
             proj = blk.projection(target)
@@ -46,10 +46,10 @@ def decode(model, tokens, general=False):
     return np.stack(out)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_fast_decode_gives_the_general_paths_bits(tmp_path, arch):
-    model = quantized_model(tmp_path, arch)
-    tokens = [3, 99, 7, 250, 11, 64, 2, 31]
+@pytest.mark.parametrize("arch, shape", [("qwen3", "tied"), ("llama", "tied"), ("gemma3", "gemma")])
+def test_fast_decode_gives_the_general_paths_bits(tmp_path, arch, shape):
+    model = quantized_model(tmp_path, arch, shape)
+    tokens = [3, 99, 7, 250, 11, 64, 2, 31] * 3  # 27 positions: past gemma's sliding window of 16
     want = decode(model, tokens, general=True)
     assert "_decode" not in model.__dict__  # the general path made no plan
     for threads in (1, 2):

@@ -25,13 +25,22 @@ from .dequant import (HALF_TO_FLOAT, MATVEC_PIECES_PER_THREAD, Q4_0, Q4_K, Q5_0,
                       _half)
 from .qblocks import idot_q4_0, idot_q4_k, idot_q5_0, idot_q5_k, idot_q6_k, idot_q8_0
 from .handoff import NativeJob, atomic_add, f32_pointer, i8_pointer, i32_pointer, i64_pointer, u8_pointer
-from .workpool import run_native, threads as pool_threads
+from .workpool import run_native, split_range, threads as pool_threads
 
 Q8_0_PARTNER, Q8_K_PARTNER = "Q8_0", "Q8_K"
 # weight format -> the activation blocks llama.cpp pairs it with (its vec_dot_type)
 PARTNER = {Q8_0: Q8_0_PARTNER, Q4_0: Q8_0_PARTNER, Q5_0: Q8_0_PARTNER,
            Q4_K: Q8_K_PARTNER, Q5_K: Q8_K_PARTNER, Q6_K: Q8_K_PARTNER}
 PARTNER_BLOCK = {Q8_0_PARTNER: 32, Q8_K_PARTNER: 256}
+QUANTIZE_SPLIT = 1 << 16  # activations below this many elements are quantized on the calling thread
+
+
+@njit(cache=True, inline="always")
+def _round_even(v):
+    """np.rint of an f32 |v| < 2^22 without a libm call: adding 1.5 * 2^23 leaves the integer part in the
+    mantissa, rounded half to even by the f32 addition itself (ggml's nearest_int)."""
+    magic = np.float32(12582912.0)
+    return np.int32(np.float32(v + magic) - magic)
 
 
 @njit(cache=True, nogil=True)
@@ -45,7 +54,7 @@ def _quantize_q8_0(x, q, d):
             d[i, blk] = amax / np.float32(127.0)
             inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)  # the AVX2 path's 127/max, not 1/d
             for k in range(blk * 32, blk * 32 + 32):
-                q[i, k] = np.int8(np.rint(x[i, k] * inv))
+                q[i, k] = np.int8(_round_even(x[i, k] * inv))
 
 
 @njit(cache=True, nogil=True)
@@ -67,7 +76,7 @@ def _quantize_q8_k(x, q, d, sums):
             for g in range(8):
                 total = 0
                 for k in range(o + 32 * g, o + 32 * g + 32):
-                    v = min(127, int(np.rint(iscale * x[i, k])))
+                    v = min(127, _round_even(iscale * x[i, k]))
                     q[i, k] = v
                     total += v
                 sums[i, blk * 8 + g] = total
@@ -83,11 +92,12 @@ def quantize_activations(partner: str, x: np.ndarray):
         raise ValueError(f"qint: activations must be [m, k * {block}] for {partner}, got shape {x.shape}")
     q = np.empty(x.shape, np.int8)
     d = np.empty((x.shape[0], x.shape[1] // block), np.float32)
+    parts = pool_threads() if x.size >= QUANTIZE_SPLIT else 1  # rows are independent: any split, the same bits
     if partner == Q8_0_PARTNER:
-        _quantize_q8_0(x, q, d)
+        split_range(x.shape[0], parts, lambda r0, r1: _quantize_q8_0(x[r0:r1], q[r0:r1], d[r0:r1]))
         return q, d.astype(np.float16).astype(np.float32), None  # F16C rounds half to even, as numpy does
     sums = np.empty((x.shape[0], x.shape[1] // 32), np.int32)
-    _quantize_q8_k(x, q, d, sums)
+    split_range(x.shape[0], parts, lambda r0, r1: _quantize_q8_k(x[r0:r1], q[r0:r1], d[r0:r1], sums[r0:r1]))
     return q, d, sums
 
 

@@ -802,7 +802,10 @@ def _norm_rope(x: np.ndarray, norm, eps: float, cos: np.ndarray, sin: np.ndarray
     out = np.empty_like(x)
     normed = norm is not None
     w = np.ascontiguousarray(norm.data if normed else np.ones(x.shape[-1]), dtype=np.float32)
-    _norm_rope_heads(x, w, np.float32(eps), cos, sin, out, normed, interleaved)
+    eps = np.float32(eps)
+    parts = _worker_threads() if x.size >= ATTEND_SPLIT_WORK else 1  # positions are independent: the same bits
+    workpool.split_range(len(x), parts, lambda p0, p1: _norm_rope_heads(x[p0:p1], w, eps, cos[p0:p1], sin[p0:p1],
+                                                                         out[p0:p1], normed, interleaved))
     return out
 
 

@@ -34,6 +34,7 @@ file format); `Linear` holds a trainable f32 parameter [out, in].
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -840,8 +841,12 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale=None, 
             seen = pos0 + c1                                                # keys visible to the chunk's last row
             first = max(0, pos0 + c0 - window + 1) if window else 0        # ... and to its first row
             qc = q4[h0:h1, :, c0:c1].reshape(n, g * (c1 - c0), d)
-            scores = (qc @ kt[h0:h1, :, first:seen]) * scale                # [h, g*c, seen - first]
-            if c1 - c0 > 1:  # adding a 0/-inf mask broadcasts; boolean-index assignment was ~5x slower
+            scores = qc @ kt[h0:h1, :, first:seen]                          # [h, g*c, seen - first]
+            scores *= scale
+            c = c1 - c0
+            if c > 1 and not window:  # only the chunk's own c keys can be hidden: a c x c triangle on the tail
+                scores.reshape(n, g, c, seen - first)[..., seen - first - c:] += _causal_triangle(c)
+            elif c > 1:  # adding a 0/-inf mask broadcasts; boolean-index assignment was ~5x slower
                 key_pos, query_pos = np.arange(first, seen)[None, :], (pos0 + np.arange(c0, c1))[:, None]
                 hidden = key_pos > query_pos
                 if window:
@@ -875,6 +880,14 @@ def _gelu_tanh_mul(g: np.ndarray, u: np.ndarray, f16_table: bool = False) -> np.
     table = (np.float32(0.5) * h * (one + np.tanh(inner))).astype(np.float16).astype(np.float32)
     gelu = np.where(x <= -10.0, np.float32(0.0), np.where(x >= 10.0, x, table))
     return gelu * np.asarray(u, np.float32)
+
+
+@functools.lru_cache(maxsize=8)
+def _causal_triangle(c: int) -> np.ndarray:
+    """f32 [c, c]: -inf above the diagonal (a later key than the query), 0 elsewhere."""
+    tri = np.where(np.arange(c)[None, :] > np.arange(c)[:, None], np.float32(-np.inf), np.float32(0.0))
+    tri.flags.writeable = False
+    return tri
 
 
 ATTEND_CHUNK = 64             # query positions per chunk

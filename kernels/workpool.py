@@ -13,13 +13,13 @@ the thread count. Calls made from a pool thread (a row kernel inside a GEMM
 tile) run serially, so a pool thread never waits on the pool.
 The hand-off (kernels/handoff.py) is an int64 cell per direction and worker: the waiting thread spins on it
 inside a numba nogil function for at most FUCINA_SPIN_US microseconds (default 200, `set_spin_us`), then
-sleeps on a plain lock, which a poster releases only when the cell says its waiter sleeps. While a decode
-runs, dispatches come tens of microseconds apart and no thread sleeps; an idle process stops spinning
-within that bound. Decode's products are native jobs (`run_native`): a worker calls them from inside its
-spin loop, without taking the GIL. A lock-woken worker measured 33-87 us per empty dispatch
-(docs/models.md, 'Threads'). The workers serve one dispatch at a
-time; a call made while another thread's dispatch holds them runs on its own thread alone, which gives the
-same bits.
+sleeps on a plain lock, which a poster releases only when the cell says its waiter sleeps. A model forward
+holds the pool (`hold`): its waiting threads then spin past that bound, since a forward's products come a few
+hundred microseconds apart at most; an idle process stops spinning within the bound. Decode's products are
+native jobs (`run_native`, or posted from native code through `native_workers`): a worker calls them from
+inside its spin loop, without taking the GIL. A lock-woken worker measured 33-87 us per empty dispatch
+(docs/models.md, 'Threads'). The workers serve one dispatch at a time; a call made while another thread's
+dispatch holds them runs on its own thread alone, which gives the same bits.
 """
 from __future__ import annotations
 

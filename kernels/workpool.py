@@ -166,6 +166,7 @@ def _forget_pool_after_fork():
     that no longer exists: it makes its own pool."""
     global _POOL, _POOL_LOCK
     _POOL, _POOL_LOCK = None, threading.Lock()
+    _HOLD[handoff.SEQ] = 0  # the holds were the parent's threads', none of which exists here
 
 
 os.register_at_fork(after_in_child=_forget_pool_after_fork)

@@ -185,9 +185,10 @@ class Worker:
         if f"{self.role}:{point}:{step}" not in os.environ.get("FUCINA_FAULT", "").split(","):
             return
         marker = os.path.join(self.run_dir, f"fault-{self.role}-{point}-{step}.fired")
-        if os.path.exists(marker):
+        try:  # created exclusively: of two members at the same point and step at once, only one dies
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
             return
-        open(marker, "w").close()
         os.kill(os.getpid(), signal.SIGKILL)
 
 

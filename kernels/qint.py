@@ -23,6 +23,7 @@ from numba import carray, njit
 
 from .dequant import (HALF_TO_FLOAT, MATVEC_PIECES_PER_THREAD, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, ROW_CHUNK, _check,
                       _half)
+from .quantize import _f16_bits_to_f32, _f32_to_f16_bits
 from .qblocks import idot_q4_0, idot_q4_k, idot_q5_0, idot_q5_k, idot_q6_k, idot_q8_0
 from .handoff import NativeJob, atomic_add, f32_pointer, i8_pointer, i32_pointer, i64_pointer, u8_pointer
 from .workpool import run_native, split_range, threads as pool_threads
@@ -45,13 +46,14 @@ def _round_even(v):
 
 @njit(cache=True, nogil=True)
 def _quantize_q8_0(x, q, d):
-    """x f32 [m, n] -> q int8 [m, n], d f32 [m, n/32] = max|x| / 127 per block (before fp16 rounding)."""
+    """x f32 [m, n] -> q int8 [m, n], d f32 [m, n/32] = max|x| / 127 per block, rounded to its fp16 value
+    (the scale the dot product reads)."""
     for i in range(x.shape[0]):
         for blk in range(x.shape[1] // 32):
             amax = np.float32(0.0)
             for k in range(blk * 32, blk * 32 + 32):
                 amax = max(amax, abs(x[i, k]))
-            d[i, blk] = amax / np.float32(127.0)
+            d[i, blk] = _f16_bits_to_f32(_f32_to_f16_bits(amax / np.float32(127.0)))
             inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)  # the AVX2 path's 127/max, not 1/d
             for k in range(blk * 32, blk * 32 + 32):
                 q[i, k] = np.int8(_round_even(x[i, k] * inv))
@@ -95,7 +97,7 @@ def quantize_activations(partner: str, x: np.ndarray):
     parts = pool_threads() if x.size >= QUANTIZE_SPLIT else 1  # rows are independent: any split, the same bits
     if partner == Q8_0_PARTNER:
         split_range(x.shape[0], parts, lambda r0, r1: _quantize_q8_0(x[r0:r1], q[r0:r1], d[r0:r1]))
-        return q, d.astype(np.float16).astype(np.float32), None  # F16C rounds half to even, as numpy does
+        return q, d, None
     sums = np.empty((x.shape[0], x.shape[1] // 32), np.int32)
     split_range(x.shape[0], parts, lambda r0, r1: _quantize_q8_k(x[r0:r1], q[r0:r1], d[r0:r1], sums[r0:r1]))
     return q, d, sums
@@ -272,28 +274,6 @@ def _template(qtypes, raws, offsets, parts):
     return job
 
 
-@njit(cache=True, inline="always")
-def _f16_round(bits):
-    """The f32 with these bits (>= 0) rounded to the nearest fp16 (ties to even, as F16C and numpy): its 16 bits."""
-    e, mant = ((bits >> 23) & 0xFF) - 112, bits & 0x7FFFFF  # e: the fp16 biased exponent (127 - 15 = 112)
-    if (bits >> 23) & 0xFF == 0xFF:
-        return 0x7E00 if mant else 0x7C00
-    if e >= 31:
-        return 0x7C00
-    if e <= 0:  # an fp16 subnormal (or zero): the implicit bit joins the mantissa, shifted further
-        if e < -10:
-            return 0
-        mant |= 0x800000
-        shift = 14 - e
-    else:
-        shift = 13
-    h = (mant >> shift) if e <= 0 else ((e << 10) | (mant >> 13))
-    rest, half = mant & ((1 << shift) - 1), 1 << (shift - 1)
-    if rest > half or (rest == half and h & 1):
-        h += 1  # a carry into the exponent is the next binade (or infinity), as the hardware rounds
-    return h
-
-
 @njit(cache=True, nogil=True)
 def _fill(template, x, q80, d80, q8k, d8k, sums, lut, flat, use80, use8k):
     """This call's job block: x quantized into each partner format a weight uses, and the addresses of the
@@ -303,9 +283,6 @@ def _fill(template, x, q80, d80, q8k, d8k, sums, lut, flat, use80, use8k):
     m = x.shape[0]
     if use80:
         _quantize_q8_0(x, q80, d80)
-        flat_d, bits = d80.reshape(-1), d80.reshape(-1).view(np.uint32)
-        for j in range(flat_d.shape[0]):
-            flat_d[j] = lut[_f16_round(np.int64(bits[j]))]  # the fp16 scale the dot product reads
     if use8k:
         _quantize_q8_k(x, q8k, d8k, sums)
     job[_M], job[_N], job[_LUT] = m, x.shape[1], lut.ctypes.data

@@ -234,21 +234,24 @@ def test_portable_ir_gives_the_same_bits(tmp_path):
 
 
 def test_fp16_rounding_of_the_q8_0_scales_is_numpys():
-    """The scales a Product writes into its job go through qint._f16_round (numba has no fp16): bit for bit
-    numpy's float16 rounding over a sweep of f32 bit patterns (normal, fp16-subnormal, overflowing) and ties."""
+    """The Q8_0 activation scales are rounded to fp16 inside numba (kernels/quantize._f32_to_f16_bits; numba has
+    no fp16): bit for bit numpy's float16 rounding over a sweep of f32 bit patterns (normal, fp16-subnormal,
+    overflowing) and ties."""
     from numba import njit
 
+    from kernels.quantize import _f32_to_f16_bits
+
     @njit
-    def rounded(bits, out):
-        for i in range(bits.shape[0]):
-            out[i] = qint._f16_round(np.int64(bits[i]))
+    def rounded(values, out):
+        for i in range(values.shape[0]):
+            out[i] = _f32_to_f16_bits(values[i])
 
     sweep = np.arange(0x30000000, 0x48000000, 4093, dtype=np.uint32).view(np.float32)
     ties = (np.arange(1, 2048, dtype=np.float32) + np.float32(0.5)) * np.float32(2.0 ** -24)  # subnormal halves
     special = np.float32([0.0, 65504.0, 65519.0, 65520.0, 1e9, np.inf, 2.0 ** -25, 2.0 ** -24, 6.1e-5])
     values = np.concatenate([sweep, ties, special])
     got = np.empty(len(values), np.int64)
-    rounded(values.view(np.uint32), got)
+    rounded(values, got)
     with np.errstate(over="ignore"):
         want = values.astype(np.float16).view(np.uint16).astype(np.int64)
     np.testing.assert_array_equal(got, want)

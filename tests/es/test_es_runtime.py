@@ -272,10 +272,13 @@ def test_the_monitor_shows_an_es_iterations_reward_stats():
 @pytest.mark.slow
 def test_the_procfile_runs_es_spirals_and_a_monitor_attaches_while_it_runs(tmp_path):
     """JOB=es-spirals CONFIG=es.toml honcho start: the trainer-plan roles stand by, the es_member scores; a
-    `fucina monitor` started once the first iteration is in sees the later iterations' reward stats."""
+    `fucina monitor` started once the first iteration is in sees the later iterations' reward stats. The run is
+    long enough (4000 iterations, ~10 s here) that the monitor's own start (~1-2 s) lands mid-run: 250 iterations
+    ended before it attached on a fast machine."""
     import time
+    iterations = 4000
     job_file, run_dir = tmp_path / "es.toml", tmp_path / "run"
-    job_file.write_text(f"iterations = 250\npopulation = {POP}\nmodel_seed = 3\n")
+    job_file.write_text(f"iterations = {iterations}\npopulation = {POP}\nmodel_seed = 3\n")
     env = {**os.environ, "PYTHONPATH": ROOT, "PYTHON": sys.executable, "JOB": "es-spirals",
            "CONFIG": str(job_file), "RUN_DIR": str(run_dir)}
     honcho = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "honcho"), "start"], cwd=ROOT, env=env,
@@ -299,11 +302,11 @@ def test_the_procfile_runs_es_spirals_and_a_monitor_attaches_while_it_runs(tmp_p
     assert monitor.returncode == 0, monitor.stderr[-2000:]
     seen = [json.loads(line) for line in monitor.stdout.splitlines() if line.strip()]
     stats = [r for r in seen if r["kind"] == "es_metrics"]
-    assert stats and stats[-1]["step"] == 250 and min(r["step"] for r in stats) > attached_at
+    assert stats and stats[-1]["step"] == iterations and min(r["step"] for r in stats) > attached_at
     assert all(r["reward_min"] <= r["reward_mean"] <= r["reward_max"] and r["reward_std"] >= 0 for r in stats)
     assert any(r["kind"] == "event" and r["event"] == "run_finished" for r in seen)
     assert "has no trainer role; standing by" in out and '"event": "run_finished"' in out, out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["job"] == "es-spirals" and summary["iterations"] == 250 and summary["replicas_checked"] == 1
+    assert summary["job"] == "es-spirals" and summary["iterations"] == iterations and summary["replicas_checked"] == 1
     assert (run_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert _segments_of([run_dir]) == []

@@ -494,27 +494,31 @@ _V8F, _V8I, _V16I = ir.VectorType(_F32, 8), ir.VectorType(_I32, 8), ir.VectorTyp
 _V16S = ir.VectorType(ir.IntType(16), 16)
 
 
-def _target_has_avx2() -> bool:
-    """True when numba compiles for a CPU with AVX2 (its host, or NUMBA_CPU_NAME/NUMBA_CPU_FEATURES when set).
-    FUCINA_INTEGER_ISA=portable forces the portable IR (to check it on an AVX2 machine)."""
+def _target_has(*features: str) -> bool:
+    """True when numba compiles for a CPU with every one of `features` (LLVM names: "avx2", "avx512bw", ...): its
+    host, or NUMBA_CPU_NAME/NUMBA_CPU_FEATURES when set. FUCINA_INTEGER_ISA=portable forces the portable IR (to
+    check it on an AVX2 machine); FUCINA_INTEGER_ISA=avx2 answers for AVX2 alone, nothing after it (the blocked
+    GEMM's 4-row layout, checked on an AVX-512 machine)."""
     import os
 
     import llvmlite.binding as llvm
     from numba.core import config
-    if os.environ.get("FUCINA_INTEGER_ISA", "").lower() == "portable":
+    isa = os.environ.get("FUCINA_INTEGER_ISA", "").lower()
+    if isa == "portable" or (isa == "avx2" and any(f != "avx2" for f in features)):
         return False
     if config.CPU_FEATURES:
-        return "+avx2" in config.CPU_FEATURES.split(",")
+        return all(f"+{f}" in config.CPU_FEATURES.split(",") for f in features)
     if config.CPU_NAME and config.CPU_NAME != "host":
         return False  # a named CPU without a feature list: we cannot tell, stay portable
-    return bool(llvm.get_host_cpu_features().get("avx2", False))
+    host = llvm.get_host_cpu_features()
+    return all(bool(host.get(f, False)) for f in features)
 
 
 # The integer kernels' two code paths compute the same exact i32 lane sums (so the same bits): on AVX2 the
 # x86 intrinsics vpmaddubsw (u8 x s8 pairs -> i16) + vpmaddwd (i16 pairs x i16 scale -> i32), what llama.cpp
 # runs; elsewhere portable sext/mul/shuffle IR. LLVM does not form vpmaddubsw from the portable IR inside
 # the kernels (it proved the nibbles' ranges and chose zext/vpmullw chains), hence the explicit intrinsics.
-AVX2 = _target_has_avx2()
+AVX2 = _target_has("avx2")
 
 
 def _pair_sums(h, w, x):

@@ -11,7 +11,12 @@ element is exactly the row kernels' (the same exact i32 lane sums per block,
 the same one fused multiply-add per block and lane, hsum_float_8's order), so
 the bits equal qint.matmul_t_many's, i.e. llama.cpp's, for any grouping of the
 rows; a tail of fewer than ROWS rows runs through the row kernels themselves.
-Only the Q8_K formats (Q4_K, Q5_K, Q6_K) have a blocked kernel; the others
+Per block the ROWS rows' f32 scales are one vector product (the activations' scales are passed transposed, a
+block's rows side by side) and Q4_K's mins of two rows are one vpmaddwd on i16 block sums. On AVX-512 targets
+the same 256-bit code runs 8 rows, not 4: EVEX gives it 32 vector registers (measured on a Xeon with
+AVX512-VNNI: 8 rows 52 GMAC/s per core against 45 for 4; 512-bit vectors gave no gain there, whose integer
+multiplies issue on one port at 512 bits and two at 256). Only the Q8_K formats (Q4_K, Q5_K, Q6_K) have a
+blocked kernel; the others
 keep the row kernels (see FrozenWeight.uses_integer_dot for where each pays).
 Pieces are whole ROW_CHUNKs of weight rows on a grid fixed by the shapes, each
 element computed by the same serial code whatever thread takes it: bitwise
@@ -26,12 +31,16 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .dequant import HALF_TO_FLOAT, Q4_K, Q5_K, Q6_K, ROW_CHUNK, _check, _half
-from .qblocks import _I32, _I64, _IR, _V8I, _V16I, _V16S, _VB, _k4_scale_bytes, _lane_sums, _scale16, o_arg
+from .qblocks import (AVX2, _F32, _I32, _I64, _IR, _V16I, _V16S, _VB, _k4_scale_bytes, _lane_sums, _scale16,
+                      _target_has, _x86, o_arg)
 from .qint import PARTNER, _hsum8, _mm_q4_k, _mm_q5_k, _mm_q6_k, quantize_activations
 from .workpool import run_dynamic
 
-ROWS = 4  # activation rows per inner kernel: 4 i32 totals + weight + scale + temporaries fit the 16 ymm registers
+# activation rows per inner kernel: 4 i32 totals + weight + scale + temporaries fit AVX2's 16 ymm registers;
+# an AVX-512 target has 32 (EVEX), room for 8 rows' totals
+ROWS = 8 if AVX2 and _target_has("avx512f") else 4
 PIECE_ROWS = 8 * ROW_CHUNK  # weight rows per piece (128): ~72-220 KB of Q4_K-Q6_K bytes, an L2's share
+_V8S = ir.VectorType(ir.IntType(16), 8)
 
 
 def _row_offset(h, arg_offset, arg_stride, r, extra=0):
@@ -41,100 +50,121 @@ def _row_offset(h, arg_offset, arg_stride, r, extra=0):
 
 
 def _fma_at(h, arg, at, scale, lanes):
-    """acc[arg][at:at + n] = fma(scale, float(lanes), acc[at:at + n]) (as qblocks._fma_into, at an offset)."""
-    vf = ir.VectorType(ir.FloatType(), lanes.type.count)
+    """acc[arg][at:at + n] = fma(scale, float(lanes), acc[at:at + n]) (as qblocks._fma_into, at an offset);
+    scale is one f32 for every lane or a vector of the lanes' own."""
+    vf = ir.VectorType(_F32, lanes.type.count)
     p = h.b.bitcast(h.b.gep(h.ptrs[arg], [ir.Constant(_I64, at)]), vf.as_pointer())
     fn = cgutils.get_or_insert_function(h.b.module, ir.FunctionType(vf, [vf, vf, vf]), f"llvm.fma.v{vf.count}f32")
-    h.b.store(h.b.call(fn, [h.splat(scale, vf), h.b.sitofp(lanes, vf), h.b.load(p, align=4)]), p, align=4)
+    scale = scale if isinstance(scale.type, ir.VectorType) else h.splat(scale, vf)
+    h.b.store(h.b.call(fn, [scale, h.b.sitofp(lanes, vf), h.b.load(p, align=4)]), p, align=4)
 
 
 def _scalar_fma_at(h, arg, at, scale, value):
     """accm[arg][at] = fma(scale, float(value), accm[at]) for an i32 value (Q5_K's mins)."""
-    f32 = ir.FloatType()
     p = h.b.gep(h.ptrs[arg], [ir.Constant(_I64, at)])
-    fn = cgutils.get_or_insert_function(h.b.module, ir.FunctionType(f32, [f32] * 3), "llvm.fma.f32")
-    h.b.store(h.b.call(fn, [scale, h.b.sitofp(value, f32), h.b.load(p)]), p)
+    fn = cgutils.get_or_insert_function(h.b.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
+    h.b.store(h.b.call(fn, [scale, h.b.sitofp(value, _F32), h.b.load(p)]), p)
+
+
+def _pick(h, v, lanes):
+    """shufflevector of v into the given lanes."""
+    return h.b.shuffle_vector(v, ir.Constant(v.type, ir.Undefined),
+                              ir.Constant(ir.VectorType(_I32, len(lanes)), list(lanes)))
 
 
 # Argument layout of the blocked intrinsics (one weight block, ROWS activation rows):
 #   0 acc f32 [ROWS * 8]   1 b uint8 (the weight row)   2 o (block offset in b)
 #   3 q int8 (activations, any shape: flat offsets)      4 qo (row 0's block start in q)   5 q_stride (per row)
-#   6 d f32 (the activations' Q8_K scales, flat)         7 do (row 0's)   8 d_stride   9 wd (the weight's d)
-#   Q4_K / Q5_K only: 10 accm f32 [ROWS * 4 | ROWS]   11 sums int32 (flat)   12 so   13 s_stride   14 wmin
-# Row r's block scale is d[do + r * d_stride] * wd and its min scale (-d[...]) * wmin: the f32 products the
-# row kernels form in numba (qint._mm_q4_k), formed here so no scale goes through memory.
-def _row_scale(h, r, weight_arg):
-    """f32 d[do + r * d_stride] * h.ptrs[weight_arg] (weight_arg 14, the min scale: its negation first)."""
-    a = h.b.load(h.b.gep(h.ptrs[6], [_row_offset(h, 7, 8, r)]))
-    if weight_arg == 14:
-        a = h.b.fneg(a)
-    return h.b.fmul(a, h.ptrs[weight_arg])
+#   6 dt f32 (the activations' Q8_K scales transposed, [blocks, rows] flat)   7 dto (row 0's at this block)
+#   8 wd (the weight's d)
+#   Q4_K / Q5_K only: 9 accm f32 [ROWS * 4 | ROWS]   10 sums int16 (flat)   11 so   12 s_stride   13 wmin
+def _row_scales(h, weight_arg, negate=False):
+    """<ROWS x f32>: the ROWS rows' dt[dto + r] * h.ptrs[weight_arg] (negate: the min scale (-d) * wmin, which
+    is -(d * wmin) bit for bit): the f32 products the row kernels form one at a time (qint._mm_q4_k)."""
+    vf = ir.VectorType(_F32, ROWS)
+    d = h.b.load(h.b.bitcast(h.b.gep(h.ptrs[6], [h.ptrs[7]]), vf.as_pointer()), align=4)
+    prod = h.b.fmul(d, h.splat(h.ptrs[weight_arg], vf))
+    return h.b.fneg(prod) if negate else prod
 
 
-def _k_mins(h, m, r):
-    """<8 x i32> min_j * sum(q8_j) of activation row r (the Q8_K block's 32-element sums, args 11-13)."""
-    p = h.b.bitcast(h.b.gep(h.ptrs[11], [_row_offset(h, 12, 13, r)]), _V8I.as_pointer())
-    return h.b.mul(h.b.zext(m, _V8I), h.b.load(p, align=1))
+def _madd16(h, a, b):
+    """<n/2 x i32> lane i = a[2i] * b[2i] + a[2i+1] * b[2i+1] for <n x i16> a, b (vpmaddwd; exact)."""
+    out = ir.VectorType(_I32, a.type.count // 2)
+    if AVX2:
+        name = "llvm.x86.avx2.pmadd.wd" if a.type.count == 16 else "llvm.x86.sse2.pmadd.wd"
+        return _x86(h, name, out, a, b)
+    p = h.b.mul(h.b.sext(a, ir.VectorType(_I32, a.type.count)), h.b.sext(b, ir.VectorType(_I32, a.type.count)))
+    return h.b.add(_pick(h, p, range(0, a.type.count, 2)), _pick(h, p, range(1, a.type.count, 2)))
+
+
+def _k_min_pairs(h, m16, r):
+    """<8 x i32>: rows r and r + 1's 4 lanes each, lane i = min_2i * sum(q8_2i) + min_2i+1 * sum(q8_2i+1) (the
+    Q8_K block's 32-element sums, args 10-12, as i16: a sum is at most 32 * 128 in magnitude, a min < 64)."""
+    rows = [h.vload(10, _row_offset(h, 11, 12, k), _V8S) for k in (r, r + 1)]
+    return _madd16(h, h.b.shuffle_vector(rows[0], rows[1], ir.Constant(_V16I, list(range(16)))),
+                   _pick(h, m16, list(range(8)) * 2))
+
+
+def _k_totals(h, high_bit, s):
+    """Per activation row, the <8 x i32> lanes of a Q4_K/Q5_K block: sum over sub-blocks j of scale_j times the
+    weight . activation products of elements 4k..4k+3 of sub-block j, in lane k (the row kernels' lanes)."""
+    qh = h.vload(1, o_arg(h), _VB, 16) if high_bit else None
+    totals = [None] * ROWS
+    for j in range(8):
+        w = h.bits(h.vload(1, o_arg(h), _VB, (48 if high_bit else 16) + (j // 2) * 32), 4 * (j % 2), 0xF)
+        if high_bit:
+            w = h.b.or_(w, h.b.shl(h.bits(qh, j, 1), h.bytes_const(4)))
+        sc = _scale16(h, s, j)
+        for r in range(ROWS):
+            x = h.vload(3, _row_offset(h, 4, 5, r, 32 * j), _VB)
+            part = _lane_sums(h, w, x, sc, w_unsigned=True)
+            totals[r] = part if totals[r] is None else h.b.add(totals[r], part)
+    return totals
 
 
 def _k_block_rows(high_bit):
     """codegen of the Q4_K (high_bit False) / Q5_K (True) block x ROWS rows: each sub-block's weights and scale
     unpacked once; per row the row kernels' i32 lanes, fma into acc, and the mins (Q4_K: 4 pair lanes, as
-    idot_q4_k; Q5_K: one scalar, as idot_q5_k)."""
+    idot_q4_k, two rows per vector; Q5_K: one scalar, as idot_q5_k)."""
     def codegen(context, builder, signature, args):
         h = _IR(context, builder, signature, args)
         s, m = _k4_scale_bytes(h)
-        qh = h.vload(1, o_arg(h), _VB, 16) if high_bit else None
-        totals = [None] * ROWS
-        for j in range(8):
-            w = h.bits(h.vload(1, o_arg(h), _VB, (48 if high_bit else 16) + (j // 2) * 32), 4 * (j % 2), 0xF)
+        scales, min_scales = _row_scales(h, 8), _row_scales(h, 13, negate=True)
+        for r, total in enumerate(_k_totals(h, high_bit, s)):
+            _fma_at(h, 0, 8 * r, h.b.extract_element(scales, ir.Constant(_I32, r)), total)
+        m16 = h.b.zext(m, _V8S)
+        for r in range(0, ROWS, 2):
+            pairs = _k_min_pairs(h, m16, r)
             if high_bit:
-                w = h.b.or_(w, h.b.shl(h.bits(qh, j, 1), h.bytes_const(4)))
-            sc = _scale16(h, s, j)
-            for r in range(ROWS):
-                x = h.vload(3, _row_offset(h, 4, 5, r, 32 * j), _VB)
-                part = _lane_sums(h, w, x, sc, w_unsigned=True)
-                totals[r] = part if totals[r] is None else h.b.add(totals[r], part)
-        und = ir.Constant(_V8I, ir.Undefined)
-        v4i = ir.VectorType(_I32, 4)
-        for r in range(ROWS):
-            _fma_at(h, 0, 8 * r, _row_scale(h, r, 9), totals[r])
-            prod = _k_mins(h, m, r)
-            if high_bit:
-                mins = h.b.extract_element(prod, ir.Constant(_I32, 0))
-                for k in range(1, 8):  # an exact integer sum: any order
-                    mins = h.b.add(mins, h.b.extract_element(prod, ir.Constant(_I32, k)))
-                _scalar_fma_at(h, 10, r, _row_scale(h, r, 14), mins)
+                for k in (r, r + 1):
+                    lanes = [h.b.extract_element(pairs, ir.Constant(_I32, 4 * (k - r) + i)) for i in range(4)]
+                    mins = h.b.add(h.b.add(lanes[0], lanes[1]), h.b.add(lanes[2], lanes[3]))  # exact: any order
+                    _scalar_fma_at(h, 9, k, h.b.extract_element(min_scales, ir.Constant(_I32, k)), mins)
             else:
-                pairs = h.b.add(h.b.shuffle_vector(prod, und, ir.Constant(v4i, [0, 2, 4, 6])),
-                                h.b.shuffle_vector(prod, und, ir.Constant(v4i, [1, 3, 5, 7])))
-                _fma_at(h, 10, 4 * r, _row_scale(h, r, 14), pairs)
+                _fma_at(h, 9, 4 * r, _pick(h, min_scales, [r] * 4 + [r + 1] * 4), pairs)
         return context.get_dummy_value()
     return codegen
 
 
 @intrinsic
-def idot_q4_k_rows(typingctx, acc, b, o, q, qo, q_stride, d, do, d_stride, wd, accm, sums, so, s_stride,
-                   wmin):
+def idot_q4_k_rows(typingctx, acc, b, o, q, qo, q_stride, dt, dto, wd, accm, sums, so, s_stride, wmin):
     """One Q4_K block x ROWS Q8_K rows: for row r, what idot_q4_k does into acc[8r:8r+8] and accm[4r:4r+4]."""
-    sig = types.void(acc, b, o, q, qo, q_stride, d, do, d_stride, wd, accm, sums, so, s_stride, wmin)
-    return sig, _k_block_rows(False)
+    return types.void(acc, b, o, q, qo, q_stride, dt, dto, wd, accm, sums, so, s_stride, wmin), _k_block_rows(False)
 
 
 @intrinsic
-def idot_q5_k_rows(typingctx, acc, b, o, q, qo, q_stride, d, do, d_stride, wd, accm, sums, so, s_stride,
-                   wmin):
+def idot_q5_k_rows(typingctx, acc, b, o, q, qo, q_stride, dt, dto, wd, accm, sums, so, s_stride, wmin):
     """One Q5_K block x ROWS Q8_K rows: for row r, what idot_q5_k does into acc[8r:8r+8] and accm[r]."""
-    sig = types.void(acc, b, o, q, qo, q_stride, d, do, d_stride, wd, accm, sums, so, s_stride, wmin)
-    return sig, _k_block_rows(True)
+    return types.void(acc, b, o, q, qo, q_stride, dt, dto, wd, accm, sums, so, s_stride, wmin), _k_block_rows(True)
 
 
 @intrinsic
-def idot_q6_k_rows(typingctx, acc, b, o, q, qo, q_stride, d, do, d_stride, wd):
+def idot_q6_k_rows(typingctx, acc, b, o, q, qo, q_stride, dt, dto, wd):
     """One Q6_K block x ROWS Q8_K rows: for row r, what idot_q6_k does into acc[8r:8r+8]."""
     def codegen(context, builder, signature, args):
         h = _IR(context, builder, signature, args)
         scales = h.vload(1, o_arg(h), ir.VectorType(ir.IntType(8), 16), 192)
+        row_scales = _row_scales(h, 8)
         totals = [None] * ROWS
         for hh in range(2):
             qh = h.vload(1, o_arg(h), _VB, 128 + hh * 32)
@@ -142,20 +172,21 @@ def idot_q6_k_rows(typingctx, acc, b, o, q, qo, q_stride, d, do, d_stride, wd):
                 ql = h.bits(h.vload(1, o_arg(h), _VB, hh * 64 + (t & 1) * 32), 4 * (t >> 1), 0xF)
                 w = h.b.sub(h.b.or_(ql, h.b.shl(h.bits(qh, 2 * t, 3), h.bytes_const(4))), h.bytes_const(32))
                 g = hh * 8 + t * 2  # pair lanes 0..7 are weights 0..15 (scale g), 8..15 weights 16..31 (g + 1)
-                sc = h.b.sext(h.b.shuffle_vector(scales, ir.Constant(scales.type, ir.Undefined),
-                                                 ir.Constant(_V16I, [g] * 8 + [g + 1] * 8)), _V16S)
+                sc = h.b.sext(_pick(h, scales, [g] * 8 + [g + 1] * 8), _V16S)
                 for r in range(ROWS):
                     x = h.vload(3, _row_offset(h, 4, 5, r, 32 * (hh * 4 + t)), _VB)
                     part = _lane_sums(h, w, x, sc)
                     totals[r] = part if totals[r] is None else h.b.add(totals[r], part)
         for r in range(ROWS):
-            _fma_at(h, 0, 8 * r, _row_scale(h, r, 9), totals[r])
+            _fma_at(h, 0, 8 * r, h.b.extract_element(row_scales, ir.Constant(_I32, r)), totals[r])
         return context.get_dummy_value()
-    return types.void(acc, b, o, q, qo, q_stride, d, do, d_stride, wd), codegen
+    return types.void(acc, b, o, q, qo, q_stride, dt, dto, wd), codegen
 
 
+# The kernels take the activations' Q8_K scales twice: d [m, nb] for the tail's row kernel and dt [nb, m] (a
+# block's rows side by side) for the blocked one; the block sums as int32 for the row kernel and int16 here.
 @njit(cache=True, nogil=True)
-def _gemm_q4_k(raw, q, d, sums, out, lut, r0, r1):
+def _gemm_q4_k(raw, q, d, dt, sums, sums16, out, lut, r0, r1):
     """out[:, r0:r1] for Q4_K raw against Q8_K activations q/d/sums: groups of ROWS rows through idot_q4_k_rows,
     the tail through qint's row kernel; each element as qint._mm_q4_k computes it."""
     m, n = q.shape
@@ -168,7 +199,7 @@ def _gemm_q4_k(raw, q, d, sums, out, lut, r0, r1):
             accm[:] = 0.0
             for blk in range(nb):
                 o = blk * 144
-                idot_q4_k_rows(acc, b, o, q, i * n + blk * 256, n, d, i * nb + blk, nb, _half(lut, b, o), accm, sums,
+                idot_q4_k_rows(acc, b, o, q, i * n + blk * 256, n, dt, blk * m + i, _half(lut, b, o), accm, sums16,
                                i * (n // 32) + blk * 8, n // 32, _half(lut, b, o + 2))
             for k in range(ROWS):
                 a = accm[4 * k:4 * k + 4]
@@ -178,7 +209,7 @@ def _gemm_q4_k(raw, q, d, sums, out, lut, r0, r1):
 
 
 @njit(cache=True, nogil=True)
-def _gemm_q5_k(raw, q, d, sums, out, lut, r0, r1):
+def _gemm_q5_k(raw, q, d, dt, sums, sums16, out, lut, r0, r1):
     """As _gemm_q4_k for Q5_K (each element as qint._mm_q5_k)."""
     m, n = q.shape
     nb, groups = n // 256, m // ROWS * ROWS
@@ -190,7 +221,7 @@ def _gemm_q5_k(raw, q, d, sums, out, lut, r0, r1):
             accm[:] = 0.0
             for blk in range(nb):
                 o = blk * 176
-                idot_q5_k_rows(acc, b, o, q, i * n + blk * 256, n, d, i * nb + blk, nb, _half(lut, b, o), accm, sums,
+                idot_q5_k_rows(acc, b, o, q, i * n + blk * 256, n, dt, blk * m + i, _half(lut, b, o), accm, sums16,
                                i * (n // 32) + blk * 8, n // 32, _half(lut, b, o + 2))
             for k in range(ROWS):
                 out[i + k, r] = _hsum8(acc[8 * k:8 * k + 8]) + accm[k]
@@ -199,7 +230,7 @@ def _gemm_q5_k(raw, q, d, sums, out, lut, r0, r1):
 
 
 @njit(cache=True, nogil=True)
-def _gemm_q6_k(raw, q, d, sums, out, lut, r0, r1):
+def _gemm_q6_k(raw, q, d, dt, sums, sums16, out, lut, r0, r1):
     """As _gemm_q4_k for Q6_K (each element as qint._mm_q6_k)."""
     m, n = q.shape
     nb, groups = n // 256, m // ROWS * ROWS
@@ -209,7 +240,7 @@ def _gemm_q6_k(raw, q, d, sums, out, lut, r0, r1):
             b = raw[r]
             acc[:] = 0.0
             for blk in range(nb):
-                idot_q6_k_rows(acc, b, blk * 210, q, i * n + blk * 256, n, d, i * nb + blk, nb,
+                idot_q6_k_rows(acc, b, blk * 210, q, i * n + blk * 256, n, dt, blk * m + i,
                                _half(lut, b, blk * 210 + 208))
             for k in range(ROWS):
                 out[i + k, r] = _hsum8(acc[8 * k:8 * k + 8])
@@ -236,6 +267,7 @@ def matmul_t_many(weights, x: np.ndarray) -> list:
             raise ValueError(f"qint_gemm: no blocked integer kernel for ggml type {qtype}")
         _check(qtype, raw, x.shape[1])
     q, d, sums = quantize_activations(PARTNER[Q4_K], x)
+    dt, sums16 = np.ascontiguousarray(d.T), sums.astype(np.int16)  # |a 32-element sum| <= 32 * 128: exact
     outs, pieces = [], []
     for qtype, raw in weights:
         raw = np.ascontiguousarray(raw)
@@ -246,7 +278,7 @@ def matmul_t_many(weights, x: np.ndarray) -> list:
 
     def piece(i):
         kernel, raw, out, r0, r1 = pieces[i]
-        kernel(raw, q, d, sums, out, HALF_TO_FLOAT, r0, r1)
+        kernel(raw, q, d, dt, sums, sums16, out, HALF_TO_FLOAT, r0, r1)
 
     run_dynamic(len(pieces), piece)
     return outs

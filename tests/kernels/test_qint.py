@@ -217,15 +217,22 @@ def test_frozen_weight_takes_the_integer_path_only_without_gradients():
 
 
 @pytest.mark.slow
-def test_portable_ir_gives_the_same_bits(tmp_path):
-    """The portable IR (non-AVX2 targets; forced by FUCINA_INTEGER_ISA=portable) against the same model: the
-    bitwise test above in a fresh process with its own numba cache, so no AVX2 code is reused."""
+@pytest.mark.parametrize("isa, probe, expected", [
+    ("portable", "from kernels import qblocks; print(qblocks.AVX2)", "False"),
+    ("avx2", "from kernels import qint_gemm; print(qint_gemm.ROWS)", "4")])
+def test_portable_ir_and_the_4_row_gemm_give_the_same_bits(tmp_path, isa, probe, expected):
+    """The portable IR (non-AVX2 targets; forced by FUCINA_INTEGER_ISA=portable) and the blocked GEMM's 4-row
+    layout (AVX2 without AVX-512; FUCINA_INTEGER_ISA=avx2 on an AVX-512 machine, whose default is 8 rows)
+    against the same model: the bitwise tests in a fresh process with its own numba cache, so no code
+    compiled for the default target is reused."""
     import os
     import subprocess
-    env = dict(os.environ, FUCINA_INTEGER_ISA="portable", NUMBA_CACHE_DIR=str(tmp_path))
-    probe = subprocess.run([sys.executable, "-c", "from kernels import qblocks; print(qblocks.AVX2)"], env=env,
-                           capture_output=True, text=True, check=True)
-    assert probe.stdout.strip() == "False"
+    from kernels.qblocks import AVX2
+    if isa == "avx2" and not AVX2:
+        pytest.skip("no AVX2 here")
+    env = dict(os.environ, FUCINA_INTEGER_ISA=isa, NUMBA_CACHE_DIR=str(tmp_path))
+    seen = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert seen.stdout.strip() == expected
     blocked = str(Path(__file__).with_name("test_qint_gemm.py"))  # the blocked GEMM's kernels share the IR
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, blocked, "-k",
                           "bitwise_equals_llama_model or thread_count"], env=env, capture_output=True, text=True)

@@ -544,6 +544,15 @@ def _x86(h, name, ret, *args):
     return h.b.call(fn, list(args))
 
 
+def _pair_products(h, w, x, w_unsigned):
+    """AVX2: <16 x i16> w[2i]*x[2i] + w[2i+1]*x[2i+1] by vpmaddubsw; signed w as |w| . (x * sign(w)), the
+    signed product as an unsigned x signed one (ggml's mul_sum_i8_pairs)."""
+    if not w_unsigned:
+        x = _x86(h, "llvm.x86.avx2.psign.b", _VB, x, w)
+        w = h.b.select(h.b.icmp_signed("<", w, h.bytes_const(0)), h.b.sub(h.bytes_const(0), w), w)
+    return _x86(h, "llvm.x86.avx2.pmadd.ub.sw", _V16S, w, x)
+
+
 def _lane_sums(h, w, x, scale16=None, w_unsigned=False):
     """<8 x i32>: lane k = sum over elements 4k..4k+3 of w * x * scale (llama.cpp's lane k) for <32 x i8> w and
     signed x; scale16 (an i16 per pair of elements, <16 x i16>) defaults to 1. Exact: |w| <= 128 and |x| <= 127
@@ -555,10 +564,7 @@ def _lane_sums(h, w, x, scale16=None, w_unsigned=False):
         if scale16 is not None:
             part = h.b.mul(part, h.b.sext(scale16, _V16I))
         return _fold_lanes(h, part)
-    if not w_unsigned:  # |w| . (x * sign(w)): the signed product as an unsigned x signed one (mul_sum_i8_pairs)
-        x = _x86(h, "llvm.x86.avx2.psign.b", _VB, x, w)
-        w = h.b.select(h.b.icmp_signed("<", w, h.bytes_const(0)), h.b.sub(h.bytes_const(0), w), w)
-    pairs = _x86(h, "llvm.x86.avx2.pmadd.ub.sw", _V16S, w, x)
+    pairs = _pair_products(h, w, x, w_unsigned)
     if scale16 is None:
         scale16 = ir.Constant(_V16S, [1] * 16)
     return _x86(h, "llvm.x86.avx2.pmadd.wd", _V8I, pairs, scale16)

@@ -31,8 +31,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .dequant import HALF_TO_FLOAT, Q4_K, Q5_K, Q6_K, ROW_CHUNK, _check, _half
-from .qblocks import (AVX2, _F32, _I32, _I64, _IR, _V16I, _V16S, _VB, _k4_scale_bytes, _lane_sums, _scale16,
-                      _target_has, _x86, o_arg)
+from .qblocks import (AVX2, _F32, _I32, _I64, _IR, _V8I, _V16I, _V16S, _VB, _k4_scale_bytes, _lane_sums,
+                      _pair_products, _scale16, _target_has, _x86, o_arg)
 from .qint import PARTNER, _hsum8, _mm_q4_k, _mm_q5_k, _mm_q6_k, quantize_activations
 from .workpool import run_dynamic
 
@@ -105,6 +105,32 @@ def _k_min_pairs(h, m16, r):
                    _pick(h, m16, list(range(8)) * 2))
 
 
+# vpdpwssd (AVX-VNNI, or AVX512-VNNI with VL): the scale product and the lane add in one instruction. It goes
+# through inline asm because LLVM's machine combiner splits the intrinsic back into vpmaddwd + vpaddd here.
+_EVEX_VNNI = AVX2 and _target_has("avx512vnni", "avx512vl")
+VNNI = _EVEX_VNNI or (AVX2 and _target_has("avxvnni"))
+if VNNI:  # numba's JIT emits object code directly; inline asm needs LLVM's x86 asm parser to be initialised
+    import llvmlite.binding as _llvm
+    _llvm.initialize_native_asmparser()
+
+
+def _dpwssd(h, total, pairs, scale16):
+    """<8 x i32> total + vpmaddwd(pairs, scale16), exact, as one vpdpwssd."""
+    reg = "v" if _EVEX_VNNI else "x"
+    op = "vpdpwssd" if _EVEX_VNNI else "{vex} vpdpwssd"
+    asm = ir.InlineAsm(ir.FunctionType(_V8I, [_V16S, _V16S, _V8I]), f"{op} $2, $1, $0", f"={reg},{reg},{reg},0")
+    return h.b.call(asm, [scale16, pairs, total])
+
+
+def _add_lane_sums(h, total, w, x, scale16, w_unsigned=False):
+    """total + qblocks._lane_sums(w, x, scale16) (total None: the lane sums alone); with VNNI the scale product
+    and the add are one vpdpwssd."""
+    if VNNI and total is not None:
+        return _dpwssd(h, total, _pair_products(h, w, x, w_unsigned), scale16)
+    part = _lane_sums(h, w, x, scale16, w_unsigned=w_unsigned)
+    return part if total is None else h.b.add(total, part)
+
+
 def _k_totals(h, high_bit, s):
     """Per activation row, the <8 x i32> lanes of a Q4_K/Q5_K block: sum over sub-blocks j of scale_j times the
     weight . activation products of elements 4k..4k+3 of sub-block j, in lane k (the row kernels' lanes)."""
@@ -117,8 +143,7 @@ def _k_totals(h, high_bit, s):
         sc = _scale16(h, s, j)
         for r in range(ROWS):
             x = h.vload(3, _row_offset(h, 4, 5, r, 32 * j), _VB)
-            part = _lane_sums(h, w, x, sc, w_unsigned=True)
-            totals[r] = part if totals[r] is None else h.b.add(totals[r], part)
+            totals[r] = _add_lane_sums(h, totals[r], w, x, sc, w_unsigned=True)
     return totals
 
 
@@ -175,8 +200,7 @@ def idot_q6_k_rows(typingctx, acc, b, o, q, qo, q_stride, dt, dto, wd):
                 sc = h.b.sext(_pick(h, scales, [g] * 8 + [g + 1] * 8), _V16S)
                 for r in range(ROWS):
                     x = h.vload(3, _row_offset(h, 4, 5, r, 32 * (hh * 4 + t)), _VB)
-                    part = _lane_sums(h, w, x, sc)
-                    totals[r] = part if totals[r] is None else h.b.add(totals[r], part)
+                    totals[r] = _add_lane_sums(h, totals[r], w, x, sc)
         for r in range(ROWS):
             _fma_at(h, 0, 8 * r, h.b.extract_element(row_scales, ir.Constant(_I32, r)), totals[r])
         return context.get_dummy_value()

@@ -48,11 +48,17 @@ def _round_even(v):
 def _quantize_q8_0(x, q, d):
     """x f32 [m, n] -> q int8 [m, n], d f32 [m, n/32] = max|x| / 127 per block, rounded to its fp16 value
     (the scale the dot product reads)."""
+    bits = x.view(np.uint32)
     for i in range(x.shape[0]):
+        bi = bits[i]
         for blk in range(x.shape[1] // 32):
-            amax = np.float32(0.0)
+            top = np.uint32(0)  # the largest magnitude as an integer max of the sign-cleared bits (vectorises)
             for k in range(blk * 32, blk * 32 + 32):
-                amax = max(amax, abs(x[i, k]))
+                top = max(top, bi[k] & np.uint32(0x7FFFFFFF))
+            amax = np.uint32(top).view(np.float32) if top <= np.uint32(0x7F800000) else np.float32(0.0)
+            if top > np.uint32(0x7F800000):  # a NaN: the float max as before
+                for k in range(blk * 32, blk * 32 + 32):
+                    amax = max(amax, abs(x[i, k]))
             d[i, blk] = _f16_bits_to_f32(_f32_to_f16_bits(amax / np.float32(127.0)))
             inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)  # the AVX2 path's 127/max, not 1/d
             for k in range(blk * 32, blk * 32 + 32):
@@ -62,27 +68,42 @@ def _quantize_q8_0(x, q, d):
 @njit(cache=True, nogil=True)
 def _quantize_q8_k(x, q, d, sums):
     """x f32 [m, n] -> q int8 [m, n], d f32 [m, n/256], sums int32 [m, n/32] (each 32 q's sum)."""
+    bits = x.view(np.uint32)
     for i in range(x.shape[0]):
+        xi, bi = x[i], bits[i]
         for blk in range(x.shape[1] // 256):
             o = blk * 256
-            amax, mx = np.float32(0.0), np.float32(0.0)
+            # ggml keeps the first x of the largest magnitude. Magnitudes compare as their bit patterns with the
+            # sign cleared, an integer max that vectorises (a float max does not: LLVM may not reorder it)
+            top = np.uint32(0)
             for k in range(o, o + 256):
-                if abs(x[i, k]) > amax:
-                    amax, mx = abs(x[i, k]), x[i, k]
+                top = max(top, bi[k] & np.uint32(0x7FFFFFFF))
+            amax, mx = np.float32(0.0), np.float32(0.0)
+            if top > np.uint32(0x7F800000):  # a NaN: ggml's scan, which never takes one
+                for k in range(o, o + 256):
+                    if abs(xi[k]) > amax:
+                        amax, mx = abs(xi[k]), xi[k]
+            else:
+                for k in range(o, o + 256):
+                    if bi[k] & np.uint32(0x7FFFFFFF) == top:
+                        amax, mx = abs(xi[k]), xi[k]
+                        break
             if amax == 0:
                 d[i, blk] = 0.0
                 q[i, o:o + 256] = 0
                 sums[i, blk * 8:blk * 8 + 8] = 0
                 continue
             iscale = np.float32(-127.0) / mx
+            qi = q[i]
             for g in range(8):
-                total = 0
+                total = np.int32(0)
                 for k in range(o + 32 * g, o + 32 * g + 32):
-                    v = min(127, _round_even(iscale * x[i, k]))
-                    q[i, k] = v
+                    v = min(np.int32(127), _round_even(iscale * xi[k]))
+                    qi[k] = np.int8(v)
                     total += v
                 sums[i, blk * 8 + g] = total
-            d[i, blk] = np.float32(1.0) / iscale
+            # an infinite x leaves iscale -0 or +0: ggml's 1 / iscale is then -inf or +inf (numba would raise)
+            d[i, blk] = np.float32(1.0) / iscale if iscale != 0 else np.float32(-np.inf if mx > 0 else np.inf)
 
 
 def quantize_activations(partner: str, x: np.ndarray):

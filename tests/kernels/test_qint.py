@@ -165,6 +165,37 @@ def test_quantizers_match_the_parity_roundtrip():
     np.testing.assert_array_equal(d0, rd)
 
 
+def test_q8_k_keeps_the_first_largest_magnitude_and_skips_nans():
+    """The Q8_K quantizer finds a block's largest magnitude as an integer max over the sign-cleared bits, then the
+    first x of it: as ggml's scan, whose sign decides the scale. Blocks: a magnitude tie (-3 before +3 and +3
+    before -3), -0.0 with zeros, all zeros, an infinity, and NaNs (ggml's scan never takes one, so those blocks
+    keep the scan)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 7 * 256)).astype(np.float32)
+    blocks = x.reshape(2, 7, 256)
+    blocks[0, 0, 10], blocks[0, 0, 200] = -3.0, 3.0
+    blocks[0, 1, 10], blocks[0, 1, 200] = 3.0, -3.0
+    blocks[0, 2] = 0.0
+    blocks[0, 2, 5] = -0.0
+    blocks[0, 3, :] = 0.0
+    blocks[1, 0, 7] = np.inf
+    blocks[1, 1, 9] = np.nan
+    blocks[1, 2, 255] = np.nan
+    q, d, sums = qint.quantize_activations(qint.Q8_K_PARTNER, x)
+    finite = np.isfinite(blocks).all(axis=-1)
+    with np.errstate(all="ignore"):  # numpy's argmax would take the NaN: the reference sees it as 0
+        rq, rd = ref_quantize_q8_k(np.where(np.isnan(x), np.float32(0), x))
+    np.testing.assert_array_equal(d[finite], rd[finite])
+    np.testing.assert_array_equal(q.reshape(2, 7, 256)[finite], rq.reshape(2, 7, 256)[finite])
+    assert d[0, 0] < 0 < d[0, 1]  # the first of the tied magnitudes set the sign
+    assert (q.reshape(2, 7, 256)[0, 2:4] == 0).all() and (d[0, 2:4] == 0).all()
+    for blk in (1, 2):  # a NaN block: scaled by its largest finite magnitude, as ggml's scan does
+        nan_free = np.where(np.isnan(blocks[1, blk]), np.float32(0), blocks[1, blk])
+        assert d[1, blk] == rd[1, blk] and abs(d[1, blk]) == np.float32(1) / (np.float32(127) / np.abs(nan_free).max())
+    assert d[1, 0] == -np.inf  # +inf: iscale -0, d = 1 / -0 (the q of a non-finite block are ggml's garbage too)
+    np.testing.assert_array_equal(sums.reshape(2, 7, 8)[finite], q.reshape(2, 7, 8, 32)[finite].sum(-1, dtype=np.int64))
+
+
 @pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q8_0], ids=lambda q: q.name)
 def test_thread_count_does_not_change_bits(qt):
     raw = random_blocks(qt, 100, 512, seed=5)

@@ -107,20 +107,28 @@ class Supervisor:
 
     def run(self) -> dict:
         """Start everything, supervise until the scheduler exits; -> summary (raises on failure)."""
-        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+        # A stop signal only sets a flag that the loop reads between its steps. Raising KeyboardInterrupt from
+        # the handler could land inside Popen.poll() after it took its waitpid lock and before its try: the
+        # lock stays held and shutdown's p.wait() hangs on it (a SIGINT after a respawn hung a launcher 60 s).
+        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+        stopping = []
 
         def stop(signum, _frame):
-            raise KeyboardInterrupt
+            stopping.append(signum)
         for s in previous:
             signal.signal(s, stop)
         try:
             for name in self.commands:
+                if stopping:
+                    raise KeyboardInterrupt
                 self.spawn(name)
-            if self.ray is not None:
+            if self.ray is not None and not stopping:
                 from .ray_place import RayWorkers
                 self.ray_workers = RayWorkers(self.ray, self.ray_count, self.ray_command, self.client_key_path,
                                               self.env)
             while True:
+                if stopping:
+                    raise KeyboardInterrupt  # at a safe point: the CLI prints "interrupted", exit status 130
                 code = self.procs["scheduler"].poll()
                 if code is not None:
                     break

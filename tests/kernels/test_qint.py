@@ -247,21 +247,38 @@ def test_frozen_weight_takes_the_integer_path_only_without_gradients():
                                   qgemm.matmul_t(int(QT.Q4_K), raw, many, (48, 256)))  # gradients on: f32
 
 
+def _vex_vnni_target():
+    """numba's target as an AVX-VNNI CPU without AVX-512 (Alder Lake's kind), for a host that can run it."""
+    import llvmlite.binding as llvm
+    features = llvm.get_host_cpu_features()
+    for name in list(features):
+        if name.startswith(("avx512", "amx", "evex512")):
+            features[name] = False
+    return {"NUMBA_CPU_NAME": "alderlake", "NUMBA_CPU_FEATURES": features.flatten()}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("isa, probe, expected", [
     ("portable", "from kernels import qblocks; print(qblocks.AVX2)", "False"),
-    ("avx2", "from kernels import qint_gemm; print(qint_gemm.ROWS)", "4")])
+    ("avx2", "from kernels import qint_gemm; print(qint_gemm.ROWS, qint_gemm.VNNI)", "4 False"),
+    ("avxvnni", "from kernels import qint_gemm; print(qint_gemm.ROWS, qint_gemm.VNNI, qint_gemm._EVEX_VNNI)",
+     "4 True False")])
 def test_portable_ir_and_the_4_row_gemm_give_the_same_bits(tmp_path, isa, probe, expected):
-    """The portable IR (non-AVX2 targets; forced by FUCINA_INTEGER_ISA=portable) and the blocked GEMM's 4-row
-    layout (AVX2 without AVX-512; FUCINA_INTEGER_ISA=avx2 on an AVX-512 machine, whose default is 8 rows)
-    against the same model: the bitwise tests in a fresh process with its own numba cache, so no code
-    compiled for the default target is reused."""
+    """The portable IR (non-AVX2 targets; forced by FUCINA_INTEGER_ISA=portable), the blocked GEMM's 4-row
+    layout (AVX2 without AVX-512; FUCINA_INTEGER_ISA=avx2 on an AVX-512 machine, whose default is 8 rows), and
+    its VEX-encoded vpdpwssd (AVX-VNNI without AVX-512: numba told to target such a CPU, on a host that has
+    AVX-VNNI) against the same model: the bitwise tests in a fresh process with its own numba cache, so no
+    code compiled for the default target is reused."""
     import os
     import subprocess
+    import llvmlite.binding as llvm
     from kernels.qblocks import AVX2
-    if isa == "avx2" and not AVX2:
+    if isa != "portable" and not AVX2:
         pytest.skip("no AVX2 here")
-    env = dict(os.environ, FUCINA_INTEGER_ISA=isa, NUMBA_CACHE_DIR=str(tmp_path))
+    if isa == "avxvnni" and not llvm.get_host_cpu_features().get("avxvnni", False):
+        pytest.skip("no AVX-VNNI here")
+    target = _vex_vnni_target() if isa == "avxvnni" else {"FUCINA_INTEGER_ISA": isa}
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), **target)
     seen = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert seen.stdout.strip() == expected
     blocked = str(Path(__file__).with_name("test_qint_gemm.py"))  # the blocked GEMM's kernels share the IR

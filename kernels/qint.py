@@ -44,6 +44,20 @@ def _round_even(v):
     return np.int32(np.float32(v + magic) - magic)
 
 
+_MAGNITUDE, _INF_BITS = np.uint32(0x7FFFFFFF), np.uint32(0x7F800000)
+
+
+@njit(cache=True, inline="always")
+def _top_magnitude_bits(bits, k0, k1):
+    """The largest |x[k0:k1]| as its bit pattern (the f32 bits with the sign cleared): magnitudes order as those
+    integers, and an integer max vectorises where a float max does not (LLVM may not reorder it). Above
+    _INF_BITS: a NaN is there."""
+    top = np.uint32(0)
+    for k in range(k0, k1):
+        top = max(top, bits[k] & _MAGNITUDE)
+    return top
+
+
 @njit(cache=True, nogil=True)
 def _quantize_q8_0(x, q, d):
     """x f32 [m, n] -> q int8 [m, n], d f32 [m, n/32] = max|x| / 127 per block, rounded to its fp16 value
@@ -52,13 +66,13 @@ def _quantize_q8_0(x, q, d):
     for i in range(x.shape[0]):
         bi = bits[i]
         for blk in range(x.shape[1] // 32):
-            top = np.uint32(0)  # the largest magnitude as an integer max of the sign-cleared bits (vectorises)
-            for k in range(blk * 32, blk * 32 + 32):
-                top = max(top, bi[k] & np.uint32(0x7FFFFFFF))
-            amax = np.uint32(top).view(np.float32) if top <= np.uint32(0x7F800000) else np.float32(0.0)
-            if top > np.uint32(0x7F800000):  # a NaN: the float max as before
+            top = _top_magnitude_bits(bi, blk * 32, blk * 32 + 32)
+            if top > _INF_BITS:  # a NaN: the float max as before
+                amax = np.float32(0.0)
                 for k in range(blk * 32, blk * 32 + 32):
                     amax = max(amax, abs(x[i, k]))
+            else:
+                amax = np.uint32(top).view(np.float32)
             d[i, blk] = _f16_bits_to_f32(_f32_to_f16_bits(amax / np.float32(127.0)))
             inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)  # the AVX2 path's 127/max, not 1/d
             for k in range(blk * 32, blk * 32 + 32):
@@ -73,19 +87,15 @@ def _quantize_q8_k(x, q, d, sums):
         xi, bi = x[i], bits[i]
         for blk in range(x.shape[1] // 256):
             o = blk * 256
-            # ggml keeps the first x of the largest magnitude. Magnitudes compare as their bit patterns with the
-            # sign cleared, an integer max that vectorises (a float max does not: LLVM may not reorder it)
-            top = np.uint32(0)
-            for k in range(o, o + 256):
-                top = max(top, bi[k] & np.uint32(0x7FFFFFFF))
+            top = _top_magnitude_bits(bi, o, o + 256)  # ggml keeps the first x of the largest magnitude
             amax, mx = np.float32(0.0), np.float32(0.0)
-            if top > np.uint32(0x7F800000):  # a NaN: ggml's scan, which never takes one
+            if top > _INF_BITS:  # a NaN: ggml's scan, which never takes one
                 for k in range(o, o + 256):
                     if abs(xi[k]) > amax:
                         amax, mx = abs(xi[k]), xi[k]
             else:
                 for k in range(o, o + 256):
-                    if bi[k] & np.uint32(0x7FFFFFFF) == top:
+                    if bi[k] & _MAGNITUDE == top:
                         amax, mx = abs(xi[k]), xi[k]
                         break
             if amax == 0:

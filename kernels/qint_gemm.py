@@ -15,9 +15,9 @@ Per block the ROWS rows' f32 scales are one vector product (the activations' sca
 block's rows side by side) and Q4_K's mins of two rows are one vpmaddwd on i16 block sums. On AVX-512 targets
 the same 256-bit code runs 8 rows, not 4: EVEX gives it 32 vector registers (measured on a Xeon with
 AVX512-VNNI: 8 rows 52 GMAC/s per core against 45 for 4; 512-bit vectors gave no gain there, whose integer
-multiplies issue on one port at 512 bits and two at 256). Only the Q8_K formats (Q4_K, Q5_K, Q6_K) have a
-blocked kernel; the others
-keep the row kernels (see FrozenWeight.uses_integer_dot for where each pays).
+multiplies issue on one port at 512 bits and two at 256); with VNNI a sub-block's scale product and lane add
+are one vpdpwssd. Only the Q8_K formats (Q4_K, Q5_K, Q6_K) have a blocked kernel; the others keep the row
+kernels (see FrozenWeight.uses_integer_dot for where each pays).
 Pieces are whole ROW_CHUNKs of weight rows on a grid fixed by the shapes, each
 element computed by the same serial code whatever thread takes it: bitwise
 independent of the thread count.
@@ -88,13 +88,11 @@ def _row_scales(h, weight_arg, negate=False):
 
 
 def _madd16(h, a, b):
-    """<n/2 x i32> lane i = a[2i] * b[2i] + a[2i+1] * b[2i+1] for <n x i16> a, b (vpmaddwd; exact)."""
-    out = ir.VectorType(_I32, a.type.count // 2)
+    """<8 x i32> lane i = a[2i] * b[2i] + a[2i+1] * b[2i+1] for <16 x i16> a, b (vpmaddwd; exact)."""
     if AVX2:
-        name = "llvm.x86.avx2.pmadd.wd" if a.type.count == 16 else "llvm.x86.sse2.pmadd.wd"
-        return _x86(h, name, out, a, b)
-    p = h.b.mul(h.b.sext(a, ir.VectorType(_I32, a.type.count)), h.b.sext(b, ir.VectorType(_I32, a.type.count)))
-    return h.b.add(_pick(h, p, range(0, a.type.count, 2)), _pick(h, p, range(1, a.type.count, 2)))
+        return _x86(h, "llvm.x86.avx2.pmadd.wd", _V8I, a, b)
+    p = h.b.mul(h.b.sext(a, _V16I), h.b.sext(b, _V16I))
+    return h.b.add(_pick(h, p, range(0, 16, 2)), _pick(h, p, range(1, 16, 2)))
 
 
 def _k_min_pairs(h, m16, r):

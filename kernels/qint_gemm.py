@@ -16,8 +16,10 @@ block's rows side by side) and Q4_K's mins of two rows are one vpmaddwd on i16 b
 the same 256-bit code runs 8 rows, not 4: EVEX gives it 32 vector registers (measured on a Xeon with
 AVX512-VNNI: 8 rows 52 GMAC/s per core against 45 for 4; 512-bit vectors gave no gain there, whose integer
 multiplies issue on one port at 512 bits and two at 256); with VNNI a sub-block's scale product and lane add
-are one vpdpwssd. Only the Q8_K formats (Q4_K, Q5_K, Q6_K) have a blocked kernel; the others keep the row
-kernels (see FrozenWeight.uses_integer_dot for where each pays).
+are one vpdpwssd, and Q4_K/Q5_K take a pair of sub-blocks' unscaled dots by vpdpbusd (_k_totals_pairs). A
+group's ROWS output sums are finished as vectors, eight rows at a time (_finish). Only the Q8_K formats (Q4_K,
+Q5_K, Q6_K) have a blocked kernel; the others keep the row kernels
+(see FrozenWeight.uses_integer_dot for where each pays).
 Pieces are whole ROW_CHUNKs of weight rows on a grid fixed by the shapes, each
 element computed by the same serial code whatever thread takes it: bitwise
 independent of the thread count.
@@ -33,7 +35,7 @@ from numba.extending import intrinsic
 from .dequant import HALF_TO_FLOAT, Q4_K, Q5_K, Q6_K, ROW_CHUNK, _check, _half
 from .qblocks import (AVX2, _F32, _I32, _I64, _IR, _V8I, _V16I, _V16S, _VB, _k4_scale_bytes, _lane_sums,
                       _pair_products, _scale16, _target_has, _x86, o_arg)
-from .qint import PARTNER, _hsum8, _mm_q4_k, _mm_q5_k, _mm_q6_k, quantize_activations
+from .qint import PARTNER, _mm_q4_k, _mm_q5_k, _mm_q6_k, quantize_activations
 from .workpool import run_dynamic
 
 # activation rows per inner kernel: 4 i32 totals + weight + scale + temporaries fit AVX2's 16 ymm registers;
@@ -129,6 +131,57 @@ def _add_lane_sums(h, total, w, x, scale16, w_unsigned=False):
     return part if total is None else h.b.add(total, part)
 
 
+# With VNNI, a pair of sub-blocks (2c, 2c + 1) goes through vpdpbusd: the unscaled 4-element dot products of
+# both, in the dword order PAIR_ORDER (the weights shuffled into it per block, the activations once per GEMM by
+# pair_order), so that vpackssdw of the two results puts sub-block 2c's and 2c+1's sums of the same lane k side
+# by side and one vpdpwssd with the scale pair (s_2c, s_2c+1) adds s_2c * D_2c,k + s_2c+1 * D_2c+1,k to lane k:
+# three multiply-port instructions per pair and row where vpmaddubsw + vpdpwssd took four. Exact: |D| <= 4 * 31
+# * 128 fits i16, and the lane totals are the row kernels' (integer sums in any order).
+PAIR_ORDER = (0, 8, 1, 9, 4, 12, 5, 13, 2, 10, 3, 11, 6, 14, 7, 15)  # source dword (s * 8 + k) per position
+
+
+def pair_order(q):
+    """The int8 activations [m, n] with each 64-element pair of sub-blocks in PAIR_ORDER's dword order."""
+    m, n = q.shape
+    dwords = q.view(np.int32).reshape(m, n // 64, 16)[:, :, list(PAIR_ORDER)]
+    return np.ascontiguousarray(dwords).view(np.int8).reshape(m, n)
+
+
+def _k_totals_pairs(h, high_bit, s):
+    """_k_totals by vpdpbusd on sub-block pairs (the activations, arg 3, in pair_order). The pairs' dot products
+    accumulate in one register per chain of pairs (a new register per pair cost a zeroing instruction each),
+    so pair c's packed values are the running sums D_0 + ... + D_c; the scale pair of c minus that of c + 1
+    undoes the running sum (telescoping, exact in integers). A chain is as long as i16 allows: 4 pairs of Q4_K
+    (4 * 4 * 15 * 128 = 30720), 2 of Q5_K."""
+    qh = h.vload(1, o_arg(h), _VB, 16) if high_bit else None
+    chain = 2 if high_bit else 4
+    s16 = h.b.zext(s, ir.VectorType(ir.IntType(16), 8))
+    totals, running = [None] * ROWS, [None] * ROWS
+    zero = ir.Constant(_V8I, [0] * 8)
+    for c in range(4):
+        raw = h.vload(1, o_arg(h), _VB, (48 if high_bit else 16) + c * 32)
+        halves = []
+        for k in range(2):
+            w = h.bits(raw, 4 * k, 0xF)
+            if high_bit:
+                w = h.b.or_(w, h.b.shl(h.bits(qh, 2 * c + k, 1), h.bytes_const(4)))
+            halves.append(h.b.bitcast(w, _V8I))
+        wa, wb = (h.b.shuffle_vector(halves[0], halves[1], ir.Constant(_V8I, PAIR_ORDER[8 * t:8 * t + 8]))
+                  for t in range(2))
+        sc = _pick(h, s16, [2 * c, 2 * c + 1] * 8)
+        if (c + 1) % chain:
+            sc = h.b.sub(sc, _pick(h, s16, [2 * c + 2, 2 * c + 3] * 8))
+        for r in range(ROWS):
+            xa, xb = (h.b.bitcast(h.vload(3, _row_offset(h, 4, 5, r, 64 * c + 32 * t), _VB), _V8I) for t in range(2))
+            da, db = running[r] if c % chain else (zero, zero)
+            da = _x86(h, "llvm.x86.avx512.vpdpbusd.256", _V8I, da, wa, xa)
+            db = _x86(h, "llvm.x86.avx512.vpdpbusd.256", _V8I, db, wb, xb)
+            running[r] = da, db
+            packed = _x86(h, "llvm.x86.avx2.packssdw", _V16S, da, db)
+            totals[r] = _madd16(h, packed, sc) if totals[r] is None else _dpwssd(h, totals[r], packed, sc)
+    return totals
+
+
 def _k_totals(h, high_bit, s):
     """Per activation row, the <8 x i32> lanes of a Q4_K/Q5_K block: sum over sub-blocks j of scale_j times the
     weight . activation products of elements 4k..4k+3 of sub-block j, in lane k (the row kernels' lanes)."""
@@ -153,7 +206,7 @@ def _k_block_rows(high_bit):
         h = _IR(context, builder, signature, args)
         s, m = _k4_scale_bytes(h)
         scales, min_scales = _row_scales(h, 8), _row_scales(h, 13, negate=True)
-        for r, total in enumerate(_k_totals(h, high_bit, s)):
+        for r, total in enumerate((_k_totals_pairs if VNNI else _k_totals)(h, high_bit, s)):
             _fma_at(h, 0, 8 * r, h.b.extract_element(scales, ir.Constant(_I32, r)), total)
         m16 = h.b.zext(m, _V8S)
         for r in range(0, ROWS, 2):
@@ -205,10 +258,59 @@ def idot_q6_k_rows(typingctx, acc, b, o, q, qo, q_stride, dt, dto, wd):
     return types.void(acc, b, o, q, qo, q_stride, dt, dto, wd), codegen
 
 
+def _add_picked(h, u, v, first, second):
+    """shuffle(u, v, first) + shuffle(u, v, second) for two <8 x f32> (lane-wise adds: any lane order, exact)."""
+    pick = lambda idx: h.b.shuffle_vector(u, v, ir.Constant(_V8I, list(idx)))
+    return h.b.fadd(pick(first), pick(second))
+
+
+def _row_sums(h, quads):
+    """<8 x f32>: lane r = (v.0 + v.2) + (v.1 + v.3) of row r's 4 lanes v, from 4 <8 x f32> vectors of two rows'
+    4 lanes each (rows 2k, 2k + 1 in vector k): the scalar code's adds, eight rows at a time."""
+    pairs = [_add_picked(h, quads[k], quads[k + 1], [0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15])
+             for k in (0, 2)]  # lanes (r.0 + r.2, r.1 + r.3), four rows per vector
+    return _add_picked(h, pairs[0], pairs[1], range(0, 16, 2), range(1, 16, 2))
+
+
+def _finish(kind):
+    """codegen: out[oo + k * o_stride] = hsum_float_8(acc[8k:8k + 8]) + the mins term of row k, for the ROWS
+    rows, vectorised eight rows at a time (what the row kernels compute one row at a time: the same adds)."""
+    def codegen(context, builder, signature, args):
+        h = _IR(context, builder, signature, args)
+        vf = ir.VectorType(_F32, 8)
+        load = lambda arg, at: h.b.load(h.b.bitcast(h.b.gep(h.ptrs[arg], [ir.Constant(_I64, at)]), vf.as_pointer()),
+                                        align=4)
+        zero = ir.Constant(vf, [0.0] * 8)  # the lanes of rows past ROWS (4-row layout): computed, not stored
+        rows = [load(0, 8 * r) for r in range(ROWS)] + [zero] * (8 - ROWS)
+        halves = [_add_picked(h, rows[r], rows[r + 1], [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])
+                  for r in range(0, 8, 2)]  # lanes l + (l + 4), two rows per vector
+        total = _row_sums(h, halves)
+        if kind == Q4_K:
+            total = h.b.fadd(total, _row_sums(h, [load(1, 8 * k) if 2 * k < ROWS else zero for k in range(4)]))
+        elif kind == Q5_K:
+            mins = h.b.load(h.b.bitcast(h.ptrs[1], ir.VectorType(_F32, ROWS).as_pointer()), align=4)
+            total = h.b.fadd(total, _pick(h, mins, list(range(ROWS)) + [0] * (8 - ROWS)))
+        for r in range(ROWS):
+            at = h.b.add(h.ptrs[3], h.b.mul(h.ptrs[4], ir.Constant(_I64, r)))
+            h.b.store(h.b.extract_element(total, ir.Constant(_I32, r)), h.b.gep(h.ptrs[2], [at]))
+        return context.get_dummy_value()
+    return codegen
+
+
+def _finish_intrinsic(kind):
+    @intrinsic
+    def finish(typingctx, acc, accm, out, oo, o_stride):
+        return types.void(acc, accm, out, oo, o_stride), _finish(kind)
+    return finish
+
+
+finish_q4_k, finish_q5_k, finish_q6_k = (_finish_intrinsic(k) for k in (Q4_K, Q5_K, Q6_K))
+
+
 # The kernels take the activations' Q8_K scales twice: d [m, nb] for the tail's row kernel and dt [nb, m] (a
 # block's rows side by side) for the blocked one; the block sums as int32 for the row kernel and int16 here.
 @njit(cache=True, nogil=True)
-def _gemm_q4_k(raw, q, d, dt, sums, sums16, out, lut, r0, r1):
+def _gemm_q4_k(raw, q, qp, d, dt, sums, sums16, out, lut, r0, r1):
     """out[:, r0:r1] for Q4_K raw against Q8_K activations q/d/sums: groups of ROWS rows through idot_q4_k_rows,
     the tail through qint's row kernel; each element as qint._mm_q4_k computes it."""
     m, n = q.shape
@@ -221,17 +323,15 @@ def _gemm_q4_k(raw, q, d, dt, sums, sums16, out, lut, r0, r1):
             accm[:] = 0.0
             for blk in range(nb):
                 o = blk * 144
-                idot_q4_k_rows(acc, b, o, q, i * n + blk * 256, n, dt, blk * m + i, _half(lut, b, o), accm, sums16,
+                idot_q4_k_rows(acc, b, o, qp, i * n + blk * 256, n, dt, blk * m + i, _half(lut, b, o), accm, sums16,
                                i * (n // 32) + blk * 8, n // 32, _half(lut, b, o + 2))
-            for k in range(ROWS):
-                a = accm[4 * k:4 * k + 4]
-                out[i + k, r] = _hsum8(acc[8 * k:8 * k + 8]) + ((a[0] + a[2]) + (a[1] + a[3]))
+            finish_q4_k(acc, accm, out, i * out.shape[1] + r, out.shape[1])
     if groups < m:
         _mm_q4_k(raw, q[groups:], d[groups:], sums[groups:], out[groups:], lut, r0, r1)
 
 
 @njit(cache=True, nogil=True)
-def _gemm_q5_k(raw, q, d, dt, sums, sums16, out, lut, r0, r1):
+def _gemm_q5_k(raw, q, qp, d, dt, sums, sums16, out, lut, r0, r1):
     """As _gemm_q4_k for Q5_K (each element as qint._mm_q5_k)."""
     m, n = q.shape
     nb, groups = n // 256, m // ROWS * ROWS
@@ -243,16 +343,15 @@ def _gemm_q5_k(raw, q, d, dt, sums, sums16, out, lut, r0, r1):
             accm[:] = 0.0
             for blk in range(nb):
                 o = blk * 176
-                idot_q5_k_rows(acc, b, o, q, i * n + blk * 256, n, dt, blk * m + i, _half(lut, b, o), accm, sums16,
+                idot_q5_k_rows(acc, b, o, qp, i * n + blk * 256, n, dt, blk * m + i, _half(lut, b, o), accm, sums16,
                                i * (n // 32) + blk * 8, n // 32, _half(lut, b, o + 2))
-            for k in range(ROWS):
-                out[i + k, r] = _hsum8(acc[8 * k:8 * k + 8]) + accm[k]
+            finish_q5_k(acc, accm, out, i * out.shape[1] + r, out.shape[1])
     if groups < m:
         _mm_q5_k(raw, q[groups:], d[groups:], sums[groups:], out[groups:], lut, r0, r1)
 
 
 @njit(cache=True, nogil=True)
-def _gemm_q6_k(raw, q, d, dt, sums, sums16, out, lut, r0, r1):
+def _gemm_q6_k(raw, q, qp, d, dt, sums, sums16, out, lut, r0, r1):
     """As _gemm_q4_k for Q6_K (each element as qint._mm_q6_k)."""
     m, n = q.shape
     nb, groups = n // 256, m // ROWS * ROWS
@@ -264,8 +363,7 @@ def _gemm_q6_k(raw, q, d, dt, sums, sums16, out, lut, r0, r1):
             for blk in range(nb):
                 idot_q6_k_rows(acc, b, blk * 210, q, i * n + blk * 256, n, dt, blk * m + i,
                                _half(lut, b, blk * 210 + 208))
-            for k in range(ROWS):
-                out[i + k, r] = _hsum8(acc[8 * k:8 * k + 8])
+            finish_q6_k(acc, acc, out, i * out.shape[1] + r, out.shape[1])
     if groups < m:
         _mm_q6_k(raw, q[groups:], d[groups:], sums[groups:], out[groups:], lut, r0, r1)
 
@@ -290,6 +388,7 @@ def matmul_t_many(weights, x: np.ndarray) -> list:
         _check(qtype, raw, x.shape[1])
     q, d, sums = quantize_activations(PARTNER[Q4_K], x)
     dt, sums16 = np.ascontiguousarray(d.T), sums.astype(np.int16)  # |a 32-element sum| <= 32 * 128: exact
+    qp = pair_order(q) if VNNI else q
     outs, pieces = [], []
     for qtype, raw in weights:
         raw = np.ascontiguousarray(raw)
@@ -300,7 +399,7 @@ def matmul_t_many(weights, x: np.ndarray) -> list:
 
     def piece(i):
         kernel, raw, out, r0, r1 = pieces[i]
-        kernel(raw, q, d, dt, sums, sums16, out, HALF_TO_FLOAT, r0, r1)
+        kernel(raw, q, qp, d, dt, sums, sums16, out, HALF_TO_FLOAT, r0, r1)
 
     run_dynamic(len(pieces), piece)
     return outs

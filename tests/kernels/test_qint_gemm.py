@@ -33,6 +33,23 @@ def test_blocked_gemm_bitwise_equals_llama_model(qt):
     np.testing.assert_array_equal(got.view(np.uint32), qint.matmul_t_many([(int(qt), raw)], x)[0].view(np.uint32))
 
 
+@pytest.mark.parametrize("qt", FORMATS, ids=lambda q: q.name)
+def test_largest_weights_and_activations_stay_exact(qt):
+    """Every weight quant and scale at its top (all bits set), every activation at +-127: the largest sums the
+    blocked kernels' i16 steps can see (the VNNI path's running sums of sub-block pair dots: 4 * 4 * 15 * 127
+    for Q4_K, 2 * 4 * 31 * 127 for Q5_K) must not saturate."""
+    raw = random_blocks(qt, 9, 512, seed=8)
+    per_block = raw.reshape(9, 2, -1)
+    scalars = {QT.Q4_K: (0, 4), QT.Q5_K: (0, 4), QT.Q6_K: (208, 210)}[qt]  # the f16 d (and dmin) keep their values
+    keep = per_block[..., scalars[0]:scalars[1]].copy()
+    per_block[...] = 0xFF if qt != QT.Q6_K else 0x7F  # Q6_K: the int8 scales at +127, the quants at 63
+    per_block[..., scalars[0]:scalars[1]] = keep
+    x = np.ones((2 * qint_gemm.ROWS, 512), np.float32)
+    x[1::2] = -1.0
+    got = qint_gemm.matmul_t_many([(int(qt), raw)], x)[0]
+    np.testing.assert_array_equal(got.view(np.uint32), reference(qt, raw, x).view(np.uint32))
+
+
 def test_bits_do_not_depend_on_threads_cut_or_grouping():
     """More weight rows than one piece, two weights in one dispatch, 1 vs 2 threads; a row's bits are the same
     whichever group of ROWS it falls in (computed alone, or after a shift of one row)."""

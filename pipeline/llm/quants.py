@@ -101,6 +101,7 @@ class FrozenWeight:
     FUSED_MAX_ROWS = 4  # below this many activation rows the fused kernel wins (docs/models.md)
     integer_dot = True  # set False (on an instance or the class) to keep no-grad forwards on f32 activations
     INTEGER_MAX_ROWS = FUSED_MAX_ROWS  # beyond this, only formats with a blocked integer GEMM stay integer
+    TILE_MIN_ROWS = 16  # from this many rows (a prompt, not a decode step) Q4_K takes kernels/qtile.py
 
     def __init__(self, fmt: Format, raw, shape: tuple[int, int], name: str = ""):
         self.format, self.raw, self.shape, self.name = fmt, raw, tuple(shape), name
@@ -109,6 +110,15 @@ class FrozenWeight:
     @property
     def nbytes(self) -> int:
         return int(self.raw.nbytes)
+
+    def tiles(self):
+        """kernels/qtile.pack_q4_k of raw, made at first use and kept (2560 bytes per 16 rows and block, beside
+        raw's 2304); made again if raw is replaced."""
+        hit = self.__dict__.get("_tiles")
+        if hit is None or hit[0] is not self.raw:
+            from kernels import qtile
+            hit = self.__dict__["_tiles"] = (self.raw, qtile.pack_q4_k(self.raw))
+        return hit[1]
 
     def dequantize(self):
         """The f32 copy [n_out, n_in] (allocated per call)."""
@@ -192,15 +202,28 @@ def matmul_t_many(weights: list, x) -> list:
     return [y.reshape(*np.shape(x)[:-1], w.shape[0]) for w, y in zip(weights, ys)]
 
 
-def integer_matmul_t_many(weights: list, x2) -> list:
-    """x2 [m, n_in] @ W.T for weights on the integer path: the register-blocked GEMM (kernels/qint_gemm.py) for
-    at least qint_gemm.ROWS rows through Q4_K/Q5_K/Q6_K, else the row kernels (kernels/qint.py). Both compute
-    every element with the same arithmetic (the same bits); the blocked one unpacks each weight block once for
-    ROWS activation rows."""
-    from kernels import qint_gemm
-    if x2.shape[0] >= qint_gemm.ROWS and all(qint_gemm.supports(w.format.qtype) for w in weights):
-        return qint_gemm.matmul_t_many([(int(w.format.qtype), w.raw) for w in weights], x2)
-    return integer_product(weights)(x2)
+def integer_matmul_t_many(weights: list, x2, group_rows: int | None = None) -> list:
+    """x2 [m, n_in] @ W.T for weights on the integer path. The arithmetic is chosen per weight by the rows of
+    one independent group (group_rows, default m: a caller stacking ES members or lock-step rows passes one
+    member's rows, so each row gets the bits it would get alone):
+      * Q4_K with at least FrozenWeight.TILE_MIN_ROWS rows: the tiled GEMM (kernels/qtile.py, its own
+        arithmetic: one fma per block and output);
+      * otherwise llama.cpp's vec_dot arithmetic: the register-blocked GEMM (kernels/qint_gemm.py) for at least
+        qint_gemm.ROWS rows through Q4_K/Q5_K/Q6_K, else the row kernels (kernels/qint.py), the same bits.
+    Each weight's bits do not depend on the other weights of the call."""
+    from kernels import qint_gemm, qtile
+    n = x2.shape[0] if group_rows is None else group_rows
+    tiled = [n >= FrozenWeight.TILE_MIN_ROWS and qtile.supports(w.format.qtype) for w in weights]
+    rest = [w for w, t in zip(weights, tiled) if not t]
+    ys_tiled = iter(qtile.matmul_t_many([(w.raw, w.tiles()) for w, t in zip(weights, tiled) if t], x2)
+                    if any(tiled) else [])
+    if not rest:
+        ys_rest = iter([])
+    elif x2.shape[0] >= qint_gemm.ROWS and all(qint_gemm.supports(w.format.qtype) for w in rest):
+        ys_rest = iter(qint_gemm.matmul_t_many([(int(w.format.qtype), w.raw) for w in rest], x2))
+    else:
+        ys_rest = iter(integer_product(rest)(x2))
+    return [next(ys_tiled) if t else next(ys_rest) for t in tiled]
 
 
 def integer_product(weights: list):
@@ -233,7 +256,7 @@ def matmul_t_groups(weights: list, x3) -> list:
     x3 = np.ascontiguousarray(x3, dtype=np.float32)
     groups, n, n_in = x3.shape
     if groups > 1 and all(w.shape[1] == n_in and w.uses_integer_dot(n) for w in weights):
-        ys = integer_matmul_t_many(weights, x3.reshape(groups * n, n_in))
+        ys = integer_matmul_t_many(weights, x3.reshape(groups * n, n_in), group_rows=n)
         return [y.reshape(groups, n, w.shape[0]) for w, y in zip(weights, ys)]
     few = n <= FrozenWeight.FUSED_MAX_ROWS
     if groups == 1 or any(w.llama_numerics or w.uses_integer_dot(n) or w.shape[1] != n_in

@@ -247,14 +247,20 @@ def test_frozen_weight_takes_the_integer_path_only_without_gradients():
                                   qgemm.matmul_t(int(QT.Q4_K), raw, many, (48, 256)))  # gradients on: f32
 
 
-def _vex_vnni_target():
-    """numba's target as an AVX-VNNI CPU without AVX-512 (Alder Lake's kind), for a host that can run it."""
+def _target_without(cpu, prefixes):
+    """numba's target as CPU `cpu` with the host's features minus those named with `prefixes`, for a host that
+    can run it."""
     import llvmlite.binding as llvm
     features = llvm.get_host_cpu_features()
     for name in list(features):
-        if name.startswith(("avx512", "amx", "evex512")):
+        if name.startswith(prefixes):
             features[name] = False
-    return {"NUMBA_CPU_NAME": "alderlake", "NUMBA_CPU_FEATURES": features.flatten()}
+    return {"NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": features.flatten()}
+
+
+_TARGETS = {"avxvnni": ("alderlake", ("avx512", "amx", "evex512")),  # AVX-VNNI without AVX-512
+            "avx512bw": ("skylake-avx512", ("avx512vnni", "avx512bf16", "avx512fp16", "avx512vbmi", "avx512bitalg",
+                                            "avx512vpopcntdq", "avx512ifma", "amx", "avxvnni", "gfni"))}
 
 
 @pytest.mark.slow
@@ -262,30 +268,31 @@ def _vex_vnni_target():
     ("portable", "from kernels import qblocks; print(qblocks.AVX2)", "False"),
     ("avx2", "from kernels import qint_gemm; print(qint_gemm.ROWS, qint_gemm.VNNI)", "4 False"),
     ("avxvnni", "from kernels import qint_gemm; print(qint_gemm.ROWS, qint_gemm.VNNI, qint_gemm._EVEX_VNNI)",
-     "4 True False")])
+     "4 True False"),
+    ("avx512bw", "from kernels import qtile; print(qtile.ROWS, qtile.VNNI512, qtile._BW)", "4 False True")])
 def test_portable_ir_and_the_4_row_gemm_give_the_same_bits(tmp_path, isa, probe, expected):
-    """The portable IR (non-AVX2 targets; forced by FUCINA_INTEGER_ISA=portable), the blocked GEMM's 4-row
-    layout (AVX2 without AVX-512; FUCINA_INTEGER_ISA=avx2 on an AVX-512 machine, whose default is 8 rows), and
-    its VEX-encoded vpdpwssd (AVX-VNNI without AVX-512: numba told to target such a CPU, on a host that has
-    AVX-VNNI) against the same model: the bitwise tests in a fresh process with its own numba cache, so no
-    code compiled for the default target is reused."""
+    """Every ISA path of the integer kernels against the same numpy models, in a fresh process with its own
+    numba cache (no code compiled for the default target is reused): the portable IR (non-AVX2 targets; forced
+    by FUCINA_INTEGER_ISA=portable); AVX2 alone (FUCINA_INTEGER_ISA=avx2: the blocked GEMM's 4-row layout, the
+    tiled GEMM's vpmaddubsw path); AVX-VNNI without AVX-512 (the VEX vpdpwssd) and AVX512-BW without VNNI (the
+    tiled GEMM's 512-bit vpmaddubsw), each by numba targeting such a CPU on a host that can run it."""
     import os
     import subprocess
     import llvmlite.binding as llvm
     from kernels.qblocks import AVX2
     if isa != "portable" and not AVX2:
         pytest.skip("no AVX2 here")
-    if isa == "avxvnni" and not llvm.get_host_cpu_features().get("avxvnni", False):
-        pytest.skip("no AVX-VNNI here")
-    target = _vex_vnni_target() if isa == "avxvnni" else {"FUCINA_INTEGER_ISA": isa}
+    if isa in _TARGETS and not llvm.get_host_cpu_features().get(isa, False):
+        pytest.skip(f"no {isa} here")
+    target = _target_without(*_TARGETS[isa]) if isa in _TARGETS else {"FUCINA_INTEGER_ISA": isa}
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), **target)
     seen = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert seen.stdout.strip() == expected
-    blocked = str(Path(__file__).with_name("test_qint_gemm.py"))  # the blocked GEMM's kernels share the IR
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, blocked, "-k",
-                          "bitwise_equals_llama_model or thread_count"], env=env, capture_output=True, text=True)
+    blocked, tiled = (str(Path(__file__).with_name(f"test_{m}.py")) for m in ("qint_gemm", "qtile"))  # shared IR
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, blocked, tiled,
+                          "-k", "bitwise_equals or thread_count"], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert run.stdout.strip().splitlines()[-1].startswith("11 passed"), run.stdout[-500:]
+    assert run.stdout.strip().splitlines()[-1].startswith("12 passed"), run.stdout[-500:]
 
 
 def test_fp16_rounding_of_the_q8_0_scales_is_numpys():

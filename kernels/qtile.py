@@ -31,10 +31,10 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .dequant import Q4_K, _check
+from .dequant import HALF_TO_FLOAT, Q4_K, _check
 from .qblocks import AVX2, _F32, _I8, _I32, _I64, _IR, _V8I, _V16S, _target_has, _x86
 from .qint import PARTNER, quantize_activations
-from .workpool import run_dynamic
+from .workpool import run_dynamic, split_range, threads as pool_threads
 
 TILE_ROWS = 16  # weight rows per tile: the 16 i32 lanes of a 512-bit vector
 VNNI512 = _target_has("avx512vnni", "avx512bw")
@@ -49,37 +49,60 @@ _V64B, _V16I, _V16F = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16), ir.Vector
 _V32S, _V64I = ir.VectorType(ir.IntType(16), 32), ir.VectorType(_I32, 64)
 
 
-def _k4_scales_mins(raw3):
-    """Q4_K's 6-bit scales and mins of raw blocks [..., 144] as int32 [..., 8] each (ggml's get_scale_min_k4)."""
-    s = raw3[..., 4:16].astype(np.int32)
-    sc, mn = np.empty(s.shape[:-1] + (8,), np.int32), np.empty(s.shape[:-1] + (8,), np.int32)
-    sc[..., :4], mn[..., :4] = s[..., 0:4] & 63, s[..., 4:8] & 63
-    sc[..., 4:] = (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)
-    mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
-    return sc, mn
+@njit(cache=True, nogil=True)
+def _pack_rows(raw, lut, out, t0, t1):
+    """Tiles t0..t1 of pack_q4_k (raw rows past its end pack as zeros)."""
+    n_out, nb = raw.shape[0], raw.shape[1] // 144
+    for t in range(t0, t1):
+        for lane in range(TILE_ROWS):
+            r = t * TILE_ROWS + lane
+            for blk in range(nb):
+                tb = out[t, blk]
+                if r >= n_out:
+                    for c in range(4):
+                        for g in range(8):
+                            for k in range(4):
+                                tb[_QS + 64 * (8 * c + g) + 4 * lane + k] = 0
+                    for j in range(8):
+                        tb[_SC + 16 * j + lane] = 0
+                    for k in range(4 * lane, 4 * lane + 4):
+                        for c in range(4):
+                            tb[_MN + 64 * c + k] = 0
+                        tb[_D + k], tb[_DMIN + k] = 0, 0
+                    continue
+                o = blk * 144
+                b = raw[r]
+                for c in range(4):
+                    for g in range(8):
+                        for k in range(4):
+                            tb[_QS + 64 * (8 * c + g) + 4 * lane + k] = b[o + 16 + 32 * c + 4 * g + k]
+                for j in range(8):  # ggml's get_scale_min_k4
+                    if j < 4:
+                        sc, mn = b[o + 4 + j] & 63, b[o + 8 + j] & 63
+                    else:
+                        sc = (b[o + 8 + j] & 0xF) | ((b[o + j] >> 6) << 4)
+                        mn = (b[o + 8 + j] >> 4) | ((b[o + 4 + j] >> 6) << 4)
+                    tb[_SC + 16 * j + lane] = sc
+                    at = _MN + 64 * (j // 2) + 4 * lane + 2 * (j % 2)  # i16 little-endian, < 64: high byte 0
+                    tb[at], tb[at + 1] = mn, 0
+                for field, base in ((0, _D), (2, _DMIN)):
+                    bits = np.float32(lut[np.int64(b[o + field]) | (np.int64(b[o + field + 1]) << 8)])
+                    word = np.array([bits]).view(np.uint8)
+                    for k in range(4):
+                        tb[base + 4 * lane + k] = word[k]
 
 
 def pack_q4_k(raw) -> np.ndarray:
     """Q4_K rows uint8 [n_out, nb * 144] -> tiles uint8 [ceil(n_out / 16), nb, TILE_BLOCK]. Rows past n_out are
     zero (d = 0: their outputs are never stored). Per tile block: the 128 quant bytes of the 16 rows as
     [chunk c][group g][row][4 bytes] (low nibbles: sub-block 2c's weights 4g..4g+3, high: 2c+1's), the scales
-    as uint8 [sub-block][row], the mins as i16 pairs [pair c][row](m_2c, m_2c+1), then d and dmin as f32 [row]."""
+    as uint8 [sub-block][row], the mins as i16 pairs [pair c][row](m_2c, m_2c+1), then d and dmin as f32 [row].
+    A numba pass over the rows, tiles split over the threads (each tile written by one)."""
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
-    n_out, nb = raw.shape[0], raw.shape[1] // 144
-    tiles = -(-n_out // TILE_ROWS)
-    padded = np.zeros((tiles * TILE_ROWS, nb, 144), np.uint8)
-    padded[:n_out] = raw.reshape(n_out, nb, 144)
-    per_tile = padded.reshape(tiles, TILE_ROWS, nb, 144)
-    out = np.empty((tiles, nb, TILE_BLOCK), np.uint8)
-    qs = per_tile[..., 16:].reshape(tiles, TILE_ROWS, nb, 4, 8, 4)
-    out[..., _QS:_SC] = qs.transpose(0, 2, 3, 4, 1, 5).reshape(tiles, nb, 2048)
-    sc, mn = _k4_scales_mins(per_tile)  # [tiles, 16, nb, 8]
-    out[..., _SC:_MN] = sc.astype(np.uint8).transpose(0, 2, 3, 1).reshape(tiles, nb, 128)
-    pairs = mn.astype(np.int16).reshape(tiles, TILE_ROWS, nb, 4, 2).transpose(0, 2, 3, 1, 4)
-    out[..., _MN:_D] = np.ascontiguousarray(pairs).view(np.uint8).reshape(tiles, nb, 256)
-    for at, field in ((_D, 0), (_DMIN, 2)):
-        halves = np.ascontiguousarray(per_tile[..., field:field + 2]).view(np.float16)[..., 0]  # [tiles, 16, nb]
-        out[..., at:at + 64] = np.ascontiguousarray(halves.astype(np.float32).transpose(0, 2, 1)).view(np.uint8)
+    _check(Q4_K, raw, raw.shape[1] // 144 * 256)
+    tiles = -(-raw.shape[0] // TILE_ROWS)
+    out = np.empty((tiles, raw.shape[1] // 144, TILE_BLOCK), np.uint8)
+    split_range(tiles, pool_threads(), lambda t0, t1: _pack_rows(raw, HALF_TO_FLOAT, out, t0, t1))
     return out
 
 

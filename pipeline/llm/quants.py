@@ -91,9 +91,10 @@ class FrozenWeight:
     docs/models.md): forwards that record no graph (under autograd's no_grad(): inference, ES member
     evaluation, evaluation passes) quantize their activations the way llama.cpp does and take integer
     block dot products: at most INTEGER_MAX_ROWS activation rows (decode) through Q8_0/Q4_0/Q5_0/Q4_K/
-    Q5_K/Q6_K weights (kernels/qint.py), and any number of rows (prefill) through Q4_K/Q5_K/Q6_K, whose
-    register-blocked GEMM (kernels/qint_gemm.py) measured faster than the tiled f32 GEMM at 64 rows and
-    level with it at 256; Q8_0/Q4_0/Q5_0 prefill stays on the tiled f32 GEMM. A forward with gradients on
+    Q5_K/Q6_K weights (kernels/qint.py), and any number of rows (prefill) through Q4_K/Q5_K/Q6_K: from
+    TILE_MIN_ROWS rows Q4_K takes the tiled GEMM (kernels/qtile.py, tiles packed at first use and kept;
+    `tiled = False` turns it off), the others the register-blocked GEMM (kernels/qint_gemm.py), both measured
+    faster than the tiled f32 GEMM; Q8_0/Q4_0/Q5_0 prefill stays on the tiled f32 GEMM. A forward with gradients on
     keeps f32 activations (the training contract). `llama_numerics` (parity runs) takes the integer path
     for those formats at any row count.
     """
@@ -102,6 +103,7 @@ class FrozenWeight:
     integer_dot = True  # set False (on an instance or the class) to keep no-grad forwards on f32 activations
     INTEGER_MAX_ROWS = FUSED_MAX_ROWS  # beyond this, only formats with a blocked integer GEMM stay integer
     TILE_MIN_ROWS = 16  # from this many rows (a prompt, not a decode step) Q4_K takes kernels/qtile.py
+    tiled = True  # set False (on an instance or the class) to keep Q4_K prompts on vec_dot's arithmetic, no tiles
 
     def __init__(self, fmt: Format, raw, shape: tuple[int, int], name: str = ""):
         self.format, self.raw, self.shape, self.name = fmt, raw, tuple(shape), name
@@ -206,14 +208,14 @@ def integer_matmul_t_many(weights: list, x2, group_rows: int | None = None) -> l
     """x2 [m, n_in] @ W.T for weights on the integer path. The arithmetic is chosen per weight by the rows of
     one independent group (group_rows, default m: a caller stacking ES members or lock-step rows passes one
     member's rows, so each row gets the bits it would get alone):
-      * Q4_K with at least FrozenWeight.TILE_MIN_ROWS rows: the tiled GEMM (kernels/qtile.py, its own
-        arithmetic: one fma per block and output);
+      * Q4_K with at least FrozenWeight.TILE_MIN_ROWS rows (unless the weight's `tiled` is False): the tiled
+        GEMM (kernels/qtile.py, its own arithmetic: one fma per block and output);
       * otherwise llama.cpp's vec_dot arithmetic: the register-blocked GEMM (kernels/qint_gemm.py) for at least
         qint_gemm.ROWS rows through Q4_K/Q5_K/Q6_K, else the row kernels (kernels/qint.py), the same bits.
     Each weight's bits do not depend on the other weights of the call."""
     from kernels import qint_gemm, qtile
     n = x2.shape[0] if group_rows is None else group_rows
-    tiled = [n >= FrozenWeight.TILE_MIN_ROWS and qtile.supports(w.format.qtype) for w in weights]
+    tiled = [w.tiled and n >= w.TILE_MIN_ROWS and qtile.supports(w.format.qtype) for w in weights]
     rest = [w for w, t in zip(weights, tiled) if not t]
     ys_tiled = iter(qtile.matmul_t_many([(w.raw, w.tiles()) for w, t in zip(weights, tiled) if t], x2)
                     if any(tiled) else [])

@@ -258,9 +258,12 @@ def _target_without(cpu, prefixes):
     return {"NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": features.flatten()}
 
 
-_TARGETS = {"avxvnni": ("alderlake", ("avx512", "amx", "evex512")),  # AVX-VNNI without AVX-512
+# isa -> (numba's target CPU, host features it leaves out, the host feature it needs)
+_TARGETS = {"avxvnni": ("alderlake", ("avx512", "amx", "evex512"), "avxvnni"),  # AVX-VNNI without AVX-512
             "avx512bw": ("skylake-avx512", ("avx512vnni", "avx512bf16", "avx512fp16", "avx512vbmi", "avx512bitalg",
-                                            "avx512vpopcntdq", "avx512ifma", "amx", "avxvnni", "gfni"))}
+                                            "avx512vpopcntdq", "avx512ifma", "amx", "avxvnni", "gfni"), "avx512bw"),
+            "haswell": ("haswell", ("avx512", "amx", "evex512", "avxvnni", "avxifma", "avxneconvert", "vpclmul",
+                                    "gfni", "vaes", "sha", "avx10"), "avx2")}  # AVX2 alone: 16 vector registers
 
 
 @pytest.mark.slow
@@ -269,22 +272,24 @@ _TARGETS = {"avxvnni": ("alderlake", ("avx512", "amx", "evex512")),  # AVX-VNNI 
     ("avx2", "from kernels import qint_gemm; print(qint_gemm.ROWS, qint_gemm.VNNI)", "4 False"),
     ("avxvnni", "from kernels import qint_gemm; print(qint_gemm.ROWS, qint_gemm.VNNI, qint_gemm._EVEX_VNNI)",
      "4 True False"),
-    ("avx512bw", "from kernels import qtile; print(qtile.ROWS, qtile.VNNI512, qtile._BW)", "4 False True")])
+    ("avx512bw", "from kernels import qtile; print(qtile.ROWS, qtile.VNNI512, qtile._BW)", "4 False True"),
+    ("haswell", "from kernels import qtile, qint_gemm; print(qtile.ROWS, qtile.VNNI512, qint_gemm.ROWS)", "2 False 4")])
 def test_portable_ir_and_the_4_row_gemm_give_the_same_bits(tmp_path, isa, probe, expected):
     """Every ISA path of the integer kernels against the same numpy models, in a fresh process with its own
     numba cache (no code compiled for the default target is reused): the portable IR (non-AVX2 targets; forced
     by FUCINA_INTEGER_ISA=portable); AVX2 alone (FUCINA_INTEGER_ISA=avx2: the blocked GEMM's 4-row layout, the
-    tiled GEMM's vpmaddubsw path); AVX-VNNI without AVX-512 (the VEX vpdpwssd) and AVX512-BW without VNNI (the
-    tiled GEMM's 512-bit vpmaddubsw), each by numba targeting such a CPU on a host that can run it."""
+    tiled GEMM's vpmaddubsw path); AVX-VNNI without AVX-512 (the VEX vpdpwssd), AVX512-BW without VNNI (the
+    tiled GEMM's 512-bit vpmaddubsw) and Haswell's AVX2 (16 vector registers: the tiled GEMM's 2-row calls),
+    each by numba targeting such a CPU on a host that can run it."""
     import os
     import subprocess
     import llvmlite.binding as llvm
     from kernels.qblocks import AVX2
     if isa != "portable" and not AVX2:
         pytest.skip("no AVX2 here")
-    if isa in _TARGETS and not llvm.get_host_cpu_features().get(isa, False):
-        pytest.skip(f"no {isa} here")
-    target = _target_without(*_TARGETS[isa]) if isa in _TARGETS else {"FUCINA_INTEGER_ISA": isa}
+    if isa in _TARGETS and not llvm.get_host_cpu_features().get(_TARGETS[isa][2], False):
+        pytest.skip(f"no {_TARGETS[isa][2]} here")
+    target = _target_without(*_TARGETS[isa][:2]) if isa in _TARGETS else {"FUCINA_INTEGER_ISA": isa}
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), **target)
     seen = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert seen.stdout.strip() == expected

@@ -77,10 +77,11 @@ def test_bad_input_is_refused():
         qint_gemm.matmul_t_many([(int(QT.Q4_K), random_blocks(QT.Q4_K, 4, 256))], np.zeros(256, np.float32))
 
 
-@pytest.mark.parametrize("n", [1, 3, 6])
+@pytest.mark.parametrize("n", [1, 3, 6, 16])
 def test_groups_in_one_integer_call_equal_group_by_group(n):
     """quants.matmul_t_groups stacks the groups' rows into one integer call (ES members, lock-step decode):
-    bitwise the per-group calls, for decode-sized and prefill-sized groups, K-quants and Q8_0 (row kernels)."""
+    bitwise the per-group calls, for decode-sized and prefill-sized groups (16: Q4_K's tiles), K-quants and
+    Q8_0 (row kernels)."""
     from pipeline.autograd import no_grad
     from pipeline.llm.quants import FORMATS, FrozenWeight, matmul_t_groups, matmul_t_many
     for qt in (QT.Q4_K, QT.Q8_0):

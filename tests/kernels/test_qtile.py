@@ -110,3 +110,5 @@ def test_frozen_weight_takes_the_tiles_from_a_prompt_on_and_keeps_vec_dot_below(
         both = matmul_t_many([w6, w], x)
         np.testing.assert_array_equal(both[1], w.matmul_t(x))
         np.testing.assert_array_equal(both[0], w6.matmul_t(x))
+        w.tiled = False  # the switch: vec_dot's bits at any row count
+        np.testing.assert_array_equal(w.matmul_t(x), qint_gemm.matmul_t_many([(int(QT.Q4_K), raw)], x)[0])

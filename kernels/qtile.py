@@ -1,27 +1,32 @@
-"""Tiled integer GEMM for prefill through Q4_K weights: 16 weight rows per vector lane set, x quantized to Q8_K.
+"""Tiled integer GEMM for prefill through K-quant weights: 16 weight rows per vector lane set, x as Q8_K.
 
 Trade-off: kernels/qint_gemm.py keeps llama.cpp's vec_dot arithmetic (eight f32 lanes per output, each a sum
 over sub-blocks of 4-element dot products scaled by the sub-block's scale), which costs two scaling
 instructions per 32 weights and activation row whatever the layout. Here the weights are repacked once, at
 first use, into tiles of 16 rows (TILE_ROWS) so that one 512-bit vpdpbusd multiplies 4 weights of each of the
-16 rows by 4 broadcast activation bytes; a sub-block's 8 such steps leave the 16 rows' exact 32-element dot
-products, scaled once per sub-block (vpmulld), and each block adds one f32 fused multiply-add per output: about
-half the instructions per multiply-add (docs/models.md has the measured figures). The price is a different
-f32 rounding from vec_dot (llama.cpp's own tiled prefill GEMM differs from its vec_dot the same way), so this
-arithmetic is its own, defined below and pinned bitwise by a float64 model in tests/kernels/test_qtile.py:
+16 rows by 4 broadcast activation bytes; a sub-block's dot products for the 16 rows are then exact, scaled once
+per sub-block (vpmulld), and each block adds one f32 fused multiply-add per output: about half the
+instructions per multiply-add (docs/models.md has the measured figures). The price is a different f32
+rounding from vec_dot (llama.cpp's own tiled prefill GEMM differs from its vec_dot the same way), so this
+arithmetic is its own, defined below and pinned bitwise by a numpy model in tests/kernels/test_qtile.py:
 
-    for each output (activation row i, weight row r), over the row's Q4_K blocks b:
-        T = sum_j s_j * (w_j . q_j)      exact integers: sub-block j's 6-bit scale, 32 weights, 32 Q8_K values
-        M = sum_j m_j * bsum_j           exact: sub-block j's 6-bit min, the sum of its 32 Q8_K values
+    for each output (activation row i, weight row r), over the row's blocks b:
+        T = sum_j s_j * (w_j . q_j)      exact integers: sub-block j's scale and weights, the Q8_K values
+        M = sum_j m_j * bsum_j           exact (Q4_K, Q5_K): sub-block j's min, the sum of its 32 Q8_K values
         acc  = fma(f32(d_i * d_r),    f32(T), acc)     d_i the activation block's scale, d_r the weight's d
-        accm = fma(f32(d_i * dmin_r), f32(M), accm)    from 0, block by block
+        accm = fma(f32(d_i * dmin_r), f32(M), accm)    (Q4_K, Q5_K; Q6_K has no mins: accm stays 0)
     out = acc - accm
 
+Q4_K/Q5_K's sub-blocks are 32 weights (unsigned 4/5-bit) with 6-bit scales and mins; Q6_K's are 16 signed
+weights (q - 32) with int8 scales: vpdpbusd multiplies unsigned by signed bytes, so for Q6_K the activations
+go in as x + 128 (unsigned) and the weights signed, and T takes off 128 * sum_j s_j * sum(w_j), a constant of
+the weight row and block stored in its tile.
 Every output is computed by the same code whatever rows or tiles sit beside it (groups of ROWS activation rows,
 the rest one at a time), so the bits do not depend on grouping, the cut into pieces or the thread count. The
-same arithmetic compiles on every ISA (portable IR where VNNI / AVX512-BW are missing): the same bits on any
-x86 or other CPU. The tiles are 2560 bytes per 16 rows and block (Q4_K's 2304 plus the unpacked scales and
-the mins as i16 pairs), kept beside the original rows (the decode kernels read those).
+same arithmetic compiles on every ISA (vpdpbusd with AVX512-VNNI; vpmaddubsw + vpmaddwd by ones with AVX512-BW
+or AVX2; portable IR elsewhere): the same bits on any CPU. The tiles are kept beside the original rows (the
+decode kernels read those): per 16 rows and block 2560 bytes for Q4_K (the file's 2304), 4608 for Q5_K (2816;
+its 5-bit weights unpacked to bytes), 4480 for Q6_K (3360).
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .dequant import HALF_TO_FLOAT, Q4_K, _check
+from .dequant import HALF_TO_FLOAT, Q4_K, Q5_K, Q6_K, _check
 from .qblocks import AVX2, _F32, _I8, _I32, _I64, _IR, _V8I, _V16S, _target_has, _x86
 from .qint import PARTNER, quantize_activations
 from .workpool import run_dynamic, split_range, threads as pool_threads
@@ -43,94 +48,135 @@ _BW = _target_has("avx512bw")
 # 6, 8 rows gave 135, 173, 162, 141 G multiply-adds per second), 2 where a 512-bit value takes two of 16
 ROWS = 4 if _target_has("avx512f") else 2
 PIECE_TILES = 8  # tiles per piece (128 weight rows: ~320 KB of tiles per 1024 inputs, an L2's share)
-# byte offsets inside one tile block (16 rows x 256 weights)
-_QS, _SC, _MN, _D, _DMIN, TILE_BLOCK = 0, 2048, 2176, 2432, 2496, 2560
+# Tile block layouts (16 rows x 256 weights; byte offsets), by kind 0 Q4_K, 1 Q5_K, 2 Q6_K:
+#   Q4_K: quants [chunk c][group g][row][4 bytes] (low nibbles: sub-block 2c's weights 4g..4g+3, high: 2c+1's),
+#         scales u8 [sub-block][row], mins as i16 pairs [pair c][row](m_2c, m_2c+1), d f32 [row], dmin f32 [row]
+#   Q5_K: the same with the 5-bit weights as bytes [c][g][sub-block 2c + k][row][4 bytes]
+#   Q6_K: signed weights (q - 32) as int8 [16-weight sub-block j][group g][row][4 bytes], scales int8 [j][row],
+#         the correction 128 * sum_j s_j * sum(w_j) as i32 [row], d f32 [row]
+KINDS = {Q4_K: 0, Q5_K: 1, Q6_K: 2}
+_RAW_BLOCK = (144, 176, 210)
+_QS = 0
+_SC = (2048, 4096, 4096)
+_MN = (2176, 4224, -1)      # Q6_K: none
+_CORR = (-1, -1, 4352)      # Q6_K only
+_D = (2432, 4480, 4416)
+_DMIN = (2496, 4544, -1)
+TILE_BLOCK = (2560, 4608, 4480)
 _V64B, _V16I, _V16F = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
 _V32S, _V64I = ir.VectorType(ir.IntType(16), 32), ir.VectorType(_I32, 64)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _k4_scale_min(b, o, j):
+    """Sub-block j's 6-bit scale and min of the Q4_K/Q5_K block at b[o] (ggml's get_scale_min_k4)."""
+    if j < 4:
+        return b[o + 4 + j] & 63, b[o + 8 + j] & 63
+    return (b[o + 8 + j] & 0xF) | ((b[o + j] >> 6) << 4), (b[o + 8 + j] >> 4) | ((b[o + 4 + j] >> 6) << 4)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _weight(b, o, kind, element):
+    """The integer weight `element` (0..255) of the block at b[o]: Q4_K/Q5_K unsigned, Q6_K q - 32."""
+    if kind == 2:  # Q6_K: ggml's dequantize_row_q6_K element order
+        half, t, lane = element // 128, (element % 128) // 32, element % 32
+        low = (b[o + 64 * half + lane + 32 * (t & 1)] >> (4 * (t >> 1))) & 0xF
+        return np.int32(low | (((b[o + 128 + 32 * half + lane] >> (2 * t)) & 3) << 4)) - 32
+    j, lane = element // 32, element % 32
+    qs = 16 if kind == 0 else 48
+    w = (b[o + qs + 32 * (j // 2) + lane] >> (4 * (j % 2))) & 0xF
+    if kind == 1:
+        w |= ((b[o + 16 + lane] >> j) & 1) << 4
+    return np.int32(w)
+
+
 @njit(cache=True, nogil=True)
-def _pack_rows(raw, lut, out, t0, t1):
-    """Tiles t0..t1 of pack_q4_k (raw rows past its end pack as zeros)."""
-    n_out, nb = raw.shape[0], raw.shape[1] // 144
+def _pack_rows(raw, kind, lut, out, out_i16, out_i32, out_f32, t0, t1):
+    """Tiles t0..t1 of pack (rows past raw's end are left as pack zeroed them: d = 0, never stored).
+    out_i16/i32/f32 are views of out's bytes."""
+    n_out, nb = raw.shape[0], raw.shape[1] // _RAW_BLOCK[kind]
+    block = _RAW_BLOCK[kind]
     for t in range(t0, t1):
         for lane in range(TILE_ROWS):
             r = t * TILE_ROWS + lane
             for blk in range(nb):
-                tb = out[t, blk]
+                tb, o = out[t, blk], blk * block
                 if r >= n_out:
-                    for c in range(4):
-                        for g in range(8):
-                            for k in range(4):
-                                tb[_QS + 64 * (8 * c + g) + 4 * lane + k] = 0
-                    for j in range(8):
-                        tb[_SC + 16 * j + lane] = 0
-                    for k in range(4 * lane, 4 * lane + 4):
-                        for c in range(4):
-                            tb[_MN + 64 * c + k] = 0
-                        tb[_D + k], tb[_DMIN + k] = 0, 0
-                    continue
-                o = blk * 144
+                    continue  # pack zeroed the last tile
                 b = raw[r]
-                for c in range(4):
+                if kind == 2:
+                    corr = 0
+                    for j in range(16):
+                        sc = np.int32(np.int8(b[o + 192 + j]))
+                        tb[_SC[2] + 16 * j + lane] = b[o + 192 + j]
+                        total = 0
+                        for g in range(4):
+                            for e in range(4):
+                                w = _weight(b, o, 2, 16 * j + 4 * g + e)
+                                tb[_QS + 64 * (4 * j + g) + 4 * lane + e] = np.uint8(w & 0xFF)
+                                total += w
+                        corr += sc * total
+                    out_i32[t, blk, _CORR[2] // 4 + lane] = 128 * corr
+                    out_f32[t, blk, _D[2] // 4 + lane] = lut[np.int64(b[o + 208]) | (np.int64(b[o + 209]) << 8)]
+                    continue
+                for j in range(8):
                     for g in range(8):
-                        for k in range(4):
-                            tb[_QS + 64 * (8 * c + g) + 4 * lane + k] = b[o + 16 + 32 * c + 4 * g + k]
-                for j in range(8):  # ggml's get_scale_min_k4
-                    if j < 4:
-                        sc, mn = b[o + 4 + j] & 63, b[o + 8 + j] & 63
-                    else:
-                        sc = (b[o + 8 + j] & 0xF) | ((b[o + j] >> 6) << 4)
-                        mn = (b[o + 8 + j] >> 4) | ((b[o + 4 + j] >> 6) << 4)
-                    tb[_SC + 16 * j + lane] = sc
-                    at = _MN + 64 * (j // 2) + 4 * lane + 2 * (j % 2)  # i16 little-endian, < 64: high byte 0
-                    tb[at], tb[at + 1] = mn, 0
-                for field, base in ((0, _D), (2, _DMIN)):
-                    bits = np.float32(lut[np.int64(b[o + field]) | (np.int64(b[o + field + 1]) << 8)])
-                    word = np.array([bits]).view(np.uint8)
-                    for k in range(4):
-                        tb[base + 4 * lane + k] = word[k]
+                        for e in range(4):
+                            if kind == 0:  # the file's byte: sub-block 2c's weight low, 2c + 1's high
+                                if j % 2 == 0:
+                                    tb[_QS + 64 * (8 * (j // 2) + g) + 4 * lane + e] = b[o + 16 + 16 * j + 4 * g + e]
+                            else:
+                                tb[_QS + 64 * (2 * (8 * (j // 2) + g) + j % 2) + 4 * lane + e] = _weight(
+                                    b, o, 1, 32 * j + 4 * g + e)
+                    sc, mn = _k4_scale_min(b, o, j)
+                    tb[_SC[kind] + 16 * j + lane] = sc
+                    out_i16[t, blk, _MN[kind] // 2 + 32 * (j // 2) + 2 * lane + j % 2] = mn
+                out_f32[t, blk, _D[kind] // 4 + lane] = lut[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
+                out_f32[t, blk, _DMIN[kind] // 4 + lane] = lut[np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)]
 
 
-def pack_q4_k(raw) -> np.ndarray:
-    """Q4_K rows uint8 [n_out, nb * 144] -> tiles uint8 [ceil(n_out / 16), nb, TILE_BLOCK]. Rows past n_out are
-    zero (d = 0: their outputs are never stored). Per tile block: the 128 quant bytes of the 16 rows as
-    [chunk c][group g][row][4 bytes] (low nibbles: sub-block 2c's weights 4g..4g+3, high: 2c+1's), the scales
-    as uint8 [sub-block][row], the mins as i16 pairs [pair c][row](m_2c, m_2c+1), then d and dmin as f32 [row].
-    A numba pass over the rows, tiles split over the threads (each tile written by one)."""
+def supports(qtype: int) -> bool:
+    return int(qtype) in KINDS
+
+
+def pack(qtype: int, raw) -> np.ndarray:
+    """K-quant rows uint8 [n_out, row bytes] -> tiles uint8 [ceil(n_out / 16), blocks, TILE_BLOCK[kind]] in the
+    layout above: a numba pass over the rows, the tiles split over the threads (each written by one)."""
+    kind = KINDS[int(qtype)]
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
-    _check(Q4_K, raw, raw.shape[1] // 144 * 256)
-    tiles = -(-raw.shape[0] // TILE_ROWS)
-    out = np.empty((tiles, raw.shape[1] // 144, TILE_BLOCK), np.uint8)
-    split_range(tiles, pool_threads(), lambda t0, t1: _pack_rows(raw, HALF_TO_FLOAT, out, t0, t1))
+    nb = raw.shape[1] // _RAW_BLOCK[kind]
+    _check(int(qtype), raw, nb * 256)
+    out = np.empty((-(-raw.shape[0] // TILE_ROWS), nb, TILE_BLOCK[kind]), np.uint8)
+    if raw.shape[0] % TILE_ROWS:
+        out[-1] = 0  # the rows past the end: all fields zero
+    views = out.view(np.int16), out.view(np.int32), out.view(np.float32)
+    split_range(out.shape[0], pool_threads(), lambda t0, t1: _pack_rows(raw, kind, HALF_TO_FLOAT, out, *views, t0, t1))
     return out
 
 
 def _splat_i32(h, arg, element_offset):
-    """<16 x i32>: the 4 bytes of array argument `arg` at element offset, in every lane."""
-    v = h.vload(arg, element_offset, _I32)
-    return h.splat(v, _V16I)
+    """<64 x i8>: the 4 bytes of array argument `arg` at element offset, in every 32-bit lane."""
+    return h.b.bitcast(h.splat(h.vload(arg, element_offset, _I32), _V16I), _V64B)
 
 
-def _dpbusd(h, acc, w, x):
-    """acc + the 16 lanes' dot products of 4 unsigned weight bytes (w <64 x i8>, values < 16) with 4 signed
-    activation bytes (x <16 x i32>): vpdpbusd with AVX512-VNNI; vpmaddubsw + vpmaddwd by ones with AVX512-BW
-    or AVX2 (on 256-bit halves; a pair's sum 2 * 15 * 128 never saturates i16); else portable IR. The same
-    exact sums on every path."""
+def _dpbusd(h, acc, u, s):
+    """acc + the 16 lanes' dot products of 4 unsigned bytes (u <64 x i8>) with 4 signed bytes (s <64 x i8>):
+    vpdpbusd with AVX512-VNNI; vpmaddubsw + vpmaddwd by ones with AVX512-BW or AVX2 (on 256-bit halves; a pair's
+    sum never saturates i16 here: 2 * 31 * 127 for Q4_K/Q5_K, 2 * 255 * 32 for Q6_K); else portable IR. The
+    same exact sums on every path."""
     if VNNI512:
-        return _x86(h, "llvm.x86.avx512.vpdpbusd.512", _V16I, acc, h.b.bitcast(w, _V16I), x)
-    xb = h.b.bitcast(x, _V64B)
+        return _x86(h, "llvm.x86.avx512.vpdpbusd.512", _V16I, acc, h.b.bitcast(u, _V16I), h.b.bitcast(s, _V16I))
     if _BW:
-        pairs = _x86(h, "llvm.x86.avx512.pmaddubs.w.512", _V32S, w, xb)
+        pairs = _x86(h, "llvm.x86.avx512.pmaddubs.w.512", _V32S, u, s)
         return h.b.add(acc, _x86(h, "llvm.x86.avx512.pmaddw.d.512", _V16I, pairs, ir.Constant(_V32S, [1] * 32)))
     if AVX2:
         half = lambda v, k: h.b.shuffle_vector(v, ir.Constant(v.type, ir.Undefined),
                                                ir.Constant(ir.VectorType(_I32, 32), list(range(32 * k, 32 * k + 32))))
-        quads = [_x86(h, "llvm.x86.avx2.pmadd.wd", _V8I, _x86(h, "llvm.x86.avx2.pmadd.ub.sw", _V16S, half(w, k),
-                                                               half(xb, k)), ir.Constant(_V16S, [1] * 16))
+        quads = [_x86(h, "llvm.x86.avx2.pmadd.wd", _V8I, _x86(h, "llvm.x86.avx2.pmadd.ub.sw", _V16S, half(u, k),
+                                                               half(s, k)), ir.Constant(_V16S, [1] * 16))
                  for k in range(2)]
         return h.b.add(acc, h.b.shuffle_vector(quads[0], quads[1], ir.Constant(_V16I, list(range(16)))))
-    prod = h.b.mul(h.b.zext(w, _V64I), h.b.sext(xb, _V64I))
+    prod = h.b.mul(h.b.zext(u, _V64I), h.b.sext(s, _V64I))
     pick = lambda k: h.b.shuffle_vector(prod, ir.Constant(_V64I, ir.Undefined),
                                         ir.Constant(_V16I, list(range(k, 64, 4))))
     return h.b.add(acc, h.b.add(h.b.add(pick(0), pick(1)), h.b.add(pick(2), pick(3))))
@@ -153,54 +199,92 @@ def _fma_row(h, arg, at, scale, total):
     h.b.store(h.b.call(fn, [scale, h.b.sitofp(total, _V16F), h.b.load(p, align=4)]), p, align=4)
 
 
+def _k_dots(h, kind, rows, at, x_at):
+    """Q4_K/Q5_K: per activation row the <16 x i32> T of the module docstring (before the mins)."""
+    totals = [None] * rows
+    zero = ir.Constant(_V16I, [0] * 16)
+    for c in range(4):
+        dots = [[zero] * rows, [zero] * rows]  # sub-blocks 2c, 2c + 1
+        for g in range(8):
+            if kind == 0:
+                v = h.vload(2, at(_QS + 64 * (8 * c + g)), _V64B)
+                weights = h.bits(v, 0, 0xF), h.bits(v, 4, 0xF)
+            else:
+                weights = tuple(h.vload(2, at(_QS + 64 * (2 * (8 * c + g) + k)), _V64B) for k in range(2))
+            for i in range(rows):
+                for k in range(2):
+                    x = _splat_i32(h, 4, x_at(i, 64 * c + 32 * k + 4 * g))
+                    dots[k][i] = _dpbusd(h, dots[k][i], weights[k], x)
+        scales = [h.b.zext(h.vload(2, at(_SC[kind] + 16 * (2 * c + k)), ir.VectorType(_I8, 16)), _V16I)
+                  for k in range(2)]
+        for i in range(rows):
+            part = h.b.add(h.b.mul(dots[0][i], scales[0]), h.b.mul(dots[1][i], scales[1]))
+            totals[i] = part if totals[i] is None else h.b.add(totals[i], part)
+    return totals
+
+
+def _q6_k_dots(h, rows, at, x_at):
+    """Q6_K: per activation row T, from the activations + 128 (unsigned) and the signed weights."""
+    totals = [None] * rows
+    zero = ir.Constant(_V16I, [0] * 16)
+    for j in range(16):
+        dots = [zero] * rows
+        for g in range(4):
+            w = h.vload(2, at(_QS + 64 * (4 * j + g)), _V64B)
+            for i in range(rows):
+                dots[i] = _dpbusd(h, dots[i], _splat_i32(h, 4, x_at(i, 16 * j + 4 * g)), w)
+        scale = h.b.sext(h.vload(2, at(_SC[2] + 16 * j), ir.VectorType(_I8, 16)), _V16I)
+        for i in range(rows):
+            part = h.b.mul(dots[i], scale)
+            totals[i] = part if totals[i] is None else h.b.add(totals[i], part)
+    corr = h.b.bitcast(h.vload(2, at(_CORR[2]), _V64B), _V16I)
+    return [h.b.sub(t, corr) for t in totals]
+
+
 # Argument layout of the tile intrinsics (one tile block: 16 weight rows x 256 weights, R activation rows):
 #   0 acc f32 [R * 16]   1 accm f32 [R * 16]   2 tiles uint8 (any shape: flat offsets)   3 to (the block's byte)
-#   4 q int8 (activations, flat)   5 qo (row 0's block start)   6 q_stride
+#   4 q (int8 activations; Q6_K: uint8, + 128; flat)   5 qo (row 0's block start)   6 q_stride
 #   7 sums16 int16 (the Q8_K 32-element sums, flat)   8 so (row 0's block start)   9 s_stride
 #   10 d f32 (the activations' block scales, flat)   11 do (row 0's)   12 d_stride
-def _tile_block(rows):
+def _tile_block(kind, rows):
     def codegen(context, builder, signature, args):
         h = _IR(context, builder, signature, args)
         at = lambda extra: h.b.add(h.ptrs[3], ir.Constant(_I64, extra))
         row = lambda base, stride, i: h.b.add(h.ptrs[base], h.b.mul(h.ptrs[stride], ir.Constant(_I64, i)))
-        zero = ir.Constant(_V16I, [0] * 16)
-        totals, mins = [None] * rows, [None] * rows
-        for c in range(4):
-            lo_dots, hi_dots = [zero] * rows, [zero] * rows
-            for g in range(8):
-                v = h.vload(2, at(_QS + 64 * (8 * c + g)), _V64B)
-                lo, hi = h.bits(v, 0, 0xF), h.bits(v, 4, 0xF)
-                for i in range(rows):
-                    x0 = h.b.add(row(5, 6, i), ir.Constant(_I64, 64 * c + 4 * g))
-                    lo_dots[i] = _dpbusd(h, lo_dots[i], lo, _splat_i32(h, 4, x0))
-                    hi_dots[i] = _dpbusd(h, hi_dots[i], hi, _splat_i32(h, 4, h.b.add(x0, ir.Constant(_I64, 32))))
-            s_lo, s_hi = (h.b.zext(h.vload(2, at(_SC + 16 * (2 * c + k)), ir.VectorType(_I8, 16)), _V16I)
-                          for k in range(2))
-            min_pairs = h.b.bitcast(h.vload(2, at(_MN + 64 * c), _V64B), _V32S)
-            for i in range(rows):
-                part = h.b.add(h.b.mul(lo_dots[i], s_lo), h.b.mul(hi_dots[i], s_hi))
-                totals[i] = part if totals[i] is None else h.b.add(totals[i], part)
-                sums = h.b.bitcast(_splat_i32(h, 7, h.b.add(row(8, 9, i), ir.Constant(_I64, 2 * c))), _V32S)
-                m = _madd_pairs(h, min_pairs, sums)
-                mins[i] = m if mins[i] is None else h.b.add(mins[i], m)
-        d, dmin = (h.b.bitcast(h.vload(2, at(off), _V64B), _V16F) for off in (_D, _DMIN))
+        x_at = lambda i, extra: h.b.add(row(5, 6, i), ir.Constant(_I64, extra))
+        totals = _q6_k_dots(h, rows, at, x_at) if kind == 2 else _k_dots(h, kind, rows, at, x_at)
+        d = h.b.bitcast(h.vload(2, at(_D[kind]), _V64B), _V16F)
         for i in range(rows):
             di = h.splat(h.b.load(h.b.gep(h.ptrs[10], [row(11, 12, i)])), _V16F)
             _fma_row(h, 0, 16 * i, h.b.fmul(di, d), totals[i])
+        if kind == 2:
+            return context.get_dummy_value()
+        dmin = h.b.bitcast(h.vload(2, at(_DMIN[kind]), _V64B), _V16F)
+        mins = [None] * rows
+        for c in range(4):
+            min_pairs = h.b.bitcast(h.vload(2, at(_MN[kind] + 64 * c), _V64B), _V32S)
+            for i in range(rows):
+                sums = h.b.bitcast(_splat_i32(h, 7, h.b.add(row(8, 9, i), ir.Constant(_I64, 2 * c))), _V32S)
+                m = _madd_pairs(h, min_pairs, sums)
+                mins[i] = m if mins[i] is None else h.b.add(mins[i], m)
+        for i in range(rows):
+            di = h.splat(h.b.load(h.b.gep(h.ptrs[10], [row(11, 12, i)])), _V16F)
             _fma_row(h, 1, 16 * i, h.b.fmul(di, dmin), mins[i])
         return context.get_dummy_value()
     return codegen
 
 
-def _tile_intrinsic(rows):
+def _tile_intrinsic(kind, rows):
     @intrinsic
     def tile_block(typingctx, acc, accm, tiles, to, q, qo, q_stride, sums16, so, s_stride, d, do, d_stride):
         sig = types.void(acc, accm, tiles, to, q, qo, q_stride, sums16, so, s_stride, d, do, d_stride)
-        return sig, _tile_block(rows)
+        return sig, _tile_block(kind, rows)
     return tile_block
 
 
-tile_block_rows, tile_block_one = _tile_intrinsic(ROWS), _tile_intrinsic(1)
+_q4_k_rows, _q4_k_one = _tile_intrinsic(0, ROWS), _tile_intrinsic(0, 1)
+_q5_k_rows, _q5_k_one = _tile_intrinsic(1, ROWS), _tile_intrinsic(1, 1)
+_q6_k_rows, _q6_k_one = _tile_intrinsic(2, ROWS), _tile_intrinsic(2, 1)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -212,11 +296,11 @@ def _store_tile(out, acc, accm, i, k, t):
 
 
 @njit(cache=True, nogil=True)
-def _gemm_tiles(tiles, q, d, sums16, out, t0, t1):
-    """out[:, 16 t0: 16 t1] for the tiles t0..t1 against Q8_K activations q/d/sums16: ROWS rows per call, the
-    rest one by one, each output the module docstring's arithmetic."""
+def _gemm_tiles(kind, tiles, q, d, sums16, out, t0, t1):
+    """out[:, 16 t0: 16 t1] for the tiles t0..t1 of a kind-`kind` weight against Q8_K activations q (Q6_K: + 128,
+    unsigned)/d/sums16: ROWS rows per call, the rest one by one, each output the module docstring's arithmetic."""
     m, n = q.shape
-    nb = n // 256
+    nb, block = n // 256, TILE_BLOCK[kind]
     acc, accm = np.empty(ROWS * TILE_ROWS, np.float32), np.empty(ROWS * TILE_ROWS, np.float32)
     i = 0
     while i < m:
@@ -225,42 +309,50 @@ def _gemm_tiles(tiles, q, d, sums16, out, t0, t1):
             acc[:] = 0.0
             accm[:] = 0.0
             for blk in range(nb):
-                to, qo, so, do = (t * nb + blk) * TILE_BLOCK, i * n + blk * 256, i * (n // 32) + blk * 8, i * nb + blk
-                if rows == ROWS:
-                    tile_block_rows(acc, accm, tiles, to, q, qo, n, sums16, so, n // 32, d, do, nb)
+                to, qo, so, do = (t * nb + blk) * block, i * n + blk * 256, i * (n // 32) + blk * 8, i * nb + blk
+                if kind == 0 and rows == ROWS:
+                    _q4_k_rows(acc, accm, tiles, to, q, qo, n, sums16, so, n // 32, d, do, nb)
+                elif kind == 0:
+                    _q4_k_one(acc, accm, tiles, to, q, qo, n, sums16, so, n // 32, d, do, nb)
+                elif kind == 1 and rows == ROWS:
+                    _q5_k_rows(acc, accm, tiles, to, q, qo, n, sums16, so, n // 32, d, do, nb)
+                elif kind == 1:
+                    _q5_k_one(acc, accm, tiles, to, q, qo, n, sums16, so, n // 32, d, do, nb)
+                elif rows == ROWS:
+                    _q6_k_rows(acc, accm, tiles, to, q, qo, n, sums16, so, n // 32, d, do, nb)
                 else:
-                    tile_block_one(acc, accm, tiles, to, q, qo, n, sums16, so, n // 32, d, do, nb)
+                    _q6_k_one(acc, accm, tiles, to, q, qo, n, sums16, so, n // 32, d, do, nb)
             for k in range(rows):
                 _store_tile(out, acc, accm, i, k, t)
         i += rows
 
 
-def supports(qtype: int) -> bool:
-    return int(qtype) == Q4_K
-
-
 def matmul_t_many(weights, x: np.ndarray) -> list:
-    """[x @ W.T for (raw, tiles) in weights] (Q4_K rows and their pack_q4_k tiles), x f32 [m, n] quantized to
-    Q8_K once; each weight's tiles cut into pieces of PIECE_TILES that the threads take dynamically."""
+    """[x @ W.T for (qtype, raw, tiles) in weights] (K-quant rows and their `pack` tiles), x f32 [m, n] quantized
+    to Q8_K once; each weight's tiles cut into pieces of PIECE_TILES that the threads take dynamically."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2:
         raise ValueError(f"qtile: x must be [m, n_cols], got shape {x.shape}")
-    for raw, tiles in weights:
-        _check(Q4_K, raw, x.shape[1])
-        if tiles.shape != (-(-raw.shape[0] // TILE_ROWS), x.shape[1] // 256, TILE_BLOCK):
-            raise ValueError(f"qtile: tiles of shape {tiles.shape} do not belong to Q4_K rows {raw.shape}")
+    for qtype, raw, tiles in weights:
+        if int(qtype) not in KINDS:
+            raise ValueError(f"qtile: no tiled kernel for ggml type {qtype}")
+        _check(int(qtype), raw, x.shape[1])
+        if tiles.shape != (-(-raw.shape[0] // TILE_ROWS), x.shape[1] // 256, TILE_BLOCK[KINDS[int(qtype)]]):
+            raise ValueError(f"qtile: tiles of shape {tiles.shape} do not belong to rows {raw.shape} of type {qtype}")
     q, d, sums = quantize_activations(PARTNER[Q4_K], x)
     sums16 = sums.astype(np.int16)  # |a 32-element sum| <= 32 * 127: exact
+    unsigned = (q.view(np.uint8) ^ np.uint8(0x80)) if any(KINDS[int(w[0])] == 2 for w in weights) else None
     outs, pieces = [], []
-    for raw, tiles in weights:
+    for qtype, raw, tiles in weights:
+        kind = KINDS[int(qtype)]
         out = np.empty((x.shape[0], raw.shape[0]), np.float32)
-        pieces += [(tiles, out, t0, min(tiles.shape[0], t0 + PIECE_TILES))
+        pieces += [(kind, tiles, out, t0, min(tiles.shape[0], t0 + PIECE_TILES))
                    for t0 in range(0, tiles.shape[0], PIECE_TILES)]
         outs.append(out)
 
     def piece(i):
-        tiles, out, t0, t1 = pieces[i]
-        _gemm_tiles(tiles, q, d, sums16, out, t0, t1)
+        kind, tiles, out, t0, t1 = pieces[i]
+        _gemm_tiles(kind, tiles, unsigned if kind == 2 else q, d, sums16, out, t0, t1)
 
     run_dynamic(len(pieces), piece)
     return outs

@@ -92,8 +92,8 @@ class FrozenWeight:
     evaluation, evaluation passes) quantize their activations the way llama.cpp does and take integer
     block dot products: at most INTEGER_MAX_ROWS activation rows (decode) through Q8_0/Q4_0/Q5_0/Q4_K/
     Q5_K/Q6_K weights (kernels/qint.py), and any number of rows (prefill) through Q4_K/Q5_K/Q6_K: from
-    TILE_MIN_ROWS rows Q4_K takes the tiled GEMM (kernels/qtile.py, tiles packed at first use and kept;
-    `tiled = False` turns it off), the others the register-blocked GEMM (kernels/qint_gemm.py), both measured
+    TILE_MIN_ROWS rows the tiled GEMM (kernels/qtile.py, tiles packed at first use and kept; `tiled = False`
+    turns it off), fewer rows the register-blocked GEMM (kernels/qint_gemm.py), both measured
     faster than the tiled f32 GEMM; Q8_0/Q4_0/Q5_0 prefill stays on the tiled f32 GEMM. A forward with gradients on
     keeps f32 activations (the training contract). `llama_numerics` (parity runs) takes the integer path
     for those formats at any row count.
@@ -102,8 +102,8 @@ class FrozenWeight:
     FUSED_MAX_ROWS = 4  # below this many activation rows the fused kernel wins (docs/models.md)
     integer_dot = True  # set False (on an instance or the class) to keep no-grad forwards on f32 activations
     INTEGER_MAX_ROWS = FUSED_MAX_ROWS  # beyond this, only formats with a blocked integer GEMM stay integer
-    TILE_MIN_ROWS = 16  # from this many rows (a prompt, not a decode step) Q4_K takes kernels/qtile.py
-    tiled = True  # set False (on an instance or the class) to keep Q4_K prompts on vec_dot's arithmetic, no tiles
+    TILE_MIN_ROWS = 16  # from this many rows (a prompt, not a decode step) the K-quants take kernels/qtile.py
+    tiled = True  # set False (on an instance or the class) to keep prompts on vec_dot's arithmetic, no tiles
 
     def __init__(self, fmt: Format, raw, shape: tuple[int, int], name: str = ""):
         self.format, self.raw, self.shape, self.name = fmt, raw, tuple(shape), name
@@ -114,12 +114,12 @@ class FrozenWeight:
         return int(self.raw.nbytes)
 
     def tiles(self):
-        """kernels/qtile.pack_q4_k of raw, made at first use and kept (2560 bytes per 16 rows and block, beside
-        raw's 2304); made again if raw is replaced."""
+        """kernels/qtile.pack of raw (Q4_K/Q5_K/Q6_K), made at first use and kept beside raw (1.1x, 1.6x, 1.3x its
+        bytes); made again if raw is replaced."""
         hit = self.__dict__.get("_tiles")
         if hit is None or hit[0] is not self.raw:
             from kernels import qtile
-            hit = self.__dict__["_tiles"] = (self.raw, qtile.pack_q4_k(self.raw))
+            hit = self.__dict__["_tiles"] = (self.raw, qtile.pack(int(self.format.qtype), self.raw))
         return hit[1]
 
     def dequantize(self):
@@ -208,8 +208,8 @@ def integer_matmul_t_many(weights: list, x2, group_rows: int | None = None) -> l
     """x2 [m, n_in] @ W.T for weights on the integer path. The arithmetic is chosen per weight by the rows of
     one independent group (group_rows, default m: a caller stacking ES members or lock-step rows passes one
     member's rows, so each row gets the bits it would get alone):
-      * Q4_K with at least FrozenWeight.TILE_MIN_ROWS rows (unless the weight's `tiled` is False): the tiled
-        GEMM (kernels/qtile.py, its own arithmetic: one fma per block and output);
+      * Q4_K/Q5_K/Q6_K with at least FrozenWeight.TILE_MIN_ROWS rows (unless the weight's `tiled` is False):
+        the tiled GEMM (kernels/qtile.py, its own arithmetic: one fma per block and output);
       * otherwise llama.cpp's vec_dot arithmetic: the register-blocked GEMM (kernels/qint_gemm.py) for at least
         qint_gemm.ROWS rows through Q4_K/Q5_K/Q6_K, else the row kernels (kernels/qint.py), the same bits.
     Each weight's bits do not depend on the other weights of the call."""
@@ -217,8 +217,8 @@ def integer_matmul_t_many(weights: list, x2, group_rows: int | None = None) -> l
     n = x2.shape[0] if group_rows is None else group_rows
     tiled = [w.tiled and n >= w.TILE_MIN_ROWS and qtile.supports(w.format.qtype) for w in weights]
     rest = [w for w, t in zip(weights, tiled) if not t]
-    ys_tiled = iter(qtile.matmul_t_many([(w.raw, w.tiles()) for w, t in zip(weights, tiled) if t], x2)
-                    if any(tiled) else [])
+    ys_tiled = iter(qtile.matmul_t_many([(int(w.format.qtype), w.raw, w.tiles()) for w, t in zip(weights, tiled)
+                                         if t], x2) if any(tiled) else [])
     if not rest:
         ys_rest = iter([])
     elif x2.shape[0] >= qint_gemm.ROWS and all(qint_gemm.supports(w.format.qtype) for w in rest):

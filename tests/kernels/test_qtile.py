@@ -1,4 +1,4 @@
-"""The tiled Q4_K GEMM (kernels/qtile.py): bitwise its numpy model (int64 block totals, long-double FMAs), for
+"""The tiled K-quant GEMM (kernels/qtile.py): bitwise its numpy model (int64 block totals, long-double FMAs), for
 any row grouping, tile cut and thread count; close to llama.cpp's vec_dot arithmetic (kernels/qint_gemm.py)."""
 import sys
 from pathlib import Path
@@ -16,61 +16,76 @@ from test_gguf_dequant import random_blocks  # noqa: E402
 from test_qint import block_integers, fma32, ref_quantize_q8_k  # noqa: E402
 
 
-def tiled_model(raw, x):
+FORMATS = [QT.Q4_K, QT.Q5_K, QT.Q6_K]
+
+
+def tiled_model(qt, raw, x):
     """The module docstring's arithmetic in numpy: T and M exact in int64, each fma rounded once from long
-    double, out = acc - accm in f32."""
+    double, out = acc - accm in f32 (Q6_K: no mins, accm 0)."""
     n = x.shape[1]
     q, yd = ref_quantize_q8_k(x)
-    w, scale, wd, (dmin, mins) = block_integers(QT.Q4_K, raw, n)
+    w, scale, wd, extra = block_integers(qt, raw, n)
     rows, blocks = raw.shape[0], n // 256
     out = np.empty((x.shape[0], rows), np.float32)
     for i in range(x.shape[0]):
         totals = (w * scale * q[i]).reshape(rows, blocks, 256).sum(axis=-1).astype(np.float32)  # exact, sitofp
-        sums = q[i].reshape(blocks, 8, 32).sum(axis=-1)                                         # [blocks, 8]
-        m = (mins * sums).sum(axis=-1).astype(np.float32)                                       # [rows, blocks]
         acc, accm = np.zeros(rows, np.float32), np.zeros(rows, np.float32)
         for b in range(blocks):
             acc = fma32((yd[i, b] * wd[:, b]).astype(np.float32), totals[:, b], acc)
-            accm = fma32((yd[i, b] * dmin[:, b]).astype(np.float32), m[:, b], accm)
+        if extra is not None:
+            dmin, mins = extra
+            sums = q[i].reshape(blocks, 8, 32).sum(axis=-1)                                     # [blocks, 8]
+            m = (mins * sums).sum(axis=-1).astype(np.float32)                                   # [rows, blocks]
+            for b in range(blocks):
+                accm = fma32((yd[i, b] * dmin[:, b]).astype(np.float32), m[:, b], accm)
         out[i] = acc - accm
     return out
 
 
-def tiled(raw, x):
-    return qtile.matmul_t_many([(raw, qtile.pack_q4_k(raw))], x)[0]
+def tiled(qt, raw, x):
+    return qtile.matmul_t_many([(int(qt), raw, qtile.pack(int(qt), raw))], x)[0]
 
 
-def test_tiled_gemm_bitwise_equals_its_model():
+@pytest.mark.parametrize("qt", FORMATS, ids=lambda q: q.name)
+def test_tiled_gemm_bitwise_equals_its_model(qt):
     """37 weight rows (a partial last tile), 2 * ROWS + 3 activation rows (a tail taken one row at a time), a
     quiet block and an all-zero one; and within a few f32 roundings of vec_dot's arithmetic."""
-    raw = random_blocks(QT.Q4_K, 37, 768, seed=3)
+    raw = random_blocks(qt, 37, 768, seed=3)
     x = np.random.default_rng(4).standard_normal((2 * qtile.ROWS + 3, 768)).astype(np.float32)
     x[1, :256] *= 1e-3
     x[5, 256:512] = 0.0
-    got = tiled(raw, x)
+    got = tiled(qt, raw, x)
     with np.errstate(invalid="ignore"):  # the model's 0 * inf on the zero block, masked to q = 0 there
-        want = tiled_model(raw, x)
+        want = tiled_model(qt, raw, x)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
-    vec_dot = qint_gemm.matmul_t_many([(int(QT.Q4_K), raw)], x)[0]
+    vec_dot = qint_gemm.matmul_t_many([(int(qt), raw)], x)[0]
     np.testing.assert_allclose(got, vec_dot, rtol=0, atol=1e-5 * float(np.abs(vec_dot).max()))
 
 
-def test_largest_weights_and_activations_stay_exact():
-    """Every quant, scale and min at its top and activations at +-127: the largest integer totals
-    (8 * 63 * 32 * 15 * 127, past f32's 2^24, so rounded once by the conversion as the model does)."""
-    raw = random_blocks(QT.Q4_K, 20, 512, seed=8).reshape(20, 2, 144)
-    raw[..., 4:] = 0xFF
+@pytest.mark.parametrize("qt", FORMATS, ids=lambda q: q.name)
+def test_largest_weights_and_activations_stay_exact(qt):
+    """Every quant, scale and min at its top (Q6_K: its int8 scales at -128 and +127, the weights at -32 and
+    +31) and activations at +-127: the largest integer totals and, for Q6_K, the largest unsigned activations
+    (+128) against the most negative weights."""
+    size = {QT.Q4_K: 144, QT.Q5_K: 176, QT.Q6_K: 210}[qt]
+    raw = random_blocks(qt, 20, 512, seed=8).reshape(20, 2, size)
+    if qt == QT.Q6_K:
+        raw[:10, :, :208], raw[10:, :, :192] = 0xFF, 0x00  # weights 31 (scales -1) / -32 ...
+        raw[10:, :, 192:208] = np.array([0x80, 0x7F] * 8, np.uint8)  # ... with scales -128 and 127
+    else:
+        raw[..., 4:] = 0xFF
     raw = raw.reshape(20, -1)
     x = np.ones((qtile.ROWS + 1, 512), np.float32)
     x[1::2] = -1.0
-    np.testing.assert_array_equal(tiled(raw, x).view(np.uint32), tiled_model(raw, x).view(np.uint32))
+    np.testing.assert_array_equal(tiled(qt, raw, x).view(np.uint32), tiled_model(qt, raw, x).view(np.uint32))
 
 
 def test_bits_do_not_depend_on_threads_cut_or_grouping():
     """More tiles than one piece, two weights in one dispatch, 1 vs 2 threads; a row's bits are the same
     whichever group it falls in (shifted by one row, or alone)."""
-    raw_a, raw_b = random_blocks(QT.Q4_K, 16 * qtile.PIECE_TILES + 20, 256, seed=5), random_blocks(QT.Q4_K, 24, 256)
-    weights = [(raw_a, qtile.pack_q4_k(raw_a)), (raw_b, qtile.pack_q4_k(raw_b))]
+    raw_a, raw_b = random_blocks(QT.Q4_K, 16 * qtile.PIECE_TILES + 20, 256, seed=5), random_blocks(QT.Q6_K, 24, 256)
+    weights = [(int(QT.Q4_K), raw_a, qtile.pack(int(QT.Q4_K), raw_a)),
+               (int(QT.Q6_K), raw_b, qtile.pack(int(QT.Q6_K), raw_b))]
     x = np.random.default_rng(6).standard_normal((11, 256)).astype(np.float32)
     outs = []
     for n in (1, 2):
@@ -83,32 +98,39 @@ def test_bits_do_not_depend_on_threads_cut_or_grouping():
 
 
 def test_bad_input_is_refused():
+    q4 = int(QT.Q4_K)
     raw = random_blocks(QT.Q4_K, 4, 256)
     x = np.zeros((8, 256), np.float32)
     with pytest.raises(ValueError, match="do not belong"):
-        qtile.matmul_t_many([(raw, qtile.pack_q4_k(random_blocks(QT.Q4_K, 40, 256)))], x)
+        qtile.matmul_t_many([(q4, raw, qtile.pack(q4, random_blocks(QT.Q4_K, 40, 256)))], x)
+    with pytest.raises(ValueError, match="do not belong"):  # another format's tiles
+        qtile.matmul_t_many([(q4, raw, qtile.pack(int(QT.Q6_K), random_blocks(QT.Q6_K, 4, 256)))], x)
     with pytest.raises(ValueError, match="row of 256 elements"):
-        qtile.matmul_t_many([(random_blocks(QT.Q4_K, 4, 512), qtile.pack_q4_k(raw))], x)
+        qtile.matmul_t_many([(q4, random_blocks(QT.Q4_K, 4, 512), qtile.pack(q4, raw))], x)
+    with pytest.raises(ValueError, match="no tiled kernel"):
+        qtile.matmul_t_many([(int(QT.Q8_0), random_blocks(QT.Q8_0, 4, 256), qtile.pack(q4, raw))], x)
     with pytest.raises(ValueError, match="must be"):
-        qtile.matmul_t_many([(raw, qtile.pack_q4_k(raw))], np.zeros(256, np.float32))
+        qtile.matmul_t_many([(q4, raw, qtile.pack(q4, raw))], np.zeros(256, np.float32))
 
 
 def test_frozen_weight_takes_the_tiles_from_a_prompt_on_and_keeps_vec_dot_below():
     """FrozenWeight: TILE_MIN_ROWS rows and more through the tiles (made once, kept), fewer rows with
-    llama.cpp's vec_dot bits; a weight's bits do not depend on the weights it is called with."""
+    llama.cpp's vec_dot bits; a weight's bits do not depend on the weights it is called with (here a Q8_0 one
+    on the row kernels)."""
     from pipeline.autograd import no_grad
     from pipeline.llm.quants import FORMATS, FrozenWeight, matmul_t_many
     raw = random_blocks(QT.Q4_K, 40, 512, seed=9)
     w = FrozenWeight(FORMATS[QT.Q4_K], raw, (40, 512))
-    w6 = FrozenWeight(FORMATS[QT.Q6_K], random_blocks(QT.Q6_K, 24, 512, seed=10), (24, 512))
+    w8 = FrozenWeight(FORMATS[QT.Q8_0], random_blocks(QT.Q8_0, 24, 512, seed=10), (24, 512))
     x = np.random.default_rng(11).standard_normal((FrozenWeight.TILE_MIN_ROWS, 512)).astype(np.float32)
     with no_grad():
-        np.testing.assert_array_equal(w.matmul_t(x), tiled(raw, x))
+        np.testing.assert_array_equal(w.matmul_t(x), tiled(QT.Q4_K, raw, x))
         assert w.tiles() is w.tiles()
         few = x[:FrozenWeight.TILE_MIN_ROWS - 1]
         np.testing.assert_array_equal(w.matmul_t(few), qint_gemm.matmul_t_many([(int(QT.Q4_K), raw)], few)[0])
-        both = matmul_t_many([w6, w], x)
+        w8.llama_numerics = True  # Q8_0 on the integer row kernels at any row count, beside the tiled Q4_K
+        both = matmul_t_many([w8, w], x)
         np.testing.assert_array_equal(both[1], w.matmul_t(x))
-        np.testing.assert_array_equal(both[0], w6.matmul_t(x))
+        np.testing.assert_array_equal(both[0], w8.matmul_t(x))
         w.tiled = False  # the switch: vec_dot's bits at any row count
         np.testing.assert_array_equal(w.matmul_t(x), qint_gemm.matmul_t_many([(int(QT.Q4_K), raw)], x)[0])

@@ -25,7 +25,9 @@ from pipeline.runtime import messages, security, transport
 
 M = int(LM[LM.index("--micro-batches") + 1])
 STEPS = LM.index("--steps") + 1
-ADVERSARY_LM = [*LM[:STEPS], "30", *LM[STEPS + 1:]]  # long enough for several rounds of attack after the start
+# long enough for several rounds of attack after the start (~3 s here): at 30 steps a fast machine once ended the
+# run (0.55 s after its start) before the stranger's singleton hellos were queued: nothing queued, a failure
+ADVERSARY_LM = [*LM[:STEPS], "150", *LM[STEPS + 1:]]
 
 
 def _run_json(run_dir):

@@ -10,6 +10,7 @@ the file format.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
@@ -103,7 +104,9 @@ class FrozenWeight:
     integer_dot = True  # set False (on an instance or the class) to keep no-grad forwards on f32 activations
     INTEGER_MAX_ROWS = FUSED_MAX_ROWS  # beyond this, only formats with a blocked integer GEMM stay integer
     TILE_MIN_ROWS = 16  # from this many rows (a prompt, not a decode step) the K-quants take kernels/qtile.py
-    tiled = True  # set False (on an instance or the class) to keep prompts on vec_dot's arithmetic, no tiles
+    # set False (on an instance or the class; FUCINA_TILES=0 in the environment, e.g. for many worker processes
+    # on one host: each holds its own tiles) to keep prompts on vec_dot's arithmetic and make no tiles
+    tiled = os.environ.get("FUCINA_TILES", "1") != "0"
 
     def __init__(self, fmt: Format, raw, shape: tuple[int, int], name: str = ""):
         self.format, self.raw, self.shape, self.name = fmt, raw, tuple(shape), name

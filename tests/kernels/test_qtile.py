@@ -134,3 +134,14 @@ def test_frozen_weight_takes_the_tiles_from_a_prompt_on_and_keeps_vec_dot_below(
         np.testing.assert_array_equal(both[0], w8.matmul_t(x))
         w.tiled = False  # the switch: vec_dot's bits at any row count
         np.testing.assert_array_equal(w.matmul_t(x), qint_gemm.matmul_t_many([(int(QT.Q4_K), raw)], x)[0])
+
+
+def test_fucina_tiles_0_turns_the_tiles_off(tmp_path):
+    """FUCINA_TILES=0 in the environment: FrozenWeight.tiled starts False (a fresh process)."""
+    import os
+    import subprocess
+    probe = "from pipeline.llm.quants import FrozenWeight; print(FrozenWeight.tiled)"
+    for value, expected in (("0", "False"), ("1", "True")):
+        env = dict(os.environ, FUCINA_TILES=value, NUMBA_CACHE_DIR=str(tmp_path))
+        seen = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+        assert seen.stdout.strip() == expected

@@ -50,6 +50,7 @@ def _prompt(n, vocab):
 
 def _ours(path, threads, decode_tokens, repeat, blas_threads=1):
     from threadpoolctl import threadpool_limits
+    from ..llm.quants import FrozenWeight
     from ..models.registry import load_model
     from ..threads import pin_threads
     pin_threads(threads)
@@ -78,6 +79,8 @@ def _ours(path, threads, decode_tokens, repeat, blas_threads=1):
         runs = [decode() for _ in range(repeat)]
         res["decode"], res["decode_cpu"] = (float(np.median([r[k] for r in runs])) for k in (0, 1))
         res["peak_rss_mb"] = peak_rss_mb()
+        res["tile_mb"] = sum(w.tile_bytes for w in model.named_weights().values()
+                             if isinstance(w, FrozenWeight)) / 2 ** 20
         res["rss_before_mb"] = rss0
     return res
 
@@ -253,9 +256,9 @@ def run(args):
         row["notes"] = note
         rows.append(row)
     mem = {"case": f"{os.path.basename(args.model)}/peak_rss", "ms": ours["load_ms"], "baselines": {},
-           "peak_rss_mb": ours["peak_rss_mb"], "weight_mb": ours["weight_mb"],
+           "peak_rss_mb": ours["peak_rss_mb"], "weight_mb": ours["weight_mb"], "tile_mb": ours["tile_mb"],
            "notes": f"load ms; peak RSS {ours['peak_rss_mb']:.0f} MB (weights {ours['weight_mb']:.0f} MB, "
-                    f"mmapped pages count once touched)"}
+                    f"mmapped pages count once touched; prompt tiles {ours['tile_mb']:.0f} MB)"}
     if theirs:
         mem["llama_peak_rss_mb"] = theirs["peak_rss_mb"]
         mem["notes"] += f"; llama.cpp peak RSS {theirs['peak_rss_mb']:.0f} MB"

@@ -125,6 +125,12 @@ class FrozenWeight:
             hit = self.__dict__["_tiles"] = (self.raw, qtile.pack(int(self.format.qtype), self.raw))
         return hit[1]
 
+    @property
+    def tile_bytes(self) -> int:
+        """Bytes of the tiles made so far (0 before the first prompt, or with `tiled` False)."""
+        hit = self.__dict__.get("_tiles")
+        return 0 if hit is None else int(hit[1].nbytes)
+
     def dequantize(self):
         """The f32 copy [n_out, n_in] (allocated per call)."""
         import numpy as np

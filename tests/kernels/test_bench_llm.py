@@ -18,6 +18,7 @@ def test_bench_llm_reports_kernel_rows_beside_the_machine_limits():
     json.dumps(rows)  # the --json document must serialise
     cases = [r["case"] for r in rows]
     assert cases[:4] == [f"qwen3-mini-q8_0.gguf/{c}" for c in ("prefill64", "prefill256", "decode", "peak_rss")]
+    assert rows[3]["tile_mb"] == 0  # Q8_0: no prompt tiles
     limits = rows[4]
     assert limits["case"] == "machine/memory_read" and limits["gbps"] > 0 and limits["peak_gflops"] > 0
     dispatch = rows[5]
@@ -39,7 +40,9 @@ def test_bench_llm_kernel_rows_of_a_k_quant_take_the_blocked_integer_gemm():
     bench.add_arguments(p)
     args = p.parse_args(["--model", os.path.join(ROOT, "tests", "fixtures", "qwen3-tied-q4_k_s.gguf"), "--no-llama",
                          "--repeat", "1", "--decode-tokens", "1", "--threads", "1"])
-    kernels = [r for r in bench.run(args) if r["case"].startswith("kernel/Q4_K/")]
+    rows = bench.run(args)
+    assert rows[3]["case"].endswith("/peak_rss") and rows[3]["tile_mb"] > 0  # the prompts packed K-quant tiles
+    kernels = [r for r in rows if r["case"].startswith("kernel/Q4_K/")]
     paths = {r["case"].rsplit("/", 1)[1]: r["path"] for r in kernels}
     assert paths == {"decode": "integer", "prefill64": "integer", "prefill256": "integer", "decode_f32": "f32",
                      "prefill64_f32": "f32", "prefill256_f32": "f32"}

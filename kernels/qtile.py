@@ -36,7 +36,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .dequant import HALF_TO_FLOAT, Q4_K, Q5_K, Q6_K, _check
+from .dequant import HALF_TO_FLOAT, Q4_K, Q5_K, Q6_K, _check, _half
 from .qblocks import AVX2, _F32, _I8, _I32, _I64, _IR, _V8I, _V16S, _target_has, _x86
 from .qint import PARTNER, quantize_activations
 from .workpool import run_dynamic, split_range, threads as pool_threads
@@ -77,37 +77,30 @@ def _k4_scale_min(b, o, j):
 
 @njit(cache=True, nogil=True, inline="always")
 def _weight(b, o, kind, element):
-    """The integer weight `element` (0..255) of the block at b[o]: Q4_K/Q5_K unsigned, Q6_K q - 32."""
+    """The integer weight `element` (0..255) of the Q5_K (kind 1: unsigned) or Q6_K (kind 2: q - 32) block at
+    b[o]. (Q4_K's tiles copy the file's nibble bytes as they are.)"""
     if kind == 2:  # Q6_K: ggml's dequantize_row_q6_K element order
         half, t, lane = element // 128, (element % 128) // 32, element % 32
         low = (b[o + 64 * half + lane + 32 * (t & 1)] >> (4 * (t >> 1))) & 0xF
         return np.int32(low | (((b[o + 128 + 32 * half + lane] >> (2 * t)) & 3) << 4)) - 32
     j, lane = element // 32, element % 32
-    qs = 16 if kind == 0 else 48
-    w = (b[o + qs + 32 * (j // 2) + lane] >> (4 * (j % 2))) & 0xF
-    if kind == 1:
-        w |= ((b[o + 16 + lane] >> j) & 1) << 4
-    return np.int32(w)
+    low = (b[o + 48 + 32 * (j // 2) + lane] >> (4 * (j % 2))) & 0xF
+    return np.int32(low | (((b[o + 16 + lane] >> j) & 1) << 4))
 
 
 @njit(cache=True, nogil=True)
 def _pack_rows(raw, kind, lut, out, out_i16, out_i32, out_f32, t0, t1):
     """Tiles t0..t1 of pack (rows past raw's end are left as pack zeroed them: d = 0, never stored).
     out_i16/i32/f32 are views of out's bytes."""
-    n_out, nb = raw.shape[0], raw.shape[1] // _RAW_BLOCK[kind]
-    block = _RAW_BLOCK[kind]
+    n_out, block = raw.shape[0], _RAW_BLOCK[kind]
     for t in range(t0, t1):
-        for lane in range(TILE_ROWS):
-            r = t * TILE_ROWS + lane
-            for blk in range(nb):
+        for lane in range(min(TILE_ROWS, n_out - t * TILE_ROWS)):
+            b = raw[t * TILE_ROWS + lane]
+            for blk in range(raw.shape[1] // block):
                 tb, o = out[t, blk], blk * block
-                if r >= n_out:
-                    continue  # pack zeroed the last tile
-                b = raw[r]
                 if kind == 2:
                     corr = 0
                     for j in range(16):
-                        sc = np.int32(np.int8(b[o + 192 + j]))
                         tb[_SC[2] + 16 * j + lane] = b[o + 192 + j]
                         total = 0
                         for g in range(4):
@@ -115,24 +108,25 @@ def _pack_rows(raw, kind, lut, out, out_i16, out_i32, out_f32, t0, t1):
                                 w = _weight(b, o, 2, 16 * j + 4 * g + e)
                                 tb[_QS + 64 * (4 * j + g) + 4 * lane + e] = np.uint8(w & 0xFF)
                                 total += w
-                        corr += sc * total
+                        corr += np.int32(np.int8(b[o + 192 + j])) * total
                     out_i32[t, blk, _CORR[2] // 4 + lane] = 128 * corr
-                    out_f32[t, blk, _D[2] // 4 + lane] = lut[np.int64(b[o + 208]) | (np.int64(b[o + 209]) << 8)]
+                    out_f32[t, blk, _D[2] // 4 + lane] = _half(lut, b, o + 208)
                     continue
-                for j in range(8):
+                for c in range(4):
                     for g in range(8):
                         for e in range(4):
                             if kind == 0:  # the file's byte: sub-block 2c's weight low, 2c + 1's high
-                                if j % 2 == 0:
-                                    tb[_QS + 64 * (8 * (j // 2) + g) + 4 * lane + e] = b[o + 16 + 16 * j + 4 * g + e]
+                                tb[_QS + 64 * (8 * c + g) + 4 * lane + e] = b[o + 16 + 32 * c + 4 * g + e]
                             else:
-                                tb[_QS + 64 * (2 * (8 * (j // 2) + g) + j % 2) + 4 * lane + e] = _weight(
-                                    b, o, 1, 32 * j + 4 * g + e)
+                                for k in range(2):
+                                    tb[_QS + 64 * (2 * (8 * c + g) + k) + 4 * lane + e] = _weight(
+                                        b, o, 1, 32 * (2 * c + k) + 4 * g + e)
+                for j in range(8):
                     sc, mn = _k4_scale_min(b, o, j)
                     tb[_SC[kind] + 16 * j + lane] = sc
                     out_i16[t, blk, _MN[kind] // 2 + 32 * (j // 2) + 2 * lane + j % 2] = mn
-                out_f32[t, blk, _D[kind] // 4 + lane] = lut[np.int64(b[o]) | (np.int64(b[o + 1]) << 8)]
-                out_f32[t, blk, _DMIN[kind] // 4 + lane] = lut[np.int64(b[o + 2]) | (np.int64(b[o + 3]) << 8)]
+                out_f32[t, blk, _D[kind] // 4 + lane] = _half(lut, b, o)
+                out_f32[t, blk, _DMIN[kind] // 4 + lane] = _half(lut, b, o + 2)
 
 
 def supports(qtype: int) -> bool:
@@ -254,9 +248,9 @@ def _tile_block(kind, rows):
         x_at = lambda i, extra: h.b.add(row(5, 6, i), ir.Constant(_I64, extra))
         totals = _q6_k_dots(h, rows, at, x_at) if kind == 2 else _k_dots(h, kind, rows, at, x_at)
         d = h.b.bitcast(h.vload(2, at(_D[kind]), _V64B), _V16F)
+        row_d = [h.splat(h.b.load(h.b.gep(h.ptrs[10], [row(11, 12, i)])), _V16F) for i in range(rows)]
         for i in range(rows):
-            di = h.splat(h.b.load(h.b.gep(h.ptrs[10], [row(11, 12, i)])), _V16F)
-            _fma_row(h, 0, 16 * i, h.b.fmul(di, d), totals[i])
+            _fma_row(h, 0, 16 * i, h.b.fmul(row_d[i], d), totals[i])
         if kind == 2:
             return context.get_dummy_value()
         dmin = h.b.bitcast(h.vload(2, at(_DMIN[kind]), _V64B), _V16F)
@@ -268,8 +262,7 @@ def _tile_block(kind, rows):
                 m = _madd_pairs(h, min_pairs, sums)
                 mins[i] = m if mins[i] is None else h.b.add(mins[i], m)
         for i in range(rows):
-            di = h.splat(h.b.load(h.b.gep(h.ptrs[10], [row(11, 12, i)])), _V16F)
-            _fma_row(h, 1, 16 * i, h.b.fmul(di, dmin), mins[i])
+            _fma_row(h, 1, 16 * i, h.b.fmul(row_d[i], dmin), mins[i])
         return context.get_dummy_value()
     return codegen
 

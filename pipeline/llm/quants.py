@@ -225,9 +225,10 @@ def integer_matmul_t_many(weights: list, x2, group_rows: int | None = None) -> l
     from kernels import qint_gemm, qtile
     n = x2.shape[0] if group_rows is None else group_rows
     tiled = [w.tiled and n >= w.TILE_MIN_ROWS and qtile.supports(w.format.qtype) for w in weights]
+    on_tiles = [w for w, t in zip(weights, tiled) if t]
     rest = [w for w, t in zip(weights, tiled) if not t]
-    ys_tiled = iter(qtile.matmul_t_many([(int(w.format.qtype), w.raw, w.tiles()) for w, t in zip(weights, tiled)
-                                         if t], x2) if any(tiled) else [])
+    ys_tiled = iter(qtile.matmul_t_many([(int(w.format.qtype), w.raw, w.tiles()) for w in on_tiles], x2)
+                    if on_tiles else [])
     if not rest:
         ys_rest = iter([])
     elif x2.shape[0] >= qint_gemm.ROWS and all(qint_gemm.supports(w.format.qtype) for w in rest):

@@ -19,7 +19,7 @@ from numba import njit
 from . import handoff
 from .attention import _attend_cached
 from .nn import _swiglu_range
-from .qint import _fill
+from .qint import _fill, scratch
 
 
 @njit(cache=True, nogil=True)
@@ -71,20 +71,16 @@ def gelu_tanh_mul_rows(g, u, out):
 
 
 @njit(cache=True, nogil=True)
-def _product(template, use80, use8k, total_rows, x, lut, cells, n, runner, ticks, hold):
+def _product(template, needs, total_rows, x, lut, cells, n, runner, ticks, hold):
     """x @ W.T for the weights of a qint product template -> its flat output [m * total rows] (weight w's rows
-    from its offset), run by this thread and n pool workers."""
-    m, k = x.shape
-    q80 = np.empty((m, k) if use80 else (1, 1), np.int8)
-    d80 = np.empty((m, k // 32) if use80 else (1, 1), np.float32)
-    q8k = np.empty((m, k) if use8k else (1, 1), np.int8)
-    d8k = np.empty((m, k // 256) if use8k else (1, 1), np.float32)
-    sums = np.empty((m, k // 32) if use8k else (1, 1), np.int32)
-    flat = np.empty(m * total_rows, np.float32)
-    job, address = _fill(template, x, q80, d80, q8k, d8k, sums, lut, flat, use80, use8k)
+    from its offset), run by this thread and n pool workers; needs: the product's qint USE_* bits."""
+    arrays = scratch(x.shape[0], x.shape[1], needs)
+    flat = np.empty(x.shape[0] * total_rows, np.float32)
+    job, address = _fill(template, x, arrays, lut, flat, needs)
     handoff.dispatch(cells, n, runner, address, ticks, hold)
     if job[0] < 0:  # never: the scratch the job points into stays referenced until every thread is done
-        flat[0] = q80[0, 0] + d80[0, 0] + q8k[0, 0] + d8k[0, 0] + sums[0, 0]
+        flat[0] = arrays[0][0, 0] + arrays[1][0, 0] + arrays[2][0, 0] + arrays[3][0, 0] + arrays[4][0, 0] + \
+            arrays[5][0, 0] + arrays[6][0, 0]
     return flat
 
 
@@ -100,15 +96,15 @@ def _residual(x, y, post_norm, post, eps):
 
 @njit(cache=True, nogil=True)
 def layer(x, eps, attn_norm, ffn_norm, q_norm, k_norm, normed, post_attn_norm, post_ffn_norm, post, gelu, cos,
-          sin, interleaved, heads, kv_heads, head_dim, kc, vc, pos, scale, window, templates, flags, rows, lut,
+          sin, interleaved, heads, kv_heads, head_dim, kc, vc, pos, scale, window, templates, needs, rows, lut,
           cells, n, runner, ticks, hold):
     """x f32 [1, hidden] of the token at position pos -> the layer's output [1, hidden], keys and values written
     to kc[pos], vc[pos] (f32 [capacity, kv_heads, head_dim]). templates: the qkv, o, gate+up and down product
-    job templates; flags[i] = (use Q8_0, use Q8_K) and rows[i] their total output rows. post: RMSNorm each
+    job templates; needs[i] the product's qint USE_* bits and rows[i] its total output rows. post: RMSNorm each
     branch's output before its residual (Gemma 3); gelu: the tanh GELU gate instead of SwiGLU."""
     h = np.empty_like(x)
     rms_rows(x, attn_norm, eps, h)
-    qkv = _product(templates[0], flags[0, 0], flags[0, 1], rows[0], h, lut, cells, n, runner, ticks, hold)
+    qkv = _product(templates[0], needs[0], rows[0], h, lut, cells, n, runner, ticks, hold)
     nq, nkv = heads * head_dim, kv_heads * head_dim
     q = qkv[:nq].reshape(1, heads, head_dim)
     k = qkv[nq:nq + nkv].reshape(1, kv_heads, head_dim)
@@ -119,16 +115,16 @@ def layer(x, eps, attn_norm, ffn_norm, q_norm, k_norm, normed, post_attn_norm, p
     vc[pos] = qkv[nq + nkv:nq + 2 * nkv].reshape(kv_heads, head_dim)
     a = np.empty((1, nq), np.float32)
     _attend_cached(qr, kc[:pos + 1], vc[:pos + 1], pos, scale, window, a, 0, heads)
-    o = _product(templates[1], flags[1, 0], flags[1, 1], rows[1], a, lut, cells, n, runner, ticks, hold)
+    o = _product(templates[1], needs[1], rows[1], a, lut, cells, n, runner, ticks, hold)
     x = _residual(x, o.reshape(1, -1), post_attn_norm, post, eps)
     rms_rows(x, ffn_norm, eps, h)
-    gu = _product(templates[2], flags[2, 0], flags[2, 1], rows[2], h, lut, cells, n, runner, ticks, hold)
+    gu = _product(templates[2], needs[2], rows[2], h, lut, cells, n, runner, ticks, hold)
     ffn = rows[2] // 2
     s = np.empty(ffn, np.float32)
     if gelu:
         gelu_tanh_mul_rows(gu[:ffn], gu[ffn:], s)
     else:
         _swiglu_range(gu[:ffn], gu[ffn:], s)
-    down = _product(templates[3], flags[3, 0], flags[3, 1], rows[3], s.reshape(1, ffn), lut, cells, n, runner,
+    down = _product(templates[3], needs[3], rows[3], s.reshape(1, ffn), lut, cells, n, runner,
                     ticks, hold)
     return _residual(x, down.reshape(1, -1), post_ffn_norm, post, eps)

@@ -156,17 +156,8 @@ def _w_q6_k(h, scalars):
     v16f = ir.VectorType(_F32, 16)
     h.prefetch_block(210)
     scales = h.b.fmul(h.splat(scalars[0], v16f), h.b.sitofp(h.vload(1, o_arg(h), ir.VectorType(_I8, 16), 192), v16f))
-    out = []
-    for hh in range(2):
-        qh = h.vload(1, o_arg(h), _VB, 128 + hh * 32)
-        for t in range(4):
-            ql = h.bits(h.vload(1, o_arg(h), _VB, hh * 64 + (t & 1) * 32), 4 * (t >> 1), 0xF)
-            q = h.b.sub(h.b.or_(ql, h.b.shl(h.bits(qh, 2 * t, 3), h.bytes_const(4))), h.bytes_const(32))
-            g = hh * 8 + t * 2
-            sc = h.b.shuffle_vector(scales, ir.Constant(v16f, ir.Undefined),
-                                    ir.Constant(ir.VectorType(_I32, LANES), [g] * 16 + [g + 1] * 16))
-            out.append(h.b.fmul(sc, h.b.sitofp(q, _VF)))
-    return out
+    return [h.b.fmul(_pair_lanes(h, scales, 2 * j), h.b.sitofp(h.b.sub(_q6_k_weights(h, j), h.bytes_const(32)), _VF))
+            for j in range(8)]
 
 
 def _w_q8_0(h, scalars):
@@ -243,44 +234,55 @@ def _w_q2_k(h, scalars):
     return out
 
 
-def _w_q3_k(h, scalars):
-    """The Q3_K block at b[o:]: (d * (s - 32)) * (ql - 4 * !hbit) per 16 weights; ql 2-bit fields of the 64
-    bytes at o+32 (as Q2_K), hbit j of the 32 hmask bytes at o for vector j, the 16 6-bit s packed at o+96."""
-    v8b, v16f = ir.VectorType(_I8, 8), ir.VectorType(_F32, 16)
-    v16b, v16i = ir.VectorType(_I8, 16), ir.VectorType(_I32, 16)
-    h.prefetch_block(110)
-    lo = h.vload(1, o_arg(h), v8b, 96)  # 8 + 4 loads: the block ends at o+110, a 16-byte load would not
+def _q3_k_scale_bytes(h):
+    """The 16 6-bit scales of a Q3_K block minus 32 as <16 x i8> (signed): low nibbles from the 8 bytes at o+96
+    (bytes 0..7, then their high nibbles), two high bits from the 4 bytes at o+104 (ggml's kmask1/kmask2 unpack).
+    8 + 4 loads: the block ends at o+110, a 16-byte load would not."""
+    v8b, v16b, v16i = ir.VectorType(_I8, 8), ir.VectorType(_I8, 16), ir.VectorType(_I32, 16)
+    lo = h.vload(1, o_arg(h), v8b, 96)
     hi = h.vload(1, o_arg(h), ir.VectorType(_I8, 4), 104)
     low = h.b.shuffle_vector(lo, ir.Constant(v8b, ir.Undefined), ir.Constant(v16i, list(range(8)) * 2))
     low = h.b.and_(h.b.lshr(low, ir.Constant(v16b, [0] * 8 + [4] * 8)), ir.Constant(v16b, [0xF] * 16))
     high = h.b.shuffle_vector(hi, ir.Constant(hi.type, ir.Undefined), ir.Constant(v16i, [0, 1, 2, 3] * 4))
     high = h.b.lshr(high, ir.Constant(v16b, [0] * 4 + [2] * 4 + [4] * 4 + [6] * 4))
     high = h.b.and_(high, ir.Constant(v16b, [3] * 16))
-    s = h.b.sub(h.b.or_(low, h.b.shl(high, ir.Constant(v16b, [4] * 16))), ir.Constant(v16b, [32] * 16))
-    dl = h.b.fmul(h.splat(scalars[0], v16f), h.b.sitofp(s, v16f))
+    return h.b.sub(h.b.or_(low, h.b.shl(high, ir.Constant(v16b, [4] * 16))), ir.Constant(v16b, [32] * 16))
+
+
+def _q3_k_weights(h, hmask, j):
+    """<32 x i8> signed: vector j of the Q3_K block, ql - 4 * !hbit in -4..3; ql the 2-bit fields 2t of the 32
+    bytes at o+32+32*half (j = 4 * half + t), hbit bit j of the hmask bytes."""
+    raw = h.vload(1, o_arg(h), _VB, 32 + 32 * (j // 4))
+    minus = h.b.shl(h.b.xor(h.bits(hmask, j, 1), h.bytes_const(1)), h.bytes_const(2))
+    return h.b.sub(h.bits(raw, 2 * (j % 4), 3), minus)
+
+
+def _w_q3_k(h, scalars):
+    """The Q3_K block at b[o:]: (d * (s - 32)) * (ql - 4 * !hbit) per 16 weights; ql 2-bit fields of the 64
+    bytes at o+32 (as Q2_K), hbit j of the 32 hmask bytes at o for vector j, the 16 6-bit s packed at o+96."""
+    v16f = ir.VectorType(_F32, 16)
+    h.prefetch_block(110)
+    dl = h.b.fmul(h.splat(scalars[0], v16f), h.b.sitofp(_q3_k_scale_bytes(h), v16f))
     hmask = h.vload(1, o_arg(h), _VB, 0)
-    out = []
-    for half in range(2):
-        raw = h.vload(1, o_arg(h), _VB, 32 + 32 * half)
-        for t in range(4):
-            j = half * 4 + t
-            minus = h.b.shl(h.b.xor(h.bits(hmask, j, 1), h.bytes_const(1)), h.bytes_const(2))
-            q = h.b.sitofp(h.b.sub(h.bits(raw, 2 * t, 3), minus), _VF)
-            out.append(h.b.fmul(_pair_lanes(h, dl, 2 * j), q))
-    return out
+    return [h.b.fmul(_pair_lanes(h, dl, 2 * j), h.b.sitofp(_q3_k_weights(h, hmask, j), _VF)) for j in range(8)]
 
 
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml's kvalues_iq4nl
 
 
-def _iq4_values(h, q):
-    """IQ4_VALUES[q] as f32 for a <32 x i8> of nibbles: a tree of selects on q's four bits (portable IR,
-    no gather or byte-shuffle intrinsic), then exact int8 -> f32."""
+def _iq4_select(h, q):
+    """IQ4_VALUES[q] as <32 x i8> for a <32 x i8> of nibbles: a tree of selects on q's four bits (portable IR, no
+    gather or byte-shuffle intrinsic)."""
     level = [ir.Constant(_VB, [v] * LANES) for v in IQ4_VALUES]
     for bit in range(4):
         take_odd = h.b.icmp_unsigned("!=", h.b.and_(q, h.bytes_const(1 << bit)), h.bytes_const(0))
         level = [h.b.select(take_odd, level[2 * i + 1], level[2 * i]) for i in range(len(level) // 2)]
-    return h.b.sitofp(level[0], _VF)
+    return level[0]
+
+
+def _iq4_values(h, q):
+    """IQ4_VALUES[q] as f32 (exact int8 -> f32)."""
+    return h.b.sitofp(_iq4_select(h, q), _VF)
 
 
 def _w_iq4_nl(h, scalars):
@@ -288,12 +290,11 @@ def _w_iq4_nl(h, scalars):
     return [h.b.fmul(h.splat(scalars[0], _VF), _iq4_values(h, _nibbles(h, 2)))]
 
 
-def _w_iq4_xs(h, scalars):
-    """The IQ4_XS block at b[o:]: (d * (s_j - 32)) * IQ4_VALUES[q] per 32 weights, q the nibbles of the 16
-    bytes at o+8+16j, s_j = 4 bits of the bytes at o+4 | 2 bits of the 16-bit word at o+2 as bits 4..5."""
-    v8b, v8f, v8i = ir.VectorType(_I8, 8), ir.VectorType(_F32, 8), ir.VectorType(_I32, 8)
+def _iq4_xs_scale_bytes(h):
+    """The 8 sub-block scales of an IQ4_XS block minus 32 as <8 x i8> (signed): 4 bits of the bytes at o+4 (low
+    nibble for even j) | 2 bits (2j) of the 16-bit word at o+2 as bits 4..5."""
+    v8b, v8i = ir.VectorType(_I8, 8), ir.VectorType(_I32, 8)
     v8s = ir.VectorType(ir.IntType(16), 8)
-    h.prefetch_block(136)
     sl = h.vload(1, o_arg(h), ir.VectorType(_I8, 4), 4)
     low = h.b.shuffle_vector(sl, ir.Constant(sl.type, ir.Undefined), ir.Constant(v8i, [0, 0, 1, 1, 2, 2, 3, 3]))
     low = h.b.and_(h.b.lshr(low, ir.Constant(v8b, [0, 4] * 4)), ir.Constant(v8b, [0xF] * 8))
@@ -301,8 +302,15 @@ def _w_iq4_xs(h, scalars):
                                       ir.IntType(16).as_pointer()), align=1), v8s)
     high = h.b.and_(h.b.lshr(sh, ir.Constant(v8s, [2 * j for j in range(8)])), ir.Constant(v8s, [3] * 8))
     high = h.b.trunc(high, v8b)
-    s = h.b.sub(h.b.or_(low, h.b.shl(high, ir.Constant(v8b, [4] * 8))), ir.Constant(v8b, [32] * 8))
-    dl = h.b.fmul(h.splat(scalars[0], v8f), h.b.sitofp(s, v8f))
+    return h.b.sub(h.b.or_(low, h.b.shl(high, ir.Constant(v8b, [4] * 8))), ir.Constant(v8b, [32] * 8))
+
+
+def _w_iq4_xs(h, scalars):
+    """The IQ4_XS block at b[o:]: (d * (s_j - 32)) * IQ4_VALUES[q] per 32 weights, q the nibbles of the 16
+    bytes at o+8+16j (scales: _iq4_xs_scale_bytes)."""
+    v8f = ir.VectorType(_F32, 8)
+    h.prefetch_block(136)
+    dl = h.b.fmul(h.splat(scalars[0], v8f), h.b.sitofp(_iq4_xs_scale_bytes(h), v8f))
     return [h.b.fmul(_lane(h, dl, j), _iq4_values(h, _nibbles(h, 8 + 16 * j))) for j in range(8)]
 
 
@@ -651,27 +659,38 @@ def idot_q4_k(typingctx, acc, b, o, q, qo, d, accm, sums, so, dmin):
 
 
 @intrinsic
-def idot_q6_k(typingctx, acc, b, o, q, qo, d):
-    """Q6_K x Q8_K as ggml_vec_dot_q6_K_q8_K (AVX2): acc[0:8] = fma(d, lanes(sum_g scale_g * (q6 - 32) . q8), acc),
-    one int8 scale per 16 weights."""
+def idot_q6_k(typingctx, acc, b, o, q, qo, d, bsums, so):
+    """Q6_K x Q8_K as ggml_vec_dot_q6_K_q8_K (AVX2): acc[0:8] = fma(d, lanes(sum_g scale_g * q6 . q8) - 32 *
+    madd(scales, bsums), acc), q6 the unsigned 6-bit weights, one int8 scale per 16 weights; the -32 offset
+    comes from the Q8_K block's 16-element sums at so (lane k: 32 * (s_2k * bsum_2k + s_2k+1 * bsum_2k+1)), so
+    the lanes are llama.cpp's, not those of (q6 - 32) . q8."""
     def codegen(context, builder, signature, args):
         h = _IR(context, builder, signature, args)
         h.prefetch_block(210)
         scales = h.vload(1, o_arg(h), ir.VectorType(_I8, 16), 192)
         total = None
-        for hh in range(2):
-            qh = h.vload(1, o_arg(h), _VB, 128 + hh * 32)
-            for t in range(4):
-                ql = h.bits(h.vload(1, o_arg(h), _VB, hh * 64 + (t & 1) * 32), 4 * (t >> 1), 0xF)
-                w = h.b.sub(h.b.or_(ql, h.b.shl(h.bits(qh, 2 * t, 3), h.bytes_const(4))), h.bytes_const(32))
-                g = hh * 8 + t * 2  # pair lanes 0..7 are weights 0..15 (scale g), 8..15 weights 16..31 (g + 1)
-                sc = h.b.sext(h.b.shuffle_vector(scales, ir.Constant(scales.type, ir.Undefined),
-                                                 ir.Constant(_V16I, [g] * 8 + [g + 1] * 8)), _V16S)
-                part = _lane_sums(h, w, h.vload(3, h.ptrs[4], _VB, 32 * (hh * 4 + t)), sc)
-                total = part if total is None else h.b.add(total, part)
-        _fma_into(h, 0, h.ptrs[5], total)
+        for j in range(8):
+            part = _lane_sums(h, _q6_k_weights(h, j), h.vload(3, h.ptrs[4], _VB, 32 * j),
+                              _pair_scales16(h, scales, 2 * j), w_unsigned=True)
+            total = part if total is None else h.b.add(total, part)
+        _fma_into(h, 0, h.ptrs[5], h.b.sub(total, q6_k_offset(h, scales, h.vload(6, h.ptrs[7], _V16I))))
         return context.get_dummy_value()
-    return types.void(acc, b, o, q, qo, d), codegen
+    return types.void(acc, b, o, q, qo, d, bsums, so), codegen
+
+
+def _q6_k_weights(h, j):
+    """<32 x i8>: vector j (= 4 * half + t) of the Q6_K block's unsigned 6-bit weights: 4 bits of the ql bytes at
+    o + 64 * half + 32 * (t & 1) (shifted by 4 * (t >> 1)), 2 bits (2t) of the qh bytes at o + 128 + 32 * half."""
+    half, t = divmod(j, 4)
+    ql = h.bits(h.vload(1, o_arg(h), _VB, half * 64 + (t & 1) * 32), 4 * (t >> 1), 0xF)
+    return h.b.or_(ql, h.b.shl(h.bits(h.vload(1, o_arg(h), _VB, 128 + half * 32), 2 * t, 3), h.bytes_const(4)))
+
+
+def q6_k_offset(h, scales, bsums):
+    """<8 x i32>: Q6_K's -32 offset per lane, 32 * (s_2k * bsum_2k + s_2k+1 * bsum_2k+1), for the 16 int8 scales
+    and a <16 x i32> of the activation block's 16-element sums."""
+    prod = h.b.mul(h.b.sext(scales, _V16I), bsums)
+    return h.b.shl(_fold_lanes(h, prod), ir.Constant(_V8I, [5] * 8))
 
 
 @intrinsic
@@ -698,3 +717,109 @@ def idot_q5_k(typingctx, acc, b, o, q, qo, d, accm, sums, so, dmin):
         h.b.store(h.b.call(fn, [h.ptrs[9], h.b.sitofp(mins, _F32), h.b.load(h.ptrs[6])]), h.ptrs[6])
         return context.get_dummy_value()
     return types.void(acc, b, o, q, qo, d, accm, sums, so, dmin), codegen
+
+
+def _idot_unsigned_32(w_of_block, sig):
+    """As _idot_32 for weights 0..31 (Q4_1/Q5_1: mul_sum_us8_pairs_float, vpmaddubsw's unsigned side as is)."""
+    def codegen(context, builder, signature, args):
+        h = _IR(context, builder, signature, args)
+        _fma_into(h, 0, h.ptrs[5], _lane_sums(h, w_of_block(h), h.vload(3, h.ptrs[4], _VB), w_unsigned=True))
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def idot_q4_1(typingctx, acc, b, o, q, qo, d):
+    """The Q8_1-scaled half of ggml_vec_dot_q4_1_q8_1 (AVX2): acc[0:8] = fma(d, lanes(nibbles . q), acc); the
+    caller adds the block's min times the activations' fp16 sum (summs) in f32 beside it."""
+    return _idot_unsigned_32(lambda h: _nibbles(h, 4), types.void(acc, b, o, q, qo, d))
+
+
+@intrinsic
+def idot_q5_1(typingctx, acc, b, o, q, qo, d):
+    """As idot_q4_1 for Q5_1 (ggml_vec_dot_q5_1_q8_1): weights nibble | high bit << 4, 0..31."""
+    return _idot_unsigned_32(lambda h: h.b.or_(_nibbles(h, 8), _high_bits(h, 4)), types.void(acc, b, o, q, qo, d))
+
+
+def _iq4_lookup(h, q):
+    """IQ4_VALUES[q] as <32 x i8>: on AVX2 one vpshufb from the 16 values (in both 128-bit halves, as ggml's
+    _mm_shuffle_epi8(values128, ...)), else the portable select tree; the same bytes."""
+    if not AVX2:
+        return _iq4_select(h, q)
+    table = ir.Constant(_VB, list(IQ4_VALUES) * 2)
+    return _x86(h, "llvm.x86.avx2.pshuf.b", _VB, table, q)
+
+
+@intrinsic
+def idot_iq4_nl(typingctx, acc, b, o, q, qo, d):
+    """IQ4_NL x Q8_0 as one block of ggml_vec_dot_iq4_nl_q8_0 (AVX2): acc[0:8] = fma(d, lanes(values . q), acc)
+    (the caller alternates two accumulators, as llama.cpp does)."""
+    return _idot_32(lambda h: _iq4_lookup(h, _nibbles(h, 2)), types.void(acc, b, o, q, qo, d))
+
+
+@intrinsic
+def idot_iq4_xs(typingctx, acc, b, o, q, qo, d):
+    """IQ4_XS x Q8_K as ggml_vec_dot_iq4_xs_q8_K (AVX2): acc[0:8] = fma(d, lanes(sum_j (s_j - 32) * values_j . q8_j),
+    acc), one 6-bit scale per 32 weights."""
+    def codegen(context, builder, signature, args):
+        h = _IR(context, builder, signature, args)
+        h.prefetch_block(136)
+        s = _iq4_xs_scale_bytes(h)
+        total = None
+        for j in range(8):
+            w = _iq4_lookup(h, _nibbles(h, 8 + 16 * j))
+            sc = h.splat(h.b.sext(h.b.extract_element(s, ir.Constant(_I32, j)), ir.IntType(16)), _V16S)
+            part = _lane_sums(h, w, h.vload(3, h.ptrs[4], _VB, 32 * j), sc)
+            total = part if total is None else h.b.add(total, part)
+        _fma_into(h, 0, h.ptrs[5], total)
+        return context.get_dummy_value()
+    return types.void(acc, b, o, q, qo, d), codegen
+
+
+def _pair_scales16(h, s16, g):
+    """<16 x i16>: pair lanes 0..7 (weights 0..15 of a 32-weight vector) s16[g], 8..15 s16[g + 1], sign-extended."""
+    return h.b.sext(h.b.shuffle_vector(s16, ir.Constant(s16.type, ir.Undefined),
+                                       ir.Constant(_V16I, [g] * 8 + [g + 1] * 8)), _V16S)
+
+
+@intrinsic
+def idot_q3_k(typingctx, acc, b, o, q, qo, d):
+    """Q3_K x Q8_K as ggml_vec_dot_q3_K_q8_K (AVX2): acc[0:8] = fma(d, lanes(sum_g (s_g - 32) * w . q8), acc), w
+    = ql - 4 * !hbit, one 6-bit scale per 16 weights (llama.cpp's maddubs(ql) - maddubs(4 * !hbit) is the same
+    exact i16)."""
+    def codegen(context, builder, signature, args):
+        h = _IR(context, builder, signature, args)
+        h.prefetch_block(110)
+        scales = _q3_k_scale_bytes(h)
+        hmask = h.vload(1, o_arg(h), _VB, 0)
+        total = None
+        for j in range(8):
+            part = _lane_sums(h, _q3_k_weights(h, hmask, j), h.vload(3, h.ptrs[4], _VB, 32 * j),
+                              _pair_scales16(h, scales, 2 * j))
+            total = part if total is None else h.b.add(total, part)
+        _fma_into(h, 0, h.ptrs[5], total)
+        return context.get_dummy_value()
+    return types.void(acc, b, o, q, qo, d), codegen
+
+
+@intrinsic
+def idot_q2_k(typingctx, acc, b, o, q, qo, d, bsums, so, dmin):
+    """Q2_K x Q8_K as ggml_vec_dot_q2_K_q8_K (AVX2): first acc[0:8] = fma(dmin, madd(mins, bsums), acc) (lane k:
+    m_2k * bsum_2k + m_2k+1 * bsum_2k+1, bsums = the Q8_K block's 16-element sums at so), then acc[0:8] =
+    fma(d, lanes(sum_g s_g * q2 . q8), acc); scale s_g and min m_g the nibbles of byte g at o."""
+    def codegen(context, builder, signature, args):
+        h = _IR(context, builder, signature, args)
+        h.prefetch_block(84)
+        sc = h.vload(1, o_arg(h), ir.VectorType(_I8, 16), 0)
+        prod = h.b.mul(h.b.zext(h.bits(sc, 4, 0xF), _V16I), h.vload(6, h.ptrs[7], _V16I))
+        _fma_into(h, 0, h.ptrs[8], _fold_lanes(h, prod))
+        scales = h.bits(sc, 0, 0xF)
+        total = None
+        for j in range(8):
+            w = h.bits(h.vload(1, o_arg(h), _VB, 16 + 32 * (j // 4)), 2 * (j % 4), 3)
+            part = _lane_sums(h, w, h.vload(3, h.ptrs[4], _VB, 32 * j), _pair_scales16(h, scales, 2 * j),
+                              w_unsigned=True)
+            total = part if total is None else h.b.add(total, part)
+        _fma_into(h, 0, h.ptrs[5], total)
+        return context.get_dummy_value()
+    return types.void(acc, b, o, q, qo, d, bsums, so, dmin), codegen

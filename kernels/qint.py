@@ -21,18 +21,29 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, njit
 
-from .dequant import (HALF_TO_FLOAT, MATVEC_PIECES_PER_THREAD, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, ROW_CHUNK, _check,
-                      _half)
+from .dequant import (HALF_TO_FLOAT, IQ4_NL, IQ4_XS, MATVEC_PIECES_PER_THREAD, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0,
+                      Q5_1, Q5_K, Q6_K, Q8_0, ROW_CHUNK, _check, _half)
+from .optim import fma
 from .quantize import _f16_bits_to_f32, _f32_to_f16_bits
-from .qblocks import idot_q4_0, idot_q4_k, idot_q5_0, idot_q5_k, idot_q6_k, idot_q8_0
+from .qblocks import (IQ4_VALUES, idot_iq4_nl, idot_iq4_xs, idot_q2_k, idot_q3_k, idot_q4_0, idot_q4_1, idot_q4_k,
+                      idot_q5_0, idot_q5_1, idot_q5_k, idot_q6_k, idot_q8_0)
 from .handoff import NativeJob, atomic_add, f32_pointer, i8_pointer, i32_pointer, i64_pointer, u8_pointer
 from .workpool import run_native, split_range, threads as pool_threads
 
-Q8_0_PARTNER, Q8_K_PARTNER = "Q8_0", "Q8_K"
+Q8_0_PARTNER, Q8_1_PARTNER, Q8_K_PARTNER = "Q8_0", "Q8_1", "Q8_K"
 # weight format -> the activation blocks llama.cpp pairs it with (its vec_dot_type)
-PARTNER = {Q8_0: Q8_0_PARTNER, Q4_0: Q8_0_PARTNER, Q5_0: Q8_0_PARTNER,
-           Q4_K: Q8_K_PARTNER, Q5_K: Q8_K_PARTNER, Q6_K: Q8_K_PARTNER}
-PARTNER_BLOCK = {Q8_0_PARTNER: 32, Q8_K_PARTNER: 256}
+PARTNER = {Q8_0: Q8_0_PARTNER, Q4_0: Q8_0_PARTNER, Q5_0: Q8_0_PARTNER, IQ4_NL: Q8_0_PARTNER,
+           Q4_1: Q8_1_PARTNER, Q5_1: Q8_1_PARTNER,
+           Q2_K: Q8_K_PARTNER, Q3_K: Q8_K_PARTNER, Q4_K: Q8_K_PARTNER, Q5_K: Q8_K_PARTNER, Q6_K: Q8_K_PARTNER,
+           IQ4_XS: Q8_K_PARTNER}
+PARTNER_BLOCK = {Q8_0_PARTNER: 32, Q8_1_PARTNER: 32, Q8_K_PARTNER: 256}
+# What a product quantizes x into, as bits of one mask: Q8_0 blocks (Q8_1's q and d are Q8_0's), Q8_1's fp16
+# block sums on top, Q8_K blocks with their 32-element sums, and Q8_K's 16-element sums (bsums: Q2_K, Q6_K)
+USE_Q8_0, USE_Q8_1_SUMS, USE_Q8_K, USE_Q8_K_BSUMS = 1, 2, 4, 8
+NEEDS = {qtype: {Q8_0_PARTNER: USE_Q8_0, Q8_1_PARTNER: USE_Q8_0 | USE_Q8_1_SUMS, Q8_K_PARTNER: USE_Q8_K}[partner]
+         for qtype, partner in PARTNER.items()}
+NEEDS[Q2_K] |= USE_Q8_K_BSUMS
+NEEDS[Q6_K] |= USE_Q8_K_BSUMS
 QUANTIZE_SPLIT = 1 << 16  # activations below this many elements are quantized on the calling thread
 
 
@@ -59,9 +70,10 @@ def _top_magnitude_bits(bits, k0, k1):
 
 
 @njit(cache=True, nogil=True)
-def _quantize_q8_0(x, q, d):
+def _quantize_q8_0(x, q, d, s, with_sums):
     """x f32 [m, n] -> q int8 [m, n], d f32 [m, n/32] = max|x| / 127 per block, rounded to its fp16 value
-    (the scale the dot product reads)."""
+    (the scale the dot product reads); with_sums: s f32 [m, n/32] = Q8_1's fp16(d * sum q) with the unrounded d
+    (quantize_row_q8_1's AVX2 path: its q and d are Q8_0's)."""
     bits = x.view(np.uint32)
     for i in range(x.shape[0]):
         bi = bits[i]
@@ -73,10 +85,27 @@ def _quantize_q8_0(x, q, d):
                     amax = max(amax, abs(x[i, k]))
             else:
                 amax = np.uint32(top).view(np.float32)
-            d[i, blk] = _f16_bits_to_f32(_f32_to_f16_bits(amax / np.float32(127.0)))
+            unrounded = amax / np.float32(127.0)
+            d[i, blk] = _f16_bits_to_f32(_f32_to_f16_bits(unrounded))
             inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)  # the AVX2 path's 127/max, not 1/d
+            total = np.int32(0)
             for k in range(blk * 32, blk * 32 + 32):
-                q[i, k] = np.int8(_round_even(x[i, k] * inv))
+                v = _round_even(x[i, k] * inv)
+                q[i, k] = np.int8(v)
+                total += v
+            if with_sums:
+                s[i, blk] = _f16_bits_to_f32(_f32_to_f16_bits(unrounded * np.float32(total)))
+
+
+@njit(cache=True, nogil=True)
+def _bsums(q, bsums):
+    """bsums[i, g] = sum of q[i, 16g:16g+16] (Q8_K's bsums: Q2_K's mins and Q6_K's offset read them)."""
+    for i in range(q.shape[0]):
+        for g in range(q.shape[1] // 16):
+            total = np.int32(0)
+            for k in range(16 * g, 16 * g + 16):
+                total += np.int32(q[i, k])
+            bsums[i, g] = total
 
 
 @njit(cache=True, nogil=True)
@@ -117,8 +146,9 @@ def _quantize_q8_k(x, q, d, sums):
 
 
 def quantize_activations(partner: str, x: np.ndarray):
-    """x f32 [m, n] in llama.cpp's activation blocks: (q int8 [m, n], d f32 [m, n/block], sums int32 [m, n/32]
-    or None). Q8_0's d is its fp16 value (what the dot product reads), Q8_K's stays f32."""
+    """x f32 [m, n] in llama.cpp's activation blocks: (q int8 [m, n], d f32 [m, n/block], extra). Q8_0's and
+    Q8_1's d is its fp16 value (what the dot product reads), Q8_K's stays f32; extra is None for Q8_0, Q8_1's
+    fp16 block sums s f32 [m, n/32], Q8_K's 32-element sums int32 [m, n/32]."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     block = PARTNER_BLOCK[partner]
     if x.ndim != 2 or x.shape[1] % block:
@@ -126,9 +156,12 @@ def quantize_activations(partner: str, x: np.ndarray):
     q = np.empty(x.shape, np.int8)
     d = np.empty((x.shape[0], x.shape[1] // block), np.float32)
     parts = pool_threads() if x.size >= QUANTIZE_SPLIT else 1  # rows are independent: any split, the same bits
-    if partner == Q8_0_PARTNER:
-        split_range(x.shape[0], parts, lambda r0, r1: _quantize_q8_0(x[r0:r1], q[r0:r1], d[r0:r1]))
-        return q, d, None
+    if partner in (Q8_0_PARTNER, Q8_1_PARTNER):
+        with_sums = partner == Q8_1_PARTNER
+        s = np.empty(d.shape if with_sums else (1, 1), np.float32)
+        split_range(x.shape[0], parts, lambda r0, r1: _quantize_q8_0(x[r0:r1], q[r0:r1], d[r0:r1],
+                                                                      s[r0:r1] if with_sums else s, with_sums))
+        return q, d, (s if with_sums else None)
     sums = np.empty((x.shape[0], x.shape[1] // 32), np.int32)
     split_range(x.shape[0], parts, lambda r0, r1: _quantize_q8_k(x[r0:r1], q[r0:r1], d[r0:r1], sums[r0:r1]))
     return q, d, sums
@@ -220,8 +253,87 @@ def _mm_q5_k(raw, q, d, sums, out, lut, r0, r1):
 
 
 @njit(cache=True, nogil=True)
-def _mm_q6_k(raw, q, d, sums, out, lut, r0, r1):
-    """Rows r0..r1 of Q6_K raw against Q8_K activations."""
+def _mm_q6_k(raw, q, d, bsums, out, lut, r0, r1):
+    """Rows r0..r1 of Q6_K raw against Q8_K activations and their 16-element sums (the -32 offset's)."""
+    acc = np.empty(8, np.float32)
+    for r in range(r0, r1):
+        b = raw[r]
+        for i in range(q.shape[0]):
+            qi, di, si = q[i], d[i], bsums[i]
+            acc[:] = 0.0
+            for blk in range(qi.shape[0] // 256):
+                idot_q6_k(acc, b, blk * 210, qi, blk * 256, di[blk] * _half(lut, b, blk * 210 + 208), si, blk * 16)
+            out[i, r] = _hsum8(acc)
+
+
+@njit(cache=True, nogil=True)
+def _mm_q4_1(raw, q, d, s, out, lut, r0, r1):
+    """Rows r0..r1 of Q4_1 raw against Q8_1 activations q/d/s: the scaled sums in 8 lanes, the mins times the
+    activations' fp16 sums in one f32 (summs, a fused multiply-add per block as llama.cpp's compiled code)."""
+    acc = np.empty(8, np.float32)
+    for r in range(r0, r1):
+        b = raw[r]
+        for i in range(q.shape[0]):
+            qi, di, si = q[i], d[i], s[i]
+            acc[:] = 0.0
+            summs = np.float32(0.0)
+            for blk in range(qi.shape[0] // 32):
+                idot_q4_1(acc, b, blk * 20, qi, blk * 32, _half(lut, b, blk * 20) * di[blk])
+                summs = fma(_half(lut, b, blk * 20 + 2), si[blk], summs)
+            out[i, r] = _hsum8(acc) + summs
+
+
+@njit(cache=True, nogil=True)
+def _mm_q5_1(raw, q, d, s, out, lut, r0, r1):
+    """As _mm_q4_1 for Q5_1 weights."""
+    acc = np.empty(8, np.float32)
+    for r in range(r0, r1):
+        b = raw[r]
+        for i in range(q.shape[0]):
+            qi, di, si = q[i], d[i], s[i]
+            acc[:] = 0.0
+            summs = np.float32(0.0)
+            for blk in range(qi.shape[0] // 32):
+                idot_q5_1(acc, b, blk * 24, qi, blk * 32, _half(lut, b, blk * 24) * di[blk])
+                summs = fma(_half(lut, b, blk * 24 + 2), si[blk], summs)
+            out[i, r] = _hsum8(acc) + summs
+
+
+_IQ4_TABLE = np.array(IQ4_VALUES, np.int32)
+
+
+@njit(cache=True, nogil=True)
+def _mm_iq4_nl(raw, q, d, sums, out, lut, r0, r1):
+    """Rows r0..r1 of IQ4_NL raw against Q8_0 activations, as ggml_vec_dot_iq4_nl_q8_0 (AVX2): blocks taken in
+    pairs into two accumulators, added lane-wise before hsum_float_8; an odd last block as its scalar tail,
+    fma(d, sum, total)."""
+    acc, acc2 = np.empty(8, np.float32), np.empty(8, np.float32)
+    for r in range(r0, r1):
+        b = raw[r]
+        for i in range(q.shape[0]):
+            qi, di = q[i], d[i]
+            nb = qi.shape[0] // 32
+            acc[:] = 0.0
+            acc2[:] = 0.0
+            for blk in range(0, nb - 1, 2):
+                idot_iq4_nl(acc, b, blk * 18, qi, blk * 32, _half(lut, b, blk * 18) * di[blk])
+                idot_iq4_nl(acc2, b, blk * 18 + 18, qi, blk * 32 + 32, _half(lut, b, blk * 18 + 18) * di[blk + 1])
+            for k in range(8):
+                acc[k] += acc2[k]
+            total = _hsum8(acc)
+            if nb % 2:
+                o, qo = (nb - 1) * 18, (nb - 1) * 32
+                sumi = np.int32(0)
+                for k in range(16):
+                    sumi += (_IQ4_TABLE[b[o + 2 + k] & 15] * np.int32(qi[qo + k])
+                             + _IQ4_TABLE[b[o + 2 + k] >> 4] * np.int32(qi[qo + 16 + k]))
+                total = fma(_half(lut, b, o) * di[nb - 1], np.float32(sumi), total)
+            out[i, r] = total
+
+
+@njit(cache=True, nogil=True)
+def _mm_iq4_xs(raw, q, d, sums, out, lut, r0, r1):
+    """Rows r0..r1 of IQ4_XS raw against Q8_K activations."""
     acc = np.empty(8, np.float32)
     for r in range(r0, r1):
         b = raw[r]
@@ -229,11 +341,43 @@ def _mm_q6_k(raw, q, d, sums, out, lut, r0, r1):
             qi, di = q[i], d[i]
             acc[:] = 0.0
             for blk in range(qi.shape[0] // 256):
-                idot_q6_k(acc, b, blk * 210, qi, blk * 256, di[blk] * _half(lut, b, blk * 210 + 208))
+                idot_iq4_xs(acc, b, blk * 136, qi, blk * 256, _half(lut, b, blk * 136) * di[blk])
             out[i, r] = _hsum8(acc)
 
 
-KERNELS = {Q8_0: _mm_q8_0, Q4_0: _mm_q4_0, Q5_0: _mm_q5_0, Q4_K: _mm_q4_k, Q5_K: _mm_q5_k, Q6_K: _mm_q6_k}
+@njit(cache=True, nogil=True)
+def _mm_q3_k(raw, q, d, sums, out, lut, r0, r1):
+    """Rows r0..r1 of Q3_K raw against Q8_K activations."""
+    acc = np.empty(8, np.float32)
+    for r in range(r0, r1):
+        b = raw[r]
+        for i in range(q.shape[0]):
+            qi, di = q[i], d[i]
+            acc[:] = 0.0
+            for blk in range(qi.shape[0] // 256):
+                idot_q3_k(acc, b, blk * 110, qi, blk * 256, di[blk] * _half(lut, b, blk * 110 + 108))
+            out[i, r] = _hsum8(acc)
+
+
+@njit(cache=True, nogil=True)
+def _mm_q2_k(raw, q, d, bsums, out, lut, r0, r1):
+    """Rows r0..r1 of Q2_K raw against Q8_K activations and their 16-element sums: per block the mins' fma,
+    then the scales', into the same 8 lanes."""
+    acc = np.empty(8, np.float32)
+    for r in range(r0, r1):
+        b = raw[r]
+        for i in range(q.shape[0]):
+            qi, di, si = q[i], d[i], bsums[i]
+            acc[:] = 0.0
+            for blk in range(qi.shape[0] // 256):
+                o = blk * 84
+                idot_q2_k(acc, b, o, qi, blk * 256, di[blk] * _half(lut, b, o + 80), si, blk * 16,
+                          -di[blk] * _half(lut, b, o + 82))
+            out[i, r] = _hsum8(acc)
+
+
+KERNELS = {Q8_0: _mm_q8_0, Q4_0: _mm_q4_0, Q5_0: _mm_q5_0, Q4_K: _mm_q4_k, Q5_K: _mm_q5_k, Q6_K: _mm_q6_k,
+           Q4_1: _mm_q4_1, Q5_1: _mm_q5_1, IQ4_NL: _mm_iq4_nl, IQ4_XS: _mm_iq4_xs, Q3_K: _mm_q3_k, Q2_K: _mm_q2_k}
 
 
 def supports(qtype: int) -> bool:
@@ -241,9 +385,9 @@ def supports(qtype: int) -> bool:
 
 
 # A product's job block (int64, read by every thread that runs it): the header, one entry per weight, one per
-# piece. Arrays are passed by address (a partner no weight uses gets the other partner's, never read); the
+# piece. Arrays are passed by address (an activation array no weight uses is a 1x1 stand-in, never read); the
 # caller keeps them alive until the job returns.
-_LENGTH, _NEXT, _PIECES, _WEIGHTS, _M, _N, _LUT, _Q80, _D80, _Q8K, _D8K, _SUMS = range(12)
+_LENGTH, _NEXT, _PIECES, _WEIGHTS, _M, _N, _LUT, _Q80, _D80, _Q8K, _D8K, _SUMS, _S81, _BSUMS = range(14)
 _HEADER, _WEIGHT, _PIECE = 16, 5, 3  # slots: header, per weight (qtype, raw, rows, row bytes, out), per piece
 
 
@@ -256,6 +400,8 @@ def _run_pieces(job):
     q80, d80 = carray(i8_pointer(job[_Q80]), (m, n)), carray(f32_pointer(job[_D80]), (m, n // 32))
     q8k, d8k = carray(i8_pointer(job[_Q8K]), (m, n)), carray(f32_pointer(job[_D8K]), (m, n // 256))
     sums = carray(i32_pointer(job[_SUMS]), (m, n // 32))
+    s81 = carray(f32_pointer(job[_S81]), (m, n // 32))
+    bsums = carray(i32_pointer(job[_BSUMS]), (m, n // 16))
     pieces = _HEADER + _WEIGHT * job[_WEIGHTS]
     while True:
         i = atomic_add(job, _NEXT, 1)
@@ -272,12 +418,24 @@ def _run_pieces(job):
             _mm_q4_0(raw, q80, d80, sums, out, lut, r0, r1)
         elif qtype == Q5_0:
             _mm_q5_0(raw, q80, d80, sums, out, lut, r0, r1)
+        elif qtype == IQ4_NL:
+            _mm_iq4_nl(raw, q80, d80, sums, out, lut, r0, r1)
+        elif qtype == Q4_1:
+            _mm_q4_1(raw, q80, d80, s81, out, lut, r0, r1)
+        elif qtype == Q5_1:
+            _mm_q5_1(raw, q80, d80, s81, out, lut, r0, r1)
         elif qtype == Q4_K:
             _mm_q4_k(raw, q8k, d8k, sums, out, lut, r0, r1)
         elif qtype == Q5_K:
             _mm_q5_k(raw, q8k, d8k, sums, out, lut, r0, r1)
+        elif qtype == Q6_K:
+            _mm_q6_k(raw, q8k, d8k, bsums, out, lut, r0, r1)
+        elif qtype == Q3_K:
+            _mm_q3_k(raw, q8k, d8k, sums, out, lut, r0, r1)
+        elif qtype == Q2_K:
+            _mm_q2_k(raw, q8k, d8k, bsums, out, lut, r0, r1)
         else:
-            _mm_q6_k(raw, q8k, d8k, sums, out, lut, r0, r1)
+            _mm_iq4_xs(raw, q8k, d8k, sums, out, lut, r0, r1)
 
 
 @njit(cache=True)
@@ -306,19 +464,35 @@ def _template(qtypes, raws, offsets, parts):
 
 
 @njit(cache=True, nogil=True)
-def _fill(template, x, q80, d80, q8k, d8k, sums, lut, flat, use80, use8k):
-    """This call's job block: x quantized into each partner format a weight uses, and the addresses of the
-    activations and outputs (flat f32 [m * total rows], weight w's rows from its offset) written into a copy of
-    the template. -> (job, its address)."""
+def scratch(m, n, needs):
+    """The activation arrays a product of x [m, n] quantizes into, for the USE_* bits of `needs` (1x1 stand-ins
+    for the rest): (q80, d80, s81, q8k, d8k, sums, bsums)."""
+    q8_0, q8_k = needs & USE_Q8_0, needs & USE_Q8_K
+    return (np.empty((m, n) if q8_0 else (1, 1), np.int8), np.empty((m, n // 32) if q8_0 else (1, 1), np.float32),
+            np.empty((m, n // 32) if needs & USE_Q8_1_SUMS else (1, 1), np.float32),
+            np.empty((m, n) if q8_k else (1, 1), np.int8), np.empty((m, n // 256) if q8_k else (1, 1), np.float32),
+            np.empty((m, n // 32) if q8_k else (1, 1), np.int32),
+            np.empty((m, n // 16) if needs & USE_Q8_K_BSUMS else (1, 1), np.int32))
+
+
+@njit(cache=True, nogil=True)
+def _fill(template, x, arrays, lut, flat, needs):
+    """This call's job block: x quantized into the activation `arrays` (`scratch(m, n, needs)`) each weight
+    reads, and their addresses and the outputs' (flat f32 [m * total rows], weight w's rows from its offset)
+    written into a copy of the template. -> (job, its address)."""
+    q80, d80, s81, q8k, d8k, sums, bsums = arrays
     job = template.copy()
     m = x.shape[0]
-    if use80:
-        _quantize_q8_0(x, q80, d80)
-    if use8k:
+    if needs & USE_Q8_0:
+        _quantize_q8_0(x, q80, d80, s81, needs & USE_Q8_1_SUMS != 0)
+    if needs & USE_Q8_K:
         _quantize_q8_k(x, q8k, d8k, sums)
+    if needs & USE_Q8_K_BSUMS:
+        _bsums(q8k, bsums)
     job[_M], job[_N], job[_LUT] = m, x.shape[1], lut.ctypes.data
     job[_Q80], job[_D80], job[_Q8K], job[_D8K], job[_SUMS] = (q80.ctypes.data, d80.ctypes.data, q8k.ctypes.data,
                                                                d8k.ctypes.data, sums.ctypes.data)
+    job[_S81], job[_BSUMS] = s81.ctypes.data, bsums.ctypes.data
     for w in range(job[_WEIGHTS]):
         e = _HEADER + _WEIGHT * w
         job[e + 4] = flat.ctypes.data + 4 * m * template[e + 4]
@@ -361,8 +535,9 @@ class Product:
         self.raws = tuple(np.ascontiguousarray(raw) for _, raw in weights)  # kept alive: the job holds addresses
         self.rows = [raw.shape[0] for raw in self.raws]
         self.offsets = np.cumsum([0] + self.rows)
-        partners = {PARTNER[qtype] for qtype in self.qtypes}
-        self.use80, self.use8k = Q8_0_PARTNER in partners, Q8_K_PARTNER in partners
+        self.needs = 0  # the USE_* bits: which activation blocks x is quantized into
+        for qtype in self.qtypes:
+            self.needs |= NEEDS[qtype]
         self._templates = {}  # pieces per weight -> the job template
 
     def template(self, threads: int) -> np.ndarray:
@@ -380,21 +555,12 @@ class Product:
             raise ValueError(f"qint: x must be [m, {self.n_cols}], got shape {x.shape}")
         threads = pool_threads()
         template = self.template(threads)
-        m, n = x.shape
-        q80, d80 = ((np.empty((m, n), np.int8), np.empty((m, n // 32), np.float32)) if self.use80 else
-                    (_NO_Q, _NO_D))
-        if self.use8k:
-            q8k, d8k, sums = np.empty((m, n), np.int8), np.empty((m, n // 256), np.float32), np.empty(
-                (m, n // 32), np.int32)
-        else:
-            q8k, d8k, sums = _NO_Q, _NO_D, _NO_SUMS
-        flat = np.empty(m * int(self.offsets[-1]), np.float32)
-        job, address = _fill(template, x, q80, d80, q8k, d8k, sums, HALF_TO_FLOAT, flat, self.use80, self.use8k)
+        flat = np.empty(x.shape[0] * int(self.offsets[-1]), np.float32)
+        arrays = scratch(x.shape[0], x.shape[1], self.needs)
+        job, address = _fill(template, x, arrays, HALF_TO_FLOAT, flat, self.needs)
         run_native(_RUNNER.address, address, min(threads, int(job[_PIECES])))
+        m = x.shape[0]
         return [flat[m * o:m * (o + r)].reshape(m, r) for o, r in zip(self.offsets, self.rows)]
-
-
-_NO_Q, _NO_D, _NO_SUMS = np.zeros((1, 1), np.int8), np.zeros((1, 1), np.float32), np.zeros((1, 1), np.int32)
 
 
 def matmul_t_many(weights, x: np.ndarray) -> list:

@@ -34,8 +34,8 @@ from numba.extending import intrinsic
 
 from .dequant import HALF_TO_FLOAT, Q4_K, Q5_K, Q6_K, ROW_CHUNK, _check, _half
 from .qblocks import (AVX2, _F32, _I32, _I64, _IR, _V8I, _V16I, _V16S, _VB, _k4_scale_bytes, _lane_sums,
-                      _pair_products, _scale16, _target_has, _x86, o_arg)
-from .qint import PARTNER, _mm_q4_k, _mm_q5_k, _mm_q6_k, quantize_activations
+                      _pair_products, _pair_scales16, _q6_k_weights, _scale16, _target_has, _x86, o_arg, q6_k_offset)
+from .qint import PARTNER, _bsums, _mm_q4_k, _mm_q5_k, _mm_q6_k, quantize_activations
 from .workpool import run_dynamic
 
 # activation rows per inner kernel: 4 i32 totals + weight + scale + temporaries fit AVX2's 16 ymm registers;
@@ -235,27 +235,24 @@ def idot_q5_k_rows(typingctx, acc, b, o, q, qo, q_stride, dt, dto, wd, accm, sum
 
 
 @intrinsic
-def idot_q6_k_rows(typingctx, acc, b, o, q, qo, q_stride, dt, dto, wd):
-    """One Q6_K block x ROWS Q8_K rows: for row r, what idot_q6_k does into acc[8r:8r+8]."""
+def idot_q6_k_rows(typingctx, acc, b, o, q, qo, q_stride, dt, dto, wd, bsums, so, s_stride):
+    """One Q6_K block x ROWS Q8_K rows: for row r, what idot_q6_k does into acc[8r:8r+8] (bsums: the rows'
+    16-element sums, int32, row r's block at so + r * s_stride)."""
     def codegen(context, builder, signature, args):
         h = _IR(context, builder, signature, args)
         scales = h.vload(1, o_arg(h), ir.VectorType(ir.IntType(8), 16), 192)
         row_scales = _row_scales(h, 8)
         totals = [None] * ROWS
-        for hh in range(2):
-            qh = h.vload(1, o_arg(h), _VB, 128 + hh * 32)
-            for t in range(4):
-                ql = h.bits(h.vload(1, o_arg(h), _VB, hh * 64 + (t & 1) * 32), 4 * (t >> 1), 0xF)
-                w = h.b.sub(h.b.or_(ql, h.b.shl(h.bits(qh, 2 * t, 3), h.bytes_const(4))), h.bytes_const(32))
-                g = hh * 8 + t * 2  # pair lanes 0..7 are weights 0..15 (scale g), 8..15 weights 16..31 (g + 1)
-                sc = h.b.sext(_pick(h, scales, [g] * 8 + [g + 1] * 8), _V16S)
-                for r in range(ROWS):
-                    x = h.vload(3, _row_offset(h, 4, 5, r, 32 * (hh * 4 + t)), _VB)
-                    totals[r] = _add_lane_sums(h, totals[r], w, x, sc)
+        for j in range(8):
+            w, sc = _q6_k_weights(h, j), _pair_scales16(h, scales, 2 * j)
+            for r in range(ROWS):
+                x = h.vload(3, _row_offset(h, 4, 5, r, 32 * j), _VB)
+                totals[r] = _add_lane_sums(h, totals[r], w, x, sc, w_unsigned=True)
         for r in range(ROWS):
-            _fma_at(h, 0, 8 * r, h.b.extract_element(row_scales, ir.Constant(_I32, r)), totals[r])
+            offset = q6_k_offset(h, scales, h.vload(9, _row_offset(h, 10, 11, r), _V16I))
+            _fma_at(h, 0, 8 * r, h.b.extract_element(row_scales, ir.Constant(_I32, r)), h.b.sub(totals[r], offset))
         return context.get_dummy_value()
-    return types.void(acc, b, o, q, qo, q_stride, dt, dto, wd), codegen
+    return types.void(acc, b, o, q, qo, q_stride, dt, dto, wd, bsums, so, s_stride), codegen
 
 
 def _add_picked(h, u, v, first, second):
@@ -310,7 +307,7 @@ finish_q4_k, finish_q5_k, finish_q6_k = (_finish_intrinsic(k) for k in (Q4_K, Q5
 # The kernels take the activations' Q8_K scales twice: d [m, nb] for the tail's row kernel and dt [nb, m] (a
 # block's rows side by side) for the blocked one; the block sums as int32 for the row kernel and int16 here.
 @njit(cache=True, nogil=True)
-def _gemm_q4_k(raw, q, qp, d, dt, sums, sums16, out, lut, r0, r1):
+def _gemm_q4_k(raw, q, qp, d, dt, sums, sums16, bsums, out, lut, r0, r1):
     """out[:, r0:r1] for Q4_K raw against Q8_K activations q/d/sums: groups of ROWS rows through idot_q4_k_rows,
     the tail through qint's row kernel; each element as qint._mm_q4_k computes it."""
     m, n = q.shape
@@ -331,7 +328,7 @@ def _gemm_q4_k(raw, q, qp, d, dt, sums, sums16, out, lut, r0, r1):
 
 
 @njit(cache=True, nogil=True)
-def _gemm_q5_k(raw, q, qp, d, dt, sums, sums16, out, lut, r0, r1):
+def _gemm_q5_k(raw, q, qp, d, dt, sums, sums16, bsums, out, lut, r0, r1):
     """As _gemm_q4_k for Q5_K (each element as qint._mm_q5_k)."""
     m, n = q.shape
     nb, groups = n // 256, m // ROWS * ROWS
@@ -351,7 +348,7 @@ def _gemm_q5_k(raw, q, qp, d, dt, sums, sums16, out, lut, r0, r1):
 
 
 @njit(cache=True, nogil=True)
-def _gemm_q6_k(raw, q, qp, d, dt, sums, sums16, out, lut, r0, r1):
+def _gemm_q6_k(raw, q, qp, d, dt, sums, sums16, bsums, out, lut, r0, r1):
     """As _gemm_q4_k for Q6_K (each element as qint._mm_q6_k)."""
     m, n = q.shape
     nb, groups = n // 256, m // ROWS * ROWS
@@ -362,10 +359,10 @@ def _gemm_q6_k(raw, q, qp, d, dt, sums, sums16, out, lut, r0, r1):
             acc[:] = 0.0
             for blk in range(nb):
                 idot_q6_k_rows(acc, b, blk * 210, q, i * n + blk * 256, n, dt, blk * m + i,
-                               _half(lut, b, blk * 210 + 208))
+                               _half(lut, b, blk * 210 + 208), bsums, i * (n // 16) + blk * 16, n // 16)
             finish_q6_k(acc, acc, out, i * out.shape[1] + r, out.shape[1])
     if groups < m:
-        _mm_q6_k(raw, q[groups:], d[groups:], sums[groups:], out[groups:], lut, r0, r1)
+        _mm_q6_k(raw, q[groups:], d[groups:], bsums[groups:], out[groups:], lut, r0, r1)
 
 
 KERNELS = {Q4_K: _gemm_q4_k, Q5_K: _gemm_q5_k, Q6_K: _gemm_q6_k}
@@ -388,6 +385,9 @@ def matmul_t_many(weights, x: np.ndarray) -> list:
         _check(qtype, raw, x.shape[1])
     q, d, sums = quantize_activations(PARTNER[Q4_K], x)
     dt, sums16 = np.ascontiguousarray(d.T), sums.astype(np.int16)  # |a 32-element sum| <= 32 * 128: exact
+    bsums = np.empty((x.shape[0], x.shape[1] // 16), np.int32)  # Q6_K's offset reads the 16-element sums
+    if any(int(qtype) == Q6_K for qtype, _ in weights):
+        _bsums(q, bsums)
     qp = pair_order(q) if VNNI else q
     outs, pieces = [], []
     for qtype, raw in weights:
@@ -399,7 +399,7 @@ def matmul_t_many(weights, x: np.ndarray) -> list:
 
     def piece(i):
         kernel, raw, out, r0, r1 = pieces[i]
-        kernel(raw, q, qp, d, dt, sums, sums16, out, HALF_TO_FLOAT, r0, r1)
+        kernel(raw, q, qp, d, dt, sums, sums16, bsums, out, HALF_TO_FLOAT, r0, r1)
 
     run_dynamic(len(pieces), piece)
     return outs

@@ -393,7 +393,7 @@ class KVCache:
 class _DecodeLayer:
     """One layer's constant arguments of kernels/decode.layer."""
 
-    def __init__(self, blk, templates, flags, rows):
+    def __init__(self, blk, templates, needs, rows):
         f32 = lambda a: np.ascontiguousarray(a, np.float32)
         self.attn_norm, self.ffn_norm = f32(blk.attn_norm.data), f32(blk.ffn_norm.data)
         self.normed = blk.attn.q_norm is not None
@@ -404,7 +404,7 @@ class _DecodeLayer:
         data = lambda norm: f32(norm.data if isinstance(norm, Tensor) else norm)
         self.post_attn_norm, self.post_ffn_norm = ((data(blk.post_attn_norm), data(blk.post_ffn_norm)) if self.post
                                                    else (self.attn_norm, self.ffn_norm))  # unread
-        self.templates, self.flags, self.rows = templates, flags, rows
+        self.templates, self.needs, self.rows = templates, needs, rows
 
 
 class _DecodePlan:
@@ -668,7 +668,7 @@ class DecoderLM(Module):
                 x = decode.layer(x, eps, lp.attn_norm, lp.ffn_norm, lp.q_norm, lp.k_norm, lp.normed,
                                  lp.post_attn_norm, lp.post_ffn_norm, lp.post, gelu, cos, sin,
                                  interleaved, c.heads, c.kv_heads, c.head_dim, cache.k[li], cache.v[li], p0,
-                                 plan.scale, c.window(li), lp.templates, lp.flags, lp.rows, HALF_TO_FLOAT, cells,
+                                 plan.scale, c.window(li), lp.templates, lp.needs, lp.rows, HALF_TO_FLOAT, cells,
                                  n, plan.runner, ticks, hold)
         cache.length = p0 + 1
         x = _rms(x.reshape(1, 1, c.hidden), self.out_norm.data, c.rms_eps)
@@ -697,7 +697,7 @@ class DecoderLM(Module):
                                                                    ("down",))]
             products = [integer_product(g) for g in groups]
             layers.append(_DecodeLayer(blk, tuple(pr.template(threads) for pr in products),
-                                       np.array([[pr.use80, pr.use8k] for pr in products], np.int64),
+                                       np.array([pr.needs for pr in products], np.int64),
                                        np.array([pr.offsets[-1] for pr in products], np.int64)))
         c = self.config
         plan = _DecodePlan(threads, layers, used, sorted({c.layer_rope(li) for li in range(c.layers)}),

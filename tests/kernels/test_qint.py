@@ -20,7 +20,11 @@ from pipeline.threads import numba_threads
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "llm"))
 from test_gguf_dequant import random_blocks  # noqa: E402
 
-FORMATS = [QT.Q8_0, QT.Q4_0, QT.Q5_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+FORMATS = [QT.Q8_0, QT.Q4_0, QT.Q5_0, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q4_1, QT.Q5_1, QT.IQ4_NL, QT.IQ4_XS, QT.Q2_K,
+           QT.Q3_K]
+Q8_0_WEIGHTS = (QT.Q8_0, QT.Q4_0, QT.Q5_0, QT.IQ4_NL)  # quantize x as Q8_0; Q4_1/Q5_1 as Q8_1; the rest as Q8_K
+Q8_1_WEIGHTS = (QT.Q4_1, QT.Q5_1)
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int64)
 LD = np.longdouble
 
 
@@ -37,6 +41,14 @@ def ref_quantize_q8_0(x):
     return q.reshape(x.shape), (amax / np.float32(127)).astype(np.float16).astype(np.float32)
 
 
+def ref_quantize_q8_1(x):
+    """quantize_row_q8_1 (AVX2): Q8_0's q and fp16 d, and s = fp16(d * sum q) with the unrounded f32 d."""
+    q, d = ref_quantize_q8_0(x)
+    unrounded = (np.abs(x.reshape(x.shape[0], -1, 32)).max(axis=-1) / np.float32(127)).astype(np.float32)
+    total = q.reshape(x.shape[0], -1, 32).sum(axis=-1).astype(np.float32)
+    return q, d, (unrounded * total).astype(np.float16).astype(np.float32)
+
+
 def ref_quantize_q8_k(x):
     blocks = x.reshape(x.shape[0], -1, 256)
     first = np.abs(blocks).argmax(axis=-1)
@@ -49,25 +61,61 @@ def ref_quantize_q8_k(x):
     return q.reshape(x.shape), d
 
 
+def _nibble_pairs(qs):
+    """[..., 16] bytes -> [..., 32] nibbles: the low ones, then the high ones (every 32-weight block's order)."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
 def block_integers(qt, raw, n):
     """(w int64 [rows, n] the integer weights, scale int64 [rows, n] each weight's sub-block scale,
     d f32 [rows, blocks], extra): the bytes as ggml's reference dequantization reads them."""
     rows = raw.shape[0]
+    ones = np.ones((rows, n), np.int64)
     if qt == QT.Q8_0:
         b = raw.reshape(rows, -1, 34)
         w = b[:, :, 2:].view(np.int8).astype(np.int64).reshape(rows, n)
-        return w, np.ones((rows, n), np.int64), f16(b, 0), None
-    if qt == QT.Q4_0:
+        return w, ones, f16(b, 0), None
+    if qt in (QT.Q4_0, QT.IQ4_NL):
         b = raw.reshape(rows, -1, 18)
-        qs = b[:, :, 2:].astype(np.int64)
-        w = np.concatenate([qs & 15, qs >> 4], axis=-1) - 8
-        return w.reshape(rows, n), np.ones((rows, n), np.int64), f16(b, 0), None
-    if qt == QT.Q5_0:
-        b = raw.reshape(rows, -1, 22)
-        qs = b[:, :, 6:].astype(np.int64)
-        bits = (np.ascontiguousarray(b[:, :, 2:6]).view("<u4").astype(np.int64) >> np.arange(32)) & 1  # qh
-        w = (np.concatenate([qs & 15, qs >> 4], axis=-1) | (bits << 4)) - 16
-        return w.reshape(rows, n), np.ones((rows, n), np.int64), f16(b, 0), None
+        nib = _nibble_pairs(b[:, :, 2:].astype(np.int64))
+        w = nib - 8 if qt == QT.Q4_0 else IQ4_VALUES[nib]
+        return w.reshape(rows, n), ones, f16(b, 0), None
+    if qt in (QT.Q5_0, QT.Q5_1):
+        at = 2 if qt == QT.Q5_0 else 4  # qh's offset; the nibbles follow it
+        b = raw.reshape(rows, -1, 22 if qt == QT.Q5_0 else 24)
+        qs = b[:, :, at + 4:].astype(np.int64)
+        bits = (np.ascontiguousarray(b[:, :, at:at + 4]).view("<u4").astype(np.int64) >> np.arange(32)) & 1  # qh
+        w = _nibble_pairs(qs) | (bits << 4)
+        if qt == QT.Q5_0:
+            return (w - 16).reshape(rows, n), ones, f16(b, 0), None
+        return w.reshape(rows, n), ones, f16(b, 0), f16(b, 2)
+    if qt == QT.Q4_1:
+        b = raw.reshape(rows, -1, 20)
+        return _nibble_pairs(b[:, :, 4:].astype(np.int64)).reshape(rows, n), ones, f16(b, 0), f16(b, 2)
+    if qt == QT.IQ4_XS:
+        b = raw.reshape(rows, -1, 136)
+        sh = np.ascontiguousarray(b[:, :, 2:4]).view("<u2")[..., 0].astype(np.int64)
+        sl = b[:, :, 4:8].astype(np.int64)
+        j = np.arange(8)
+        s = (((sl[..., j // 2] >> (4 * (j % 2))) & 15) | (((sh[..., None] >> (2 * j)) & 3) << 4)) - 32
+        w = IQ4_VALUES[_nibble_pairs(b[:, :, 8:].astype(np.int64).reshape(rows, -1, 8, 16))]
+        return w.reshape(rows, n), np.repeat(s, 32, axis=-1).reshape(rows, n), f16(b, 0), None
+    if qt in (QT.Q2_K, QT.Q3_K):  # the 2-bit fields: vector 4 * half + t holds bits 2t of the 32 bytes of half
+        at = 16 if qt == QT.Q2_K else 32
+        b = raw.reshape(rows, -1, 84 if qt == QT.Q2_K else 110)
+        qs = b[:, :, at:at + 64].astype(np.int64).reshape(rows, -1, 2, 1, 32)
+        low = ((qs >> (2 * np.arange(4))[:, None]) & 3).reshape(rows, -1, 256)
+        if qt == QT.Q2_K:
+            sc = b[:, :, :16].astype(np.int64)
+            return (low.reshape(rows, n), np.repeat(sc & 15, 16, axis=-1).reshape(rows, n), f16(b, 80),
+                    (f16(b, 82), sc >> 4))
+        hmask = b[:, :, :32].astype(np.int64)
+        hbit = ((hmask[:, :, None, :] >> np.arange(8)[:, None]) & 1).reshape(rows, -1, 256)
+        sc = b[:, :, 96:108].astype(np.int64)
+        g = np.arange(16)
+        s = (((sc[..., g % 8] >> (4 * (g // 8))) & 15) | (((sc[..., 8 + g % 4] >> (2 * (g // 4))) & 3) << 4)) - 32
+        return ((low - 4 * (1 - hbit)).reshape(rows, n), np.repeat(s, 16, axis=-1).reshape(rows, n), f16(b, 108),
+                None)
     if qt in (QT.Q4_K, QT.Q5_K):
         b = raw.reshape(rows, -1, 144 if qt == QT.Q4_K else 176)
         sc = b[:, :, 4:16].astype(np.int64)
@@ -98,37 +146,73 @@ def fma32(a, b, c):
     return (LD(a) * LD(b) + LD(c)).astype(np.float32)
 
 
+def hsum8(acc):
+    """hsum_float_8 over [rows, 8]: high half + low half, then (0 + 2) + (1 + 3)."""
+    r = acc[:, 4:] + acc[:, :4]
+    return (r[:, 0] + r[:, 2]) + (r[:, 1] + r[:, 3])
+
+
 def reference(qt, raw, x):
     n = x.shape[1]
-    q, yd = (ref_quantize_q8_0 if qt in (QT.Q8_0, QT.Q4_0, QT.Q5_0) else ref_quantize_q8_k)(x)
+    ys = None
+    if qt in Q8_1_WEIGHTS:
+        q, yd, ys = ref_quantize_q8_1(x)
+    else:
+        q, yd = (ref_quantize_q8_0 if qt in Q8_0_WEIGHTS else ref_quantize_q8_k)(x)
     w, scale, wd, extra = block_integers(qt, raw, n)
-    block = 32 if qt in (QT.Q8_0, QT.Q4_0, QT.Q5_0) else 256
-    out = np.empty((x.shape[0], raw.shape[0]), np.float32)
+    block = 32 if qt in Q8_0_WEIGHTS + Q8_1_WEIGHTS else 256
+    rows, blocks = raw.shape[0], n // block
+    out = np.empty((x.shape[0], rows), np.float32)
     for i in range(x.shape[0]):
-        prod = (w * scale * q[i]).reshape(raw.shape[0], n // block, block // 32, 8, 4)
-        lanes = prod.sum(axis=(2, 4)).astype(np.float32)       # [rows, blocks, 8], exact then sitofp
+        if qt == QT.Q6_K:  # unsigned weights, and the -32 offset from 16-element sums (lane k: groups 2k, 2k+1)
+            prod = ((w + 32) * scale * q[i]).reshape(rows, blocks, block // 32, 8, 4)
+            bsums = q[i].reshape(blocks, 16, 16).sum(axis=-1)
+            offset = 32 * (scale[:, ::16].reshape(rows, blocks, 16) * bsums).reshape(rows, blocks, 8, 2).sum(axis=-1)
+            lanes = (prod.sum(axis=(2, 4)) - offset).astype(np.float32)
+        else:
+            prod = (w * scale * q[i]).reshape(rows, blocks, block // 32, 8, 4)
+            lanes = prod.sum(axis=(2, 4)).astype(np.float32)   # [rows, blocks, 8], exact then sitofp
         d = (yd[i] * wd).astype(np.float32)                     # [rows, blocks]
-        acc = np.zeros((raw.shape[0], 8), np.float32)
-        for blk in range(n // block):
+        acc = np.zeros((rows, 8), np.float32)
+        if qt == QT.IQ4_NL:  # block pairs into two accumulators, an odd last block as the scalar tail
+            acc2 = np.zeros((rows, 8), np.float32)
+            for blk in range(0, blocks - 1, 2):
+                acc = fma32(d[:, blk, None], lanes[:, blk], acc)
+                acc2 = fma32(d[:, blk + 1, None], lanes[:, blk + 1], acc2)
+            total = hsum8((acc + acc2).astype(np.float32))
+            if blocks % 2:
+                total = fma32(d[:, -1], lanes[:, -1].sum(axis=-1), total)
+            out[i] = total
+            continue
+        for blk in range(blocks):
+            if qt == QT.Q2_K:  # the mins first: dmin * (m_2k * bsum_2k + m_2k+1 * bsum_2k+1) into lane k
+                dmin, mins = extra
+                bsums = q[i].reshape(-1, 16, 16).sum(axis=-1)     # [blocks, 16]
+                pairs = (mins[:, blk] * bsums[blk]).reshape(rows, 8, 2).sum(axis=-1).astype(np.float32)
+                acc = fma32((-yd[i, blk] * dmin[:, blk, None]).astype(np.float32), pairs, acc)
             acc = fma32(d[:, blk, None], lanes[:, blk], acc)
-        r = acc[:, 4:] + acc[:, :4]
-        total = (r[:, 0] + r[:, 2]) + (r[:, 1] + r[:, 3])
-        if extra is not None and qt == QT.Q5_K:  # Q5_K: dmin * (min . 32-sums) into one f32
+        total = hsum8(acc)
+        if qt in Q8_1_WEIGHTS:  # summs = fma(m, s, summs) per block, added after the lanes' sum
+            summs = np.zeros(rows, np.float32)
+            for blk in range(blocks):
+                summs = fma32(extra[:, blk], ys[i, blk], summs)
+            total = total + summs
+        elif qt == QT.Q5_K:  # Q5_K: dmin * (min . 32-sums) into one f32
             dmin, mins = extra
             sums = q[i].reshape(-1, 8, 32).sum(axis=-1)
             whole = (mins * sums).sum(axis=-1).astype(np.float32)  # [rows, blocks]
             dm = (-yd[i] * dmin).astype(np.float32)
-            accm = np.zeros(raw.shape[0], np.float32)
-            for blk in range(n // block):
+            accm = np.zeros(rows, np.float32)
+            for blk in range(blocks):
                 accm = fma32(dm[:, blk], whole[:, blk], accm)
             total = total + accm
-        elif extra is not None:  # Q4_K: dmin * (min . 32-sums) in 4 lanes of pairs of sub-blocks
+        elif qt == QT.Q4_K:  # Q4_K: dmin * (min . 32-sums) in 4 lanes of pairs of sub-blocks
             dmin, mins = extra
             sums = q[i].reshape(-1, 8, 32).sum(axis=-1)          # [blocks, 8]
-            pairs = (mins * sums).reshape(raw.shape[0], -1, 4, 2).sum(axis=-1).astype(np.float32)
+            pairs = (mins * sums).reshape(rows, -1, 4, 2).sum(axis=-1).astype(np.float32)
             dm = (-yd[i] * dmin).astype(np.float32)
-            accm = np.zeros((raw.shape[0], 4), np.float32)
-            for blk in range(n // block):
+            accm = np.zeros((rows, 4), np.float32)
+            for blk in range(blocks):
                 accm = fma32(dm[:, blk, None], pairs[:, blk], accm)
             total = total + ((accm[:, 0] + accm[:, 2]) + (accm[:, 1] + accm[:, 3]))
         out[i] = total
@@ -137,17 +221,22 @@ def reference(qt, raw, x):
 
 @pytest.mark.parametrize("qt", FORMATS, ids=lambda q: q.name)
 def test_integer_dot_bitwise_equals_llama_model(qt):
-    raw = random_blocks(qt, 37, 768, seed=3)
-    x = np.random.default_rng(4).standard_normal((3, 768)).astype(np.float32)
+    n = 800 if qt == QT.IQ4_NL else 768  # IQ4_NL: 25 blocks, an odd last one (its scalar tail)
+    raw = random_blocks(qt, 37, n, seed=3)
+    x = np.random.default_rng(4).standard_normal((3, n)).astype(np.float32)
     x[1, :256] *= 1e-3  # a quiet block (tiny Q8_0 scales, some subnormal in fp16)
     got = qint.matmul_t_many([(int(qt), raw)], x)[0]
     np.testing.assert_array_equal(got.view(np.uint32), reference(qt, raw, x).view(np.uint32))
-    # and it is x @ W.T up to the activations' 8-bit rounding: |error| <= sum_k |w_k| * d_k / 2
+    # and it is x @ W.T up to the activations' 8-bit rounding: |error| <= sum_k |w_k| * d_k / 2 (Q8_1's fp16
+    # block sums add |m| * |s| * 2^-11 per block)
     w = quants.dequantize(raw, qt).astype(np.float64)
     exact = x.astype(np.float64) @ w.T
-    block = 32 if qt in (QT.Q8_0, QT.Q4_0, QT.Q5_0) else 256
+    block = 32 if qt in Q8_0_WEIGHTS + Q8_1_WEIGHTS else 256
     half_step = np.abs(x).reshape(3, -1, block).max(axis=-1) / 127 / 2 * 1.01  # per activation block
     bound = np.abs(w).reshape(37, -1, block).sum(axis=-1) @ half_step.T
+    if qt in Q8_1_WEIGHTS:
+        _, _, s = ref_quantize_q8_1(x)
+        bound = bound + np.abs(block_integers(qt, raw, n)[3]) @ np.abs(s).T * 2.0 ** -10
     assert (np.abs(got - exact) <= bound.T + 1e-4 * np.abs(exact).max()).all()
 
 
@@ -213,8 +302,8 @@ def test_bad_shapes_are_refused():
     raw = random_blocks(QT.Q4_K, 4, 512)
     with pytest.raises(ValueError, match="row of 256 elements"):
         qint.matmul_t_many([(int(QT.Q4_K), raw)], np.zeros((1, 256), np.float32))
-    with pytest.raises(ValueError, match="no integer kernel"):
-        qint.matmul_t_many([(int(QT.Q2_K), random_blocks(QT.Q2_K, 4, 512))], np.zeros((1, 512), np.float32))
+    with pytest.raises(ValueError, match="no integer kernel"):  # F16: no integer dot (llama.cpp's is f16 too)
+        qint.matmul_t_many([(int(QT.F16), np.zeros((4, 512), np.float16))], np.zeros((1, 512), np.float32))
 
 
 def test_frozen_weight_takes_the_integer_path_only_without_gradients():

@@ -91,13 +91,14 @@ class FrozenWeight:
     `integer_dot` (default True: on AVX2 the integer kernels beat the f32 ones where they are used,
     docs/models.md): forwards that record no graph (under autograd's no_grad(): inference, ES member
     evaluation, evaluation passes) quantize their activations the way llama.cpp does and take integer
-    block dot products: at most INTEGER_MAX_ROWS activation rows (decode) through Q8_0/Q4_0/Q5_0/Q4_K/
-    Q5_K/Q6_K weights (kernels/qint.py), and any number of rows (prefill) through Q4_K/Q5_K/Q6_K: from
+    block dot products: at most INTEGER_MAX_ROWS activation rows (decode) through every block format
+    (kernels/qint.py: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS: ggml's vec_dot bit for
+    bit), and any number of rows (prefill) through Q4_K/Q5_K/Q6_K: from
     TILE_MIN_ROWS rows the tiled GEMM (kernels/qtile.py, tiles packed at first use and kept; `tiled = False`
     turns it off), fewer rows the register-blocked GEMM (kernels/qint_gemm.py), both measured
-    faster than the tiled f32 GEMM; Q8_0/Q4_0/Q5_0 prefill stays on the tiled f32 GEMM. A forward with gradients on
-    keeps f32 activations (the training contract). `llama_numerics` (parity runs) takes the integer path
-    for those formats at any row count.
+    faster than the tiled f32 GEMM; the other formats' prefill stays on the tiled f32 GEMM. A forward with
+    gradients on keeps f32 activations (the training contract). `llama_numerics` (parity runs) takes the
+    integer path for every block format at any row count.
     """
 
     FUSED_MAX_ROWS = 4  # below this many activation rows the fused kernel wins (docs/models.md)
@@ -161,10 +162,7 @@ class FrozenWeight:
         if self.uses_integer_dot(x2.shape[0]):
             y = integer_matmul_t_many([self], x2)[0]
             return y.reshape(*np.shape(x)[:-1], self.shape[0])
-        correction = None
-        if self.llama_numerics:
-            if self.format.qtype in (QT.Q4_1, QT.Q5_1):
-                correction = q8_1_min_correction(self.raw, x2, self.shape)
+        if self.llama_numerics:  # F16/BF16 (every block format took the integer path above)
             x2 = llama_activation_roundtrip(self.format.qtype, x2)
         if self.format.quantized and x2.shape[0] <= self.FUSED_MAX_ROWS:
             y = dequant.matvec_rows(int(self.format.qtype), self.raw, x2)
@@ -172,8 +170,6 @@ class FrozenWeight:
             y = dequant.matvec_half(self.raw, x2, bf16=self.format.qtype == QT.BF16)
         else:
             y = qgemm.matmul_t(int(self.format.qtype), self.raw, x2, self.shape)
-        if correction is not None:
-            y += correction
         return y.reshape(*np.shape(x)[:-1], self.shape[0])
 
     def matmul(self, g):
@@ -307,28 +303,13 @@ def _q8_blocks(x):
     return np.rint(blocks * inv[..., None]), d  # x86 SIMD rounds half to even
 
 
-def q8_1_min_correction(raw, x, shape):
-    """What llama.cpp's Q4_1/Q5_1 dot product adds beyond dequantize-then-dot on the rounded activations:
-    it multiplies each weight block's min m by the activation block's stored sum s = fp16(d * sum q)
-    (Q8_1, with the unrounded d), where the dequantized product gives m * fp16(d) * sum q. Returns
-    sum_b m[r, b] * (s_b - fp16(d_b) * sum q_b) as f32 [N, n_out] (parity runs only)."""
-    import numpy as np
-    q, d = _q8_blocks(np.asarray(x, np.float32))
-    sums = q.sum(axis=-1, dtype=np.float32)
-    half = lambda v: v.astype(np.float16).astype(np.float32)
-    delta = half(d * sums) - half(d) * sums                       # [N, n_blocks]
-    n_out, n_in = shape
-    blocks = np.asarray(raw).reshape(n_out, n_in // 32, -1)
-    mins = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0].astype(np.float32)  # [n_out, n_blocks]
-    return (delta @ mins.T).astype(np.float32)
-
-
 def llama_activation_roundtrip(qtype, x):
     """x as llama.cpp's CPU matmul sees it: activations are themselves quantized to the
     weight type's dot-product partner (Q8_0 for Q8_0/Q4_0/Q5_0/IQ4_NL, Q8_1 for Q4_1/Q5_1,
     Q8_K for the K-quants and IQ4_XS, BF16 for BF16, F16 for F16) and dequantized here. Q8_1
-    rounds like Q8_0; its fp16 block sum is `q8_1_min_correction`'s job. Only for parity runs:
-    it costs accuracy, not speed."""
+    rounds like Q8_0 (its fp16 block sums are the integer path's). The f32 path of parity runs
+    through F16/BF16 weights reads it (block formats take kernels/qint.py, llama.cpp's own
+    arithmetic), and tests/llm/test_parity_ties.py's replay of rounding ties."""
     import numpy as np
     x = np.asarray(x, dtype=np.float32)
     if qtype in (QT.Q8_0, QT.Q4_0, QT.Q5_0, QT.IQ4_NL, QT.Q4_1, QT.Q5_1):

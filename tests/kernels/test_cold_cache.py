@@ -75,3 +75,40 @@ def test_cold_and_warm_numba_cache_give_identical_bits(tmp_path):
 @pytest.mark.slow
 def test_cold_and_warm_cache_identical_for_finetune_kernels(tmp_path):
     _same_bits_cold_and_warm(tmp_path, FINETUNE_PROBE)
+
+
+EDIT_PROBE = """
+import numba, numpy as np
+from kernels import qint
+raw = np.zeros((2, 18), np.uint8)
+raw[:, 0:2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)  # d = 1, every nibble 0: weights -8
+print(qint.matmul_t_many([(2, raw)], np.ones((1, 32), np.float32))[0][0, 0], numba.config.CACHE_DIR)
+"""
+
+
+def test_an_edit_to_an_inlined_helper_recompiles_its_callers(tmp_path):
+    """numba revalidates a cached function by its own file only; qint.py's Q4_0 kernel inlines qblocks.py's
+    idot_q4_0, so editing qblocks.py alone must still give new machine code: the cache directory is named by a
+    digest of every kernels/*.py (kernels/__init__.py), and the previous digest's directory is removed."""
+    tree = tmp_path / "tree"
+    for pkg in ("kernels", "pipeline"):
+        shutil.copytree(ROOT / pkg, tree / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env["PYTHONPATH"] = str(tree)
+
+    def run():
+        r = subprocess.run([sys.executable, "-c", EDIT_PROBE], cwd=tree, env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        value, cache = r.stdout.split()
+        return float(value), pathlib.Path(cache)
+
+    before, first_cache = run()
+    assert abs(before + 8 * 32) < 0.1 and first_cache.parent == tree / "kernels" / "__pycache__"  # x as Q8_0
+    assert any(first_cache.rglob("*.nbi"))  # the kernels were cached there
+    qblocks = tree / "kernels" / "qblocks.py"
+    source = qblocks.read_text()
+    old = "h.b.sub(_nibbles(h, 2), h.bytes_const(8))"
+    assert old in source
+    qblocks.write_text(source.replace(old, "h.b.sub(_nibbles(h, 2), h.bytes_const(7))"))  # weights -7 now
+    after, second_cache = run()
+    assert abs(after + 7 * 32) < 0.1 and second_cache != first_cache and not first_cache.exists()

@@ -20,7 +20,8 @@ arithmetic is its own, defined below and pinned bitwise by a numpy model in test
 Q4_K/Q5_K's sub-blocks are 32 weights (unsigned 4/5-bit) with 6-bit scales and mins; Q6_K's are 16 signed
 weights (q - 32) with int8 scales: vpdpbusd multiplies unsigned by signed bytes, so for Q6_K the activations
 go in as x + 128 (unsigned) and the weights signed, and T takes off 128 * sum_j s_j * sum(w_j), a constant of
-the weight row and block stored in its tile.
+the weight row and block stored in its tile. Q3_K is packed into Q6_K's tiles (its weights ql - 4 * !hbit in
+-4..3 and scales s - 32 fit Q6_K's int8 fields), so it runs Q6_K's kernel with the same arithmetic.
 Every output is computed by the same code whatever rows or tiles sit beside it (groups of ROWS activation rows,
 the rest one at a time), so the bits do not depend on grouping, the cut into pieces or the thread count. The
 same arithmetic compiles on every ISA (vpdpbusd with AVX512-VNNI; vpmaddubsw + vpmaddwd by ones with AVX512-BW
@@ -36,7 +37,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .dequant import HALF_TO_FLOAT, Q4_K, Q5_K, Q6_K, _check, _half
+from .dequant import HALF_TO_FLOAT, Q3_K, Q4_K, Q5_K, Q6_K, _check, _half
 from .qblocks import AVX2, _F32, _I8, _I32, _I64, _IR, _V8I, _V16S, _target_has, _x86
 from .qint import PARTNER, quantize_activations
 from .workpool import run_dynamic, split_range, threads as pool_threads
@@ -54,8 +55,10 @@ PIECE_TILES = 8  # tiles per piece (128 weight rows: ~320 KB of tiles per 1024 i
 #   Q5_K: the same with the 5-bit weights as bytes [c][g][sub-block 2c + k][row][4 bytes]
 #   Q6_K: signed weights (q - 32) as int8 [16-weight sub-block j][group g][row][4 bytes], scales int8 [j][row],
 #         the correction 128 * sum_j s_j * sum(w_j) as i32 [row], d f32 [row]
-KINDS = {Q4_K: 0, Q5_K: 1, Q6_K: 2}
-_RAW_BLOCK = (144, 176, 210)
+#   Q3_K: Q6_K's tiles (kind 2), its weights ql - 4 * !hbit (-4..3) and scales s - 32 in Q6_K's fields
+KINDS = {Q4_K: 0, Q5_K: 1, Q6_K: 2, Q3_K: 2}  # the tile layout and kernel
+SOURCES = {Q4_K: 0, Q5_K: 1, Q6_K: 2, Q3_K: 3}  # the file's block, as _pack_rows reads it
+_RAW_BLOCK = (144, 176, 210, 110)  # by source
 _QS = 0
 _SC = (2048, 4096, 4096)
 _MN = (2176, 4224, -1)      # Q6_K: none
@@ -76,10 +79,14 @@ def _k4_scale_min(b, o, j):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _weight(b, o, kind, element):
-    """The integer weight `element` (0..255) of the Q5_K (kind 1: unsigned) or Q6_K (kind 2: q - 32) block at
-    b[o]. (Q4_K's tiles copy the file's nibble bytes as they are.)"""
-    if kind == 2:  # Q6_K: ggml's dequantize_row_q6_K element order
+def _weight(b, o, src, element):
+    """The integer weight `element` (0..255) of the Q5_K (source 1: unsigned), Q6_K (2: q - 32) or Q3_K (3: ql -
+    4 * !hbit) block at b[o]. (Q4_K's tiles copy the file's nibble bytes as they are.)"""
+    if src == 3:  # Q3_K: ggml's dequantize_row_q3_K element order (vector j = 4 * half + t of 32 weights)
+        half, t, lane = element // 128, (element % 128) // 32, element % 32
+        low = (b[o + 32 + 32 * half + lane] >> (2 * t)) & 3
+        return np.int32(low) - 4 * (1 - np.int32((b[o + lane] >> (4 * half + t)) & 1))
+    if src == 2:  # Q6_K: ggml's dequantize_row_q6_K element order
         half, t, lane = element // 128, (element % 128) // 32, element % 32
         low = (b[o + 64 * half + lane + 32 * (t & 1)] >> (4 * (t >> 1))) & 0xF
         return np.int32(low | (((b[o + 128 + 32 * half + lane] >> (2 * t)) & 3) << 4)) - 32
@@ -88,11 +95,21 @@ def _weight(b, o, kind, element):
     return np.int32(low | (((b[o + 16 + lane] >> j) & 1) << 4))
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _scale_16(b, o, src, j):
+    """Sub-block j's (16 weights) signed scale of the Q6_K (source 2: int8) or Q3_K (3: 6 bits - 32) block."""
+    if src == 2:
+        return np.int32(np.int8(b[o + 192 + j]))
+    low = (b[o + 96 + j % 8] >> (4 * (j // 8))) & 15
+    return np.int32(low | (((b[o + 104 + j % 4] >> (2 * (j // 4))) & 3) << 4)) - 32
+
+
 @njit(cache=True, nogil=True)
-def _pack_rows(raw, kind, lut, out, out_i16, out_i32, out_f32, t0, t1):
-    """Tiles t0..t1 of pack (rows past raw's end are left as pack zeroed them: d = 0, never stored).
-    out_i16/i32/f32 are views of out's bytes."""
-    n_out, block = raw.shape[0], _RAW_BLOCK[kind]
+def _pack_rows(raw, src, lut, out, out_i16, out_i32, out_f32, t0, t1):
+    """Tiles t0..t1 of pack for rows of source format `src` (SOURCES; rows past raw's end are left as pack
+    zeroed them: d = 0, never stored). out_i16/i32/f32 are views of out's bytes."""
+    n_out, block = raw.shape[0], _RAW_BLOCK[src]
+    kind = min(src, 2)
     for t in range(t0, t1):
         for lane in range(min(TILE_ROWS, n_out - t * TILE_ROWS)):
             b = raw[t * TILE_ROWS + lane]
@@ -101,16 +118,17 @@ def _pack_rows(raw, kind, lut, out, out_i16, out_i32, out_f32, t0, t1):
                 if kind == 2:
                     corr = 0
                     for j in range(16):
-                        tb[_SC[2] + 16 * j + lane] = b[o + 192 + j]
+                        scale = _scale_16(b, o, src, j)
+                        tb[_SC[2] + 16 * j + lane] = np.uint8(scale & 0xFF)
                         total = 0
                         for g in range(4):
                             for e in range(4):
-                                w = _weight(b, o, 2, 16 * j + 4 * g + e)
+                                w = _weight(b, o, src, 16 * j + 4 * g + e)
                                 tb[_QS + 64 * (4 * j + g) + 4 * lane + e] = np.uint8(w & 0xFF)
                                 total += w
-                        corr += np.int32(np.int8(b[o + 192 + j])) * total
+                        corr += scale * total
                     out_i32[t, blk, _CORR[2] // 4 + lane] = 128 * corr
-                    out_f32[t, blk, _D[2] // 4 + lane] = _half(lut, b, o + 208)
+                    out_f32[t, blk, _D[2] // 4 + lane] = _half(lut, b, o + (208 if src == 2 else 108))
                     continue
                 for c in range(4):
                     for g in range(8):
@@ -136,15 +154,15 @@ def supports(qtype: int) -> bool:
 def pack(qtype: int, raw) -> np.ndarray:
     """K-quant rows uint8 [n_out, row bytes] -> tiles uint8 [ceil(n_out / 16), blocks, TILE_BLOCK[kind]] in the
     layout above: a numba pass over the rows, the tiles split over the threads (each written by one)."""
-    kind = KINDS[int(qtype)]
+    kind, src = KINDS[int(qtype)], SOURCES[int(qtype)]
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
-    nb = raw.shape[1] // _RAW_BLOCK[kind]
+    nb = raw.shape[1] // _RAW_BLOCK[src]
     _check(int(qtype), raw, nb * 256)
     out = np.empty((-(-raw.shape[0] // TILE_ROWS), nb, TILE_BLOCK[kind]), np.uint8)
     if raw.shape[0] % TILE_ROWS:
         out[-1] = 0  # the rows past the end: all fields zero
     views = out.view(np.int16), out.view(np.int32), out.view(np.float32)
-    split_range(out.shape[0], pool_threads(), lambda t0, t1: _pack_rows(raw, kind, HALF_TO_FLOAT, out, *views, t0, t1))
+    split_range(out.shape[0], pool_threads(), lambda t0, t1: _pack_rows(raw, src, HALF_TO_FLOAT, out, *views, t0, t1))
     return out
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from kernels import qint_gemm, qtile
+from kernels import qint, qint_gemm, qtile
 from pipeline.threads import numba_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -16,7 +16,7 @@ from test_gguf_dequant import random_blocks  # noqa: E402
 from test_qint import block_integers, fma32, ref_quantize_q8_k  # noqa: E402
 
 
-FORMATS = [QT.Q4_K, QT.Q5_K, QT.Q6_K]
+FORMATS = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q3_K]  # Q3_K: in Q6_K's tiles
 
 
 def tiled_model(qt, raw, x):
@@ -58,7 +58,7 @@ def test_tiled_gemm_bitwise_equals_its_model(qt):
     with np.errstate(invalid="ignore"):  # the model's 0 * inf on the zero block, masked to q = 0 there
         want = tiled_model(qt, raw, x)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
-    vec_dot = qint_gemm.matmul_t_many([(int(qt), raw)], x)[0]
+    vec_dot = (qint_gemm if qint_gemm.supports(qt) else qint).matmul_t_many([(int(qt), raw)], x)[0]
     np.testing.assert_allclose(got, vec_dot, rtol=0, atol=1e-5 * float(np.abs(vec_dot).max()))
 
 
@@ -67,9 +67,11 @@ def test_largest_weights_and_activations_stay_exact(qt):
     """Every quant, scale and min at its top (Q6_K: its int8 scales at -128 and +127, the weights at -32 and
     +31) and activations at +-127: the largest integer totals and, for Q6_K, the largest unsigned activations
     (+128) against the most negative weights."""
-    size = {QT.Q4_K: 144, QT.Q5_K: 176, QT.Q6_K: 210}[qt]
+    size = {QT.Q4_K: 144, QT.Q5_K: 176, QT.Q6_K: 210, QT.Q3_K: 110}[qt]
     raw = random_blocks(qt, 20, 512, seed=8).reshape(20, 2, size)
-    if qt == QT.Q6_K:
+    if qt == QT.Q3_K:  # weights 3 with scales 31, then weights -4 (no high bits) with scales -32
+        raw[:10, :, :108], raw[10:, :, :108] = 0xFF, 0x00
+    elif qt == QT.Q6_K:
         raw[:10, :, :208], raw[10:, :, :192] = 0xFF, 0x00  # weights 31 (scales -1) / -32 ...
         raw[10:, :, 192:208] = np.array([0x80, 0x7F] * 8, np.uint8)  # ... with scales -128 and 127
     else:

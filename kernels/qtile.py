@@ -21,7 +21,9 @@ Q4_K/Q5_K's sub-blocks are 32 weights (unsigned 4/5-bit) with 6-bit scales and m
 weights (q - 32) with int8 scales: vpdpbusd multiplies unsigned by signed bytes, so for Q6_K the activations
 go in as x + 128 (unsigned) and the weights signed, and T takes off 128 * sum_j s_j * sum(w_j), a constant of
 the weight row and block stored in its tile. Q3_K is packed into Q6_K's tiles (its weights ql - 4 * !hbit in
--4..3 and scales s - 32 fit Q6_K's int8 fields), so it runs Q6_K's kernel with the same arithmetic.
+-4..3 and scales s - 32 fit Q6_K's int8 fields), so it runs Q6_K's kernel with the same arithmetic; IQ4_XS into
+Q6_K's layout too (its table values as the weights, each 32-weight scale for both 16-weight halves), with the
+dots taken without vpmaddubsw where there is no VNNI (its pair sums would saturate i16).
 Every output is computed by the same code whatever rows or tiles sit beside it (groups of ROWS activation rows,
 the rest one at a time), so the bits do not depend on grouping, the cut into pieces or the thread count. The
 same arithmetic compiles on every ISA (vpdpbusd with AVX512-VNNI; vpmaddubsw + vpmaddwd by ones with AVX512-BW
@@ -37,8 +39,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .dequant import HALF_TO_FLOAT, Q3_K, Q4_K, Q5_K, Q6_K, _check, _half
-from .qblocks import AVX2, _F32, _I8, _I32, _I64, _IR, _V8I, _V16S, _target_has, _x86
+from .dequant import HALF_TO_FLOAT, IQ4_XS, Q3_K, Q4_K, Q5_K, Q6_K, _check, _half
+from .qblocks import AVX2, _F32, _I8, _I32, _I64, _IR, _V8I, _V16S, IQ4_VALUES, _target_has, _x86
 from .qint import PARTNER, quantize_activations
 from .workpool import run_dynamic, split_range, threads as pool_threads
 
@@ -49,23 +51,26 @@ _BW = _target_has("avx512bw")
 # 6, 8 rows gave 135, 173, 162, 141 G multiply-adds per second), 2 where a 512-bit value takes two of 16
 ROWS = 4 if _target_has("avx512f") else 2
 PIECE_TILES = 8  # tiles per piece (128 weight rows: ~320 KB of tiles per 1024 inputs, an L2's share)
-# Tile block layouts (16 rows x 256 weights; byte offsets), by kind 0 Q4_K, 1 Q5_K, 2 Q6_K:
+# Tile block layouts (16 rows x 256 weights; byte offsets), by kind 0 Q4_K, 1 Q5_K, 2 Q6_K, 3 IQ4_XS:
 #   Q4_K: quants [chunk c][group g][row][4 bytes] (low nibbles: sub-block 2c's weights 4g..4g+3, high: 2c+1's),
 #         scales u8 [sub-block][row], mins as i16 pairs [pair c][row](m_2c, m_2c+1), d f32 [row], dmin f32 [row]
 #   Q5_K: the same with the 5-bit weights as bytes [c][g][sub-block 2c + k][row][4 bytes]
 #   Q6_K: signed weights (q - 32) as int8 [16-weight sub-block j][group g][row][4 bytes], scales int8 [j][row],
 #         the correction 128 * sum_j s_j * sum(w_j) as i32 [row], d f32 [row]
 #   Q3_K: Q6_K's tiles (kind 2), its weights ql - 4 * !hbit (-4..3) and scales s - 32 in Q6_K's fields
-KINDS = {Q4_K: 0, Q5_K: 1, Q6_K: 2, Q3_K: 2}  # the tile layout and kernel
-SOURCES = {Q4_K: 0, Q5_K: 1, Q6_K: 2, Q3_K: 3}  # the file's block, as _pack_rows reads it
-_RAW_BLOCK = (144, 176, 210, 110)  # by source
+#   IQ4_XS: Q6_K's layout (kind 3), its table values (-127..113) as the weights, each 32-weight scale s - 32
+#         twice (two 16-weight sub-blocks); kind 3's dots take wider sums without VNNI (_dpbusd's `wide`)
+KINDS = {Q4_K: 0, Q5_K: 1, Q6_K: 2, Q3_K: 2, IQ4_XS: 3}  # the tile layout and kernel
+SOURCES = {Q4_K: 0, Q5_K: 1, Q6_K: 2, Q3_K: 3, IQ4_XS: 4}  # the file's block, as _pack_rows reads it
+_RAW_BLOCK = (144, 176, 210, 110, 136)  # by source
 _QS = 0
-_SC = (2048, 4096, 4096)
-_MN = (2176, 4224, -1)      # Q6_K: none
-_CORR = (-1, -1, 4352)      # Q6_K only
-_D = (2432, 4480, 4416)
-_DMIN = (2496, 4544, -1)
-TILE_BLOCK = (2560, 4608, 4480)
+_SC = (2048, 4096, 4096, 4096)
+_MN = (2176, 4224, -1, -1)      # Q6_K, IQ4_XS: none
+_CORR = (-1, -1, 4352, 4352)    # Q6_K, IQ4_XS only
+_D = (2432, 4480, 4416, 4416)
+_DMIN = (2496, 4544, -1, -1)
+TILE_BLOCK = (2560, 4608, 4480, 4480)
+_IQ4_TABLE = np.array(IQ4_VALUES, np.int32)
 _V64B, _V16I, _V16F = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
 _V32S, _V64I = ir.VectorType(ir.IntType(16), 32), ir.VectorType(_I32, 64)
 
@@ -80,8 +85,11 @@ def _k4_scale_min(b, o, j):
 
 @njit(cache=True, nogil=True, inline="always")
 def _weight(b, o, src, element):
-    """The integer weight `element` (0..255) of the Q5_K (source 1: unsigned), Q6_K (2: q - 32) or Q3_K (3: ql -
-    4 * !hbit) block at b[o]. (Q4_K's tiles copy the file's nibble bytes as they are.)"""
+    """The integer weight `element` (0..255) of the Q5_K (source 1: unsigned), Q6_K (2: q - 32), Q3_K (3: ql -
+    4 * !hbit) or IQ4_XS (4: the table value) block at b[o]. (Q4_K's tiles copy the file's nibble bytes.)"""
+    if src == 4:  # IQ4_XS: sub-block j's 16 bytes at o + 8 + 16 j, low nibbles the first 16 weights
+        j, lane = element // 32, element % 32
+        return _IQ4_TABLE[(b[o + 8 + 16 * j + lane % 16] >> (4 * (lane // 16))) & 15]
     if src == 3:  # Q3_K: ggml's dequantize_row_q3_K element order (vector j = 4 * half + t of 32 weights)
         half, t, lane = element // 128, (element % 128) // 32, element % 32
         low = (b[o + 32 + 32 * half + lane] >> (2 * t)) & 3
@@ -97,9 +105,13 @@ def _weight(b, o, src, element):
 
 @njit(cache=True, nogil=True, inline="always")
 def _scale_16(b, o, src, j):
-    """Sub-block j's (16 weights) signed scale of the Q6_K (source 2: int8) or Q3_K (3: 6 bits - 32) block."""
+    """Sub-block j's (16 weights) signed scale of the Q6_K (source 2: int8), Q3_K (3: 6 bits - 32) or IQ4_XS
+    (4: its 32-weight sub-block j // 2's 6 bits - 32) block."""
     if src == 2:
         return np.int32(np.int8(b[o + 192 + j]))
+    if src == 4:
+        high = ((np.int32(b[o + 2]) | (np.int32(b[o + 3]) << 8)) >> (2 * (j // 2))) & 3
+        return np.int32(((b[o + 4 + j // 4] >> (4 * ((j // 2) % 2))) & 15) | (high << 4)) - 32
     low = (b[o + 96 + j % 8] >> (4 * (j // 8))) & 15
     return np.int32(low | (((b[o + 104 + j % 4] >> (2 * (j // 4))) & 3) << 4)) - 32
 
@@ -109,17 +121,17 @@ def _pack_rows(raw, src, lut, out, out_i16, out_i32, out_f32, t0, t1):
     """Tiles t0..t1 of pack for rows of source format `src` (SOURCES; rows past raw's end are left as pack
     zeroed them: d = 0, never stored). out_i16/i32/f32 are views of out's bytes."""
     n_out, block = raw.shape[0], _RAW_BLOCK[src]
-    kind = min(src, 2)
+    kind = min(src, 2) if src < 4 else 3
     for t in range(t0, t1):
         for lane in range(min(TILE_ROWS, n_out - t * TILE_ROWS)):
             b = raw[t * TILE_ROWS + lane]
             for blk in range(raw.shape[1] // block):
                 tb, o = out[t, blk], blk * block
-                if kind == 2:
+                if kind >= 2:
                     corr = 0
                     for j in range(16):
                         scale = _scale_16(b, o, src, j)
-                        tb[_SC[2] + 16 * j + lane] = np.uint8(scale & 0xFF)
+                        tb[_SC[kind] + 16 * j + lane] = np.uint8(scale & 0xFF)
                         total = 0
                         for g in range(4):
                             for e in range(4):
@@ -127,8 +139,8 @@ def _pack_rows(raw, src, lut, out, out_i16, out_i32, out_f32, t0, t1):
                                 tb[_QS + 64 * (4 * j + g) + 4 * lane + e] = np.uint8(w & 0xFF)
                                 total += w
                         corr += scale * total
-                    out_i32[t, blk, _CORR[2] // 4 + lane] = 128 * corr
-                    out_f32[t, blk, _D[2] // 4 + lane] = _half(lut, b, o + (208 if src == 2 else 108))
+                    out_i32[t, blk, _CORR[kind] // 4 + lane] = 128 * corr
+                    out_f32[t, blk, _D[kind] // 4 + lane] = _half(lut, b, o + (208, 108, 0)[src - 2])
                     continue
                 for c in range(4):
                     for g in range(8):
@@ -171,17 +183,18 @@ def _splat_i32(h, arg, element_offset):
     return h.b.bitcast(h.splat(h.vload(arg, element_offset, _I32), _V16I), _V64B)
 
 
-def _dpbusd(h, acc, u, s):
+def _dpbusd(h, acc, u, s, wide=False):
     """acc + the 16 lanes' dot products of 4 unsigned bytes (u <64 x i8>) with 4 signed bytes (s <64 x i8>):
     vpdpbusd with AVX512-VNNI; vpmaddubsw + vpmaddwd by ones with AVX512-BW or AVX2 (on 256-bit halves; a pair's
-    sum never saturates i16 here: 2 * 31 * 127 for Q4_K/Q5_K, 2 * 255 * 32 for Q6_K); else portable IR. The
-    same exact sums on every path."""
+    sum never saturates i16 here: 2 * 31 * 127 for Q4_K/Q5_K, 2 * 255 * 32 for Q6_K/Q3_K); else portable IR. The
+    same exact sums on every path. wide (IQ4_XS: 2 * 255 * 127 would saturate vpmaddubsw's i16): the portable
+    IR's i32 products wherever vpdpbusd is missing."""
     if VNNI512:
         return _x86(h, "llvm.x86.avx512.vpdpbusd.512", _V16I, acc, h.b.bitcast(u, _V16I), h.b.bitcast(s, _V16I))
-    if _BW:
+    if _BW and not wide:
         pairs = _x86(h, "llvm.x86.avx512.pmaddubs.w.512", _V32S, u, s)
         return h.b.add(acc, _x86(h, "llvm.x86.avx512.pmaddw.d.512", _V16I, pairs, ir.Constant(_V32S, [1] * 32)))
-    if AVX2:
+    if AVX2 and not wide:
         half = lambda v, k: h.b.shuffle_vector(v, ir.Constant(v.type, ir.Undefined),
                                                ir.Constant(ir.VectorType(_I32, 32), list(range(32 * k, 32 * k + 32))))
         quads = [_x86(h, "llvm.x86.avx2.pmadd.wd", _V8I, _x86(h, "llvm.x86.avx2.pmadd.ub.sw", _V16S, half(u, k),
@@ -235,8 +248,9 @@ def _k_dots(h, kind, rows, at, x_at):
     return totals
 
 
-def _q6_k_dots(h, rows, at, x_at):
-    """Q6_K: per activation row T, from the activations + 128 (unsigned) and the signed weights."""
+def _q6_k_dots(h, kind, rows, at, x_at):
+    """Q6_K's layout (kinds 2, 3): per activation row T, from the activations + 128 (unsigned) and the signed
+    weights."""
     totals = [None] * rows
     zero = ir.Constant(_V16I, [0] * 16)
     for j in range(16):
@@ -244,12 +258,12 @@ def _q6_k_dots(h, rows, at, x_at):
         for g in range(4):
             w = h.vload(2, at(_QS + 64 * (4 * j + g)), _V64B)
             for i in range(rows):
-                dots[i] = _dpbusd(h, dots[i], _splat_i32(h, 4, x_at(i, 16 * j + 4 * g)), w)
-        scale = h.b.sext(h.vload(2, at(_SC[2] + 16 * j), ir.VectorType(_I8, 16)), _V16I)
+                dots[i] = _dpbusd(h, dots[i], _splat_i32(h, 4, x_at(i, 16 * j + 4 * g)), w, wide=kind == 3)
+        scale = h.b.sext(h.vload(2, at(_SC[kind] + 16 * j), ir.VectorType(_I8, 16)), _V16I)
         for i in range(rows):
             part = h.b.mul(dots[i], scale)
             totals[i] = part if totals[i] is None else h.b.add(totals[i], part)
-    corr = h.b.bitcast(h.vload(2, at(_CORR[2]), _V64B), _V16I)
+    corr = h.b.bitcast(h.vload(2, at(_CORR[kind]), _V64B), _V16I)
     return [h.b.sub(t, corr) for t in totals]
 
 
@@ -264,12 +278,12 @@ def _tile_block(kind, rows):
         at = lambda extra: h.b.add(h.ptrs[3], ir.Constant(_I64, extra))
         row = lambda base, stride, i: h.b.add(h.ptrs[base], h.b.mul(h.ptrs[stride], ir.Constant(_I64, i)))
         x_at = lambda i, extra: h.b.add(row(5, 6, i), ir.Constant(_I64, extra))
-        totals = _q6_k_dots(h, rows, at, x_at) if kind == 2 else _k_dots(h, kind, rows, at, x_at)
+        totals = _q6_k_dots(h, kind, rows, at, x_at) if kind >= 2 else _k_dots(h, kind, rows, at, x_at)
         d = h.b.bitcast(h.vload(2, at(_D[kind]), _V64B), _V16F)
         row_d = [h.splat(h.b.load(h.b.gep(h.ptrs[10], [row(11, 12, i)])), _V16F) for i in range(rows)]
         for i in range(rows):
             _fma_row(h, 0, 16 * i, h.b.fmul(row_d[i], d), totals[i])
-        if kind == 2:
+        if kind >= 2:
             return context.get_dummy_value()
         dmin = h.b.bitcast(h.vload(2, at(_DMIN[kind]), _V64B), _V16F)
         mins = [None] * rows
@@ -296,6 +310,7 @@ def _tile_intrinsic(kind, rows):
 _q4_k_rows, _q4_k_one = _tile_intrinsic(0, ROWS), _tile_intrinsic(0, 1)
 _q5_k_rows, _q5_k_one = _tile_intrinsic(1, ROWS), _tile_intrinsic(1, 1)
 _q6_k_rows, _q6_k_one = _tile_intrinsic(2, ROWS), _tile_intrinsic(2, 1)
+_iq4_xs_rows, _iq4_xs_one = _tile_intrinsic(3, ROWS), _tile_intrinsic(3, 1)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -329,10 +344,14 @@ def _gemm_tiles(kind, tiles, q, d, sums16, out, t0, t1):
                     _q5_k_rows(acc, accm, tiles, to, q, qo, n, sums16, so, n // 32, d, do, nb)
                 elif kind == 1:
                     _q5_k_one(acc, accm, tiles, to, q, qo, n, sums16, so, n // 32, d, do, nb)
-                elif rows == ROWS:
+                elif kind == 2 and rows == ROWS:
                     _q6_k_rows(acc, accm, tiles, to, q, qo, n, sums16, so, n // 32, d, do, nb)
-                else:
+                elif kind == 2:
                     _q6_k_one(acc, accm, tiles, to, q, qo, n, sums16, so, n // 32, d, do, nb)
+                elif rows == ROWS:
+                    _iq4_xs_rows(acc, accm, tiles, to, q, qo, n, sums16, so, n // 32, d, do, nb)
+                else:
+                    _iq4_xs_one(acc, accm, tiles, to, q, qo, n, sums16, so, n // 32, d, do, nb)
             for k in range(rows):
                 _store_tile(out, acc, accm, i, k, t)
         i += rows
@@ -352,7 +371,7 @@ def matmul_t_many(weights, x: np.ndarray) -> list:
             raise ValueError(f"qtile: tiles of shape {tiles.shape} do not belong to rows {raw.shape} of type {qtype}")
     q, d, sums = quantize_activations(PARTNER[Q4_K], x)
     sums16 = sums.astype(np.int16)  # |a 32-element sum| <= 32 * 127: exact
-    unsigned = (q.view(np.uint8) ^ np.uint8(0x80)) if any(KINDS[int(w[0])] == 2 for w in weights) else None
+    unsigned = (q.view(np.uint8) ^ np.uint8(0x80)) if any(KINDS[int(w[0])] >= 2 for w in weights) else None
     outs, pieces = [], []
     for qtype, raw, tiles in weights:
         kind = KINDS[int(qtype)]
@@ -363,7 +382,7 @@ def matmul_t_many(weights, x: np.ndarray) -> list:
 
     def piece(i):
         kind, tiles, out, t0, t1 = pieces[i]
-        _gemm_tiles(kind, tiles, unsigned if kind == 2 else q, d, sums16, out, t0, t1)
+        _gemm_tiles(kind, tiles, unsigned if kind >= 2 else q, d, sums16, out, t0, t1)
 
     run_dynamic(len(pieces), piece)
     return outs

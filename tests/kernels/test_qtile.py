@@ -16,7 +16,7 @@ from test_gguf_dequant import random_blocks  # noqa: E402
 from test_qint import block_integers, fma32, ref_quantize_q8_k  # noqa: E402
 
 
-FORMATS = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q3_K]  # Q3_K: in Q6_K's tiles
+FORMATS = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q3_K, QT.IQ4_XS]  # Q3_K, IQ4_XS: in Q6_K's layout
 
 
 def tiled_model(qt, raw, x):
@@ -67,9 +67,11 @@ def test_largest_weights_and_activations_stay_exact(qt):
     """Every quant, scale and min at its top (Q6_K: its int8 scales at -128 and +127, the weights at -32 and
     +31) and activations at +-127: the largest integer totals and, for Q6_K, the largest unsigned activations
     (+128) against the most negative weights."""
-    size = {QT.Q4_K: 144, QT.Q5_K: 176, QT.Q6_K: 210, QT.Q3_K: 110}[qt]
+    size = {QT.Q4_K: 144, QT.Q5_K: 176, QT.Q6_K: 210, QT.Q3_K: 110, QT.IQ4_XS: 136}[qt]
     raw = random_blocks(qt, 20, 512, seed=8).reshape(20, 2, size)
-    if qt == QT.Q3_K:  # weights 3 with scales 31, then weights -4 (no high bits) with scales -32
+    if qt == QT.IQ4_XS:  # weights 113 with scales 31, then -127 with scales -32: the widest sums
+        raw[:10, :, 2:], raw[10:, :, 2:] = 0xFF, 0x00
+    elif qt == QT.Q3_K:  # weights 3 with scales 31, then weights -4 (no high bits) with scales -32
         raw[:10, :, :108], raw[10:, :, :108] = 0xFF, 0x00
     elif qt == QT.Q6_K:
         raw[:10, :, :208], raw[10:, :, :192] = 0xFF, 0x00  # weights 31 (scales -1) / -32 ...

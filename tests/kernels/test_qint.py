@@ -285,8 +285,9 @@ def test_q8_k_keeps_the_first_largest_magnitude_and_skips_nans():
     np.testing.assert_array_equal(sums.reshape(2, 7, 8)[finite], q.reshape(2, 7, 8, 32)[finite].sum(-1, dtype=np.int64))
 
 
-@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q8_0, QT.Q4_1, QT.Q2_K, QT.IQ4_NL], ids=lambda q: q.name)
 def test_thread_count_does_not_change_bits(qt):
+    """Also the formats reading Q8_1's block sums (Q4_1), Q8_K's bsums (Q2_K) and IQ4_NL's two accumulators."""
     raw = random_blocks(qt, 100, 512, seed=5)
     x = np.random.default_rng(6).standard_normal((5, 512)).astype(np.float32)
     outs = []
@@ -386,7 +387,7 @@ def test_portable_ir_and_the_4_row_gemm_give_the_same_bits(tmp_path, isa, probe,
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, blocked, tiled,
                           "-k", "bitwise_equals or thread_count"], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert run.stdout.strip().splitlines()[-1].startswith("22 passed"), run.stdout[-500:]
+    assert run.stdout.strip().splitlines()[-1].startswith("25 passed"), run.stdout[-500:]
 
 
 def test_fp16_rounding_of_the_q8_0_scales_is_numpys():

@@ -1,4 +1,4 @@
-"""Tiled integer GEMM for prefill through K-quant weights: 16 weight rows per vector lane set, x as Q8_K.
+"""Tiled integer GEMM for prefill through K-quant and IQ4_XS weights: 16 weight rows per vector lane set, x as Q8_K.
 
 Trade-off: kernels/qint_gemm.py keeps llama.cpp's vec_dot arithmetic (eight f32 lanes per output, each a sum
 over sub-blocks of 4-element dot products scaled by the sub-block's scale), which costs two scaling
@@ -23,13 +23,15 @@ go in as x + 128 (unsigned) and the weights signed, and T takes off 128 * sum_j 
 the weight row and block stored in its tile. Q3_K is packed into Q6_K's tiles (its weights ql - 4 * !hbit in
 -4..3 and scales s - 32 fit Q6_K's int8 fields), so it runs Q6_K's kernel with the same arithmetic; IQ4_XS into
 Q6_K's layout too (its table values as the weights, each 32-weight scale for both 16-weight halves), with the
-dots taken without vpmaddubsw where there is no VNNI (its pair sums would saturate i16).
+dots taken without vpmaddubsw where there is no VNNI (its pair sums would saturate i16). Q2_K keeps its 2-bit
+weights four to a byte (bits 2s: four 16-weight sub-blocks per vector), one scale per 16 weights, and its mins
+against the activations' 16-element sums: M = sum_j m_j * bsum16_j over 16 sub-blocks.
 Every output is computed by the same code whatever rows or tiles sit beside it (groups of ROWS activation rows,
 the rest one at a time), so the bits do not depend on grouping, the cut into pieces or the thread count. The
 same arithmetic compiles on every ISA (vpdpbusd with AVX512-VNNI; vpmaddubsw + vpmaddwd by ones with AVX512-BW
 or AVX2; portable IR elsewhere): the same bits on any CPU. The tiles are kept beside the original rows (the
 decode kernels read those): per 16 rows and block 2560 bytes for Q4_K (the file's 2304), 4608 for Q5_K (2816;
-its 5-bit weights unpacked to bytes), 4480 for Q6_K (3360).
+its 5-bit weights unpacked to bytes), 4480 for Q6_K (3360), Q3_K (1760) and IQ4_XS (2176), 1920 for Q2_K (1344).
 """
 from __future__ import annotations
 
@@ -39,9 +41,9 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .dequant import HALF_TO_FLOAT, IQ4_XS, Q3_K, Q4_K, Q5_K, Q6_K, _check, _half
+from .dequant import HALF_TO_FLOAT, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, _check, _half
 from .qblocks import AVX2, _F32, _I8, _I32, _I64, _IR, _V8I, _V16S, IQ4_VALUES, _target_has, _x86
-from .qint import PARTNER, quantize_activations
+from .qint import PARTNER, _bsums, quantize_activations
 from .workpool import run_dynamic, split_range, threads as pool_threads
 
 TILE_ROWS = 16  # weight rows per tile: the 16 i32 lanes of a 512-bit vector
@@ -51,7 +53,7 @@ _BW = _target_has("avx512bw")
 # 6, 8 rows gave 135, 173, 162, 141 G multiply-adds per second), 2 where a 512-bit value takes two of 16
 ROWS = 4 if _target_has("avx512f") else 2
 PIECE_TILES = 8  # tiles per piece (128 weight rows: ~320 KB of tiles per 1024 inputs, an L2's share)
-# Tile block layouts (16 rows x 256 weights; byte offsets), by kind 0 Q4_K, 1 Q5_K, 2 Q6_K, 3 IQ4_XS:
+# Tile block layouts (16 rows x 256 weights; byte offsets), by kind 0 Q4_K, 1 Q5_K, 2 Q6_K, 3 IQ4_XS, 4 Q2_K:
 #   Q4_K: quants [chunk c][group g][row][4 bytes] (low nibbles: sub-block 2c's weights 4g..4g+3, high: 2c+1's),
 #         scales u8 [sub-block][row], mins as i16 pairs [pair c][row](m_2c, m_2c+1), d f32 [row], dmin f32 [row]
 #   Q5_K: the same with the 5-bit weights as bytes [c][g][sub-block 2c + k][row][4 bytes]
@@ -60,16 +62,21 @@ PIECE_TILES = 8  # tiles per piece (128 weight rows: ~320 KB of tiles per 1024 i
 #   Q3_K: Q6_K's tiles (kind 2), its weights ql - 4 * !hbit (-4..3) and scales s - 32 in Q6_K's fields
 #   IQ4_XS: Q6_K's layout (kind 3), its table values (-127..113) as the weights, each 32-weight scale s - 32
 #         twice (two 16-weight sub-blocks); kind 3's dots take wider sums without VNNI (_dpbusd's `wide`)
-KINDS = {Q4_K: 0, Q5_K: 1, Q6_K: 2, Q3_K: 2, IQ4_XS: 3}  # the tile layout and kernel
-SOURCES = {Q4_K: 0, Q5_K: 1, Q6_K: 2, Q3_K: 3, IQ4_XS: 4}  # the file's block, as _pack_rows reads it
-_RAW_BLOCK = (144, 176, 210, 110, 136)  # by source
+#   Q2_K: the 2-bit weights four to a byte [chunk c][group g][row][4 bytes] (bits 2s: sub-block 4c + s's
+#         weights 4g..4g+3), scales u8 [16-weight sub-block j][row], mins as i16 pairs [pair p][row](m_2p,
+#         m_2p+1) against the activations' 16-element sums, d f32 [row], dmin f32 [row]
+KINDS = {Q4_K: 0, Q5_K: 1, Q6_K: 2, Q3_K: 2, IQ4_XS: 3, Q2_K: 4}  # the tile layout and kernel
+SOURCES = {Q4_K: 0, Q5_K: 1, Q6_K: 2, Q3_K: 3, IQ4_XS: 4, Q2_K: 5}  # the file's block, as _pack_rows reads it
+_RAW_BLOCK = (144, 176, 210, 110, 136, 84)  # by source
+_KIND_OF_SOURCE = (0, 1, 2, 2, 3, 4)
 _QS = 0
-_SC = (2048, 4096, 4096, 4096)
-_MN = (2176, 4224, -1, -1)      # Q6_K, IQ4_XS: none
-_CORR = (-1, -1, 4352, 4352)    # Q6_K, IQ4_XS only
-_D = (2432, 4480, 4416, 4416)
-_DMIN = (2496, 4544, -1, -1)
-TILE_BLOCK = (2560, 4608, 4480, 4480)
+_SC = (2048, 4096, 4096, 4096, 1024)
+_MN = (2176, 4224, -1, -1, 1280)      # Q6_K, IQ4_XS: none
+_CORR = (-1, -1, 4352, 4352, -1)      # Q6_K, IQ4_XS only
+_D = (2432, 4480, 4416, 4416, 1792)
+_DMIN = (2496, 4544, -1, -1, 1856)
+TILE_BLOCK = (2560, 4608, 4480, 4480, 1920)
+_MIN_PAIRS = (4, 4, 0, 0, 8)  # i16 min pairs per block: against 32-element sums (Q4_K/Q5_K), 16-element (Q2_K)
 _IQ4_TABLE = np.array(IQ4_VALUES, np.int32)
 _V64B, _V16I, _V16F = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
 _V32S, _V64I = ir.VectorType(ir.IntType(16), 32), ir.VectorType(_I32, 64)
@@ -87,6 +94,9 @@ def _k4_scale_min(b, o, j):
 def _weight(b, o, src, element):
     """The integer weight `element` (0..255) of the Q5_K (source 1: unsigned), Q6_K (2: q - 32), Q3_K (3: ql -
     4 * !hbit) or IQ4_XS (4: the table value) block at b[o]. (Q4_K's tiles copy the file's nibble bytes.)"""
+    if src == 5:  # Q2_K: vector 4 * half + t of 32 weights holds bits 2t of the 32 bytes at o + 16 + 32 * half
+        half, t, lane = element // 128, (element % 128) // 32, element % 32
+        return np.int32((b[o + 16 + 32 * half + lane] >> (2 * t)) & 3)
     if src == 4:  # IQ4_XS: sub-block j's 16 bytes at o + 8 + 16 j, low nibbles the first 16 weights
         j, lane = element // 32, element % 32
         return _IQ4_TABLE[(b[o + 8 + 16 * j + lane % 16] >> (4 * (lane // 16))) & 15]
@@ -121,12 +131,26 @@ def _pack_rows(raw, src, lut, out, out_i16, out_i32, out_f32, t0, t1):
     """Tiles t0..t1 of pack for rows of source format `src` (SOURCES; rows past raw's end are left as pack
     zeroed them: d = 0, never stored). out_i16/i32/f32 are views of out's bytes."""
     n_out, block = raw.shape[0], _RAW_BLOCK[src]
-    kind = min(src, 2) if src < 4 else 3
+    kind = _KIND_OF_SOURCE[src]
     for t in range(t0, t1):
         for lane in range(min(TILE_ROWS, n_out - t * TILE_ROWS)):
             b = raw[t * TILE_ROWS + lane]
             for blk in range(raw.shape[1] // block):
                 tb, o = out[t, blk], blk * block
+                if kind == 4:
+                    for c in range(4):
+                        for g in range(4):
+                            for e in range(4):
+                                packed = 0
+                                for sub in range(4):
+                                    packed |= _weight(b, o, 5, 16 * (4 * c + sub) + 4 * g + e) << (2 * sub)
+                                tb[_QS + 64 * (4 * c + g) + 4 * lane + e] = np.uint8(packed)
+                    for j in range(16):
+                        tb[_SC[4] + 16 * j + lane] = b[o + j] & 15
+                        out_i16[t, blk, _MN[4] // 2 + 32 * (j // 2) + 2 * lane + j % 2] = b[o + j] >> 4
+                    out_f32[t, blk, _D[4] // 4 + lane] = _half(lut, b, o + 80)
+                    out_f32[t, blk, _DMIN[4] // 4 + lane] = _half(lut, b, o + 82)
+                    continue
                 if kind >= 2:
                     corr = 0
                     for j in range(16):
@@ -248,6 +272,27 @@ def _k_dots(h, kind, rows, at, x_at):
     return totals
 
 
+def _q2_k_dots(h, rows, at, x_at):
+    """Q2_K: per activation row T, the 2-bit weights (unsigned, four sub-blocks' to a vector) against the
+    activations, one scale per 16 weights."""
+    totals = [None] * rows
+    zero = ir.Constant(_V16I, [0] * 16)
+    for c in range(4):
+        dots = [[zero] * rows for _ in range(4)]  # sub-blocks 4c .. 4c + 3
+        for g in range(4):
+            v = h.vload(2, at(_QS + 64 * (4 * c + g)), _V64B)
+            for sub in range(4):
+                w = h.bits(v, 2 * sub, 3)
+                for i in range(rows):
+                    dots[sub][i] = _dpbusd(h, dots[sub][i], w, _splat_i32(h, 4, x_at(i, 16 * (4 * c + sub) + 4 * g)))
+        for sub in range(4):
+            scale = h.b.zext(h.vload(2, at(_SC[4] + 16 * (4 * c + sub)), ir.VectorType(_I8, 16)), _V16I)
+            for i in range(rows):
+                part = h.b.mul(dots[sub][i], scale)
+                totals[i] = part if totals[i] is None else h.b.add(totals[i], part)
+    return totals
+
+
 def _q6_k_dots(h, kind, rows, at, x_at):
     """Q6_K's layout (kinds 2, 3): per activation row T, from the activations + 128 (unsigned) and the signed
     weights."""
@@ -278,16 +323,21 @@ def _tile_block(kind, rows):
         at = lambda extra: h.b.add(h.ptrs[3], ir.Constant(_I64, extra))
         row = lambda base, stride, i: h.b.add(h.ptrs[base], h.b.mul(h.ptrs[stride], ir.Constant(_I64, i)))
         x_at = lambda i, extra: h.b.add(row(5, 6, i), ir.Constant(_I64, extra))
-        totals = _q6_k_dots(h, kind, rows, at, x_at) if kind >= 2 else _k_dots(h, kind, rows, at, x_at)
+        if kind == 4:
+            totals = _q2_k_dots(h, rows, at, x_at)
+        elif kind >= 2:
+            totals = _q6_k_dots(h, kind, rows, at, x_at)
+        else:
+            totals = _k_dots(h, kind, rows, at, x_at)
         d = h.b.bitcast(h.vload(2, at(_D[kind]), _V64B), _V16F)
         row_d = [h.splat(h.b.load(h.b.gep(h.ptrs[10], [row(11, 12, i)])), _V16F) for i in range(rows)]
         for i in range(rows):
             _fma_row(h, 0, 16 * i, h.b.fmul(row_d[i], d), totals[i])
-        if kind >= 2:
+        if kind in (2, 3):
             return context.get_dummy_value()
         dmin = h.b.bitcast(h.vload(2, at(_DMIN[kind]), _V64B), _V16F)
         mins = [None] * rows
-        for c in range(4):
+        for c in range(_MIN_PAIRS[kind]):  # arg 7: the 32-element sums (Q4_K/Q5_K), the 16-element ones (Q2_K)
             min_pairs = h.b.bitcast(h.vload(2, at(_MN[kind] + 64 * c), _V64B), _V32S)
             for i in range(rows):
                 sums = h.b.bitcast(_splat_i32(h, 7, h.b.add(row(8, 9, i), ir.Constant(_I64, 2 * c))), _V32S)
@@ -311,6 +361,7 @@ _q4_k_rows, _q4_k_one = _tile_intrinsic(0, ROWS), _tile_intrinsic(0, 1)
 _q5_k_rows, _q5_k_one = _tile_intrinsic(1, ROWS), _tile_intrinsic(1, 1)
 _q6_k_rows, _q6_k_one = _tile_intrinsic(2, ROWS), _tile_intrinsic(2, 1)
 _iq4_xs_rows, _iq4_xs_one = _tile_intrinsic(3, ROWS), _tile_intrinsic(3, 1)
+_q2_k_rows, _q2_k_one = _tile_intrinsic(4, ROWS), _tile_intrinsic(4, 1)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -324,7 +375,8 @@ def _store_tile(out, acc, accm, i, k, t):
 @njit(cache=True, nogil=True)
 def _gemm_tiles(kind, tiles, q, d, sums16, out, t0, t1):
     """out[:, 16 t0: 16 t1] for the tiles t0..t1 of a kind-`kind` weight against Q8_K activations q (Q6_K: + 128,
-    unsigned)/d/sums16: ROWS rows per call, the rest one by one, each output the module docstring's arithmetic."""
+    unsigned)/d/sums16 (i16 sums of 32 elements; Q2_K: of 16): ROWS rows per call, the rest one by one, each
+    output the module docstring's arithmetic."""
     m, n = q.shape
     nb, block = n // 256, TILE_BLOCK[kind]
     acc, accm = np.empty(ROWS * TILE_ROWS, np.float32), np.empty(ROWS * TILE_ROWS, np.float32)
@@ -336,7 +388,11 @@ def _gemm_tiles(kind, tiles, q, d, sums16, out, t0, t1):
             accm[:] = 0.0
             for blk in range(nb):
                 to, qo, so, do = (t * nb + blk) * block, i * n + blk * 256, i * (n // 32) + blk * 8, i * nb + blk
-                if kind == 0 and rows == ROWS:
+                if kind == 4 and rows == ROWS:
+                    _q2_k_rows(acc, accm, tiles, to, q, qo, n, sums16, 2 * so, n // 16, d, do, nb)
+                elif kind == 4:
+                    _q2_k_one(acc, accm, tiles, to, q, qo, n, sums16, 2 * so, n // 16, d, do, nb)
+                elif kind == 0 and rows == ROWS:
                     _q4_k_rows(acc, accm, tiles, to, q, qo, n, sums16, so, n // 32, d, do, nb)
                 elif kind == 0:
                     _q4_k_one(acc, accm, tiles, to, q, qo, n, sums16, so, n // 32, d, do, nb)
@@ -371,7 +427,12 @@ def matmul_t_many(weights, x: np.ndarray) -> list:
             raise ValueError(f"qtile: tiles of shape {tiles.shape} do not belong to rows {raw.shape} of type {qtype}")
     q, d, sums = quantize_activations(PARTNER[Q4_K], x)
     sums16 = sums.astype(np.int16)  # |a 32-element sum| <= 32 * 127: exact
-    unsigned = (q.view(np.uint8) ^ np.uint8(0x80)) if any(KINDS[int(w[0])] >= 2 for w in weights) else None
+    unsigned = (q.view(np.uint8) ^ np.uint8(0x80)) if any(KINDS[int(w[0])] in (2, 3) for w in weights) else None
+    bsums16 = None
+    if any(KINDS[int(w[0])] == 4 for w in weights):  # Q2_K's mins read the 16-element sums
+        bsums = np.empty((x.shape[0], x.shape[1] // 16), np.int32)
+        _bsums(q, bsums)
+        bsums16 = bsums.astype(np.int16)
     outs, pieces = [], []
     for qtype, raw, tiles in weights:
         kind = KINDS[int(qtype)]
@@ -382,7 +443,7 @@ def matmul_t_many(weights, x: np.ndarray) -> list:
 
     def piece(i):
         kind, tiles, out, t0, t1 = pieces[i]
-        _gemm_tiles(kind, tiles, unsigned if kind >= 2 else q, d, sums16, out, t0, t1)
+        _gemm_tiles(kind, tiles, unsigned if kind in (2, 3) else q, d, bsums16 if kind == 4 else sums16, out, t0, t1)
 
     run_dynamic(len(pieces), piece)
     return outs

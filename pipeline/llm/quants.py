@@ -95,7 +95,7 @@ class FrozenWeight:
     (kernels/qint.py: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS: ggml's vec_dot bit for
     bit), and any number of rows (prefill) through Q4_K/Q5_K/Q6_K: from
     TILE_MIN_ROWS rows the tiled GEMM (kernels/qtile.py, tiles packed at first use and kept; `tiled = False`
-    turns it off; Q3_K too), fewer rows the register-blocked GEMM (kernels/qint_gemm.py), both measured
+    turns it off; Q2_K, Q3_K and IQ4_XS too), fewer rows the register-blocked GEMM (kernels/qint_gemm.py), both measured
     faster than the tiled f32 GEMM; the other formats' prefill stays on the tiled f32 GEMM. A forward with
     gradients on keeps f32 activations (the training contract). `llama_numerics` (parity runs) takes the
     integer path for every block format at any row count.
@@ -118,8 +118,8 @@ class FrozenWeight:
         return int(self.raw.nbytes)
 
     def tiles(self):
-        """kernels/qtile.pack of raw (Q4_K/Q5_K/Q6_K/Q3_K), made at first use and kept beside raw (1.1x, 1.6x,
-        1.3x, 2.5x its bytes); made again if raw is replaced."""
+        """kernels/qtile.pack of raw (Q4_K/Q5_K/Q6_K/Q3_K/IQ4_XS/Q2_K), made at first use and kept beside raw
+        (1.1x, 1.6x, 1.3x, 2.5x, 2.1x, 1.4x its bytes); made again if raw is replaced."""
         hit = self.__dict__.get("_tiles")
         if hit is None or hit[0] is not self.raw:
             from kernels import qtile
@@ -215,7 +215,7 @@ def integer_matmul_t_many(weights: list, x2, group_rows: int | None = None) -> l
     """x2 [m, n_in] @ W.T for weights on the integer path. The arithmetic is chosen per weight by the rows of
     one independent group (group_rows, default m: a caller stacking ES members or lock-step rows passes one
     member's rows, so each row gets the bits it would get alone):
-      * Q4_K/Q5_K/Q6_K/Q3_K with at least FrozenWeight.TILE_MIN_ROWS rows (unless the weight's `tiled` is False):
+      * the K-quants and IQ4_XS with at least FrozenWeight.TILE_MIN_ROWS rows (unless the weight's `tiled` is False):
         the tiled GEMM (kernels/qtile.py, its own arithmetic: one fma per block and output);
       * otherwise llama.cpp's vec_dot arithmetic: the register-blocked GEMM (kernels/qint_gemm.py) for at least
         qint_gemm.ROWS rows through Q4_K/Q5_K/Q6_K, else the row kernels (kernels/qint.py), the same bits.

@@ -16,7 +16,7 @@ from test_gguf_dequant import random_blocks  # noqa: E402
 from test_qint import block_integers, fma32, ref_quantize_q8_k  # noqa: E402
 
 
-FORMATS = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q3_K, QT.IQ4_XS]  # Q3_K, IQ4_XS: in Q6_K's layout
+FORMATS = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q3_K, QT.IQ4_XS, QT.Q2_K]  # Q3_K, IQ4_XS: in Q6_K's layout
 
 
 def tiled_model(qt, raw, x):
@@ -34,7 +34,8 @@ def tiled_model(qt, raw, x):
             acc = fma32((yd[i, b] * wd[:, b]).astype(np.float32), totals[:, b], acc)
         if extra is not None:
             dmin, mins = extra
-            sums = q[i].reshape(blocks, 8, 32).sum(axis=-1)                                     # [blocks, 8]
+            group = 256 // mins.shape[-1]  # the mins' sub-block: 32 elements (Q4_K/Q5_K), 16 (Q2_K)
+            sums = q[i].reshape(blocks, mins.shape[-1], group).sum(axis=-1)                     # [blocks, subs]
             m = (mins * sums).sum(axis=-1).astype(np.float32)                                   # [rows, blocks]
             for b in range(blocks):
                 accm = fma32((yd[i, b] * dmin[:, b]).astype(np.float32), m[:, b], accm)
@@ -67,9 +68,11 @@ def test_largest_weights_and_activations_stay_exact(qt):
     """Every quant, scale and min at its top (Q6_K: its int8 scales at -128 and +127, the weights at -32 and
     +31) and activations at +-127: the largest integer totals and, for Q6_K, the largest unsigned activations
     (+128) against the most negative weights."""
-    size = {QT.Q4_K: 144, QT.Q5_K: 176, QT.Q6_K: 210, QT.Q3_K: 110, QT.IQ4_XS: 136}[qt]
+    size = {QT.Q4_K: 144, QT.Q5_K: 176, QT.Q6_K: 210, QT.Q3_K: 110, QT.IQ4_XS: 136, QT.Q2_K: 84}[qt]
     raw = random_blocks(qt, 20, 512, seed=8).reshape(20, 2, size)
-    if qt == QT.IQ4_XS:  # weights 113 with scales 31, then -127 with scales -32: the widest sums
+    if qt == QT.Q2_K:  # weights 3 with scales and mins 15, then scales 15 and mins 0
+        raw[:, :, 16:80], raw[:10, :, :16], raw[10:, :, :16] = 0xFF, 0xFF, 0x0F
+    elif qt == QT.IQ4_XS:  # weights 113 with scales 31, then -127 with scales -32: the widest sums
         raw[:10, :, 2:], raw[10:, :, 2:] = 0xFF, 0x00
     elif qt == QT.Q3_K:  # weights 3 with scales 31, then weights -4 (no high bits) with scales -32
         raw[:10, :, :108], raw[10:, :, :108] = 0xFF, 0x00

@@ -2,12 +2,13 @@
 
 Trade-off: llama.cpp's CPU matmul never multiplies floats by dequantized
 weights; it quantizes each activation row to its weight format's partner
-(Q8_0 blocks of 32 for Q8_0/Q4_0/Q5_0, Q8_K blocks of 256 for Q4_K/Q5_K/Q6_K) and
+(PARTNER: Q8_0 blocks of 32 for Q8_0/Q4_0/Q5_0/IQ4_NL, Q8_1 - the same plus fp16 block sums - for
+Q4_1/Q5_1, Q8_K blocks of 256 for the K-quants and IQ4_XS) and
 takes exact integer dot products per block, scaled in f32 afterwards. Doing the
 same here costs accuracy (activations rounded to 8 bits, as llama.cpp does) and
 buys speed (int8 operands, no f32 weight) and llama.cpp's own bits: the
 quantizers below are quantize_row_q8_0's AVX2 path (d = max/127 stored as fp16,
-x * (127/max) rounded half to even) and quantize_row_q8_K_ref (the first
+x * (127/max) rounded half to even; quantize_row_q8_1's sums) and quantize_row_q8_K_ref (the first
 largest-magnitude element m, iscale = -127/m, nearest_int, d = 1/iscale); the
 block intrinsics (kernels/qblocks.py `idot_*`) keep llama.cpp's AVX2 lane
 layout and fused multiply-adds, and the lanes are summed in hsum_float_8's

@@ -42,8 +42,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .dequant import HALF_TO_FLOAT, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, _check, _half
-from .qblocks import AVX2, _F32, _I8, _I32, _I64, _IR, _V8I, _V16S, IQ4_VALUES, _target_has, _x86
-from .qint import PARTNER, _bsums, quantize_activations
+from .qblocks import AVX2, _F32, _I8, _I32, _I64, _IR, _V8I, _V16S, _target_has, _x86
+from .qint import _IQ4_TABLE, PARTNER, _bsums, quantize_activations
 from .workpool import run_dynamic, split_range, threads as pool_threads
 
 TILE_ROWS = 16  # weight rows per tile: the 16 i32 lanes of a 512-bit vector
@@ -65,10 +65,10 @@ PIECE_TILES = 8  # tiles per piece (128 weight rows: ~320 KB of tiles per 1024 i
 #   Q2_K: the 2-bit weights four to a byte [chunk c][group g][row][4 bytes] (bits 2s: sub-block 4c + s's
 #         weights 4g..4g+3), scales u8 [16-weight sub-block j][row], mins as i16 pairs [pair p][row](m_2p,
 #         m_2p+1) against the activations' 16-element sums, d f32 [row], dmin f32 [row]
-KINDS = {Q4_K: 0, Q5_K: 1, Q6_K: 2, Q3_K: 2, IQ4_XS: 3, Q2_K: 4}  # the tile layout and kernel
 SOURCES = {Q4_K: 0, Q5_K: 1, Q6_K: 2, Q3_K: 3, IQ4_XS: 4, Q2_K: 5}  # the file's block, as _pack_rows reads it
 _RAW_BLOCK = (144, 176, 210, 110, 136, 84)  # by source
-_KIND_OF_SOURCE = (0, 1, 2, 2, 3, 4)
+_KIND_OF_SOURCE = (0, 1, 2, 2, 3, 4)  # by source: its tile layout and kernel
+KINDS = {qtype: _KIND_OF_SOURCE[src] for qtype, src in SOURCES.items()}
 _QS = 0
 _SC = (2048, 4096, 4096, 4096, 1024)
 _MN = (2176, 4224, -1, -1, 1280)      # Q6_K, IQ4_XS: none
@@ -77,7 +77,6 @@ _D = (2432, 4480, 4416, 4416, 1792)
 _DMIN = (2496, 4544, -1, -1, 1856)
 TILE_BLOCK = (2560, 4608, 4480, 4480, 1920)
 _MIN_PAIRS = (4, 4, 0, 0, 8)  # i16 min pairs per block: against 32-element sums (Q4_K/Q5_K), 16-element (Q2_K)
-_IQ4_TABLE = np.array(IQ4_VALUES, np.int32)
 _V64B, _V16I, _V16F = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
 _V32S, _V64I = ir.VectorType(ir.IntType(16), 32), ir.VectorType(_I32, 64)
 

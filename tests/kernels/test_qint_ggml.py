@@ -73,7 +73,24 @@ def test_row_kernels_give_ggml_vec_dot_bits(ggml, qt):
         x = activations(3, n, seed=n + 1)
         got = qint.matmul_t_many([(int(qt), raw)], x)[0]
         want = ggml_matmul_t(ggml, qt, raw, x)
+        if qt == QT.IQ4_NL and (n // 32) % 2:
+            assert_within_ulps(got, want, TAIL_ULPS, f"{qt.name}, n={n} (scalar tail)")
+            continue
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=f"{qt.name}, n={n}")
+
+
+# ggml's IQ4_NL vec_dot ends an odd block count with plain C, `sumf += d * (sumi1 + sumi2)`, whose FMA contraction
+# is the compiler's choice for the -march llama.cpp was built for: bit-equal to ours on AVX2-only AMD and on AVX-512
+# Intel builds, 1-3 ulp apart on a Zen 4 build (8 of 57 elements). The lanes before the tail are the intrinsics'
+# and stay pinned bitwise by the even block counts above; the tail's one rounding is held to a few ulps.
+TAIL_ULPS = 4
+
+
+def assert_within_ulps(got, want, ulps, msg):
+    """Each f32 element within `ulps` units in the last place of ggml's (same sign, ordered as integers)."""
+    assert np.array_equal(np.signbit(got), np.signbit(want)), msg
+    gap = np.abs(got.view(np.int32).astype(np.int64) - want.view(np.int32).astype(np.int64))
+    assert gap.max() <= ulps, f"{msg}: {int((gap > 0).sum())} elements differ, worst by {int(gap.max())} ulps"
 
 
 @pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda q: q.name)

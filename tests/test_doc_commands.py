@@ -13,8 +13,11 @@ Conventions a line's comment may carry: "(exit N)" - the status it must end with
 A page that makes a fresh venv (`python3 -m venv .venv ...`) runs in a copy of the repository's files
 instead, with no venv until that line makes one.
 
-Pages holding a long command (training runs, benchmarks, a fresh venv) run whole in the `slow` suite; the
-default suite runs each page's lines up to its first long one, and the documented honcho command. Never run:
+Pages holding a long command (training runs, benchmarks, a fresh venv) run whole in the `slow` suite with
+their long training runs shortened (`shorten`: a `fucina pretrain` or `fucina launch lm` line runs a tenth of
+its --steps, at least 8; `launch lm` without --steps, and the Procfile's lm through CONFIG, 60 steps), and
+exactly as written in the `soak` suite (`pytest -m soak`); the default suite runs each page's lines up to its
+first long one, and the documented honcho command. Never run:
 llama-cli (an interactive program outside Fucina), and the README's test-suite command, which is .ci/run's
 first step verbatim (checked here).
 """
@@ -142,9 +145,31 @@ def _wait_for_run_json(cwd, since, proc, timeout=900):
         time.sleep(0.5)
 
 
-def run_block(workdir, lines, timeout=3600):
+SHORTEN = re.compile(r"fucina (pretrain|launch lm)\b")
+SHORT_LM_STEPS = 60
+
+
+def shorten(line):
+    """The line with its training run cut to a tenth (at least 8 steps; `launch lm` without --steps: 60); a
+    trailing comment is kept after the flags. Other lines are returned as they are."""
+    if not SHORTEN.search(line):
+        return line
+    code, sep, comment = line.partition(" # ")
+    m = re.search(r"--steps (\d+)", code)
+    if m:
+        code = f"{code[:m.start()]}--steps {max(8, int(m.group(1)) // 10)}{code[m.end():]}"
+    elif "launch lm" in code:
+        code = f"{code.rstrip()} --steps {SHORT_LM_STEPS}"
+    return code + sep + comment
+
+
+def run_block(workdir, lines, timeout=3600, short=False):
     fresh = any(line.startswith("python3 -m venv") for line in lines)
     env = _sandbox(workdir, fresh)
+    if short:  # the Procfile's scheduler reads its job fields from CONFIG (scripts/honcho_run.sh lm)
+        (workdir / "short-lm.toml").write_text(f"steps = {SHORT_LM_STEPS}\n")
+        env["CONFIG"] = str(workdir / "short-lm.toml")
+        lines = [shorten(line) for line in lines]
     _inputs(workdir, lines)
     outputs, i = {}, 0
     while i < len(lines):
@@ -191,11 +216,31 @@ def test_the_procfile_runs_under_honcho_as_documented(sandbox):
     assert (sandbox / "runs" / "p" / "summary.json").is_file()
 
 
+LONG_PAGES = [name for name, lines in PAGE_LINES.items() if any(LONG.search(c) for c in lines)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("page", [name for name, lines in PAGE_LINES.items() if any(LONG.search(c) for c in lines)])
-def test_documented_commands_all_of_them(page, sandbox):
+@pytest.mark.parametrize("page", LONG_PAGES)
+def test_documented_commands_all_of_them_shortened(page, sandbox):
+    _run_whole_page(page, sandbox, short=True)
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("page", LONG_PAGES)
+def test_documented_commands_all_of_them_as_written(page, sandbox):
+    _run_whole_page(page, sandbox, short=False)
+
+
+def test_shorten_cuts_training_runs_only():
+    assert shorten("fucina pretrain --preset d4 --steps 160 --x 1") == "fucina pretrain --preset d4 --steps 16 --x 1"
+    assert shorten("fucina launch lm   # ~3-5 min") == f"fucina launch lm --steps {SHORT_LM_STEPS} # ~3-5 min"
+    assert shorten("fucina launch lm --resume r --steps 600   # on") == "fucina launch lm --resume r --steps 60   # on"
+    assert shorten("fucina finetune --steps 30") == "fucina finetune --steps 30"
+
+
+def _run_whole_page(page, sandbox, short):
     lines = PAGE_LINES[page]
-    run_block(sandbox, lines)
+    run_block(sandbox, lines, short=short)
     if sum("launch lm" in line for line in lines) >= 2:  # "latest" had two runs to choose from, and chose the newest
         runs = sorted(p.name for p in (sandbox / "runs").glob("lm-2*") if not p.is_symlink())  # lm-<time>
         assert len(runs) >= 2 and os.readlink(sandbox / "runs" / "lm-latest") == runs[-1]

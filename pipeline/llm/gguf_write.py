@@ -32,7 +32,8 @@ from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT
 from gguf.gguf_writer import GGUFValue
 
 from kernels.quantize import quantize, to_bf16_bits, to_f16
-from pipeline.errors import UserError
+from pipeline.errors import GGUFError, UserError
+from pipeline.untrusted import brief
 
 from .quant_mix import MIXES, mix_types
 
@@ -240,8 +241,11 @@ def plan_tensor(t: GGUFTensor, target: QT, why: str = "converted") -> tuple[QT, 
 
 def _block_count(contents: GGUFContents) -> int:
     """The model's layer count: `<arch>.block_count`, else the number of distinct blk.N prefixes."""
-    value = contents.metadata.get(f"{contents.architecture}.block_count")
+    key = f"{contents.architecture}.block_count"
+    value = contents.metadata.get(key)
     if value is not None:
+        if isinstance(value.value, (bool, np.bool_)) or not isinstance(value.value, (int, np.integer)):
+            raise GGUFError(f"{contents.path}: metadata key '{key}' must be an integer, got {brief(value.value)}")
         return int(value.value)
     return len({t.name.split(".")[1] for t in contents.tensors if t.name.startswith("blk.")})
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import codecs
 import heapq
+from functools import cached_property
 
 from ..errors import GGUFError, UserError
 from ..untrusted import brief
@@ -179,6 +180,20 @@ class Tokenizer:
     @property
     def n_vocab(self) -> int:
         return len(self.tokens)
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for (its text's length: a byte-level token spells
+        each byte as one character, a SentencePiece one each space as one), so a text of more than
+        n * max_token_chars characters needs more than n tokens: checkable before tokenizing it."""
+        return max(1, max(map(len, self.tokens), default=1))
+
+    def check_fits(self, text: str, n_tokens: int, what: str = "the prompt"):
+        """UserError when `text` cannot encode to n_tokens or fewer (decided from its length alone)."""
+        if len(text) > n_tokens * self.max_token_chars:
+            raise UserError(f"{what} is {len(text):,} characters: more than the model's context of {n_tokens} "
+                            f"tokens can hold (at most {self.max_token_chars} characters per token); "
+                            "refused before tokenizing")
 
     @classmethod
     def from_gguf(cls, gg) -> "Tokenizer":

@@ -33,7 +33,7 @@ from functools import cached_property
 from pathlib import Path
 
 from ..errors import UserError
-from ..untrusted import brief
+from ..untrusted import brief, open_regular
 
 ROLES = ("system", "user", "assistant")
 
@@ -92,12 +92,14 @@ def _override(spec: str):
     if spec in CHAT_FORMATS:
         return CHAT_FORMATS[spec], f"--chat-template {spec}"
     path = Path(spec)
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"--chat-template {spec}: neither a format name ({', '.join(CHAT_FORMATS)}) nor a file")
-    if path.stat().st_size > MAX_TEMPLATE_FILE_BYTES:
+    with open_regular(path, UserError, "jinja chat template file", "--chat-template") as fh:
+        raw = fh.read(MAX_TEMPLATE_FILE_BYTES + 1)
+    if len(raw) > MAX_TEMPLATE_FILE_BYTES:
         raise UserError(f"--chat-template {spec}: larger than {MAX_TEMPLATE_FILE_BYTES} bytes; not a chat template")
     try:
-        return path.read_text(encoding="utf-8"), f"--chat-template {spec}"
+        return raw.decode("utf-8"), f"--chat-template {spec}"
     except UnicodeDecodeError as e:
         raise UserError(f"--chat-template {spec}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 

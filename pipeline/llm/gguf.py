@@ -27,7 +27,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import GGUFError
-from ..untrusted import brief
+from ..untrusted import brief, not_a_regular_file
 from .quants import SUPPORTED_NAMES, FrozenWeight, format_of
 
 GGUF_MAGIC = b"GGUF"
@@ -123,8 +123,9 @@ class GGUFFile:
 
     def __init__(self, path):
         self.path = Path(path)
-        if not self.path.is_file():
-            raise GGUFError(f"{self.path}: no such GGUF file")
+        problem = not_a_regular_file(self.path, "GGUF file")  # a FIFO or /dev/zero is named as one, not mapped
+        if problem:
+            raise GGUFError(problem.replace(": no such file", ": no such GGUF file"))
         try:  # numpy cannot map an empty file; an empty buffer fails the magic check like any short file
             empty = self.path.stat().st_size == 0
             self._map = np.zeros(0, np.uint8) if empty else np.memmap(self.path, dtype=np.uint8, mode="r")

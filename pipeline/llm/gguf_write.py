@@ -33,7 +33,7 @@ from gguf.gguf_writer import GGUFValue
 
 from kernels.quantize import quantize, to_bf16_bits, to_f16
 from pipeline.errors import GGUFError, UserError
-from pipeline.untrusted import brief
+from pipeline.untrusted import brief, not_a_regular_file
 
 from .quant_mix import MIXES, mix_types
 
@@ -111,8 +111,9 @@ def encode(values: np.ndarray, qtype: QT) -> np.ndarray:
 def read_gguf(path) -> GGUFContents:
     """Read a GGUF for re-emit; a file that cannot be re-emitted exactly raises UserError."""
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path}: no such GGUF file")
+    problem = not_a_regular_file(path, "GGUF file")
+    if problem:
+        raise UserError(problem.replace(": no such file", ": no such GGUF file"))
     try:
         reader = GGUFReader(path, "r")
     except Exception as e:  # gguf-py raises assorted errors on bad bytes

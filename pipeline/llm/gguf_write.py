@@ -19,6 +19,7 @@ rename): a failed export leaves nothing behind.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -184,7 +185,9 @@ class _ExactWriter(GGUFWriter):
 
 
 def write_gguf(path, metadata: dict, tensors: list[GGUFTensor], alignment: int = GGUF_DEFAULT_ALIGNMENT) -> Path:
-    """Write `metadata` (ordered key -> GGUFValue) and `tensors` to `path`, atomically."""
+    """Write `metadata` (ordered key -> GGUFValue) and `tensors` to `path`, atomically: into a temp file beside
+    it, renamed over `path` once complete. A write that fails (a full disk, a read-only directory, a file
+    size limit) removes the temp file and is one UserError naming `path`; `path` itself is never touched."""
     path = Path(path)
     names = [t.name for t in tensors]
     if len(set(names)) != len(names):
@@ -206,9 +209,14 @@ def write_gguf(path, metadata: dict, tensors: list[GGUFTensor], alignment: int =
             os.fsync(f.fileno())
         writer.close()
         os.replace(tmp, path)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
+    except BaseException as e:
+        with contextlib.suppress(OSError):  # closing flushes: on a full disk that fails again
+            writer.close()
+        with contextlib.suppress(OSError):  # on a read-only directory even a missing file's unlink fails
+            tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            why = e.strerror or f"{e}: a short write (a full disk or a file size limit?)"
+            raise UserError(f"{path}: cannot write the GGUF ({why}); nothing was written") from None
         raise
     return path
 

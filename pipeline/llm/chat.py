@@ -388,8 +388,9 @@ class ChatTemplate:
     def from_gguf(cls, gg, override: str | None = None) -> "ChatTemplate":
         """The GGUF's template; override (--chat-template NAME|FILE) replaces it; a file without one gets
         its family's turn format."""
+        from .gguf import metadata_of
         md = gg.metadata
-        tokens = md.get("tokenizer.ggml.tokens") or []
+        tokens = metadata_of(gg, "tokenizer.ggml.tokens", "strings") or []
 
         def text_of(key):
             i = md.get(key)

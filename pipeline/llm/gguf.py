@@ -245,5 +245,27 @@ class GGUFFile:
         return self.weight(name).dequantize().reshape(-1)
 
 
+_KINDS = {  # what metadata_of checks: a GGUF's values are typed by the file, so any type can arrive anywhere
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "strings": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "integers": lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
+    "numbers": lambda v: isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                     for x in v),
+}
+
+
+def metadata_of(gg, key: str, kind: str, default=None):
+    """Metadata `key` of an open GGUF (default when absent), which must be a `kind` ('string', 'integer',
+    'strings', 'integers', 'numbers' - a list of those): anything else is one GGUFError naming the key."""
+    if key not in gg.metadata:
+        return default
+    value = gg.metadata[key]
+    if not _KINDS[kind](value):
+        want = {"string": "a string", "integer": "an integer"}.get(kind, f"a list of {kind}")
+        raise GGUFError(f"{gg.path}: metadata key '{key}' must be {want}, got {brief(value)}")
+    return value
+
+
 def open_gguf(path) -> GGUFFile:
     return GGUFFile(path)

@@ -91,3 +91,22 @@ def test_a_hostile_block_count_in_the_file_is_one_cli_error(tmp_path, capsys):
     assert main(["generate", "--model", str(hostile), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'gemma3.block_count' is 2147483648" in err[0], err
+
+
+TOKENIZER_KEYS = ["tokens", "token_type", "merges", "scores", "bos_token_id", "eos_token_id", "eot_token_id",
+                  "padding_token_id", "model", "pre"]
+
+
+@pytest.mark.parametrize("key", TOKENIZER_KEYS)
+@pytest.mark.parametrize("value", [0, 2**40, 1.5, "x", [1, 2], ["a", 3], True, [[1]]], ids=repr)
+def test_any_value_of_a_tokenizer_key_is_a_tokenizer_or_one_user_error(base, key, value):
+    """Found by the round-two audit: a u32 `tokens`, a scalar `token_type` or `scores`, a list `model` were
+    TypeErrors; an out-of-range special id reached the embedding lookup."""
+    from pipeline.llm.chat import ChatTemplate
+    hostile = _with(base, f"tokenizer.ggml.{key}", value)
+    for build in (lambda: Tokenizer.from_gguf(hostile).encode("hi <start_of_turn> there"),
+                  lambda: ChatTemplate.from_gguf(hostile).render([{"role": "user", "content": "hi"}])):
+        try:
+            build()
+        except UserError as e:
+            assert str(FIXTURE) in str(e)

@@ -343,33 +343,73 @@ def _environment():
     return env
 
 
-def _with_deadline(render, seconds: float):
-    """render() in this thread, interrupted by _RenderTimeout once `seconds` have passed.
+class _Watchdog:
+    """One daemon thread for every rendering of the process: it raises _RenderTimeout inside a rendering
+    thread whose deadline has passed (a Timer thread per rendering cost ~0.5 ms, 5x a typical rendering).
 
     Trade-off: CPython's PyThreadState_SetAsyncExc instead of a trace function or a subprocess: a trace
     hook would slow every template 10x and a subprocess per rendering costs milliseconds; the async
     exception lands at the template's next bytecode, and a lone C call is bounded by the size checks."""
-    import ctypes
-    import threading
-    tid, lock, state = threading.get_ident(), threading.Lock(), {"done": False, "fired": False}
 
-    def fire():
-        with lock:
-            if not state["done"]:
-                state["fired"] = True
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(_RenderTimeout))
+    def __init__(self):
+        import threading
+        self._cond = threading.Condition()
+        self._due = {}            # token -> [deadline, thread id, fired]
+        self._tokens = iter(range(1 << 62))
+        self._thread = None
+        self._wake_at = None      # when the thread's current wait ends (None: it waits for a notify)
 
-    timer = threading.Timer(seconds, fire)
-    timer.daemon = True
-    timer.start()
+    @staticmethod
+    def _raise_in(tid, exc):
+        import ctypes
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(exc) if exc else None)
+
+    def arm(self, seconds: float) -> int:
+        import threading
+        import time
+        with self._cond:
+            if self._thread is None or not self._thread.is_alive():  # first use, or a forked child
+                self._thread = threading.Thread(target=self._run, name="fucina-render-watchdog", daemon=True)
+                self._thread.start()
+            token, deadline = next(self._tokens), time.monotonic() + seconds
+            self._due[token] = [deadline, threading.get_ident(), False]
+            if self._wake_at is None or deadline < self._wake_at:
+                self._cond.notify()
+        return token
+
+    def disarm(self, token: int):
+        with self._cond:
+            entry = self._due.pop(token, None)
+        if entry is not None and entry[2]:  # fired but perhaps not yet delivered: cleared, it cannot land later
+            self._raise_in(entry[1], None)
+
+    def _run(self):
+        import time
+        with self._cond:
+            while True:
+                now, wake = time.monotonic(), None
+                for entry in self._due.values():
+                    if entry[2]:
+                        continue
+                    if entry[0] <= now:
+                        entry[2] = True
+                        self._raise_in(entry[1], _RenderTimeout)
+                    else:
+                        wake = entry[0] if wake is None else min(wake, entry[0])
+                self._wake_at = wake
+                self._cond.wait(None if wake is None else wake - now)
+
+
+_WATCHDOG = _Watchdog()
+
+
+def _with_deadline(render, seconds: float):
+    """render() in this thread, interrupted by _RenderTimeout once `seconds` have passed."""
+    token = _WATCHDOG.arm(seconds)
     try:
         return render()
     finally:
-        with lock:
-            state["done"] = True
-        timer.cancel()
-        if state["fired"]:  # fired but not yet delivered: cleared, so it cannot land after the rendering
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), None)
+        _WATCHDOG.disarm(token)
 
 
 class ChatTemplate:

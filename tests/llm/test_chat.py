@@ -142,3 +142,27 @@ def test_the_context_bound_is_checked_before_tokenizing(tmp_path, monkeypatch):
         model.encode_chat([{"role": "user", "content": "x" * 1000}])
     with pytest.raises(UserError, match="refused before tokenizing"):
         model.encode_prompt("y" * (n_ctx * tok.max_token_chars + 1))
+
+
+def test_the_watchdog_interrupts_only_the_late_rendering():
+    """The timeout lands in the thread whose rendering is late, never in another one nor after it returned."""
+    import threading
+    import time
+    slow = ChatTemplate(HOSTILE_TEMPLATES["nested range loops"], source="slow.jinja")
+    slow.render_seconds = 0.3
+    ok = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    seen = []
+
+    def steady():
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            seen.append(ok.render(MSGS))
+
+    other = threading.Thread(target=steady)
+    other.start()
+    for _ in range(2):
+        with pytest.raises(UserError, match="within 0.3 s"):
+            slow.render(MSGS)
+    other.join()
+    time.sleep(0.4)  # past any deadline that could still be pending
+    assert seen and set(seen) == {"You are terse.Capital of France?"}

@@ -63,6 +63,10 @@ def main(argv=None) -> int:
     except FucinaError as e:
         print(f"fucina {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the machine said no (a full disk, a read-only run dir): one line naming the file
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"fucina {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"fucina {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -12,11 +12,19 @@ Trade-off: a pre-scan plus the standard decoder instead of an iterative parser
 of our own: one more pass over the text, but the decoder stays the standard
 library's. Duplicate object keys are refused too (json keeps the last one
 silently, which would hide a tensor or a field).
+
+Input paths: every file a flag names must be a regular file. A FIFO would block
+the open (or feed bytes forever), /dev/zero never ends, a directory is not a
+file: `not_a_regular_file` says which it is, and `open_regular` opens without
+blocking and checks the opened descriptor (so a path swapped after the check is
+caught too).
 """
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 
 import numpy as np
 
@@ -69,3 +77,49 @@ def brief(value, limit: int = 60) -> str:
     """repr(value), cut to `limit` characters: a hostile value must not flood the error message."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _refusal(path, mode: int, what: str) -> str:
+    if stat.S_ISDIR(mode):
+        return f"{path} is a directory, not a {what}"
+    kind = next((name for test, name in _KINDS if test(mode)), "a special file")
+    return f"{path} is {kind}, not a regular file (expected a {what})"
+
+
+def not_a_regular_file(path, what: str = "file") -> str | None:
+    """Why `path` cannot be read as a `what` (missing, a directory, a FIFO, a device, unreadable), or None.
+
+    The message starts with the path: '{path}: no such file', '{path} is a directory, not a GGUF file',
+    '{path} is a FIFO (named pipe), not a regular file (expected a GGUF file)'."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return f"{path}: no such file"
+    except OSError as e:
+        return f"{path}: cannot read ({e.strerror or e})"
+    return None if stat.S_ISREG(mode) else _refusal(path, mode, what)
+
+
+def open_regular(path, error: type[Exception], what: str = "file", flag: str = ""):
+    """The regular file `path` opened for binary reading; anything else is error('[flag ]{path} ...').
+
+    O_NONBLOCK keeps a FIFO from blocking the open; fstat of the opened descriptor is what is checked."""
+    prefix = f"{flag} " if flag else ""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        problem = not_a_regular_file(path, what)
+        raise error(prefix + (problem or f"{path}: cannot read ({e.strerror or e})")) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise error(prefix + _refusal(path, mode, what))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise

@@ -44,12 +44,10 @@ class InputFile:
         return path
 
     def check(self, flag, path):
-        if os.path.isdir(path):
-            raise UserError(f"{flag} {path} is a directory, not a {self.what}")
-        if not os.path.exists(path):
-            raise UserError(f"{flag} {path}: no such file")
-        if not os.path.isfile(path):
-            raise UserError(f"{flag} {path} is not a regular file (expected a {self.what})")
+        from ..untrusted import not_a_regular_file
+        problem = not_a_regular_file(path, self.what)  # missing, a directory, a FIFO, a device: which one
+        if problem:
+            raise UserError(f"{flag} {problem}")
 
 
 def check_input_files(parser, args):
@@ -58,6 +56,50 @@ def check_input_files(parser, args):
         path = getattr(args, action.dest, None)
         if isinstance(action.type, InputFile) and path is not None:
             action.type.check(action.option_strings[0], path)
+
+
+def check_corpus_files(data: str, flag: str = "--data"):
+    """Every file of a --data corpus list (pretrain, tokenizer train) is a regular file and every text file
+    streams cleanly (pipeline.llm.data.read_text: no line over its cap, UTF-8), checked before the corpus is
+    read: a FIFO would block its reading, /dev/zero never end, and a 2 GB one-line file was read whole (4 GB)
+    before anything refused it. JSONL files are streamed by their own reader (read_jsonl)."""
+    from ..jobs.pretrain_data import _expand
+    from ..llm.data import read_text
+    from ..untrusted import not_a_regular_file
+    for entry in (e.strip() for e in data.split(",")):
+        if not entry:
+            continue
+        if os.path.lexists(entry) and not os.path.isdir(entry):
+            problem = not_a_regular_file(entry, "text or JSONL file")
+            if problem:
+                raise UserError(f"{flag} {problem}")
+        for path in _expand(entry):
+            problem = not_a_regular_file(path, "text or JSONL file")
+            if problem:
+                raise UserError(f"{flag} {problem}")
+            if not path.endswith(".jsonl"):
+                read_text(path, keep=False)
+
+
+# the job fields that name one input file (pretrain's `data` is a corpus list: check_corpus_files)
+JOB_INPUT_FILES = {"model": "GGUF file", "tokenizer": "tokenizer.json"}
+
+
+def check_job_inputs(spec):
+    """The input files a job spec names (--model, --data, --tokenizer), checked as InputFile flags are: a
+    FIFO, a device or a directory is named as such before the job opens it (or starts its workers)."""
+    from ..untrusted import not_a_regular_file
+    fields = dict(JOB_INPUT_FILES, data="JSONL file")
+    for name, what in fields.items():
+        path = getattr(spec, name, "")
+        if not path:
+            continue
+        if name == "data" and hasattr(spec, "text_field"):  # a corpus: files, directories, globs
+            check_corpus_files(path)
+            continue
+        problem = not_a_regular_file(path, what)
+        if problem:
+            raise UserError(f"--{name} {problem}")
 
 
 def add_threads_flag(parser, default=1, what="this process", also="", many=False):

@@ -8,7 +8,7 @@ import sys
 from ..errors import UserError
 from ..jobs import ES_JOBS, JOBS, get_job
 from ..jobs.spec import add_flags, from_args, to_dict
-from ._args import add_threads_flag, default_run_dir
+from ._args import add_threads_flag, check_job_inputs, default_run_dir
 
 NAME = "launch"
 HELP = "run a built-in job (spirals, lm, finetune, es-spirals, ...) as a multiprocess pipeline of workers"
@@ -105,6 +105,7 @@ def _run_dir(args):
 def run(args) -> int:
     job_cls = get_job(args.job)
     spec = from_args(job_cls.Spec, args)
+    check_job_inputs(spec)  # before any worker starts: one line naming the flag, not the scheduler's exit
     es = args.job in ES_JOBS
     if args.trainers < 1:
         raise UserError(f"--{'members' if es else 'trainers'} must be >= 1, got {args.trainers}")

@@ -30,8 +30,11 @@ def add_arguments(parser):
 def run(args) -> int:
     from ..jobs import get_job
     from ..jobs.spec import from_args
+    from ._args import check_job_inputs
     job_cls = get_job("pretrain")
-    job = job_cls(from_args(job_cls.Spec, args))  # a bad --data fails here; workers then find the caches warm
+    spec = from_args(job_cls.Spec, args)
+    check_job_inputs(spec)  # FIFOs, devices and over-long lines refused before the corpus is read
+    job = job_cls(spec)  # a bad --data fails here; workers then find the caches warm
     if not (args.json or args.quiet):
         c = job.corpus
         print(f"fucina pretrain: corpus {c.digest} ({c.source}): {len(c.train_docs)} training / "

@@ -30,8 +30,10 @@ def add_arguments(parser):
 def run(args) -> int:
     from ..jobs.pretrain_data import load_corpus
     from ..llm import bpe_train
+    from ._args import check_corpus_files
     if os.path.isdir(args.out):
         raise UserError(f"--out {args.out} is a directory, not a file")
+    check_corpus_files(args.data)  # FIFOs, devices and over-long lines refused before the corpus is read
     corpus = load_corpus(args.data, args.text_field, args.val_share)
     tok = bpe_train.train_bpe(corpus.train_docs, args.vocab_size, args.pre)
     bpe_train.save_tokenizer(tok, args.out)

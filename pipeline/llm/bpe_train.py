@@ -18,6 +18,7 @@ import os
 import gguf
 
 from ..errors import UserError
+from ..untrusted import open_regular
 from .pretokenize import REFERENCE_REGEXES
 
 SPECIAL_TOKENS = [("<|endoftext|>", gguf.TokenType.CONTROL), ("<|im_start|>", gguf.TokenType.CONTROL),
@@ -26,6 +27,7 @@ SPECIAL_TOKENS = [("<|endoftext|>", gguf.TokenType.CONTROL), ("<|im_start|>", gg
 END_OF_TEXT = "<|endoftext|>"
 PRE_TOKENIZERS = ("qwen2", "llama-bpe")  # single-regex splits llama.cpp runs by name
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
+MAX_TOKENIZER_BYTES = 256 << 20  # a 262K-token vocabulary's tokenizer.json is ~35 MB
 
 
 def _hf_pre_tokenizer(pre: str):
@@ -77,12 +79,14 @@ def pre_tokenizer_name(data: dict):
 def load_tokenizer(path):
     """-> (Hugging Face Tokenizer, pre name, sha256 of the file) of a tokenizer.json written by save_tokenizer."""
     from tokenizers import Tokenizer
+    if not os.path.exists(path):
+        raise UserError(f"{path}: no such tokenizer file")
+    with open_regular(path, UserError, "tokenizer.json") as fh:  # a FIFO would block, /dev/zero never end
+        raw = fh.read(MAX_TOKENIZER_BYTES + 1)
+    if len(raw) > MAX_TOKENIZER_BYTES:
+        raise UserError(f"{path}: over {MAX_TOKENIZER_BYTES} bytes; not a tokenizer.json")
     try:
-        with open(path, "rb") as fh:
-            raw = fh.read()
         data = json.loads(raw)
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such tokenizer file") from None
     except (UnicodeDecodeError, ValueError) as e:
         raise UserError(f"{path}: not a tokenizer.json ({e})") from None
     pre = pre_tokenizer_name(data) if isinstance(data, dict) else None

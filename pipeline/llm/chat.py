@@ -33,6 +33,7 @@ from functools import cached_property
 from pathlib import Path
 
 from ..errors import UserError
+from ..untrusted import brief, open_regular
 
 ROLES = ("system", "user", "assistant")
 
@@ -91,12 +92,14 @@ def _override(spec: str):
     if spec in CHAT_FORMATS:
         return CHAT_FORMATS[spec], f"--chat-template {spec}"
     path = Path(spec)
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"--chat-template {spec}: neither a format name ({', '.join(CHAT_FORMATS)}) nor a file")
-    if path.stat().st_size > MAX_TEMPLATE_FILE_BYTES:
+    with open_regular(path, UserError, "jinja chat template file", "--chat-template") as fh:
+        raw = fh.read(MAX_TEMPLATE_FILE_BYTES + 1)
+    if len(raw) > MAX_TEMPLATE_FILE_BYTES:
         raise UserError(f"--chat-template {spec}: larger than {MAX_TEMPLATE_FILE_BYTES} bytes; not a chat template")
     try:
-        return path.read_text(encoding="utf-8"), f"--chat-template {spec}"
+        return raw.decode("utf-8"), f"--chat-template {spec}"
     except UnicodeDecodeError as e:
         raise UserError(f"--chat-template {spec}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
@@ -150,8 +153,91 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+# --- the render budget ----------------------------------------------------------------------------------
+# The sandbox keeps a template away from Python's internals, not from the CPU or memory: nested
+# range(100000) loops never end, `content * 10**6` builds gigabytes. So a rendering has a budget: a time
+# (RENDER_SECONDS, enforced by a watchdog thread that raises inside the rendering thread) and a size
+# (the caller's max_chars, at most MAX_RENDER_CHARS) that the output and every string or list the template
+# builds on the way must stay under. Operations that multiply sizes (`*`, `**`, `%`, widths, replace, join,
+# indent, ...) are checked BEFORE they run, so none allocates past the budget; every other result is checked
+# after (an operation that at most doubles its input then holds at most twice the budget).
+RENDER_SECONDS = 5.0           # a real template renders in milliseconds
+MAX_RENDER_CHARS = 1 << 26     # the most any rendering may produce, whatever context the model claims
+MAX_INT_BITS = 1 << 16         # integer arithmetic results (`**`, `*`): far past any template's need
+MAX_JSON_INDENT = 64
+
+
+class _OverBudget(Exception):
+    """A template operation would pass the size budget (the message says which)."""
+
+
+class _RenderTimeout(BaseException):
+    """Raised inside the rendering thread by the watchdog (a BaseException: no template-level handler
+    catches it)."""
+
+
+def _size(x) -> int:
+    return len(x) if isinstance(x, (str, bytes, list, tuple, dict)) else 0
+
+
+def _ints_in(text: str) -> int:
+    """The sum of the integers written in a format string: a bound on the widths it asks for."""
+    import re
+    return sum(int(d) for d in re.findall(r"\d+", text)) if isinstance(text, str) else 0
+
+
+def _width(w) -> int:
+    return w if isinstance(w, int) else _size(w)
+
+
+def _method_estimate(name, s, args, kwargs):
+    """An upper estimate of the size of str method `name`'s result on `s`, or None when it is not larger
+    than what exists already (checked after the call)."""
+    if name in ("ljust", "rjust", "center", "zfill") and args:
+        return max(len(s), _width(args[0]))
+    if name == "expandtabs":
+        return len(s) + s.count("\t") * _width(args[0] if args else kwargs.get("tabsize", 8))
+    if name == "replace" and len(args) >= 2 and isinstance(args[0], str):
+        old, new = args[0], args[1]
+        return len(s) + (s.count(old) if old else len(s) + 1) * _size(new)
+    if name == "join" and args and hasattr(args[0], "__len__"):
+        return sum(_size(x) for x in args[0]) + len(s) * len(args[0])
+    if name in ("format", "format_map"):  # widths are written in s or passed as arguments ({:{}})
+        values = [*args, *kwargs.values(), *(args[0].values() if name == "format_map" and args
+                                              and isinstance(args[0], dict) else ())]
+        return len(s) + _ints_in(s) + sum(_size(x) + (x if isinstance(x, int) else 0) for x in values)
+    return None
+
+
+def _filter_estimate(name, args, kwargs):
+    """As _method_estimate, for the filters that can build more than their input."""
+    value = args[0] if args else None
+    rest = args[1:]
+    if name == "center":
+        return max(_size(value), _width(rest[0] if rest else kwargs.get("width", 80)))
+    if name == "indent" and isinstance(value, str):
+        width = rest[0] if rest else kwargs.get("width", 4)
+        return len(value) + (value.count("\n") + 1) * _width(width)
+    if name == "replace" and len(rest) >= 2 and isinstance(value, str) and isinstance(rest[0], str):
+        old = rest[0]
+        return len(value) + (value.count(old) if old else len(value) + 1) * _size(rest[1])
+    if name == "join" and hasattr(value, "__len__"):
+        sep = rest[0] if rest else kwargs.get("d", "")
+        return sum(_size(x) for x in value) + _size(sep) * len(value)
+    if name == "format" and isinstance(value, str):
+        return len(value) + _ints_in(value) + sum(_size(x) + (x if isinstance(x, int) else 0) for x in rest)
+    if name == "tojson":
+        indent = rest[1] if len(rest) > 1 else kwargs.get("indent")
+        if _width(indent or 0) > MAX_JSON_INDENT:
+            raise _OverBudget(f"tojson indent {brief(indent)} is over {MAX_JSON_INDENT}")
+    if name == "wordwrap" and isinstance(value, str):
+        return 2 * len(value)
+    return None
+
+
 def _environment():
     import jinja2.ext
+    from jinja2.compiler import CodeGenerator
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class PassGenerationTags(jinja2.ext.Extension):
@@ -162,10 +248,168 @@ def _environment():
             parser.stream.skip(1)
             return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[PassGenerationTags, jinja2.ext.loopcontrols])
+    class BudgetedConcat(CodeGenerator):
+        """`a ~ b` goes through the environment's size check (jinja joins the parts directly)."""
+
+        def visit_Concat(self, node, frame):
+            self.write("environment.budgeted_concat((")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
+
+    class BudgetedSandbox(ImmutableSandboxedEnvironment):
+        """The sandbox with every operation that can build a large value checked against the budget."""
+        intercepted_binops = frozenset({"*", "**", "%", "+"})
+        code_generator_class = BudgetedConcat
+
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            import threading
+            self.budget = threading.local()  # .max_chars of the rendering in this thread
+
+        def limit(self) -> int:
+            return getattr(self.budget, "max_chars", MAX_RENDER_CHARS)
+
+        def checked(self, what, estimate):
+            if estimate is not None and estimate > self.limit():
+                raise _OverBudget(f"{what} would build {estimate:,} characters or items, over the budget of "
+                                  f"{self.limit():,}")
+
+        def result(self, what, value):
+            self.checked(what, _size(value))
+            return value
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "*":
+                seq, n = (left, right) if isinstance(right, int) else (right, left)
+                if isinstance(seq, (str, bytes, list, tuple)) and isinstance(n, int):
+                    self.checked("'*'", len(seq) * n)
+                elif isinstance(left, int) and isinstance(right, int) and \
+                        left.bit_length() + right.bit_length() > MAX_INT_BITS:
+                    raise _OverBudget(f"'*' of integers of over {MAX_INT_BITS} bits")
+            elif operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 \
+                    and right > 0 and left.bit_length() * right > MAX_INT_BITS:
+                raise _OverBudget(f"'**' would build an integer of over {MAX_INT_BITS} bits")
+            elif operator == "%" and isinstance(left, str):
+                args = right if isinstance(right, tuple) else (right,)
+                self.checked("'%'", len(left) + _ints_in(left)
+                             + sum(_size(x) + (x if isinstance(x, int) else 0) for x in args))
+            elif operator == "+":
+                self.checked("'+'", _size(left) + _size(right))
+            return self.result(f"'{operator}'", super().call_binop(context, operator, left, right))
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's own signature
+            owner = getattr(__obj, "__self__", None)
+            name = getattr(__obj, "__name__", "a call")
+            if isinstance(owner, str):
+                __self.checked(f"str.{name}", _method_estimate(name, owner, args, kwargs))
+            elif name == "generate_lorem_ipsum":
+                n, most = (args + (5, True, 20, 100))[0], kwargs.get("max", 100)
+                __self.checked("lipsum", _width(n) * _width(most) * 16)
+            return __self.result(name, super().call(__context, __obj, *args, **kwargs))
+
+        def wrap_str_format(self, value):
+            wrapper = super().wrap_str_format(value)  # str.format / format_map, sandboxed by jinja
+            if wrapper is None:
+                return None
+            owner, name = value.__self__, value.__name__
+
+            def checked(*args, **kwargs):
+                self.checked(f"str.{name}", _method_estimate(name, owner, args, kwargs))
+                return self.result(f"str.{name}", wrapper(*args, **kwargs))
+            return checked
+
+        def budgeted_concat(self, parts):
+            parts = [str(p) for p in parts]
+            self.checked("'~'", sum(map(len, parts)))
+            return "".join(parts)
+
+    env = BudgetedSandbox(trim_blocks=True, lstrip_blocks=True,
+                          extensions=[PassGenerationTags, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
+
+    def budgeted(name, fn):
+        import functools
+        skip = 1 if getattr(fn, "jinja_pass_arg", None) is not None else 0  # a context/environment first
+
+        @functools.wraps(fn)  # keeps jinja_pass_arg
+        def filter_(*args, **kwargs):
+            env.checked(f"filter {name}", _filter_estimate(name, args[skip:], kwargs))
+            return env.result(f"filter {name}", fn(*args, **kwargs))
+        return filter_
+
+    env.filters = {name: budgeted(name, fn) for name, fn in env.filters.items()}
     return env
+
+
+class _Watchdog:
+    """One daemon thread for every rendering of the process: it raises _RenderTimeout inside a rendering
+    thread whose deadline has passed (a Timer thread per rendering cost ~0.5 ms, 5x a typical rendering).
+
+    Trade-off: CPython's PyThreadState_SetAsyncExc instead of a trace function or a subprocess: a trace
+    hook would slow every template 10x and a subprocess per rendering costs milliseconds; the async
+    exception lands at the template's next bytecode, and a lone C call is bounded by the size checks."""
+
+    def __init__(self):
+        import threading
+        self._cond = threading.Condition()
+        self._due = {}            # token -> [deadline, thread id, fired]
+        self._tokens = iter(range(1 << 62))
+        self._thread = None
+        self._wake_at = None      # when the thread's current wait ends (None: it waits for a notify)
+
+    @staticmethod
+    def _raise_in(tid, exc):
+        import ctypes
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(exc) if exc else None)
+
+    def arm(self, seconds: float) -> int:
+        import threading
+        import time
+        with self._cond:
+            if self._thread is None or not self._thread.is_alive():  # first use, or a forked child
+                self._thread = threading.Thread(target=self._run, name="fucina-render-watchdog", daemon=True)
+                self._thread.start()
+            token, deadline = next(self._tokens), time.monotonic() + seconds
+            self._due[token] = [deadline, threading.get_ident(), False]
+            if self._wake_at is None or deadline < self._wake_at:
+                self._cond.notify()
+        return token
+
+    def disarm(self, token: int):
+        with self._cond:
+            entry = self._due.pop(token, None)
+        if entry is not None and entry[2]:  # fired but perhaps not yet delivered: cleared, it cannot land later
+            self._raise_in(entry[1], None)
+
+    def _run(self):
+        import time
+        with self._cond:
+            while True:
+                now, wake = time.monotonic(), None
+                for entry in self._due.values():
+                    if entry[2]:
+                        continue
+                    if entry[0] <= now:
+                        entry[2] = True
+                        self._raise_in(entry[1], _RenderTimeout)
+                    else:
+                        wake = entry[0] if wake is None else min(wake, entry[0])
+                self._wake_at = wake
+                self._cond.wait(None if wake is None else wake - now)
+
+
+_WATCHDOG = _Watchdog()
+
+
+def _with_deadline(render, seconds: float):
+    """render() in this thread, interrupted by _RenderTimeout once `seconds` have passed."""
+    token = _WATCHDOG.arm(seconds)
+    try:
+        return render()
+    finally:
+        _WATCHDOG.disarm(token)
 
 
 class ChatTemplate:
@@ -178,13 +422,15 @@ class ChatTemplate:
         self.stop_ids = frozenset(stop_ids)      # generation stops on these ids (llama.cpp's EOG set)
         self.stop_texts = frozenset(stop_texts)  # their texts: an assistant turn ends at the first one
         self._compiled = None
+        self.render_seconds = RENDER_SECONDS
 
     @classmethod
     def from_gguf(cls, gg, override: str | None = None) -> "ChatTemplate":
         """The GGUF's template; override (--chat-template NAME|FILE) replaces it; a file without one gets
         its family's turn format."""
+        from .gguf import metadata_of
         md = gg.metadata
-        tokens = md.get("tokenizer.ggml.tokens") or []
+        tokens = metadata_of(gg, "tokenizer.ggml.tokens", "strings") or []
 
         def text_of(key):
             i = md.get(key)
@@ -223,26 +469,57 @@ class ChatTemplate:
         self._template()  # a template that does not parse is a named UserError here
         return "enable_thinking" in meta.find_undeclared_variables(_environment().parse(self.jinja_source))
 
-    def render(self, messages, *, add_generation_prompt: bool = True, enable_thinking: bool | None = None) -> str:
-        """The conversation as text; enable_thinking None leaves the template's default (llama.cpp's)."""
+    def render(self, messages, *, add_generation_prompt: bool = True, enable_thinking: bool | None = None,
+               max_chars: int | None = None, limit_reason: str = "") -> str:
+        """The conversation as text; enable_thinking None leaves the template's default (llama.cpp's).
+
+        The rendering runs under the budget above: at most render_seconds, at most max_chars characters
+        (MAX_RENDER_CHARS when None or larger; limit_reason says where a caller's limit comes from)."""
         check_messages(messages)
         if enable_thinking is not None and not self.has_thinking_switch:
             raise UserError(f"{self.source}: this chat template has no thinking switch (enable_thinking); "
                             "drop --think/--no-think")
         if not self.jinja_source:
-            return render_chatml(messages, add_generation_prompt=add_generation_prompt)
+            text = render_chatml(messages, add_generation_prompt=add_generation_prompt)
+            limit = min(MAX_RENDER_CHARS, max_chars if max_chars is not None else MAX_RENDER_CHARS)
+            if len(text) > limit:
+                raise UserError(f"{self.source}: the conversation renders to {len(text):,} characters, over "
+                                f"{limit:,}" + (f" ({limit_reason})" if limit_reason else ""))
+            return text
 
         def raise_exception(msg):
             raise UserError(f"{self.source}: the template refused the conversation: {msg}")
 
         extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        template = self._template()
+        limit = min(MAX_RENDER_CHARS, max_chars if max_chars is not None else MAX_RENDER_CHARS)
+
+        def render():
+            out, n = [], 0
+            for chunk in template.generate(
+                    messages=messages, bos_token=self.bos_token, eos_token=self.eos_token,
+                    add_generation_prompt=add_generation_prompt, raise_exception=raise_exception,
+                    functions=None, function_call=None, tools=None, tool_choice=None,
+                    strftime_now=lambda fmt: datetime.now().strftime(fmt), **extra):
+                n += len(chunk)
+                if n > limit:
+                    raise _OverBudget(f"the rendering is over {limit:,} characters{why}")
+                out.append(chunk)
+            return "".join(out)
+
+        why = f" ({limit_reason})" if limit_reason and limit < MAX_RENDER_CHARS else ""
+        env = template.environment
+        env.budget.max_chars = limit
         try:
-            return self._template().render(
-                messages=messages, bos_token=self.bos_token, eos_token=self.eos_token,
-                add_generation_prompt=add_generation_prompt, raise_exception=raise_exception,
-                functions=None, function_call=None, tools=None, tool_choice=None,
-                strftime_now=lambda fmt: datetime.now().strftime(fmt), **extra)
+            return _with_deadline(render, self.render_seconds)
         except UserError:
             raise
+        except _RenderTimeout:
+            raise UserError(f"{self.source}: the jinja chat template did not finish rendering within "
+                            f"{self.render_seconds:g} s; refused") from None
+        except _OverBudget as e:
+            raise UserError(f"{self.source}: the jinja chat template is refused: {e}") from None
         except Exception as e:  # the template is data from the file: whatever it trips on is the file's fault
             raise UserError(f"{self.source}: cannot render the jinja chat template ({type(e).__name__}: {e})") from None
+        finally:
+            env.budget.max_chars = MAX_RENDER_CHARS

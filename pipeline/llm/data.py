@@ -40,6 +40,7 @@ import numpy as np
 
 from kernels.rng import SplitMix64, at_values
 from pipeline.errors import UserError
+from pipeline.untrusted import open_regular
 
 IGNORE_INDEX = -100  # torch's convention; the trainer's cross-entropy masks it
 MAX_RECORD_BYTES = 1 << 20  # default per-line limit: a sample is at most seq_max tokens anyway
@@ -200,10 +201,7 @@ def read_jsonl(path, max_record_bytes=MAX_RECORD_BYTES):
     path = os.fspath(path)
     if max_record_bytes < 1:
         raise UserError(f"--max-record-bytes must be at least 1, got {max_record_bytes}")
-    try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise UserError(f"{path}: cannot read the dataset ({e.strerror or e})") from None
+    f = open_regular(path, UserError, "JSONL file")  # a FIFO would block the open, /dev/zero never end
     with f:
         lineno = 0
         while True:
@@ -239,6 +237,55 @@ def read_jsonl(path, max_record_bytes=MAX_RECORD_BYTES):
             if _json_depth(obj) > MAX_JSON_DEPTH:
                 raise UserError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
             yield where, obj
+
+
+MAX_LINE_BYTES = 64 << 20  # a text document's longest line: 64 MiB (a pretraining JSONL record's cap too)
+READ_CHUNK = 1 << 20
+
+
+def read_text(path, max_line_bytes=MAX_LINE_BYTES, keep=True):
+    """The UTF-8 text of the regular file `path` (keep=False: only checked, None returned), streamed in chunks.
+
+    A line over max_line_bytes is refused at `path:line` once that many bytes of it are read (a 2 GB line is
+    never read whole), bytes that are not UTF-8 at `path:line` with their file offset; a FIFO, a device or a
+    directory is refused before anything is read (pipeline.untrusted.open_regular)."""
+    path = os.fspath(path)
+    chunk_size = min(READ_CHUNK, max_line_bytes + 1)  # a line inside one chunk is then at most the cap
+    parts, carry, lineno, line_bytes, offset = [], b"", 1, 0, 0
+    with open_regular(path, UserError, "text file") as f:
+        while True:
+            try:
+                chunk = f.read(chunk_size)
+            except OSError as e:
+                raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
+            newlines = chunk.count(b"\n")
+            if newlines:
+                line_bytes += chunk.index(b"\n")
+            else:
+                line_bytes += len(chunk)
+            if line_bytes > max_line_bytes:
+                raise UserError(f"{path}:{lineno}: a line of over {max_line_bytes} bytes; refused before reading "
+                                "it whole (not a text document)")
+            if newlines:
+                line_bytes = len(chunk) - chunk.rindex(b"\n") - 1
+            raw = carry + chunk
+            try:
+                text = raw.decode("utf-8")
+                carry = b""
+            except UnicodeDecodeError as e:
+                if chunk and e.reason == "unexpected end of data" and e.end == len(raw):
+                    text, carry = raw[:e.start].decode("utf-8"), raw[e.start:]  # a character split by the chunk
+                else:
+                    bad = offset - len(carry) + e.start
+                    line = lineno + raw[:e.start].count(b"\n")
+                    raise UserError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {bad})"
+                                    ) from None
+            if keep:
+                parts.append(text)
+            if not chunk:
+                return "".join(parts) if keep else None
+            offset += len(chunk)
+            lineno += newlines
 
 
 def load_jsonl(path, instruction_key="instruction", response_key="response", format="auto",

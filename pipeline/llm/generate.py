@@ -139,8 +139,12 @@ class LoadedModel:
     def encode_chat(self, messages, enable_thinking: bool | None = None):
         """A conversation's prompt ids as llama.cpp's chat completion builds them: rendered with the
         generation prompt, special tokens parsed, no BOS added (the template writes its own)."""
-        text = self.template.render(messages, enable_thinking=enable_thinking)
-        return self.require_tokenizer().encode(text, special=True, add_bos=False)
+        tok, n_ctx = self.require_tokenizer(), self.model.config.context_length
+        # bounded before tokenizing: the rendering stops past what the context can hold at all
+        text = self.template.render(messages, enable_thinking=enable_thinking, max_chars=n_ctx * tok.max_token_chars,
+                                    limit_reason=f"the model's context of {n_ctx} tokens, at most "
+                                                 f"{tok.max_token_chars} characters each")
+        return tok.encode(text, special=True, add_bos=False)
 
     def encode_prompt(self, text: str, chat: bool = False, system: str | None = None,
                       enable_thinking: bool | None = None):
@@ -150,7 +154,9 @@ class LoadedModel:
             msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
             ids = self.encode_chat(msgs, enable_thinking)
         else:
-            ids = self.require_tokenizer().encode(text, special=False)
+            tok = self.require_tokenizer()
+            tok.check_fits(text, self.model.config.context_length)
+            ids = tok.encode(text, special=False)
         if not ids:
             raise UserError("the prompt encodes to zero tokens")
         return ids

@@ -27,7 +27,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import GGUFError
-from ..untrusted import brief
+from ..untrusted import brief, not_a_regular_file
 from .quants import SUPPORTED_NAMES, FrozenWeight, format_of
 
 GGUF_MAGIC = b"GGUF"
@@ -123,8 +123,9 @@ class GGUFFile:
 
     def __init__(self, path):
         self.path = Path(path)
-        if not self.path.is_file():
-            raise GGUFError(f"{self.path}: no such GGUF file")
+        problem = not_a_regular_file(self.path, "GGUF file")  # a FIFO or /dev/zero is named as one, not mapped
+        if problem:
+            raise GGUFError(problem.replace(": no such file", ": no such GGUF file"))
         try:  # numpy cannot map an empty file; an empty buffer fails the magic check like any short file
             empty = self.path.stat().st_size == 0
             self._map = np.zeros(0, np.uint8) if empty else np.memmap(self.path, dtype=np.uint8, mode="r")
@@ -242,6 +243,28 @@ class GGUFFile:
     def vector(self, name: str) -> np.ndarray:
         """A 1-D tensor (norm weights) as f32."""
         return self.weight(name).dequantize().reshape(-1)
+
+
+_KINDS = {  # what metadata_of checks: a GGUF's values are typed by the file, so any type can arrive anywhere
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "strings": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "integers": lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
+    "numbers": lambda v: isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                     for x in v),
+}
+
+
+def metadata_of(gg, key: str, kind: str, default=None):
+    """Metadata `key` of an open GGUF (default when absent), which must be a `kind` ('string', 'integer',
+    'strings', 'integers', 'numbers' - a list of those): anything else is one GGUFError naming the key."""
+    if key not in gg.metadata:
+        return default
+    value = gg.metadata[key]
+    if not _KINDS[kind](value):
+        want = {"string": "a string", "integer": "an integer"}.get(kind, f"a list of {kind}")
+        raise GGUFError(f"{gg.path}: metadata key '{key}' must be {want}, got {brief(value)}")
+    return value
 
 
 def open_gguf(path) -> GGUFFile:

@@ -19,6 +19,7 @@ rename): a failed export leaves nothing behind.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -32,7 +33,8 @@ from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT
 from gguf.gguf_writer import GGUFValue
 
 from kernels.quantize import quantize, to_bf16_bits, to_f16
-from pipeline.errors import UserError
+from pipeline.errors import GGUFError, UserError
+from pipeline.untrusted import brief, not_a_regular_file
 
 from .quant_mix import MIXES, mix_types
 
@@ -110,8 +112,9 @@ def encode(values: np.ndarray, qtype: QT) -> np.ndarray:
 def read_gguf(path) -> GGUFContents:
     """Read a GGUF for re-emit; a file that cannot be re-emitted exactly raises UserError."""
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path}: no such GGUF file")
+    problem = not_a_regular_file(path, "GGUF file")
+    if problem:
+        raise UserError(problem.replace(": no such file", ": no such GGUF file"))
     try:
         reader = GGUFReader(path, "r")
     except Exception as e:  # gguf-py raises assorted errors on bad bytes
@@ -182,7 +185,9 @@ class _ExactWriter(GGUFWriter):
 
 
 def write_gguf(path, metadata: dict, tensors: list[GGUFTensor], alignment: int = GGUF_DEFAULT_ALIGNMENT) -> Path:
-    """Write `metadata` (ordered key -> GGUFValue) and `tensors` to `path`, atomically."""
+    """Write `metadata` (ordered key -> GGUFValue) and `tensors` to `path`, atomically: into a temp file beside
+    it, renamed over `path` once complete. A write that fails (a full disk, a read-only directory, a file
+    size limit) removes the temp file and is one UserError naming `path`; `path` itself is never touched."""
     path = Path(path)
     names = [t.name for t in tensors]
     if len(set(names)) != len(names):
@@ -204,9 +209,14 @@ def write_gguf(path, metadata: dict, tensors: list[GGUFTensor], alignment: int =
             os.fsync(f.fileno())
         writer.close()
         os.replace(tmp, path)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
+    except BaseException as e:
+        with contextlib.suppress(OSError):  # closing flushes: on a full disk that fails again
+            writer.close()
+        with contextlib.suppress(OSError):  # on a read-only directory even a missing file's unlink fails
+            tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            why = e.strerror or f"{e}: a short write (a full disk or a file size limit?)"
+            raise UserError(f"{path}: cannot write the GGUF ({why}); nothing was written") from None
         raise
     return path
 
@@ -240,8 +250,11 @@ def plan_tensor(t: GGUFTensor, target: QT, why: str = "converted") -> tuple[QT, 
 
 def _block_count(contents: GGUFContents) -> int:
     """The model's layer count: `<arch>.block_count`, else the number of distinct blk.N prefixes."""
-    value = contents.metadata.get(f"{contents.architecture}.block_count")
+    key = f"{contents.architecture}.block_count"
+    value = contents.metadata.get(key)
     if value is not None:
+        if isinstance(value.value, (bool, np.bool_)) or not isinstance(value.value, (int, np.integer)):
+            raise GGUFError(f"{contents.path}: metadata key '{key}' must be an integer, got {brief(value.value)}")
         return int(value.value)
     return len({t.name.split(".")[1] for t in contents.tensors if t.name.startswith("blk.")})
 

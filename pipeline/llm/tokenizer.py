@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import codecs
 import heapq
+from functools import cached_property
 
 from ..errors import GGUFError, UserError
 from ..untrusted import brief
@@ -180,15 +181,38 @@ class Tokenizer:
     def n_vocab(self) -> int:
         return len(self.tokens)
 
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for (its text's length: a byte-level token spells
+        each byte as one character, a SentencePiece one each space as one), so a text of more than
+        n * max_token_chars characters needs more than n tokens: checkable before tokenizing it."""
+        return max(1, max(map(len, self.tokens), default=1))
+
+    def check_fits(self, text: str, n_tokens: int, what: str = "the prompt"):
+        """UserError when `text` cannot encode to n_tokens or fewer (decided from its length alone)."""
+        if len(text) > n_tokens * self.max_token_chars:
+            raise UserError(f"{what} is {len(text):,} characters: more than the model's context of {n_tokens} "
+                            f"tokens can hold (at most {self.max_token_chars} characters per token); "
+                            "refused before tokenizing")
+
     @classmethod
     def from_gguf(cls, gg) -> "Tokenizer":
+        from .gguf import metadata_of
         md, path = gg.metadata, gg.path
-        model = md.get("tokenizer.ggml.model")
+        model = metadata_of(gg, "tokenizer.ggml.model", "string")
         if model is None or "tokenizer.ggml.tokens" not in md:
             raise UserError(f"{path}: the GGUF has no tokenizer (tokenizer.ggml.model/tokens missing); "
                             "pass token ids instead of text")
-        tokens = md["tokenizer.ggml.tokens"]
-        types = md.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens))
+        # every value is typed by the file: a wrong type is one GGUFError naming its key, never a TypeError
+        tokens = metadata_of(gg, "tokenizer.ggml.tokens", "strings")
+        types = metadata_of(gg, "tokenizer.ggml.token_type", "integers", [NORMAL] * len(tokens))
+        metadata_of(gg, "tokenizer.ggml.scores", "numbers")
+        for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                    "tokenizer.ggml.padding_token_id"):
+            value = metadata_of(gg, key, "integer")
+            if value is not None and not 0 <= value < len(tokens):
+                raise GGUFError(f"{path}: metadata key '{key}' is {value}, not a token id (the vocabulary has "
+                                f"{len(tokens)} tokens)")
         for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
             if key in md and len(md[key]) < len(tokens):
                 raise UserError(f"{path}: {key} has {len(md[key])} entries for {len(tokens)} tokens")
@@ -198,7 +222,7 @@ class Tokenizer:
             pre = md.get("tokenizer.ggml.pre") or "default"   # llama.cpp's fallback, with a warning
             if not isinstance(pre, str):
                 raise GGUFError(f"{path}: metadata key 'tokenizer.ggml.pre' must be a string, got {brief(pre)}")
-            merges = md.get("tokenizer.ggml.merges")
+            merges = metadata_of(gg, "tokenizer.ggml.merges", "strings")
             if not merges:
                 raise UserError(f"{path}: tokenizer.ggml.merges is missing; a BPE tokenizer needs its merges")
         elif model == SPM:

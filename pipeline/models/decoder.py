@@ -181,6 +181,12 @@ class DecoderConfig:
         biases = tuple(p for p in PROJECTIONS if p in fam.required_biases
                        or (p in fam.optional_biases and gg.has(f"blk.0.{PROJECTIONS[p]}.bias")))
         layers = _meta_int(gg, f"{a}.block_count")
+        # Each layer is at least its two norms and seven projections: a count the tensor table cannot hold is
+        # refused here, before anything (the shape check's table of expected tensors) is built from it.
+        n_tensors = len(gg.tensor_names)
+        if layers * TENSORS_PER_LAYER > n_tensors:
+            raise GGUFError(f"{gg.path}: metadata key '{a}.block_count' is {layers}: that many layers need at "
+                            f"least {layers * TENSORS_PER_LAYER} tensors, the file has {n_tensors}")
         window = 0
         if fam.swa_pattern:
             window = _meta_int(gg, f"{a}.attention.sliding_window", minimum=0)
@@ -224,6 +230,7 @@ class DecoderConfig:
 
 
 MAX_DIMENSION = 1 << 31  # no real model comes near; larger values are corrupt or hostile headers
+TENSORS_PER_LAYER = 2 + len(PROJECTIONS)  # the fewest tensors a layer has: attn_norm, ffn_norm, the projections
 
 
 def _meta_int(gg, key: str, default=None, minimum: int = 1) -> int:

@@ -142,7 +142,7 @@ def test_jsonl_malformed_lines_name_the_line(tmp_path, text, match):
 
 
 def test_jsonl_missing_file(tmp_path):
-    with pytest.raises(UserError, match="cannot read"):
+    with pytest.raises(UserError, match="nope.jsonl: no such file"):
         load_jsonl(tmp_path / "nope.jsonl")
 
 

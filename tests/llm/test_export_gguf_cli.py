@@ -70,3 +70,59 @@ def test_a_partial_conversion_lists_what_stayed_and_labels_a_type_the_file_holds
     contents = read_gguf(out)
     assert int(contents.metadata["general.file_type"].value) == LlamaFileType.MOSTLY_Q5_K_S
     assert QT.Q5_K in {t.qtype for t in contents.tensors}
+
+
+# --- a full disk / a read-only run dir: one line, rc 2, nothing half-written (issue 32) -------------------
+def test_a_file_size_limit_mid_write_is_one_error_and_leaves_nothing(quick_start_model, tmp_path, capsys):
+    """RLIMIT_FSIZE makes the kernel refuse the write past 64 KB (EFBIG, as a full disk refuses with ENOSPC):
+    the export is one error line, rc 2, and neither the output nor its temp file is left behind."""
+    import resource
+    import signal
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    out = out_dir / "copy.gguf"
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write then fails instead of killing us
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, hard))
+    try:
+        code, _, err = _run(["export-gguf", "--from-gguf", str(quick_start_model), "--out", str(out)], capsys)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert quick_start_model.stat().st_size > 64 << 10  # the premise: the copy cannot fit
+    assert code == 2 and list(out_dir.iterdir()) == []
+    (line,) = err.strip().splitlines()  # the kernel's EFBIG, or the buffered writer's short-write report
+    assert line.startswith(f"fucina export-gguf: error: {out}: cannot write the GGUF (") and \
+        line.endswith("); nothing was written") and ("File too large" in line or "a short write" in line), line
+
+
+def test_a_full_disk_mid_write_is_one_error_and_keeps_the_old_file(quick_start_model, tmp_path, capsys, monkeypatch):
+    import errno
+    from gguf import GGUFWriter
+    out = tmp_path / "copy.gguf"
+    out.write_bytes(b"the previous export")
+    real = GGUFWriter.write_tensors_to_file
+
+    def full(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(GGUFWriter, "write_tensors_to_file", full)
+    code, _, err = _run(["export-gguf", "--from-gguf", str(quick_start_model), "--out", str(out)], capsys)
+    assert code == 2 and "cannot write the GGUF (No space left on device); nothing was written" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy.gguf"] and out.read_bytes() == b"the previous export"
+
+
+def test_an_os_error_from_any_command_is_one_line_rc_2(monkeypatch, capsys):
+    """A resume into a read-only run dir fails where the run writes its first file (metrics.jsonl); as root a
+    chmod does not stop that write (root passes permission checks), so the refusal is simulated at the write.
+    Checked for real: a read-only bind mount gives `.../metrics.jsonl: Read-only file system`, rc 2."""
+    import errno
+    from pipeline.commands import export_gguf
+
+    def read_only(args):
+        raise OSError(errno.EROFS, "Read-only file system", "/runs/ft/metrics.jsonl")
+
+    monkeypatch.setattr(export_gguf, "run", read_only)
+    assert fucina(["export-gguf", "--from-gguf", "x", "--out", "y"]) == 2
+    assert capsys.readouterr().err == "fucina export-gguf: error: /runs/ft/metrics.jsonl: Read-only file system\n"

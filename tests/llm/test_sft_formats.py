@@ -2,6 +2,7 @@
 masks), JSONL hardening (size limit before parsing, depth, types: file:line:field errors), the CLI's
 one-line refusal, and property tests that mutated JSONL only ever raises UserError."""
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -166,7 +167,7 @@ def test_a_huge_line_is_not_read_whole(tmp_path, monkeypatch):
     p = tmp_path / "data.jsonl"
     p.write_bytes(b"[" * (8 << 20))
     sizes = []
-    real_open = open
+    real_fdopen = os.fdopen  # the reader opens through pipeline.untrusted.open_regular (os.open + os.fdopen)
 
     class Spy:
         def __init__(self, f):
@@ -182,7 +183,7 @@ def test_a_huge_line_is_not_read_whole(tmp_path, monkeypatch):
         def __exit__(self, *exc):
             self.f.close()
 
-    monkeypatch.setattr("builtins.open", lambda *a, **k: Spy(real_open(*a, **k)))
+    monkeypatch.setattr(os, "fdopen", lambda *a, **k: Spy(real_fdopen(*a, **k)))
     with pytest.raises(UserError, match=":1: the record is over 1048576 bytes"):
         sft.load_jsonl(p)
     assert sizes == [sft.MAX_RECORD_BYTES + 2]

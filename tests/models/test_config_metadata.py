@@ -64,3 +64,49 @@ def test_the_crashes_the_parsers_helper_found_are_named_errors(base, key, value,
 def test_a_list_pre_tokenizer_is_a_named_error(base):
     with pytest.raises(GGUFError, match=r"'tokenizer.ggml.pre' must be a string, got \['qwen2'\]"):
         Tokenizer.from_gguf(_with(base, "tokenizer.ggml.pre", ["qwen2"]))
+
+
+@pytest.mark.parametrize("layers", [2**31, 2**20, 1000])
+def test_a_block_count_the_tensor_table_cannot_hold_is_refused_before_the_shape_check(base, layers, monkeypatch):
+    """Issue 32: 2^31 declared layers made the shape check build ~11 expected tensors per layer (3.7 GB,
+    then MemoryError) before comparing anything; the count is now bounded by the tensors present first."""
+    from pipeline.models import decoder
+    monkeypatch.setattr(decoder, "_check_shapes", lambda *a: pytest.fail("the shape check ran"))
+    n = len(base.tensor_names)
+    with pytest.raises(GGUFError, match=rf"'gemma3.block_count' is {layers}: that many layers need at least "
+                                        rf"{layers * decoder.TENSORS_PER_LAYER} tensors, the file has {n}"):
+        decoder.DecoderLM.from_gguf(_with(base, "gemma3.block_count", layers))
+
+
+def test_a_hostile_block_count_in_the_file_is_one_cli_error(tmp_path, capsys):
+    """The same through the bytes of a real file and the CLI: rc 2, one line naming the key."""
+    import struct
+    from pipeline.cli import main
+    data = bytearray(FIXTURE.read_bytes())
+    at = data.find(b"gemma3.block_count") + len(b"gemma3.block_count")
+    assert struct.unpack_from("<I", data, at)[0] == 4  # a u32 value follows
+    struct.pack_into("<I", data, at + 4, 2**31)
+    hostile = tmp_path / "hostile.gguf"
+    hostile.write_bytes(data)
+    assert main(["generate", "--model", str(hostile), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'gemma3.block_count' is 2147483648" in err[0], err
+
+
+TOKENIZER_KEYS = ["tokens", "token_type", "merges", "scores", "bos_token_id", "eos_token_id", "eot_token_id",
+                  "padding_token_id", "model", "pre"]
+
+
+@pytest.mark.parametrize("key", TOKENIZER_KEYS)
+@pytest.mark.parametrize("value", [0, 2**40, 1.5, "x", [1, 2], ["a", 3], True, [[1]]], ids=repr)
+def test_any_value_of_a_tokenizer_key_is_a_tokenizer_or_one_user_error(base, key, value):
+    """Found by the round-two audit: a u32 `tokens`, a scalar `token_type` or `scores`, a list `model` were
+    TypeErrors; an out-of-range special id reached the embedding lookup."""
+    from pipeline.llm.chat import ChatTemplate
+    hostile = _with(base, f"tokenizer.ggml.{key}", value)
+    for build in (lambda: Tokenizer.from_gguf(hostile).encode("hi <start_of_turn> there"),
+                  lambda: ChatTemplate.from_gguf(hostile).render([{"role": "user", "content": "hi"}])):
+        try:
+            build()
+        except UserError as e:
+            assert str(FIXTURE) in str(e)

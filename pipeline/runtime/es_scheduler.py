@@ -66,7 +66,10 @@ class ESScheduler(Scheduler):
         self.digests[peer.id] = msg["sha256"]
 
     # --- faults ------------------------------------------------------------
-    def lost(self, wid, why):
+    def buffer_limits(self) -> tuple[int, int]:
+        return 0, 0  # every ES message is one frame
+
+    def lost(self, wid, why, evict=False):
         peer = self.peers.pop(wid, None)
         if peer is None:
             return
@@ -75,8 +78,9 @@ class ESScheduler(Scheduler):
         self.replica_at.pop(wid, None)
         self.digest_asked.discard(wid)
         if why != "left":
-            self.router.send(peer.identity, "shutdown", reason=f"declared lost: {why}", replace=True)
-        self.event("worker_lost", worker=wid, role=peer.role, reason=why)
+            self.router.send(peer.identity, "shutdown", reason=f"declared lost: {why}",
+                             **({} if evict else {"replace": True}))
+        self.event("worker_evicted" if evict else "worker_lost", worker=wid, role=peer.role, reason=why)
         if peer.task is not None and peer.task[0] == self.cur:
             self.chunks.insert(0, list(peer.task[1]))  # pure in (theta_t, member): another re-runs them
 

@@ -49,7 +49,7 @@ from . import ckpt
 from .metrics import MetricsLog, plot_run
 from .ckpt import checkpoint_dir
 from .roles import checkpoint_due, first_nonfinite, nonfinite_message
-from .remote import FrameError, SegmentViews, from_frames, to_frames
+from .remote import FrameError, SegmentViews, chunk_sizes, from_frames, np_nbytes, to_frames
 from .shm import Registry, run_prefix
 from .transport import LIVENESS_S, Liveness, Publisher, RouterSocket, ServerContext, process_exited
 
@@ -94,7 +94,7 @@ class Scheduler:
         self.trainers_wanted, self.resume, self.log = trainers, resume, log
         self.M = job.micro_batches
         self.server = ServerContext(key)  # on tcp://, admits only the run's worker key
-        self.router = RouterSocket(endpoints.control, self.server.ctx, key)
+        self.router = RouterSocket(endpoints.control, self.server.ctx, key, *self.buffer_limits())
         self.pub = Publisher(endpoints.events, self.server.ctx, key)
         self.liveness = Liveness(liveness_s)
         self.role_wait_s = role_wait_s
@@ -132,6 +132,11 @@ class Scheduler:
         self.t_start = time.monotonic()
 
     # --- wiring ------------------------------------------------------------
+    def buffer_limits(self) -> tuple[int, int]:
+        """(frames, bytes) after a body: the only message that carries any is a remote trainer's gradient."""
+        sizes = [n for _, shape, dtype in self.job.param_layout() for n in chunk_sizes(np_nbytes(shape, dtype))]
+        return len(sizes), sum(sizes)
+
     def run_description(self):
         return {"run_id": self.run_id, "run_dir": os.path.abspath(self.run_dir), "job": self.job.name,
                 "spec": to_dict(self.job.spec), "endpoints": self.endpoints.to_wire(), "trainers": self.trainers_wanted,
@@ -160,9 +165,7 @@ class Scheduler:
             while self.summary is None:
                 got = self.router.recv(20)
                 while got is not None:
-                    identity, msg = got
-                    if msg is not None:
-                        self.handle(identity, msg)
+                    self.handle(*got)
                     got = self.router.recv(0)
                 self.check_peers()
                 self.pump()
@@ -201,7 +204,11 @@ class Scheduler:
                                 f"`fucina launch` re-spawns lost workers, under honcho start one with "
                                 f"python -m workers.{role} --run-dir {self.run_dir})")
 
-    def handle(self, identity: bytes, msg: dict):
+    def handle(self, identity: bytes, msg: dict | None):
+        if msg is None:  # undecodable (logged by messages.decode), or refused unread for its size
+            if self.router.refused:
+                self.oversized(identity, self.router.refused)
+            return
         kind = msg["kind"]
         if kind == "heartbeat":
             peer = self.by_identity_of(msg["worker"])
@@ -226,6 +233,18 @@ class Scheduler:
             return
         self.liveness.beat(peer.id)
         getattr(self, f"on_{kind}")(peer, msg)
+
+    def oversized(self, identity, what):
+        """More frames or bytes than any message of this run needs: no honest peer sends that. Evicted at once."""
+        peer = self.by_identity.get(identity)
+        if peer is None:
+            return
+        self.log(f"[scheduler] refused {what} from {peer.id}")
+        if self.peers.get(peer.id) is peer:
+            self.evicted += 1
+            self.lost(peer.id, f"evicted: it sent {what}", evict=True)
+        else:
+            self.drop_queued(peer, f"it sent {what}")
 
     def by_identity_of(self, wid):
         """The peer (holding or queued) named `wid`, or None."""

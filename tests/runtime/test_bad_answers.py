@@ -90,7 +90,7 @@ def _answer_all(sched, fakes, loss_of=lambda who, k: 0.5, nonfinite_of=lambda wh
     return done
 
 
-def test_a_local_trainers_nonfinite_stops_the_run_naming_step_worker_and_tensor(rig):
+def test_a_local_trainers_nonfinite_stops_the_run_naming_step_worker_and_tensor(rig):  # noqa: F811 - the imported fixture
     sched, fakes = rig
     start(sched, fakes)
     with pytest.raises(RunFailed, match=r"optimizer step 1, micro-batch \d: t\d computed a non-finite .* "
@@ -100,7 +100,7 @@ def test_a_local_trainers_nonfinite_stops_the_run_naming_step_worker_and_tensor(
     assert fakes["optimizer"].take("step", wait_s=0.1) == []
 
 
-def test_skip_leaves_out_the_micro_batch_and_reports_it(rig):
+def test_skip_leaves_out_the_micro_batch_and_reports_it(rig):  # noqa: F811 - the imported fixture
     sched, fakes = rig
     sched.on_nonfinite = "skip"
     start(sched, fakes)
@@ -125,7 +125,7 @@ def _tasks(fakes):
     return {who: fakes[who].take("grad", wait_s=0.3) for who in ("r1", "r2")}
 
 
-def test_a_remote_nan_is_rechecked_elsewhere_and_a_peer_that_keeps_sending_them_is_evicted(remote_rig):
+def test_a_remote_nan_is_rechecked_elsewhere_and_a_peer_that_keeps_sending_them_is_evicted(remote_rig):  # noqa: F811 - the imported fixture
     sched, fakes, job, segs = remote_rig
     _start(sched, fakes, segs)
     names = [n for n, _, _ in job.param_layout()]
@@ -154,22 +154,44 @@ def test_a_remote_nan_is_rechecked_elsewhere_and_a_peer_that_keeps_sending_them_
                                                                                 0.5)) for k in range(M) for n in names)
 
 
-def test_a_remote_trainer_answering_float64_is_evicted_and_its_work_reassigned(remote_rig):
-    """Version skew: every answer is twice the bytes the layout needs. Three strikes, then the other trainer."""
+@pytest.mark.parametrize("dtype,answers", [(np.float64, 1), (np.float16, MAX_STRIKES)])
+def test_a_remote_trainer_answering_another_dtype_is_evicted_and_its_work_reassigned(remote_rig, dtype, answers):  # noqa: F811, E501
+    """Version skew: float64 is twice the bytes the layout allows (refused unread, evicted at once); float16
+    fits the budget but not the layout (three strikes). Either way the other trainer does the work."""
     sched, fakes, job, segs = remote_rig
     _start(sched, fakes, segs)
     bad_answers, good = 0, set()
     for _ in range(40):
         for who, tasks in _tasks(fakes).items():
             for t in tasks:
-                dtype = np.float64 if who == "r1" else np.float32
                 bad_answers += who == "r1"
                 fakes[who].sock.send("grad_done", 0, gen=0, k=t["k"], loss=1.0, rows=2, ms=1.0,
-                                     buffers=_grads(job, 0.5, dtype), worker=who)
+                                     buffers=_grads(job, 0.5, dtype if who == "r1" else np.float32), worker=who)
                 good |= {t["k"]} if who == "r2" else set()
         spin(sched, fakes, 0.2)
         if len(good) == M:
             break
-    assert bad_answers == MAX_STRIKES and "r1" not in sched.peers and good == set(range(M))
+    assert bad_answers == answers and "r1" not in sched.peers and good == set(range(M))
     assert fakes["optimizer"].take("step")
     assert sched.evicted == 1
+
+
+@pytest.mark.parametrize("shape", ["too many frames", "too many bytes"])
+def test_a_message_over_the_schemas_frame_budget_is_refused_unread_and_its_sender_evicted(remote_rig, shape):  # noqa: F811, E501
+    """The budget is the gradient layout's own (frames, bytes); more is refused before a byte is read."""
+    sched, fakes, job, segs = remote_rig
+    _start(sched, fakes, segs)
+    frames, nbytes = sched.buffer_limits()
+    (task,) = fakes["r1"].take("grad")
+    if shape == "too many frames":
+        buffers = [b"x"] * (frames + 1)                    # each tiny: only the count is over
+    else:
+        buffers = [b"\0" * (nbytes // frames + 64)] * frames  # the right count, each a little long
+    fakes["r1"].sock.send("grad_done", 0, gen=0, k=task["k"], loss=1.0, rows=2, ms=1.0, buffers=buffers,
+                          worker="r1")
+    spin(sched, fakes)
+    assert "r1" not in sched.peers and sched.evicted == 1
+    (shutdown,) = fakes["r1"].take("shutdown")
+    assert "buffer frames" in shutdown["reason"] and not shutdown.get("replace")
+    assert sched.grads.get(task["k"], ("issued", "r2"))[1] != "r1"  # its task went back to the queue
+    assert "r2" in sched.peers

@@ -25,7 +25,7 @@ import os
 import time
 
 from ..es.run import ESRun, state_fields
-from .scheduler import START_GRACE_S, RunFailed, Scheduler
+from .scheduler import START_GRACE_S, RunFailed, Scheduler, fault
 
 DIGEST_WAIT_S = 30.0  # how long the end waits for the replicas' digests (a member lost meanwhile is skipped)
 
@@ -150,6 +150,7 @@ class ESScheduler(Scheduler):
             self.cut(members)
             self.hand_out(members, transfers=False)
         record = self.es.commit(rewards)
+        fault(self.run_dir, "step", self.cur)
         self.center_done = early
         record["roles"] = {"es_member": round(self.role_ms["trainer"], 3)}
         self.role_ms = dict.fromkeys(self.role_ms, 0.0)

@@ -84,6 +84,19 @@ class RunFailed(FucinaError):
     pass
 
 
+def fault(run_dir, point: str, step: int):
+    """FUCINA_FAULT=scheduler:POINT:STEP SIGKILLs the scheduler once there (tests; see worker.Worker.fault)."""
+    if f"scheduler:{point}:{step}" not in os.environ.get("FUCINA_FAULT", "").split(","):
+        return
+    marker = os.path.join(run_dir, f"fault-scheduler-{point}-{step}.fired")
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    import signal
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 class Scheduler:
     RESULTS = RESULTS                       # kind -> the roles that may send it
     ROLES = (*SINGLETONS, "trainer")        # the roles this plan admits, each required
@@ -418,6 +431,7 @@ class Scheduler:
         self.suspects = {key: v for key, v in self.suspects.items() if key[0] == self.gen and key[1] >= done}
         if checkpoint_due(self.job, done):
             self.ask_snapshot(peer, done)
+        fault(self.run_dir, "step", done)
 
     def ask_snapshot(self, optimizer, step):
         self.snapshots_asked.add((self.gen, step))

@@ -36,8 +36,11 @@ class TrainerLogic:
         self.model = job.bind(list(params.items()))
 
     def compute(self, batch: dict, grads: dict):
-        """Forward+backward one micro-batch; gradients into `grads`. -> (loss, rows)."""
-        return self.job.micro_grad(self.model, batch, grads)
+        """Forward+backward one micro-batch; gradients into `grads`. -> (loss, rows).
+
+        Overflow warnings are silenced: a NaN/inf is caught by `first_nonfinite` and reported once, by name."""
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            return self.job.micro_grad(self.model, batch, grads)
 
 
 class NonFiniteError(FucinaError):

@@ -58,6 +58,7 @@ START_GRACE_S = 120.0  # how long to wait for every requested trainer before sta
 ROLE_WAIT_S = 300.0    # how long a run may lack a role (a respawn under load takes seconds) before it fails
 PID_CHECK_S = 0.1      # how often the pids of local workers are checked
 DROP_LOG_S = 1.0       # refused messages are logged at most once a second (with a count): a flood is not a log
+STOP_WAIT_S = 60.0     # a run stopped by a NaN first lets the checkpoints of its good steps commit, this long
 MAX_STRIKES = 3        # bad answers (frames that do not fit, a NaN another trainer contradicts) before eviction
 # the results each role may send; anything else from it is dropped
 RESULTS = {"loaded": ("loader",), "grad_done": ("trainer",), "ready": ("optimizer",), "stepped": ("optimizer",),
@@ -142,6 +143,7 @@ class Scheduler:
         self.suspects: dict[tuple, set] = {}  # (gen, step, k) -> remote trainers whose answer was non-finite
         self.nonfinite_skipped = 0
         self.evicted = 0
+        self.stopping = None  # ((step, k, worker, tensor), deadline): a non-finite value stops the run
         self.t_start = time.monotonic()
 
     # --- wiring ------------------------------------------------------------
@@ -392,9 +394,11 @@ class Scheduler:
             self.event("nonfinite_recheck", step=self.cur + 1, k=k, worker=peer.id, tensor=tensor)
             return
         self.suspects.pop(key, None)
-        if self.on_nonfinite != "skip":
+        if self.on_nonfinite != "skip":  # stop, once the good steps' checkpoints in flight are committed
             self.event("nonfinite", step=self.cur + 1, k=k, worker=peer.id, tensor=tensor)
-            raise RunFailed(nonfinite_message(self.cur, k, peer.id, tensor, self.run_dir))
+            if self.stopping is None:
+                self.stopping = ((self.cur, k, peer.id, tensor), time.monotonic() + STOP_WAIT_S)
+            return
         self.grads[k] = ("skipped", 0.0, 0)
         self.nonfinite_skipped += 1
         self.event("nonfinite_skipped", step=self.cur + 1, k=k, worker=peer.id, tensor=tensor)
@@ -509,6 +513,12 @@ class Scheduler:
             self.writes_inflight[step] = (checkpointer.id, fields)
             checkpointer.task = (step,)
             self.send(checkpointer, "write", step, **fields)
+        if self.stopping is not None:
+            (step, k, worker, tensor), deadline = self.stopping
+            outstanding = [s for g, s in self.snapshots_asked if g == self.gen and s not in self.committed_steps]
+            if not outstanding or time.monotonic() > deadline:
+                raise RunFailed(nonfinite_message(step, k, worker, tensor, self.run_dir))
+            return
         if not self.started:
             have = {r: len(self.role(r)) for r in (*SINGLETONS, "trainer")}
             enough = all(have[r] for r in SINGLETONS) and have["trainer"] >= 1

@@ -195,3 +195,49 @@ def test_a_message_over_the_schemas_frame_budget_is_refused_unread_and_its_sende
     assert "buffer frames" in shutdown["reason"] and not shutdown.get("replace")
     assert sched.grads.get(task["k"], ("issued", "r2"))[1] != "r1"  # its task went back to the queue
     assert "r2" in sched.peers
+
+
+def test_es_nonfinite_rewards_are_rescored_elsewhere_and_a_member_that_keeps_sending_them_is_evicted(tmp_path):
+    """The direct-handle pattern of tests/es/test_es_runtime.py: a NaN reward another member does not reproduce
+    is a strike; three and the member is evicted; a NaN two members agree on stops the run, naming both."""
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "es"))
+    from test_es_runtime import _hello, _job, _rewards
+
+    from pipeline.runtime.es_scheduler import ESScheduler
+    from pipeline.runtime.transport import ipc_endpoints
+    sched = ESScheduler(_job(), str(tmp_path), "t3st", ipc_endpoints(str(tmp_path)), trainers=2, log=lambda m: None)
+    try:
+        a, b = _hello(sched, b"es_member-1"), _hello(sched, b"es_member-2")
+        sched.pump()
+        for strike in range(1, MAX_STRIKES + 1):
+            chunk_a = list(a.task[1])
+            _rewards(sched, b"es_member-1", 0, chunk_a, float("nan"))  # a's NaN: re-scored by b
+            if b.task is not None and b.task[1] != tuple(chunk_a):
+                _rewards(sched, b"es_member-2", 0, list(b.task[1]), 1.0)
+            sched.pump()
+            assert b.task == (0, tuple(chunk_a)) and not any(m in sched.rewards for m in chunk_a)
+            _rewards(sched, b"es_member-2", 0, chunk_a, 1.0)  # finite: a's NaN was a's
+            assert a.strikes == strike or "es_member-1" not in sched.peers
+            if "es_member-1" not in sched.peers:
+                break
+            for m in list(sched.rewards):  # start the chunk over for the next round
+                del sched.rewards[m]
+            sched.chunks, a.task = [], None
+            sched.cut([a]), sched.pump()
+        assert "es_member-1" not in sched.peers and sched.evicted == 1
+        c = _hello(sched, b"es_member-3")
+        sched.rewards = {}
+        sched.cut([b, c])
+        b.task = c.task = None
+        sched.pump()
+        chunk_b = list(b.task[1])
+        _rewards(sched, b"es_member-2", 0, chunk_b, float("inf"))
+        _rewards(sched, b"es_member-3", 0, list(c.task[1]), 1.0)  # c's own chunk, then b's to re-score
+        sched.pump()
+        assert c.task == (0, tuple(chunk_b))
+        with pytest.raises(RunFailed, match=r"iteration 0: es_member-2 and es_member-3 scored ES member\(s\) "
+                                            r"\[\d.*non-finite .*nothing was applied"):
+            _rewards(sched, b"es_member-3", 0, chunk_b, float("inf"))
+    finally:
+        sched.close()

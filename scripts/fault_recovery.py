@@ -3,11 +3,12 @@
     python scripts/fault_recovery.py [--port P] [--out runs/faults]
 
 Starts one long lm run (2 trainers, tiny model, a checkpoint every 5 steps),
-then, one fault at a time, SIGKILLs a trainer, the loader, the optimizer and
-the checkpointer, and SIGSTOPs a trainer (alive but silent: only the heartbeat
-liveness can tell). For each it prints, from metrics.jsonl's timestamps:
-`detected` (kill -> worker_lost) and `recovered` (kill -> the first optimizer
-step committed after it). The numbers depend on the machine's load: say so
+then, one fault at a time, SIGKILLs a trainer, the loader, the optimizer,
+the checkpointer and the scheduler, and SIGSTOPs a trainer (alive but silent:
+only the heartbeat liveness can tell). For each it prints, from metrics.jsonl's
+timestamps: `detected` (kill -> worker_lost; for the scheduler, kill -> the
+launcher's replacement in pids.json) and `recovered` (kill -> the first
+optimizer step committed after it). The numbers depend on the machine's load: say so
 when you quote them.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ LM = ["--steps", "100000", "--batch", "2", "--micro-batches", "2", "--seq", "16"
       "--heads", "2", "--kv-heads", "1", "--head-dim", "8", "--ffn", "32", "--eval-every", "0",
       "--checkpoint-every", "5", "--sample-tokens", "0"]
 FAULTS = [("trainer", signal.SIGKILL), ("loader", signal.SIGKILL), ("optimizer", signal.SIGKILL),
-          ("checkpointer", signal.SIGKILL), ("trainer", signal.SIGSTOP)]
+          ("checkpointer", signal.SIGKILL), ("scheduler", signal.SIGKILL), ("trainer", signal.SIGSTOP)]
 
 
 def records(run_dir):
@@ -53,6 +54,12 @@ def measure(run_dir, role, sig):
     pid = pid_of(run_dir, role)
     t_kill = time.time()
     os.kill(pid, sig)
+    if role == "scheduler":  # no one reports its loss: the launcher restarts it (and every worker)
+        wait(lambda: pid_of(run_dir, role) != pid)
+        detected = time.time() - t_kill
+        step = wait(lambda: next((r for r in records(run_dir) if r.get("kind") == "metrics" and r["time"] > t_kill),
+                                 None), timeout=300)
+        return detected, step["time"] - t_kill
     lost = wait(lambda: next((r for r in records(run_dir) if r.get("event") == "worker_lost"
                               and r["detail"]["worker"] == f"{role}-{pid}"), None))
     if sig == signal.SIGSTOP:

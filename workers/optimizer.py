@@ -39,7 +39,7 @@ class Optimizer(Worker):
         self.fault("step", step)
         t0 = time.perf_counter()
         slots = [{n: self.grads_seg.tensors[f"{k}/{n}"] for n in self.names} for k in range(msg["micro_batches"])]
-        info = self.logic.step(step, slots)
+        info = self.logic.step(step, slots, skip=set(msg.get("skip", ())))
         self.params_seg.version = step + 1
         extra = {}
         if eval_due(self.job, step + 1):

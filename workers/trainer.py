@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from pipeline.runtime import remote
-from pipeline.runtime.roles import TrainerLogic
+from pipeline.runtime.roles import TrainerLogic, first_nonfinite
 from pipeline.runtime.worker import Worker, run_worker
 
 
@@ -76,6 +76,11 @@ class Trainer(Worker):
             if self.private.get(name) is None or self.private[name].shape != slot_view.shape:
                 self.private[name] = np.empty_like(slot_view)
         loss, rows = self.logic.compute(batch, self.private)
+        bad = first_nonfinite(loss, self.private)
+        if bad is not None:  # never copied into the slot: the scheduler stops the run or skips the micro-batch
+            self.sock.send("grad_done", step, worker=self.id, gen=msg["gen"], k=k, loss=0.0, rows=rows,
+                           ms=(time.perf_counter() - t0) * 1e3, nonfinite=bad)
+            return
         if self.params_seg.version != step:  # we were paused and the run moved on: the slot is not ours now
             self.sock.send("grad_done", step, worker=self.id, gen=msg["gen"], k=k, loss=0.0, rows=0, ms=0.0, stale=True)
             return
@@ -128,6 +133,11 @@ class RemoteTrainer(Trainer):
         if self.in_flight is not None:
             self.in_flight.wait()  # our previous gradient frames are views of self.private
         loss, rows = self.logic.compute(batch, self.private)
+        bad = first_nonfinite(loss, self.private)
+        if bad is not None:  # no frames: nothing of it can reach the slot
+            self.sock.send("grad_done", step, worker=self.id, gen=msg["gen"], k=k, loss=0.0, rows=rows,
+                           ms=(time.perf_counter() - t0) * 1e3, nonfinite=bad)
+            return
         self.in_flight = self.sock.send("grad_done", step, worker=self.id, gen=msg["gen"], k=k, loss=loss, rows=rows,
                                         ms=(time.perf_counter() - t0) * 1e3,
                                         buffers=remote.to_frames(self.private[n] for n in self.names))

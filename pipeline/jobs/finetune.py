@@ -26,7 +26,7 @@ import numpy as np
 from ..errors import UserError
 from ..llm import data as sft
 from .base import Job, bind_module, zero_copy_grads
-from .spec import field
+from .spec import field, on_nonfinite_field
 
 OPTIMIZERS = ("adamw", "adam", "lion", "sgd", "muon")
 
@@ -46,6 +46,7 @@ class FinetuneSpec:
     shuffle: bool = field(False, "shuffled sample order (Fisher-Yates per epoch, seeded by data_seed)")
     seed: int = field(42, "seed of the adapter init and dropout streams")
     data_seed: int = field(-1, "seed of the shuffled order (-1: seed)")
+    on_nonfinite: str = on_nonfinite_field()
     rank: int = field(8, "LoRA rank r")
     alpha: float = field(16.0, "LoRA alpha (the delta is scaled by alpha/rank)")
     targets: str = field("q,k,v,o,gate,up,down", "comma-separated projections to adapt (q,k,v,o,gate,up,down)")

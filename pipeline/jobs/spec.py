@@ -22,6 +22,15 @@ def field(default, help: str, choices=None):  # noqa: A002 - mirrors argparse
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
 
+NONFINITE_POLICIES = ("stop", "skip")
+
+
+def on_nonfinite_field():
+    """The `on_nonfinite` field every training spec has (pipeline/runtime: a NaN/inf is never applied)."""
+    return field("stop", "a NaN/inf loss or gradient: stop the run naming the step, worker and tensor (the last "
+                 "good checkpoint stays latest), or skip that micro-batch and report it", choices=NONFINITE_POLICIES)
+
+
 def add_flags(parser: argparse.ArgumentParser, spec_cls):
     """One flag per spec field; defaults are None so we can tell 'not given'."""
     parser.add_argument("--config", metavar="FILE.toml", help="TOML file of job fields (flags override it)")

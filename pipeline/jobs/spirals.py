@@ -22,7 +22,7 @@ from ..models.spirals import SpiralsMLP, accuracy, make_spirals
 from ..optim import warmup_hold_linear_cooldown
 from .base import Job, bind_module, zero_copy_grads
 from .recipes import adamw
-from .spec import field
+from .spec import field, on_nonfinite_field
 
 
 @dataclasses.dataclass
@@ -41,6 +41,7 @@ class SpiralsSpec:
     checkpoint_every: int = field(100, "checkpoint cadence in steps (the final step is always saved)")
     eval_every: int = field(100, "accuracy on the full set every N steps (0: off)")
     seed: int = field(0, "seed for init, data and shuffles")
+    on_nonfinite: str = on_nonfinite_field()
 
     def validate(self):
         from ..errors import UserError

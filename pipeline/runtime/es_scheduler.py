@@ -21,11 +21,13 @@ anything else is logged and dropped.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
 from ..es.run import ESRun, state_fields
-from .scheduler import START_GRACE_S, RunFailed, Scheduler
+from . import ckpt
+from .scheduler import START_GRACE_S, RunFailed, Scheduler, fault
 
 DIGEST_WAIT_S = 30.0  # how long the end waits for the replicas' digests (a member lost meanwhile is skipped)
 
@@ -56,9 +58,31 @@ class ESScheduler(Scheduler):
         if peer.task != (msg["step"], tuple(members)) or len(msg["rewards"]) != len(members):
             return self.drop(peer, msg, f"it was assigned {peer.task}, not these members of iteration {msg['step']}")
         peer.task = None
+        key = (msg["step"], tuple(members))
+        bad = [m for m, r in zip(members, msg["rewards"]) if not math.isfinite(r)]
+        if bad:
+            return self.nonfinite_rewards(peer, key, bad)
+        for wid in self.suspects.pop(key, ()):  # a NaN another member did not reproduce: that peer's
+            if wid in self.peers:
+                self.strike(self.peers[wid], f"non-finite rewards for iteration {key[0]} that {peer.id} scored finite")
         for m, r in zip(members, msg["rewards"]):
             self.rewards.setdefault(m, float(r))
         self.role_ms["trainer"] += msg["ms"]
+
+    def nonfinite_rewards(self, peer, key, bad):
+        """A NaN/inf reward is never applied: the chunk is first re-scored by another member (members are pure
+        functions of (theta_t, member id), so an honest one reproduces it); confirmed, it stops the run."""
+        seen = self.suspects.setdefault(key, set())
+        seen.add(peer.id)
+        if len(seen) == 1 and any(p.id not in seen for p in self.role("es_member")):
+            self.chunks.insert(0, list(key[1]))
+            self.event("nonfinite_recheck", step=key[0], worker=peer.id, members=bad[:8])
+            return
+        self.event("nonfinite", step=key[0], worker=peer.id, members=bad[:8])
+        latest = ckpt.latest_checkpoint(self.run_dir)
+        raise RunFailed(f"iteration {key[0]}: {' and '.join(sorted(seen))} scored ES member(s) {bad[:8]} "
+                        f"non-finite (a NaN or inf reward); nothing was applied, the latest checkpoint is "
+                        f"{latest or 'none (the run had not saved one)'}")
 
     def on_es_digested(self, peer, msg):
         if peer.id not in self.digest_asked or peer.id in self.digests or msg["step"] != self.cur:
@@ -66,7 +90,10 @@ class ESScheduler(Scheduler):
         self.digests[peer.id] = msg["sha256"]
 
     # --- faults ------------------------------------------------------------
-    def lost(self, wid, why):
+    def buffer_limits(self) -> tuple[int, int]:
+        return 0, 0  # every ES message is one frame
+
+    def lost(self, wid, why, evict=False):
         peer = self.peers.pop(wid, None)
         if peer is None:
             return
@@ -75,8 +102,9 @@ class ESScheduler(Scheduler):
         self.replica_at.pop(wid, None)
         self.digest_asked.discard(wid)
         if why != "left":
-            self.router.send(peer.identity, "shutdown", reason=f"declared lost: {why}", replace=True)
-        self.event("worker_lost", worker=wid, role=peer.role, reason=why)
+            self.router.send(peer.identity, "shutdown", reason=f"declared lost: {why}",
+                             **({} if evict else {"replace": True}))
+        self.event("worker_evicted" if evict else "worker_lost", worker=wid, role=peer.role, reason=why)
         if peer.task is not None and peer.task[0] == self.cur:
             self.chunks.insert(0, list(peer.task[1]))  # pure in (theta_t, member): another re-runs them
 
@@ -128,9 +156,17 @@ class ESScheduler(Scheduler):
             at = self.replica_at.get(peer.id)
             if not transfers and not (at == self.cur or (at == self.cur - 1 and self.prev_rewards is not None)):
                 continue
-            chunk = self.chunks.pop(0)
+            chunk = next((c for c in self.chunks if self.may_score(peer, c, members)), None)
+            if chunk is None:
+                continue
+            self.chunks.remove(chunk)
             peer.task = (self.cur, tuple(chunk))
             self.send(peer, "es_eval", self.cur, members=chunk, catchup=self.catchup(peer))
+
+    def may_score(self, peer, chunk, members) -> bool:
+        """Not a chunk this peer scored non-finite - unless no other member is left to re-score it."""
+        seen = self.suspects.get((self.cur, tuple(chunk)), ())
+        return peer.id not in seen or all(p.id in seen for p in members)
 
     def advance(self, members):
         """Every reward of iteration cur is in: the replicas move to cur+1.
@@ -146,6 +182,7 @@ class ESScheduler(Scheduler):
             self.cut(members)
             self.hand_out(members, transfers=False)
         record = self.es.commit(rewards)
+        fault(self.run_dir, "step", self.cur)
         self.center_done = early
         record["roles"] = {"es_member": round(self.role_ms["trainer"], 3)}
         self.role_ms = dict.fromkeys(self.role_ms, 0.0)

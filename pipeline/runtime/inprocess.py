@@ -15,8 +15,8 @@ import numpy as np
 
 from . import ckpt
 from .metrics import MetricsLog
-from .roles import (LoaderLogic, OptimizerLogic, TrainerLogic, checkpoint_dir, checkpoint_due, eval_due,
-                    trainer_state)
+from .roles import (LoaderLogic, NonFiniteError, OptimizerLogic, TrainerLogic, checkpoint_dir, checkpoint_due,
+                    eval_due, first_nonfinite, nonfinite_message, trainer_state)
 
 
 def _buffers(layout):
@@ -35,17 +35,29 @@ def run_inprocess(job, run_dir, resume=None, log=print, on_step=None):
     metrics = MetricsLog(run_dir)
     metrics.write({"kind": "event", "event": "run_started", "detail": {"mode": "inprocess", "start_step": start}})
     loss, t_run = None, time.perf_counter()
+    policy, skipped_total = getattr(job.spec, "on_nonfinite", "stop"), 0
     try:
         for step in range(start, job.steps):
             t0 = time.perf_counter()
-            loss = 0.0
+            loss, skip = 0.0, []
             for k in range(job.micro_batches):
                 loader.fill(step, k, batch)
                 micro_loss, _ = trainer.compute(batch, slots[k])
+                bad = first_nonfinite(micro_loss, slots[k])
+                if bad is not None:  # never applied: stop, or leave this micro-batch out of the step
+                    if policy != "skip":
+                        raise NonFiniteError(nonfinite_message(step, k, "inprocess", bad, run_dir))
+                    skip.append(k)
+                    metrics.write({"kind": "event", "event": "nonfinite_skipped", "step": step + 1,
+                                   "detail": {"k": k, "worker": "inprocess", "tensor": bad}})
+                    continue
                 loss += micro_loss
-            info = optimizer.step(step, slots)
+            skipped_total += len(skip)
+            info = optimizer.step(step, slots, skip=skip)
             done = step + 1
-            record = {"kind": "metrics", "step": done, "loss": loss, **info,
+            if len(skip) == job.micro_batches:
+                loss = None
+            record = {"kind": "metrics", "step": done, "loss": loss, **info, **({"skipped": skip} if skip else {}),
                       "step_ms": (time.perf_counter() - t0) * 1e3,
                       "tokens_per_s": job.rows_per_step() * job.tokens_per_row() / max(time.perf_counter() - t0, 1e-9)}
             if eval_due(job, done):
@@ -64,7 +76,8 @@ def run_inprocess(job, run_dir, resume=None, log=print, on_step=None):
         summary = {"job": job.name, "mode": "inprocess", "steps": job.steps, "start_step": start,
                    "final_loss": loss, "params_sha256": ckpt.params_sha256(final),
                    "checkpoint": ckpt.latest_checkpoint(run_dir), "run_dir": run_dir,
-                   "elapsed_s": round(time.perf_counter() - t_run, 3), **extras}
+                   "elapsed_s": round(time.perf_counter() - t_run, 3), **extras,
+                   **({"nonfinite_skipped": skipped_total} if skipped_total else {})}
         metrics.write({"kind": "event", "event": "run_finished", "detail": summary})
         return summary
     finally:

@@ -30,6 +30,7 @@ from ..threads import pin_env
 from . import shm
 
 MAX_RESPAWNS = 10
+MAX_SCHEDULER_RESTARTS = 3  # a scheduler killed by a signal is restarted from the last checkpoint this often
 
 
 class Supervisor:
@@ -88,8 +89,10 @@ class Supervisor:
             for i in range(spawned):  # the last `remote_trainers` are fed by frames
                 remote = ["--remote"] if i >= local - remote_trainers else []
                 self.commands[f"trainer-{i}"] = [*worker("trainer"), *remote]
+        self.resume = resume
         self.procs: dict[str, subprocess.Popen] = {}
         self.respawns = 0
+        self.scheduler_restarts = 0
         self.log_path = os.path.join(self.run_dir, "workers.log")
 
     def spawn(self, name):
@@ -130,6 +133,9 @@ class Supervisor:
                 if stopping:
                     raise KeyboardInterrupt  # at a safe point: the CLI prints "interrupted", exit status 130
                 code = self.procs["scheduler"].poll()
+                if code is not None and code < 0 and self.scheduler_restarts < MAX_SCHEDULER_RESTARTS:
+                    self.restart_scheduler(code)  # killed, not failed: the run goes on from its checkpoint
+                    continue
                 if code is not None:
                     break
                 for name, p in list(self.procs.items()):
@@ -147,11 +153,49 @@ class Supervisor:
             with open(os.path.join(self.run_dir, "summary.json")) as fh:
                 summary = json.load(fh)
             summary["respawns"] = self.respawns
+            summary["scheduler_restarts"] = self.scheduler_restarts
             return summary
         finally:
             self.shutdown()
             for s, h in previous.items():
                 signal.signal(s, h)
+
+    def restart_scheduler(self, code):
+        """The scheduler died of a signal: stop every local worker (their state is the scheduler's plan's),
+        clear the run's segments, start a scheduler resuming from the latest committed checkpoint (or where
+        the run began) under the same run id, keys and endpoints, then the workers again, which join it.
+        Resuming is bit-exact, so the run ends on the bits of an uninterrupted one. Remote workers (another
+        host, Ray) notice the silence and exit for their supervisor to start fresh ones."""
+        from . import ckpt
+        self.scheduler_restarts += 1
+        resume = ckpt.latest_checkpoint(self.run_dir) or self.resume
+        with open(self.log_path, "a") as fh:
+            fh.write(f"launch: the scheduler exited with status {code}; restarting it (restart "
+                     f"{self.scheduler_restarts} of at most {MAX_SCHEDULER_RESTARTS}) from "
+                     f"{resume or 'the start'}\n")
+        self.stop_children(exclude=("scheduler",))
+        shm.unlink_run(self.run_id)
+        cmd = self.commands["scheduler"]
+        if "--resume" in cmd:
+            i = cmd.index("--resume")
+            cmd = cmd[:i] + cmd[i + 2:]
+        self.commands["scheduler"] = cmd + (["--resume", resume] if resume else [])
+        for name in self.commands:
+            self.spawn(name)
+
+    def stop_children(self, grace_s=5.0, exclude=()):
+        """SIGTERM every live child (but `exclude`), wait up to grace_s, then SIGKILL the rest."""
+        procs = [p for name, p in self.procs.items() if name not in exclude]
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
     def _scheduler_said(self) -> str:
         """The scheduler's own one-line error, if it left one in the log."""
@@ -165,15 +209,6 @@ class Supervisor:
     def shutdown(self, grace_s=5.0):
         if self.ray_workers is not None:
             self.ray_workers.close()
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for p in self.procs.values():
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        self.stop_children(grace_s)
         self.write_pids()
         shm.unlink_run(self.run_id)

@@ -135,12 +135,14 @@ KINDS: dict[str, dict] = {
 OPTIONAL: dict[str, dict] = {
     "hello": {"remote": BOOL},          # a trainer that cannot map this host's shared memory (remote.py)
     "heartbeat": {"token": STR},        # a worker's: the token of its hello (the scheduler's echo has none)
-    "grad_done": {"stale": BOOL},       # the trainer refused: its parameters are of another version
+    "grad_done": {"stale": BOOL,        # the trainer refused: its parameters are of another version
+                  "nonfinite": STR},    # 'loss' or the tensor whose gradient held a NaN/inf (nothing written)
+    "step": {"skip": INTS},             # micro-batches left out (non-finite, --on-nonfinite skip)
     "stepped": {"eval": OPT_NUM},
     "ready": {"resume": STR},
     "shutdown": {"replace": BOOL,       # a supervisor should start a fresh process
                  "unused": BOOL},       # this run has no use for the role (a Procfile worker stands by)
-    "metrics": {"total": INT, "eval": OPT_NUM, "eval_name": STR},
+    "metrics": {"total": INT, "eval": OPT_NUM, "eval_name": STR, "skipped": INTS},
     "es_metrics": {"total": INT, "eval": OPT_NUM, "eval_name": STR},
 }
 

@@ -163,6 +163,8 @@ def metrics_line(msg) -> str:
         parts.append(f"{msg.get('eval_name', 'eval')} {msg['eval']:.4f}")
     parts += [f"lr {_fmt(msg.get('lr'), '.3g')}", f"|g| {_fmt(msg.get('grad_norm'), '.3f')}",
               f"{_fmt(msg.get('tokens_per_s'), '.0f')} tok/s", f"{_fmt(msg.get('step_ms'), '.1f')} ms/step"]
+    if msg.get("skipped"):  # --on-nonfinite skip left these micro-batches out of the step
+        parts.append(f"skipped non-finite micro-batches {msg['skipped']}")
     return "  ".join(parts)
 
 

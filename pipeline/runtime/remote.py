@@ -47,6 +47,14 @@ def chunk_sizes(nbytes: int) -> list[int]:
     return [min(CHUNK_BYTES, nbytes - off) for off in range(0, nbytes, CHUNK_BYTES)]
 
 
+def np_nbytes(shape, dtype) -> int:
+    """The bytes of a tensor of this shape and dtype."""
+    n = np.dtype(np_dtype(dtype) if isinstance(dtype, str) else dtype).itemsize
+    for d in shape:
+        n *= int(d)
+    return n
+
+
 def to_frames(arrays) -> list[memoryview]:
     """Views of C-contiguous arrays cut into frames; no byte is copied here."""
     frames = []

@@ -11,9 +11,11 @@ starts only after all its micro-batch gradients are in).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from ..errors import ConfigMismatchError
+from ..errors import ConfigMismatchError, FucinaError
 from ..jobs.base import bind_tensors
 from ..optim import LrSchedule, grad_norm
 from . import ckpt
@@ -34,8 +36,35 @@ class TrainerLogic:
         self.model = job.bind(list(params.items()))
 
     def compute(self, batch: dict, grads: dict):
-        """Forward+backward one micro-batch; gradients into `grads`. -> (loss, rows)."""
-        return self.job.micro_grad(self.model, batch, grads)
+        """Forward+backward one micro-batch; gradients into `grads`. -> (loss, rows).
+
+        Overflow warnings are silenced: a NaN/inf is caught by `first_nonfinite` and reported once, by name."""
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            return self.job.micro_grad(self.model, batch, grads)
+
+
+class NonFiniteError(FucinaError):
+    """A NaN or inf reached a loss or a gradient: it is never applied to the parameters."""
+
+
+def first_nonfinite(loss, grads: dict) -> str | None:
+    """'loss', the name of the first gradient holding a NaN/inf, or None when all is finite.
+
+    min/max propagate NaN and reach +-inf without a temporary the size of the tensor."""
+    if not math.isfinite(loss):
+        return "loss"
+    for name, g in grads.items():
+        if g.size and not (math.isfinite(float(np.min(g))) and math.isfinite(float(np.max(g)))):
+            return name
+    return None
+
+
+def nonfinite_message(step, k, worker, tensor, run_dir) -> str:
+    """The one line a run stopped by a non-finite value ends with (`step`: the parameters' version)."""
+    latest = ckpt.latest_checkpoint(run_dir)
+    return (f"optimizer step {step + 1}, micro-batch {k}: {worker} computed a non-finite (NaN or inf) "
+            f"{'loss' if tensor == 'loss' else 'gradient of ' + tensor}; nothing was applied, the latest checkpoint "
+            f"is {latest or 'none (the run had not saved one)'}; --on-nonfinite skip leaves such micro-batches out")
 
 
 def reduce_in_order(slots: list[dict], name: str) -> np.ndarray:
@@ -71,9 +100,23 @@ class OptimizerLogic:
                                       f"but the job has micro_batches={self.job.micro_batches}")
         return ckpt.restore(resume, self.named, self.opt)
 
-    def step(self, step: int, slots: list[dict]) -> dict:
+    def step(self, step: int, slots: list[dict], skip=()) -> dict:
+        """Reduce the slots not in `skip` (micro-batches refused as non-finite), check, clip, step.
+
+        The reduced gradient is checked before anything is applied: a NaN/inf in any slot makes its sum
+        non-finite, so one pass catches a slot nobody reported (NonFiniteError, parameters untouched)."""
+        live = [s for k, s in enumerate(slots) if k not in skip]
+        if not live:  # every micro-batch refused: nothing to apply, the schedule still moves on
+            self.schedule.apply(self.job.lr_factor(step))
+            return {"lr": float(self.opt.lr_holders()[0].lr), "grad_norm": 0.0}
         for name, t in self.named:
-            t.grad = reduce_in_order(slots, name)
+            t.grad = reduce_in_order(live, name)
+        bad = first_nonfinite(0.0, {name: t.grad for name, t in self.named})
+        if bad is not None:
+            ks = [k for k, s in enumerate(slots) if k not in skip and first_nonfinite(0.0, {bad: s[bad]})]
+            self.opt.zero_grad()
+            raise NonFiniteError(f"optimizer step {step + 1}: the gradient of {bad} is not finite (micro-batch(es) "
+                                 f"{ks}); nothing was applied")
         clip = getattr(self.job.spec, "clip", 0.0)
         norm = self.opt.clip_grad_norm(clip) if clip > 0 else grad_norm(self.opt)
         self.schedule.apply(self.job.lr_factor(step))

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 import os
 import threading
 import time
@@ -47,8 +48,8 @@ from ..jobs.spec import to_dict
 from . import ckpt
 from .metrics import MetricsLog, plot_run
 from .ckpt import checkpoint_dir
-from .roles import checkpoint_due
-from .remote import FrameError, SegmentViews, from_frames, to_frames
+from .roles import checkpoint_due, first_nonfinite, nonfinite_message
+from .remote import FrameError, SegmentViews, chunk_sizes, from_frames, np_nbytes, to_frames
 from .shm import Registry, run_prefix
 from .transport import LIVENESS_S, Liveness, Publisher, RouterSocket, ServerContext, process_exited
 
@@ -57,6 +58,8 @@ START_GRACE_S = 120.0  # how long to wait for every requested trainer before sta
 ROLE_WAIT_S = 300.0    # how long a run may lack a role (a respawn under load takes seconds) before it fails
 PID_CHECK_S = 0.1      # how often the pids of local workers are checked
 DROP_LOG_S = 1.0       # refused messages are logged at most once a second (with a count): a flood is not a log
+STOP_WAIT_S = 60.0     # a run stopped by a NaN first lets the checkpoints of its good steps commit, this long
+MAX_STRIKES = 3        # bad answers (frames that do not fit, a NaN another trainer contradicts) before eviction
 # the results each role may send; anything else from it is dropped
 RESULTS = {"loaded": ("loader",), "grad_done": ("trainer",), "ready": ("optimizer",), "stepped": ("optimizer",),
            "snapshot_ready": ("optimizer",), "committed": ("checkpointer",),
@@ -74,11 +77,25 @@ class Peer:
     task: tuple | None = None   # (gen, step, k) for trainers, (step,) for the checkpointer
     remote: bool = False        # a trainer fed by buffer frames instead of shared memory
     shipped: tuple | None = None  # (gen, version) of the parameters a remote trainer holds
+    strikes: int = 0            # bad answers so far; MAX_STRIKES evicts it
     born: float = field(default_factory=time.monotonic)
 
 
 class RunFailed(FucinaError):
     pass
+
+
+def fault(run_dir, point: str, step: int):
+    """FUCINA_FAULT=scheduler:POINT:STEP SIGKILLs the scheduler once there (tests; see worker.Worker.fault)."""
+    if f"scheduler:{point}:{step}" not in os.environ.get("FUCINA_FAULT", "").split(","):
+        return
+    marker = os.path.join(run_dir, f"fault-scheduler-{point}-{step}.fired")
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    import signal
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Scheduler:
@@ -91,7 +108,7 @@ class Scheduler:
         self.trainers_wanted, self.resume, self.log = trainers, resume, log
         self.M = job.micro_batches
         self.server = ServerContext(key)  # on tcp://, admits only the run's worker key
-        self.router = RouterSocket(endpoints.control, self.server.ctx, key)
+        self.router = RouterSocket(endpoints.control, self.server.ctx, key, *self.buffer_limits())
         self.pub = Publisher(endpoints.events, self.server.ctx, key)
         self.liveness = Liveness(liveness_s)
         self.role_wait_s = role_wait_s
@@ -122,9 +139,19 @@ class Scheduler:
         self.summary = None
         self.finishing = None  # the thread running job.finish, while the loop keeps answering heartbeats
         self.views = None            # attached segments, once a remote trainer needs them
+        self.on_nonfinite = getattr(job.spec, "on_nonfinite", "stop")
+        self.suspects: dict[tuple, set] = {}  # (gen, step, k) -> remote trainers whose answer was non-finite
+        self.nonfinite_skipped = 0
+        self.evicted = 0
+        self.stopping = None  # ((step, k, worker, tensor), deadline): a non-finite value stops the run
         self.t_start = time.monotonic()
 
     # --- wiring ------------------------------------------------------------
+    def buffer_limits(self) -> tuple[int, int]:
+        """(frames, bytes) after a body: the only message that carries any is a remote trainer's gradient."""
+        sizes = [n for _, shape, dtype in self.job.param_layout() for n in chunk_sizes(np_nbytes(shape, dtype))]
+        return len(sizes), sum(sizes)
+
     def run_description(self):
         return {"run_id": self.run_id, "run_dir": os.path.abspath(self.run_dir), "job": self.job.name,
                 "spec": to_dict(self.job.spec), "endpoints": self.endpoints.to_wire(), "trainers": self.trainers_wanted,
@@ -153,9 +180,7 @@ class Scheduler:
             while self.summary is None:
                 got = self.router.recv(20)
                 while got is not None:
-                    identity, msg = got
-                    if msg is not None:
-                        self.handle(identity, msg)
+                    self.handle(*got)
                     got = self.router.recv(0)
                 self.check_peers()
                 self.pump()
@@ -194,7 +219,11 @@ class Scheduler:
                                 f"`fucina launch` re-spawns lost workers, under honcho start one with "
                                 f"python -m workers.{role} --run-dir {self.run_dir})")
 
-    def handle(self, identity: bytes, msg: dict):
+    def handle(self, identity: bytes, msg: dict | None):
+        if msg is None:  # undecodable (logged by messages.decode), or refused unread for its size
+            if self.router.refused:
+                self.oversized(identity, self.router.refused)
+            return
         kind = msg["kind"]
         if kind == "heartbeat":
             peer = self.by_identity_of(msg["worker"])
@@ -219,6 +248,18 @@ class Scheduler:
             return
         self.liveness.beat(peer.id)
         getattr(self, f"on_{kind}")(peer, msg)
+
+    def oversized(self, identity, what):
+        """More frames or bytes than any message of this run needs: no honest peer sends that. Evicted at once."""
+        peer = self.by_identity.get(identity)
+        if peer is None:
+            return
+        self.log(f"[scheduler] refused {what} from {peer.id}")
+        if self.peers.get(peer.id) is peer:
+            self.evicted += 1
+            self.lost(peer.id, f"evicted: it sent {what}", evict=True)
+        else:
+            self.drop_queued(peer, f"it sent {what}")
 
     def by_identity_of(self, wid):
         """The peer (holding or queued) named `wid`, or None."""
@@ -321,14 +362,53 @@ class Scheduler:
             if current:
                 self.grads.pop(msg["k"], None)  # re-queue
             return
-        if peer.remote:
+        k = msg["k"]
+        bad = msg.get("nonfinite") or (None if math.isfinite(msg["loss"]) else "loss")
+        if peer.remote and bad is None:
             try:
-                from_frames(self.router.buffers, self.grad_slot(msg["k"]))
+                from_frames(self.router.buffers, self.grad_slot(k))
             except FrameError as e:
-                self.grads.pop(msg["k"], None)  # re-queue: another trainer runs it
-                return self.drop(peer, msg, f"its gradient frames do not fit slot {msg['k']}: {e}")
+                self.grads.pop(k, None)  # re-queue: another trainer runs it
+                self.drop(peer, msg, f"its gradient frames do not fit slot {k}: {e}")
+                return self.strike(peer, f"gradient frames that do not fit the layout ({e})")
+            bad = first_nonfinite(0.0, dict(zip(self.grad_names(), self.grad_slot(k))))  # what it sent, checked here
+        if bad is not None:
+            return self.nonfinite(peer, k, bad)
+        for wid in self.suspects.pop((self.gen, self.cur, k), ()):  # its NaN was the peer's, not the batch's
+            if wid in self.peers:
+                self.strike(self.peers[wid], f"a non-finite gradient for step {self.cur + 1} micro-batch {k} that "
+                                             f"{peer.id} computed finite")
         self.role_ms["trainer"] += msg["ms"]
-        self.grads[msg["k"]] = ("done", msg["loss"], msg["rows"])
+        self.grads[k] = ("done", msg["loss"], msg["rows"])
+
+    def nonfinite(self, peer, k, tensor):
+        """A NaN/inf answer for micro-batch k: never applied. A remote trainer's is first re-run on another
+        trainer (a bad peer is not a bad batch); a local trainer's, or one a second trainer confirms, is the
+        batch's: stop the run (default) or leave micro-batch k out of the step (--on-nonfinite skip)."""
+        key = (self.gen, self.cur, k)
+        seen = self.suspects.setdefault(key, set())
+        seen.add(peer.id)
+        others = [p for p in self.role("trainer") if p.id not in seen]
+        if peer.remote and len(seen) == 1 and others:
+            self.grads.pop(k, None)
+            self.event("nonfinite_recheck", step=self.cur + 1, k=k, worker=peer.id, tensor=tensor)
+            return
+        self.suspects.pop(key, None)
+        if self.on_nonfinite != "skip":  # stop, once the good steps' checkpoints in flight are committed
+            self.event("nonfinite", step=self.cur + 1, k=k, worker=peer.id, tensor=tensor)
+            if self.stopping is None:
+                self.stopping = ((self.cur, k, peer.id, tensor), time.monotonic() + STOP_WAIT_S)
+            return
+        self.grads[k] = ("skipped", 0.0, 0)
+        self.nonfinite_skipped += 1
+        self.event("nonfinite_skipped", step=self.cur + 1, k=k, worker=peer.id, tensor=tensor)
+
+    def strike(self, peer, why):
+        """One more bad answer from `peer`; at MAX_STRIKES it is evicted (told to go, not to come back)."""
+        peer.strikes += 1
+        if peer.strikes >= MAX_STRIKES and self.peers.get(peer.id) is peer:
+            self.evicted += 1
+            self.lost(peer.id, f"evicted after {peer.strikes} bad answers, the last: {why}", evict=True)
 
     def on_stepped(self, peer, msg):
         if msg["gen"] != self.gen or not self.optimizer_busy or msg["step"] != self.cur + 1:
@@ -339,18 +419,23 @@ class Scheduler:
         step_s = now - self.last_step_t
         self.last_step_t = now
         loss = self.losses[done]
+        skipped = sorted(k for k, v in self.grads.items() if v[0] == "skipped")
         record = {"loss": loss, "lr": msg["lr"], "grad_norm": msg["grad_norm"],
                   "tokens_per_s": self.job.rows_per_step() * self.job.tokens_per_row() / max(step_s, 1e-9),
                   "step_ms": step_s * 1e3, "roles": {k: round(v, 3) for k, v in self.role_ms.items()}}
         if "eval" in msg:
             record["eval"], record["eval_name"] = msg["eval"], self.job.eval_name
+        if skipped:
+            record["skipped"] = skipped
         self.role_ms = dict.fromkeys(self.role_ms, 0.0)
         self.pub.publish("metrics", done, total=self.job.steps, **record)
         self.metrics.write({"kind": "metrics", "step": done, **record})
         self.cur, self.optimizer_busy, self.grads = done, False, {}
         self.loads = {key: v for key, v in self.loads.items() if key[0] >= done}
+        self.suspects = {key: v for key, v in self.suspects.items() if key[0] == self.gen and key[1] >= done}
         if checkpoint_due(self.job, done):
             self.ask_snapshot(peer, done)
+        fault(self.run_dir, "step", done)
 
     def ask_snapshot(self, optimizer, step):
         self.snapshots_asked.add((self.gen, step))
@@ -376,7 +461,8 @@ class Scheduler:
         self.event("checkpoint_committed", step=step, path=fields["dir"], ms=round(msg["ms"], 1))
 
     # --- faults ------------------------------------------------------------
-    def lost(self, wid, why):
+    def lost(self, wid, why, evict=False):
+        """`evict`: a peer refused for its answers - told to shut down without asking for a replacement."""
         peer = self.peers.pop(wid, None)
         if peer is None:
             queued = self.by_identity_of(wid)
@@ -386,8 +472,9 @@ class Scheduler:
         self.liveness.forget(wid)
         self.by_identity.pop(peer.identity, None)
         if why != "left":  # it may still be running (silent, not dead): tell it to make way
-            self.router.send(peer.identity, "shutdown", reason=f"declared lost: {why}", replace=True)
-        self.event("worker_lost", worker=wid, role=peer.role, reason=why)
+            self.router.send(peer.identity, "shutdown", reason=f"declared lost: {why}", **({} if evict else
+                                                                                          {"replace": True}))
+        self.event("worker_evicted" if evict else "worker_lost", worker=wid, role=peer.role, reason=why)
         if peer.role == "trainer":
             for k, v in list(self.grads.items()):
                 if v[0] == "issued" and v[1] == wid:
@@ -426,6 +513,12 @@ class Scheduler:
             self.writes_inflight[step] = (checkpointer.id, fields)
             checkpointer.task = (step,)
             self.send(checkpointer, "write", step, **fields)
+        if self.stopping is not None:
+            (step, k, worker, tensor), deadline = self.stopping
+            outstanding = [s for g, s in self.snapshots_asked if g == self.gen and s not in self.committed_steps]
+            if not outstanding or time.monotonic() > deadline:
+                raise RunFailed(nonfinite_message(step, k, worker, tensor, self.run_dir))
+            return
         if not self.started:
             have = {r: len(self.role(r)) for r in (*SINGLETONS, "trainer")}
             enough = all(have[r] for r in SINGLETONS) and have["trainer"] >= 1
@@ -458,18 +551,27 @@ class Scheduler:
             if not idle:
                 break
             if k not in self.grads and self.loads.get((self.cur, k)) == "done":
-                peer = idle.pop(0)
+                seen = self.suspects.get((self.gen, self.cur, k), ())
+                # a non-finite answer is re-run by another trainer; only when none is left, by the same one
+                fresh = [p for p in idle if p.id not in seen]
+                if not fresh and any(p.id not in seen for p in trainers):
+                    continue
+                peer = (fresh or idle)[0]
+                idle.remove(peer)
                 peer.task = (self.gen, self.cur, k)
                 self.grads[k] = ("issued", peer.id)
                 self.send_grad(peer, k)
         if (optimizer and not self.optimizer_busy and len(self.grads) == self.M
-                and all(v[0] == "done" for v in self.grads.values())):
+                and all(v[0] in ("done", "skipped") for v in self.grads.values())):
             loss = 0.0
+            skip = [k for k in range(self.M) if self.grads[k][0] == "skipped"]
             for k in range(self.M):  # the step's loss, summed in micro-batch order
-                loss += self.grads[k][1]
-            self.losses[self.cur + 1] = loss
+                if k not in skip:
+                    loss += self.grads[k][1]
+            self.losses[self.cur + 1] = None if len(skip) == self.M else loss
             self.optimizer_busy = True
-            self.send(optimizer, "step", self.cur, gen=self.gen, micro_batches=self.M)
+            self.send(optimizer, "step", self.cur, gen=self.gen, micro_batches=self.M,
+                      **({"skip": skip} if skip else {}))
 
     def send_grad(self, peer, k):
         """A grad task: descriptors for a local trainer; for a remote one the frames it cannot map."""
@@ -493,7 +595,10 @@ class Scheduler:
     def grad_slot(self, k) -> list:
         """The views of gradient slot k in parameter order (what a remote trainer's frames fill)."""
         grads = self.views.tensors(self.descs["grads"])
-        return [grads[f"{k}/{name}"] for name, _, _ in self.job.param_layout()]
+        return [grads[f"{k}/{name}"] for name in self.grad_names()]
+
+    def grad_names(self) -> list:
+        return [name for name, _, _ in self.job.param_layout()]
 
     def maybe_finish(self):
         final = self.job.steps
@@ -530,6 +635,8 @@ class Scheduler:
                         "steps": final, "final_loss": self.losses.get(final),
                         "params_sha256": ckpt.params_sha256(params), "checkpoint": os.path.abspath(path),
                         "run_dir": os.path.abspath(self.run_dir), "restarts": self.restarts,
+                        **({"nonfinite_skipped": self.nonfinite_skipped} if self.nonfinite_skipped else {}),
+                        **({"evicted": self.evicted} if self.evicted else {}),
                         "elapsed_s": round(time.monotonic() - self.t_start, 3), **extras}
         try:
             self.summary["plot"] = plot_run(self.run_dir)

@@ -37,6 +37,7 @@ log = logging.getLogger("fucina.transport")
 SOCKET_DIR = "sockets"   # RUN_DIR/sockets/: the binder makes it 0700
 HEARTBEAT_S = 0.25       # how often both sides beat
 LIVENESS_S = 5.0         # silence after which a peer is declared dead
+RCVHWM = 64              # complete messages queued per connection at the ROUTER before ZeroMQ stops reading it
 
 
 @dataclass(frozen=True)
@@ -95,12 +96,21 @@ class RouterSocket:
     On tcp:// the caller must also run an authenticator on `ctx` (security.start_authenticator);
     without one CURVE would admit any client that knows the server's public key."""
 
-    def __init__(self, endpoint: str, ctx=None, key=None):
+    def __init__(self, endpoint: str, ctx=None, key=None, max_buffers=None, max_buffer_bytes=None):
         self.ctx = ctx or zmq.Context.instance()
         self.sock = _socket(self.ctx, zmq.ROUTER)
+        self.sock.setsockopt(zmq.RCVHWM, RCVHWM)
         self.buffers = []
+        self.refused = None  # why the last message was refused unread (over the buffer limits), else None
+        self.limit(max_buffers, max_buffer_bytes)
         _bind(self.sock, endpoint, key)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def limit(self, max_buffers: int, max_buffer_bytes: int):
+        """The most buffer frames (and bytes in them) one message may carry: what the largest legitimate
+        message of this run needs (a remote trainer's gradient, remote.py). A message over either is
+        refused before anything reads it, and its frames are released at once. None: no limit (benches)."""
+        self.max_buffers, self.max_buffer_bytes = max_buffers, max_buffer_bytes
 
     def send(self, identity: bytes, kind: str, step: int = 0, buffers=(), **fields):
         """`buffers`: tensor frames after the body (remote.py), sent without copying them."""
@@ -113,10 +123,20 @@ class RouterSocket:
         self.buffers = []
         if not self.sock.poll(timeout_ms):
             return None
+        self.refused = None
         frames = self.sock.recv_multipart(copy=False)
         if len(frames) < 2:
             log.warning("dropped a control message with %d frames (want identity + body)", len(frames))
             return frames[0].bytes, None
+        extra = len(frames) - 2
+        size = sum(len(f) for f in frames[2:]) if extra else 0  # lengths only: no byte is read
+        if self.max_buffers is not None and (extra > self.max_buffers or size > self.max_buffer_bytes):
+            self.refused = (f"a message with {extra} buffer frames of {size} bytes (this run's largest "
+                            f"needs {self.max_buffers} frames, {self.max_buffer_bytes} bytes)")
+            log.warning("dropped %s", self.refused)
+            identity = frames[0].bytes
+            del frames  # release the message now, not at the next recv
+            return identity, None
         self.buffers = [f.buffer for f in frames[2:]]
         return frames[0].bytes, messages.decode(frames[1].bytes)
 

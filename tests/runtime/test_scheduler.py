@@ -83,8 +83,7 @@ def spin(sched, fakes, seconds=0.3):
                 f.drain()
         got = sched.router.recv(10)
         while got is not None:
-            if got[1] is not None:
-                sched.handle(*got)
+            sched.handle(*got)
             got = sched.router.recv(0)
         sched.check_peers()
         sched.pump()

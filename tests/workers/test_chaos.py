@@ -1,7 +1,8 @@
-"""Chaos: 20 runs across the jobs, each with one worker SIGKILLed at a random step; the same sha256 every time.
+"""Chaos: 20 runs across the jobs, each with one process SIGKILLed at a random step; the same sha256 every time.
 
 The jobs are the trainer plan's (spirals, lm: `fucina launch`, any role is a victim) and the ES task kind's
-(es-spirals, es-finetune: their own commands, the victim is an es_member).
+(es-spirals, es-finetune: their own commands, the victim is an es_member); in both the scheduler is a victim
+too (the launcher restarts it from the last committed checkpoint).
 
 The run, role and moment are drawn from a seeded generator (CHAOS_SEED), so a failure names a run that can
 be replayed exactly. After every run: the final digest equals the in-process reference of that job, no
@@ -64,7 +65,8 @@ def plan():
     out = []
     for i in range(RUNS):
         job = names[i % len(names)]
-        role = "es_member" if job in ES_JOBS else rnd.choice(["trainer", "loader", "optimizer", "checkpointer"])
+        roles = ["es_member"] if job in ES_JOBS else ["trainer", "loader", "optimizer", "checkpointer"]
+        role = rnd.choice([*roles, "scheduler"])  # the launcher restarts a killed scheduler from its checkpoint
         out.append((i, job, role, rnd.randrange(1, STEPS[job] // 2), round(rnd.uniform(0, 0.3), 3)))
     return out
 

@@ -187,3 +187,18 @@ def test_a_long_job_finish_keeps_the_workers_alive(tmp_path):
     assert out["respawns"] == 0
     with open(os.path.join(tmp_path, "workers.log"), errors="replace") as fh:
         assert "no heartbeat" not in fh.read()
+
+
+@pytest.mark.slow
+def test_a_killed_scheduler_is_restarted_from_the_checkpoint_and_the_run_ends_on_the_same_bits(tmp_path, reference):
+    """SIGKILL of the scheduler at step 30 (checkpoint 20 committed): the launcher restarts it resuming
+    from checkpoint-step-20, the workers are started again and join it; the bits are the uninterrupted run's."""
+    out = launch("spirals", tmp_path, "--trainers", "2", *FLAGS, FUCINA_FAULT="scheduler:step:30")
+    assert out["params_sha256"] == reference["params_sha256"]
+    assert out["scheduler_restarts"] == 1
+    with open(os.path.join(tmp_path, "workers.log"), errors="replace") as fh:
+        said = fh.read()
+    assert "launch: the scheduler exited with status -9; restarting it" in said
+    assert said.split("restarting it", 1)[1].split("\n", 1)[0].endswith("checkpoint-step-20")
+    assert len(events(tmp_path, "run_started")) == 2
+    assert shm.run_segments(run_id(tmp_path)) == []

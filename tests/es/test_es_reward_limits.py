@@ -167,3 +167,14 @@ def test_a_tie_is_in_the_runtime_metrics(tmp_path, capsys):
     recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
     [rec] = [r for r in recs if r.get("kind") == "es_metrics"]
     assert rec["tied"] is True and rec["reward_min"] == rec["reward_max"] == 1.0
+
+
+def test_a_reward_raising_in_a_member_process_ends_the_run_rc2_naming_it(tmp_path, capsys):
+    f = tmp_path / "member_only.py"  # FUCINA_REWARD_FILES is set only for the members es-finetune spawns
+    f.write_text("import os\ndef reward(prompt, completion, reference):\n"
+                 "    if os.environ.get('FUCINA_REWARD_FILES'):\n        raise ValueError('bad in member')\n"
+                 "    return 1.0\n")
+    rc, _, err = _run(capsys, "--iterations", "1", "--reward", f"{f}:reward", "--workers", "1",
+                      "--out", str(tmp_path / "run"))
+    assert rc == 2 and "Traceback" not in err
+    assert f"reward function {f}:reward raised ValueError: bad in member on sample 0" in err

@@ -116,10 +116,11 @@ def add_arguments(p):
                                                        "stderr)")
 
 
-def add_reward_arguments(p, default_help="nll (default; -mean CE of the reference responses), "):
+def add_reward_arguments(p, default_help="nll (default; -mean CE of the reference responses), ",
+                         what="what a member is scored by: "):
     """--reward (repeatable, SPEC[@WEIGHT]) and --reward-timeout: shared with `fucina eval`."""
     p.add_argument("--reward", default=None, metavar="SPEC[@W]", action="append",
-                   help="what a member is scored by: " + default_help + "exact "
+                   help=what + default_help + "exact "
                         "(greedy answer == reference after normalisation), countdown (the --task countdown checker), "
                         "rule:format, rule:length=LO,HI, rule:regex=PATTERN, or PATH.py:FUNC (your function "
                         "reward(prompt, completion, reference) -> float). Generation rewards decode greedily up to "

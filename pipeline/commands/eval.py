@@ -8,6 +8,7 @@ numbers as one process. The evaluation itself is pipeline/es/evaluate.py.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -34,7 +35,8 @@ def add_arguments(p):
                         "(its latest committed checkpoint-step-N); an es-finetune --search full checkpoint too")
     add_data_arguments(p)
     add_chat_template_argument(p)
-    add_reward_arguments(p, default_help="countdown for --task countdown (default), ")
+    add_reward_arguments(p, default_help="countdown for --task countdown (default), ",
+                         what="what an answer is scored by (required with --data): ")
     p.add_argument("--task", choices=("countdown",), default=None,
                    help="a built-in task instead of --data: countdown = reach a target from numbers with + - * /")
     p.add_argument("--task-seed", type=int, default=7,
@@ -52,14 +54,9 @@ def add_arguments(p):
                    help="items decoded together per pass (memory: B KV caches; the numbers do not depend on it)")
     p.add_argument("--workers", type=int, default=0, metavar="W",
                    help="score the items in W processes (contiguous shards; 0 = this process); same numbers")
-    p.add_argument("--shard", default=None, metavar="LO:HI", help=argparse_suppress())
+    p.add_argument("--shard", default=None, metavar="LO:HI", help=argparse.SUPPRESS)  # a --workers child's part
     add_threads_flag(p, 1, "this process and of each worker")
     p.add_argument("--json", action="store_true", help="print one JSON line on stdout (progress goes to stderr)")
-
-
-def argparse_suppress():
-    import argparse
-    return argparse.SUPPRESS
 
 
 def _check_args(args):

@@ -125,7 +125,7 @@ def add_reward_arguments(p, default_help="nll (default; -mean CE of the referenc
                         "rule:format, rule:length=LO,HI, rule:regex=PATTERN, or PATH.py:FUNC (your function "
                         "reward(prompt, completion, reference) -> float). Generation rewards decode greedily up to "
                         "--max-new-tokens, stopping at the GGUF's end-of-generation tokens. Give --reward several "
-                        "times, each optionally SPEC@WEIGHT (default weight 1), to score the weighted sum, e.g. "
+                        "times, each optionally SPEC@WEIGHT (weight 1 when not given), to score the weighted sum, e.g. "
                         "--reward 'rule:regex=<answer>@0.2' --reward countdown (format credit + correctness)")
     p.add_argument("--reward-timeout", type=float, default=10.0, metavar="S",
                    help="seconds one call of a PATH.py:FUNC reward may take before the run stops with an error "

@@ -36,12 +36,12 @@ def add_arguments(p):
     add_data_arguments(p)
     add_chat_template_argument(p)
     add_reward_arguments(p, default_help="countdown for --task countdown (default), ",
-                         what="what an answer is scored by (required with --data): ")
+                         what="what an answer is scored by (needed with --data): ")
     p.add_argument("--task", choices=("countdown",), default=None,
                    help="a built-in task instead of --data: countdown = reach a target from numbers with + - * /")
     p.add_argument("--task-seed", type=int, default=7,
-                   help="seed of the built-in task's problem set (default 7: not es-finetune's default 0, so the "
-                        "held-out problems are not the ones trained on)")
+                   help="seed of the built-in task's problem set (default 7, where es-finetune's is 0: "
+                        "held-out problems unless you ask for the trained ones)")
     p.add_argument("--task-numbers", type=int, default=N_NUMBERS, metavar="N",
                    help=f"countdown: numbers per problem, 2..6 (default {N_NUMBERS})")
     p.add_argument("--task-max-number", type=int, default=MAX_NUMBER, metavar="M",

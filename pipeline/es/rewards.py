@@ -343,9 +343,9 @@ def tie_message(spec: str, value: float, population: int, iteration: int, sigma:
     if "countdown" in names:
         advice.insert(0, "an easier task (--task-numbers 2 --task-max-number 9)")
     if len(names) == 1:
+        example = "'rule:regex=<answer>@0.2'" if "countdown" in names else "'rule:length=1,40@0.2'"
         advice.insert(1 if "countdown" in names else 0,
-                      "a partial-credit reward composed in (e.g. --reward 'rule:regex=<answer>@0.2' "
-                      f"--reward {names[0]})")
+                      f"a partial-credit reward composed in (e.g. --reward {example} --reward {names[0]})")
     return (f"iteration {iteration}: all {population} members scored {describe(spec)} = {value:.6g}; {step}. "
             f"Try {', '.join(advice[:-1])} or {advice[-1]}")
 

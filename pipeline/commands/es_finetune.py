@@ -62,12 +62,7 @@ def add_arguments(p):
     p.add_argument("--noise", choices=("iid", "correlated"), default=None, help="noise scheme (default iid)")
     p.add_argument("--batch", type=int, default=None, help="samples every member scores per iteration (default 5: the "
                                                            "whole pirate set)")
-    p.add_argument("--reward", default=None, metavar="SPEC",
-                   help="what a member is scored by: nll (default; -mean CE of the reference responses), exact "
-                        "(greedy answer == reference after normalisation), countdown (the --task countdown checker), "
-                        "rule:format, rule:length=LO,HI, rule:regex=PATTERN, or PATH.py:FUNC (your function "
-                        "reward(prompt, completion, reference) -> float). Generation rewards decode greedily up to "
-                        "--max-new-tokens, stopping at the GGUF's end-of-generation tokens")
+    add_reward_arguments(p)
     p.add_argument("--task", choices=("countdown",), default=None,
                    help="a built-in task instead of --data: countdown = reach a target from 4 numbers with + - * / "
                         "(default reward: countdown)")
@@ -121,6 +116,23 @@ def add_arguments(p):
                                                        "stderr)")
 
 
+def add_reward_arguments(p, default_help="nll (default; -mean CE of the reference responses), ",
+                         what="what a member is scored by: "):
+    """--reward (repeatable, SPEC[@WEIGHT]) and --reward-timeout: shared with `fucina eval`."""
+    p.add_argument("--reward", default=None, metavar="SPEC[@W]", action="append",
+                   help=what + default_help + "exact "
+                        "(greedy answer == reference after normalisation), countdown (the --task countdown checker), "
+                        "rule:format, rule:length=LO,HI, rule:regex=PATTERN, or PATH.py:FUNC (your function "
+                        "reward(prompt, completion, reference) -> float). Generation rewards decode greedily up to "
+                        "--max-new-tokens, stopping at the GGUF's end-of-generation tokens. Give --reward several "
+                        "times, each optionally SPEC@WEIGHT (weight 1 when not given), to score the weighted sum, e.g. "
+                        "--reward 'rule:regex=<answer>@0.2' --reward countdown (format credit + correctness)")
+    p.add_argument("--reward-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds one call of a PATH.py:FUNC reward may take before the run stops with an error "
+                        "naming it (0: no limit); its printed output is captured, at most 4096 characters per call "
+                        "passed on to stderr")
+
+
 def _check_args(args):
     for flag, value, low in (("--iterations", args.iterations, 0), ("--seq-max", args.seq_max, 1),
                              ("--save-every", args.save_every, 0), ("--max-new-tokens", args.max_new_tokens, 0),
@@ -140,10 +152,19 @@ def _check_args(args):
         raise UserError(f"--task-size must be >= 1, got {args.task_size}")
     if args.task == "countdown":
         check_difficulty(args.task_numbers, args.task_max_number)
+    check_reward_args(args)
+
+
+def check_reward_args(args):
+    """The --reward / --task combinations that cannot work, refused before any model is loaded."""
+    from ..es.rewards import split_specs
+    if getattr(args, "reward_timeout", 0) < 0:
+        raise UserError(f"--reward-timeout must be >= 0, got {args.reward_timeout}")
     reward = reward_spec(args)
-    if reward == "countdown" and args.task != "countdown":
+    names = [part for part, _, _ in split_specs(reward)]
+    if "countdown" in names and args.task != "countdown":
         raise UserError("--reward countdown checks Countdown problems: use it with --task countdown")
-    if reward == "exact" and args.task == "countdown":
+    if "exact" in names and args.task == "countdown":
         raise UserError("--reward exact compares with reference answers; a Countdown problem has many: "
                         "use --reward countdown")
     if reward != "nll" and args.max_new_tokens < 1:
@@ -159,7 +180,11 @@ def _countdown_source(args) -> str:
 
 
 def reward_spec(args) -> str:
-    if args.reward is not None:
+    """The --reward value(s) as one spec string (several joined by SPEC_SEP), or the task's default."""
+    from ..es.rewards import join_specs
+    if isinstance(args.reward, (list, tuple)):
+        return join_specs(args.reward)
+    if args.reward:
         return args.reward
     return "countdown" if args.task == "countdown" else "nll"
 
@@ -255,7 +280,8 @@ def build(args, log):
         items = _items(pairs, encoder, template, options)
         if args.task == "countdown":
             items = [replace(item, reference=t.reference) for item, t in zip(items, tasks)]
-        scorer = GenerationScorer(items, reward, template.stop_ids, args.max_new_tokens).bind(args.model, tokenizer)
+        scorer = GenerationScorer(items, reward, template.stop_ids, args.max_new_tokens,
+                                  timeout=args.reward_timeout).bind(args.model, tokenizer)
     if settings["search"] == "full" and args.workers and not getattr(args, "inprocess", False):
         raise UserError("--search full scores members in this process: drop --workers")
     run = ESFinetune(trainer, samples, loader, es_config, batch=settings["batch"], search=settings["search"],
@@ -309,6 +335,7 @@ def spec_of(args) -> dict:
     for f in dataclasses.fields(ESFinetuneSpec):
         value = settings[f.name] if f.name in ES_DEFAULTS else getattr(args, f.name)
         fields[f.name] = _OPTIONAL[f.name] if f.name in _OPTIONAL and value is None else value
+    fields["reward"] = reward_spec(args) if args.reward else ""  # several --reward flags travel as one string
     fields["es_seed"] = settings["seed"]  # the resolved noise seed (settings' "seed"; the spec's seed is the run's)
     fields["anchor_lambda"] = fields["anchor_lambda"] or 0.0
     return fields
@@ -338,6 +365,7 @@ def _bar(done, total, width=20):
 
 def _train(args, log, es_run, tokenizer, encoder, template, pairs, options, run_config):
     from ..es.finetune import batch_loss
+    from ..es.rewards import describe
     from ..runtime.ckpt import params_sha256
     from ..llm.finetune import adapters_sha256
 
@@ -349,7 +377,8 @@ def _train(args, log, es_run, tokenizer, encoder, template, pairs, options, run_
         f"{cfg.population}{' antithetic' if cfg.antithetic else ''}, sigma {cfg.sigma:g}, alpha {cfg.alpha:g}, "
         f"{cfg.shaping}, noise {cfg.noise}, seed {cfg.seed}"
         f"{f', anchor {cfg.anchor_decay} lambda {cfg.anchor_lambda:g}' if cfg.anchor_decay else ''}; "
-        f"{len(pairs)} {'problems' if args.task else 'pairs'}, batch {es_run.batch}, reward {run_config['reward']}; "
+        f"{len(pairs)} {'problems' if args.task else 'pairs'}, batch {es_run.batch}, "
+        f"reward {describe(run_config['reward'])}; "
         f"{f'{args.workers} es_member processes on the runtime' if args.workers else 'in-process'}")
     prompt = args.prompt or pairs[0].instruction
     before = _answer(trainer, tokenizer, encoder, template, prompt, options, args.max_new_tokens)
@@ -366,6 +395,10 @@ def _train(args, log, es_run, tokenizer, encoder, template, pairs, options, run_
     iterate = _iterate_on_runtime if args.workers else _iterate_inprocess
     rewards, reward_stats = iterate(args, log, es_run, run_config)
     elapsed = time.perf_counter() - t_start
+    tied = [first + 1 + i for i, st in enumerate(reward_stats) if st["min"] == st["max"]]
+    if tied:
+        log(f"{len(tied)} of {len(reward_stats)} iterations had every member tie (iterations "
+            f"{_ranges(tied)}): no learning signal in them")
     final_loss = batch_loss(trainer, eval_set)
     after = _answer(trainer, tokenizer, encoder, template, prompt, options, args.max_new_tokens)
     log(f"AFTER   {prompt!r} -> {after!r}")
@@ -389,7 +422,8 @@ def _train(args, log, es_run, tokenizer, encoder, template, pairs, options, run_
                           "iterations": es_run.iteration, "adapters_sha256": adapters_sha256(trainer),
                           "searched_sha256": params_sha256(es_run.es.named_arrays()),
                           "reward": run_config["reward"], "reward_means": rewards, "reward_stats": reward_stats,
-                          **rewards_summary, "ms_per_iteration": 1e3 * elapsed / done if done else None,
+                          "tied_iterations": tied, **rewards_summary,
+                          "ms_per_iteration": 1e3 * elapsed / done if done else None,
                           "member_evals_per_s": done * cfg.population / elapsed if done else None}))
     return 0
 
@@ -398,6 +432,27 @@ def _iteration_line(args, it, first, stats, dt, population):
     return (f"iter {it:4d}/{args.iterations}  reward {stats['reward_mean']:9.4f} (std {stats['reward_std']:.4f}, "
             f"min {stats['reward_min']:9.4f}, max {stats['reward_max']:9.4f})  {dt * 1e3:7.0f} ms  "
             f"{population / dt:6.1f} member-evals/s  {_bar(it - first, args.iterations - first)}")
+
+
+def _ranges(values) -> str:
+    """[1, 2, 3, 5] -> '1-3, 5'."""
+    out, start = [], None
+    for i, v in enumerate(values):
+        if start is None:
+            start = v
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            out.append(str(start) if start == v else f"{start}-{v}")
+            start = None
+    return ", ".join(out)
+
+
+def _report_tie(log, es_run, run_config, it, stats):
+    """A population whose members all scored the same gives ES nothing to learn from: say so, and what to try."""
+    if stats["reward_min"] != stats["reward_max"]:
+        return
+    from ..es.rewards import tie_message
+    cfg = es_run.es.config
+    log(tie_message(run_config["reward"], stats["reward_min"], cfg.population, it, cfg.sigma, cfg.shaping))
 
 
 def _iterate_inprocess(args, log, es_run, run_config):
@@ -411,6 +466,7 @@ def _iterate_inprocess(args, log, es_run, run_config):
         reward_stats.append({k: stats[f"reward_{k}"] for k in ("mean", "std", "min", "max")})
         it = es_run.iteration
         log(_iteration_line(args, it, first, stats, dt, es_run.es.config.population))
+        _report_tie(log, es_run, run_config, it, stats)
         if args.save_every and it % args.save_every == 0 and it < args.iterations:
             from ..runtime.ckpt import checkpoint_dir
             es_run.save(checkpoint_dir(args.save, it), run_config)
@@ -446,4 +502,5 @@ def _iterate_on_runtime(args, log, es_run, run_config):
             rewards.append(rec["reward_mean"])
             reward_stats.append({k: rec[f"reward_{k}"] for k in ("mean", "std", "min", "max")})
             log(_iteration_line(args, rec["step"], first, rec, rec["step_ms"] / 1e3, population))
+            _report_tie(log, es_run, run_config, rec["step"], rec)
     return rewards, reward_stats

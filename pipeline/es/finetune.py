@@ -250,8 +250,10 @@ class ESFinetuneSpec:
     shaping: str = field("z_score", "fitness shaping", choices=("z_score", "centered_ranks"))
     noise: str = field("iid", "noise scheme", choices=("iid", "correlated"))
     batch: int = field(5, "samples every member scores per iteration")
-    reward: str = field("", "what a member is scored by: nll, exact, countdown, rule:..., PATH.py:FUNC "
-                            "(empty: countdown for the countdown task, else nll)")
+    reward: str = field("", "what a member is scored by: nll, exact, countdown, rule:..., PATH.py:FUNC, each "
+                            "optionally @WEIGHT, several newline-separated = their weighted sum (empty: countdown "
+                            "for the countdown task, else nll)")
+    reward_timeout: float = field(10.0, "seconds one call of a user's reward function may take (0: no limit)")
     search: str = field("ab", "what ES perturbs: ab = LoRA A and B, b = only B (full runs in one process only)",
                         choices=("ab", "b"))
     rank: int = field(8, "LoRA rank r")
@@ -279,6 +281,8 @@ class ESFinetuneSpec:
         if self.antithetic and self.population % 2:
             raise UserError(f"es-finetune: field 'population' must be even with antithetic pairs, "
                             f"got {self.population}")
+        if self.reward_timeout < 0:
+            raise UserError(f"es-finetune: field 'reward_timeout' must be >= 0, got {self.reward_timeout}")
         if self.anchor_lambda < 0:
             raise UserError(f"es-finetune: field 'anchor_lambda' must be >= 0, got {self.anchor_lambda}")
 
@@ -353,8 +357,8 @@ class ESFinetuneJob(ESJob):
         """The Python files the reward imports (`reward = "PATH.py:FUNC"`), resolved. A member process takes
         these paths from the scheduler's run description, so it imports one only when its own environment
         lists it (REWARD_FILES_ENV): a message is never enough to make a process run a file."""
-        path, _, func = self.spec.reward.rpartition(":")
-        return [os.path.realpath(path)] if path.endswith(".py") and func else []
+        from .rewards import user_reward_files
+        return [os.path.realpath(path) for path in user_reward_files(self.spec.reward)]
 
     def make_task(self) -> FinetuneTask:
         from ..commands.es_finetune import args_of, build

@@ -162,6 +162,8 @@ class ESRun:
                   "reward_min": float(rewards.min()), "reward_max": float(rewards.max()),
                   "evals_per_s": len(rewards) / max(step_s, 1e-9), "step_ms": step_s * 1e3,
                   **({"eval": self.center[1], "eval_name": self.job.eval_name} if self.center else {})}
+        if record["reward_min"] == record["reward_max"]:  # no signal: z-scores are all 0, ES took no step
+            record["tied"] = True
         self.metrics.write({"kind": "es_metrics", "step": done, **record})
         every = self.job.spec.save_every
         if every and done % every == 0:

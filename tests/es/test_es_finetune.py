@@ -222,15 +222,16 @@ def _flags(*argv):
 def test_the_job_spec_stands_for_the_flags_every_replica_builds_from(argv):
     """spec_of (flags -> the es-finetune job's typed fields) and args_of (back) agree on everything build() reads,
     with the ES settings resolved (the noise seed derived from --seed, population/sigma/... their defaults)."""
-    from pipeline.commands.es_finetune import ES_DEFAULTS, _es_settings, args_of, spec_of
+    from pipeline.commands.es_finetune import ES_DEFAULTS, _es_settings, args_of, reward_spec, spec_of
     from pipeline.es.finetune import ESFinetuneSpec
     from pipeline.jobs.spec import build
     args = _flags(*argv)
     back = args_of(build(ESFinetuneSpec, spec_of(args)))
     settings = _es_settings(args, None, log=lambda m: None)
-    for name in ("model", "data", "task", "task_numbers", "shuffle", "seed", "data_seed", "reward", "rank",
+    for name in ("model", "data", "task", "task_numbers", "shuffle", "seed", "data_seed", "rank", "reward_timeout",
                  "lora_alpha", "targets", "seq_max", "member_batch", "max_new_tokens", "load", "chat_template"):
         assert getattr(back, name) == getattr(args, name), name
+    assert reward_spec(back) == reward_spec(args)  # the --reward list travels as one spec string
     assert {k: getattr(back, k) for k in ES_DEFAULTS if k != "anchor_lambda"} == \
            {k: settings[k] for k in ES_DEFAULTS if k != "anchor_lambda"}
     assert back.es_seed == settings["seed"] and _es_settings(back, None, log=lambda m: None) == settings

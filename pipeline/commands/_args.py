@@ -96,3 +96,13 @@ def default_run_dir(name: str, root: str = "runs") -> str:
         n += 1
         path = f"{base}-{n}"
     return path
+
+
+def add_lora_arguments(parser):
+    """--lora PATH (repeatable) and --lora-scale S for the serving commands."""
+    parser.add_argument("--lora", action="append", metavar="PATH", default=None,
+                        help="apply a LoRA fine-tune without merging it: a `fucina finetune` run or checkpoint "
+                             "directory, or a llama.cpp LoRA adapter GGUF (export-gguf --lora-out); repeatable")
+    parser.add_argument("--lora-scale", action="append", type=float, metavar="S", default=None,
+                        help="scale of the adapter's delta, as llama.cpp's --lora-scaled (default 1: the trained "
+                             "delta alpha/rank * B A); one for all --lora, or one per --lora in order")

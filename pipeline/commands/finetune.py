@@ -13,6 +13,7 @@ import sys
 
 from ..errors import UserError
 from ..llm.chat import add_chat_template_argument
+from ..llm.tokenizer import load_tokenizer
 from ..jobs.finetune import OPTIMIZERS
 from ._args import InputFile, add_threads_flag
 
@@ -161,20 +162,7 @@ def build(args, log):
     return session, job
 
 
-def _load_tokenizer(gg):
-    """Tokenizer.from_gguf, also accepting a pure byte vocab without merges (what `fucina launch lm`
-    writes: token b is byte b, one token per byte), which from_gguf currently refuses."""
-    from ..llm.tokenizer import Tokenizer, _bytes_to_unicode
-    md = gg.metadata
-    tokens = md.get("tokenizer.ggml.tokens") or []
-    byte_chars = [_bytes_to_unicode()[b] for b in range(256)]
-    if md.get("tokenizer.ggml.merges") or tokens[:256] != byte_chars:
-        return Tokenizer.from_gguf(gg)
-    eot = tokens.index("<|im_end|>") if "<|im_end|>" in tokens else md.get("tokenizer.ggml.eot_token_id")
-    return Tokenizer(tokens, md.get("tokenizer.ggml.token_type", [1] * len(tokens)), [],
-                     bos_id=md.get("tokenizer.ggml.bos_token_id"), eos_id=md.get("tokenizer.ggml.eos_token_id"),
-                     eot_id=eot, pad_id=md.get("tokenizer.ggml.padding_token_id"),
-                     add_bos=bool(md.get("tokenizer.ggml.add_bos_token", False)), source=str(gg.path))
+_load_tokenizer = load_tokenizer  # the older private name (tests, bench, es_finetune import it)
 
 
 def _default_run_dir():

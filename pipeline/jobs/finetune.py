@@ -85,13 +85,13 @@ class Finetune(Job):
         super().__init__(spec)
         from ..llm.chat import ChatTemplate
         from ..llm.gguf import open_gguf
-        from ..commands.finetune import _load_tokenizer
+        from ..llm.tokenizer import load_tokenizer
         if not os.path.isfile(spec.model):
             raise UserError(f"--model {spec.model}: no such file")
         if spec.data and not os.path.isfile(spec.data):
             raise UserError(f"--data {spec.data}: no such file")
         self.gguf = open_gguf(spec.model)
-        self.tokenizer = _load_tokenizer(self.gguf)
+        self.tokenizer = load_tokenizer(self.gguf)
         self.encoder = sft.RawEncoder(self.tokenizer)
         self.template = ChatTemplate.from_gguf(self.gguf, spec.chat_template or None)
         if spec.data:

@@ -63,8 +63,8 @@ def sampling_from(args):
 def load(args):
     """The LoadedModel of --model with --chat-template and --lora/--lora-scale applied."""
     from ..llm.generate import LoadedModel
-    return LoadedModel(args.model, chat_template=getattr(args, "chat_template", None), lora=args.lora,
-                       lora_scale=args.lora_scale, log=lambda m: print(m, file=sys.stderr))
+    return LoadedModel(args.model, chat_template=getattr(args, "chat_template", None), lora=getattr(args, "lora", None),
+                       lora_scale=getattr(args, "lora_scale", None), log=lambda m: print(m, file=sys.stderr))
 
 
 def run(args):

@@ -57,6 +57,13 @@ class FinetuneSpec:
     clip: float = field(1.0, "global gradient-norm clip, once per step (0: off)")
     state_dtype: str = field("f32", "dtype of the AdamW/Lion moments", choices=("f32", "bf16"))
     checkpoint_every: int = field(0, "also checkpoint every N steps (0: only the final step)")
+    val_data: str = field("", "JSONL held-out samples for the validation loss (same formats as data)")
+    val_split: float = field(0.0, "hold out this fraction of the data's records (whole documents, chosen by the "
+                                  "seed) for the validation loss; 0: none")
+    eval_every: int = field(0, "validation loss every N optimizer steps and at the last (0: off; with val_data or "
+                               "val_split: 10)")
+    keep: str = field("last", "best: also keep the adapters of the lowest validation loss in RUN_DIR/best",
+                      choices=("last", "best"))
     prompt: str = field("", "held prompt of the BEFORE/AFTER answers (empty: the first training instruction)")
     max_new_tokens: int = field(48, "length of the BEFORE/AFTER greedy answers in tokens")
 
@@ -71,6 +78,14 @@ class FinetuneSpec:
                 raise UserError(f"finetune: {name} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0:
             raise UserError(f"finetune: lr must be positive, got {self.lr}")
+        if not 0.0 <= self.val_split < 1.0:
+            raise UserError(f"finetune: val_split must be in [0, 1), got {self.val_split}")
+        if self.val_split and self.val_data:
+            raise UserError("finetune: give val_data or val_split, not both")
+        if self.eval_every < 0:
+            raise UserError(f"finetune: eval_every must be >= 0, got {self.eval_every}")
+        if self.keep == "best" and not (self.val_data or self.val_split):
+            raise UserError("finetune: keep = best needs a validation set (val_data or val_split)")
 
     def target_tuple(self):
         return tuple(t.strip() for t in self.targets.split(",") if t.strip())
@@ -100,7 +115,21 @@ class Finetune(Job):
         else:
             self.pairs, source = list(sft.PIRATE_PAIRS), "pirate pair"
         self.options = sft.EncodeOptions(seq_max=spec.seq_max)
+        val_records, val_source = [], spec.val_data
+        if spec.val_data:
+            if not os.path.isfile(spec.val_data):
+                raise UserError(f"--val-data {spec.val_data}: no such file")
+            val_records = sft.load_jsonl(spec.val_data, spec.instruction_key, spec.response_key, format=spec.format,
+                                         max_record_bytes=spec.max_record_bytes)
+        elif spec.val_split:
+            self.pairs, val_records = split_records(self.pairs, spec.val_split, spec.seed, source)
+            val_source = source
         self.samples = sft.encode_all(self.encoder, self.template, self.pairs, self.options, source=source)
+        self.val_samples = (sft.encode_all(self.encoder, self.template, val_records, self.options, source=val_source)
+                            if val_records else [])
+        self.last_val = None  # the latest validation loss: what after_step's --keep best compares
+        if self.val_samples and not spec.eval_every:  # a validation set is measured every 10 steps by default
+            self.spec = spec = dataclasses.replace(spec, eval_every=10)
         self.longest = max(len(s.inputs) for s in self.samples)
         self._trainer = None
         self._order = (None, None)  # (epoch, its permutation): the Loader's order, one epoch cached
@@ -200,6 +229,55 @@ class Finetune(Job):
         zero_copy_grads(model, grads)
         return loss.item(), 1
 
+    # --- validation ------------------------------------------------------------------
+    eval_name = "val_loss"
+
+    def validate(self, model):
+        """Mean cross-entropy over the validation samples' supervised tokens (token-weighted, dropout off, the
+        training forward's f32 numerics). It reads the parameters only and leaves the dropout counter alone, so
+        the training bits do not depend on it."""
+        if not self.val_samples:
+            return None
+        from kernels.workpool import hold, single_thread_blas
+        total, tokens = 0.0, 0
+        with single_thread_blas(), hold():
+            for s in self.val_samples:
+                loss = model.head_loss(model.hidden(s.inputs, None), s.labels, reduction="sum")
+                total += float(loss.item())
+                tokens += s.n_valid
+        value = total / tokens
+        self.last_val = value
+        return value
+
+    def after_step(self, step, model, run_dir):
+        """--keep best: when this step's validation loss is the lowest so far, its adapters (and a sentinel that
+        export-gguf and --lora read) go to RUN_DIR/best. Idempotent: a replayed step compares with what is there."""
+        if self.spec.keep != "best" or self.last_val is None or not self._eval_due(step):
+            return
+        import json
+
+        from ..runtime.ckpt import trainer_state
+        from ..train.state_dict import atomic_write_bytes, save_state_dict
+        best = os.path.join(run_dir, "best")
+        record = os.path.join(best, "best.json")
+        if os.path.isfile(record):
+            with open(record) as fh:
+                prev = json.load(fh)
+            if prev["step"] != step and not self.last_val < prev["val_loss"]:
+                return
+        os.makedirs(best, exist_ok=True)
+        sentinel = os.path.join(best, "trainer_state.json")
+        if os.path.exists(sentinel):
+            os.remove(sentinel)  # uncommitted while the adapters change
+        save_state_dict(os.path.join(best, "adapters.safetensors"),
+                        [(n, np.array(p.data, copy=True)) for n, p in model.named_parameters()])
+        atomic_write_bytes(record, json.dumps({"step": step, "val_loss": self.last_val}).encode())
+        atomic_write_bytes(sentinel, trainer_state(self, step).to_json().encode())
+
+    def _eval_due(self, step):
+        every = self.spec.eval_every
+        return every > 0 and (step % every == 0 or step == self.steps)
+
     # --- answers and the end of a run ------------------------------------------------
     def prompt(self):
         return self.spec.prompt or self.pairs[0].instruction
@@ -221,3 +299,16 @@ class Finetune(Job):
 
 
 JOB = Finetune
+
+
+def split_records(records, fraction, seed, source="record"):
+    """(train, validation) records: round(fraction * n) whole records (documents, never a part of one) picked by
+    the first positions of the seeded epoch permutation (pure in (n, seed)); both keep the file order."""
+    from kernels.rng import derive_seed
+    n = len(records)
+    k = int(round(fraction * n))
+    if k < 1 or k >= n:
+        raise UserError(f"--val-split {fraction}: {n} {source}s leave {k} for validation and {n - k} for training; "
+                        "both need at least one")
+    held = set(int(i) for i in sft.epoch_permutation(n, derive_seed(seed, 0x56414C), 0)[:k])
+    return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]

@@ -136,13 +136,13 @@ class Finetune(Job):
 
     # --- the model -------------------------------------------------------------------
     def trainer(self):
-        """This process's Trainer over the memory-mapped GGUF (built once, rebound by bind)."""
+        """This process's LoraModel over the memory-mapped GGUF (built once, rebound by bind)."""
         if self._trainer is None:
-            from ..llm.finetune import Trainer, keep_freed_memory
+            from ..llm.finetune import LoraModel, keep_freed_memory
             from ..models.registry import load_model
             keep_freed_memory()
             s = self.spec
-            self._trainer = Trainer(load_model(self.gguf), targets=s.target_tuple(), rank=s.rank, alpha=s.alpha,
+            self._trainer = LoraModel(load_model(self.gguf), targets=s.target_tuple(), rank=s.rank, alpha=s.alpha,
                                     dropout=s.dropout, seed=s.seed, checkpoint_layers=s.checkpoint_layers)
         return self._trainer
 

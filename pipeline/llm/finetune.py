@@ -161,8 +161,9 @@ def _const(v):
     return np.asarray(v.data if isinstance(v, Tensor) else v, dtype=np.float32)
 
 
-class Trainer(Module):
-    """LoRA adapters on the selected projections of a frozen model, and its losses.
+class LoraModel(Module):
+    """LoRA adapters on the selected projections of a frozen model, and its losses (the one LoRA model of the
+    tree: the backprop job, ES and the commands build this; "Trainer" names the runtime's worker role).
 
     model: a `pipeline.models.decoder.DecoderLM` of any family, frozen (its
     projection seam is read, never written: every weight becomes a constant of
@@ -332,6 +333,10 @@ class Trainer(Module):
                 raise UserError(f"{source}: tensor {n} is {arr.dtype}{list(arr.shape)}, expected "
                                 f"float32{list(p.shape)}")
             p.data[...] = arr
+
+
+
+Trainer = LoraModel  # the older name: pipeline/es and its tests (another branch) still import it
 
 
 # --- the training session: windows, checkpoints, fan-out ------------------------

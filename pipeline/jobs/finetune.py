@@ -170,8 +170,9 @@ class Finetune(Job):
         return optim.Muon(named, lr=s.lr)  # every adapter factor is a matrix
 
     def lr_factor(self, step):
-        """Linear warm-up then constant: a pure function of the optimizer step."""
-        return 1.0 if self.spec.warmup <= 0 else min(1.0, (step + 1) / self.spec.warmup)
+        """Linear warm-up then constant: a pure function of the optimizer step (llm/finetune.lr_factor)."""
+        from ..llm.finetune import lr_factor
+        return lr_factor(step, self.spec.warmup)
 
     def schedule_fields(self):
         return {"name": "warmup_constant", "lr": self.spec.lr, "warmup": self.spec.warmup}

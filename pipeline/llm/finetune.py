@@ -346,6 +346,12 @@ def adapters_sha256(trainer):
     return params_sha256((name, p.data) for name, p in trainer.named_parameters())
 
 
+def lr_factor(step: int, warmup: int) -> float:
+    """The one LR schedule of LoRA fine-tuning: the multiplier of the peak lr at optimizer step `step` (0-based),
+    linear warm-up over `warmup` steps then constant. The finetune job and Session both read it."""
+    return 1.0 if warmup <= 0 else min(1.0, (step + 1) / warmup)
+
+
 class Session:
     """Accumulation windows in this process, for the probes of `--verify-grads` and the benchmarks (a
     training run is the `finetune` job on pipeline/runtime, which computes the same bits).
@@ -368,10 +374,8 @@ class Session:
         return self.trainer.step // self.accum_steps
 
     def lr_at(self, macro_step):
-        """Linear warm-up then constant: a pure function of the MACRO step."""
-        if self.warmup <= 0:
-            return self.base_lr
-        return self.base_lr * min(1.0, (macro_step + 1) / self.warmup)
+        """Linear warm-up then constant: a pure function of the MACRO step (the job's schedule, lr_factor)."""
+        return self.base_lr * lr_factor(macro_step, self.warmup)
 
     def window(self):
         """Run one accumulation window; returns (mean loss over its supervised tokens, tokens seen, supervised)."""

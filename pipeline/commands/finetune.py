@@ -14,10 +14,9 @@ import sys
 from ..errors import UserError
 from ..llm.chat import add_chat_template_argument
 from ..llm.tokenizer import load_tokenizer
-from ..jobs.finetune import OPTIMIZERS
 from ._args import InputFile, add_threads_flag
 
-SMALL_LR, REAL_LR, REAL_HIDDEN = 1e-2, 2e-4, 512  # the default lr by model width (--lr's help)
+from ..jobs.finetune import OPTIMIZERS, REAL_HIDDEN, REAL_LR, SMALL_LR  # SMALL_LR...: --lr's default by width
 NAME = "finetune"
 HELP = "LoRA fine-tune a frozen (quantized) GGUF model on SFT data (pairs, alpaca, chat messages, ShareGPT)"
 DESCRIPTION = (HELP + ". With no --data it trains the built-in five-pair pirate dataset "
@@ -116,11 +115,10 @@ def _targets(text):
 
 
 def default_lr(model_path):
-    """--lr's default for this GGUF: SMALL_LR below REAL_HIDDEN wide, else REAL_LR."""
+    """--lr's default for this GGUF (jobs/finetune.default_lr)."""
+    from ..jobs.finetune import default_lr as by_width
     from ..llm.gguf import open_gguf
-    gg = open_gguf(model_path)
-    hidden = gg.get(f"{gg.architecture}.embedding_length")
-    return SMALL_LR if isinstance(hidden, int) and hidden < REAL_HIDDEN else REAL_LR
+    return by_width(open_gguf(model_path))
 
 
 def _check_args(args):

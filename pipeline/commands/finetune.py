@@ -12,11 +12,11 @@ import json
 import sys
 
 from ..errors import UserError
+from ..jobs.finetune import OPTIMIZERS, REAL_HIDDEN, REAL_LR, SMALL_LR  # SMALL_LR...: --lr's default by width
 from ..llm.chat import add_chat_template_argument
 from ..llm.tokenizer import load_tokenizer
 from ._args import InputFile, add_threads_flag
 
-from ..jobs.finetune import OPTIMIZERS, REAL_HIDDEN, REAL_LR, SMALL_LR  # SMALL_LR...: --lr's default by width
 NAME = "finetune"
 HELP = "LoRA fine-tune a frozen (quantized) GGUF model on SFT data (pairs, alpaca, chat messages, ShareGPT)"
 DESCRIPTION = (HELP + ". With no --data it trains the built-in five-pair pirate dataset "

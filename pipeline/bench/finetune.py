@@ -51,10 +51,10 @@ def _sample(vocab, seq, seed=0):
 
 def _session(args, model, samples, accum):
     from pipeline.llm.data import Loader
-    from pipeline.llm.finetune import Session, Trainer
+    from pipeline.llm.finetune import Session, LoraModel
     from pipeline.optim import AdamW
     targets = tuple(args.targets.split(","))
-    trainer = Trainer(model, targets=targets, rank=args.rank, alpha=2.0 * args.rank)
+    trainer = LoraModel(model, targets=targets, rank=args.rank, alpha=2.0 * args.rank)
     opt = AdamW(trainer.named_parameters(), lr=1e-3, weight_decay=0.0)
     return Session(trainer, opt, samples, Loader(len(samples)), accum_steps=accum)
 

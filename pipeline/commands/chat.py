@@ -1,7 +1,7 @@
 """`fucina chat`: an interactive chat loop over a GGUF model, prompted as llama.cpp's chat completion prompts."""
 import sys
 
-from .generate import add_sampling_arguments, apply_threads, sampling_from
+from .generate import add_sampling_arguments, apply_threads, load, sampling_from
 
 NAME = "chat"
 HELP = "interactive chat with a GGUF model (type /exit or Ctrl-D to quit, /reset to clear)"
@@ -15,10 +15,12 @@ def add_arguments(parser):
 
 def run(args, stdin=None, stdout=None):
     from ..errors import UserError
-    from ..llm.generate import LoadedModel, generate
+    from ..llm.generate import generate
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     apply_threads(args)
-    lm = LoadedModel(args.model, chat_template=getattr(args, "chat_template", None))
+    from ._args import announce_compile
+    announce_compile(lambda m: print(m, file=sys.stderr, flush=True))
+    lm = load(args)
     tok = lm.require_tokenizer()
     sampling = sampling_from(args)
     history = [{"role": "system", "content": args.system}] if args.system else []

@@ -5,7 +5,7 @@ import sys
 import numpy as np
 
 from ..errors import UserError
-from ._args import InputFile
+from ._args import InputFile, add_lora_arguments
 
 NAME = "eval-logits"
 HELP = "print the token ids and per-position logits of a text or id list (JSON with --json)"
@@ -22,6 +22,7 @@ def add_arguments(parser):
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument("--top", type=int, default=5, help="without --json: show the top-N logits per position")
     from .generate import add_thread_arguments
+    add_lora_arguments(parser)
     add_thread_arguments(parser)
     parser.add_argument("--llama-numerics", action="store_true",
                         help="round activations like llama.cpp's CPU kernels (tighter parity on quantized files)")
@@ -41,7 +42,10 @@ def run(args):
     from ..llm.generate import LoadedModel
     from .generate import apply_threads
     apply_threads(args)
-    lm = LoadedModel(args.model, llama_numerics=args.llama_numerics)
+    from ._args import announce_compile
+    announce_compile(lambda m: print(m, file=sys.stderr, flush=True))
+    lm = LoadedModel(args.model, llama_numerics=args.llama_numerics, lora=args.lora, lora_scale=args.lora_scale,
+                     log=lambda m: print(m, file=sys.stderr))
     if args.tokens is not None:
         ids = parse_tokens(args.tokens)
     else:

@@ -3,7 +3,8 @@
 Four modes, chosen by the flags (merge and quantize are separate passes by
 design, so the final file has exactly one quantization in its history):
 
-  merge      --from-gguf BASE --adapters RUN_DIR [--alpha A] --out MERGED.gguf
+  merge      --from-gguf BASE --adapters RUN_DIR [--alpha A] --out MERGED.gguf   (a quantized BASE needs
+             --dequantize: merged weights re-quantized to their own type, or all matrices to --dtype)
   transcode  --from-gguf SRC [--dtype q4_k] --out OUT.gguf   (no --dtype: verbatim, byte-identical copy)
   adapter    --adapters RUN_DIR --base BASE.gguf [--alpha A] --lora-out ADAPTER.gguf
   checkpoint --from-checkpoint CHECKPOINT_DIR [--dtype f32|f16] --out MODEL.gguf   (a pretrain or sft
@@ -44,6 +45,11 @@ def add_arguments(parser):
                         help="transcode matrix weights to this type (llama-quantize policy; norms and 1-D tensors keep "
                              "their type; K-quants need rows %% 256 == 0, else the source type is kept and reported; "
                              "already-quantized tensors are copied verbatim). Omit for a verbatim copy")
+    parser.add_argument("--dequantize", action="store_true",
+                        help="with --adapters and a quantized --from-gguf: dequantize each adapted weight, merge in "
+                             "f32 and re-quantize it to its own type (the file keeps its mix; with --dtype every "
+                             "matrix weight takes that type instead); prints the measured cost, the KL of the "
+                             "merged model against the base with the adapters unmerged, on a few held-out prompts")
     parser.add_argument("--lora-out", metavar="GGUF",
                         help="write a llama.cpp LoRA adapter GGUF here (needs --adapters and --base)")
     parser.add_argument("--base", metavar="GGUF",
@@ -93,17 +99,27 @@ def run(args):
     if not args.from_gguf or not args.out:
         raise UserError("need --from-gguf SRC and --out OUT (or --adapters, --base and --lora-out for an adapter GGUF)")
     if args.adapters:
-        if args.dtype:
+        if args.dtype and not args.dequantize:
             raise UserError("merge and --dtype are separate passes by design (one quantization in the file's history): "
                             "merge first into a dense --out, then run export-gguf --from-gguf MERGED --dtype "
-                            f"{args.dtype} --out FINAL")
+                            f"{args.dtype} --out FINAL (or pass --dequantize to do both in one pass)")
         adapters = load_adapters(args.adapters)
         alpha = resolve_alpha(args.alpha, adapters)
         print(f"export-gguf: merge  base={args.from_gguf} adapters={args.adapters} alpha={alpha:g} "
               f"rank={adapters.rank} scale={alpha / adapters.rank:g}")
-        names = merge(args.from_gguf, adapters, alpha, args.out)
-        print(f"wrote {args.out}: merged {len(names)} weights, everything else copied verbatim")
+        names = merge(args.from_gguf, adapters, alpha, args.out, dequantize=args.dequantize, dtype=args.dtype)
+        kept = f"every tensor re-encoded to {args.dtype} where its rows fit" if args.dtype else \
+            "every tensor keeps its stored type, everything unmerged copied verbatim"
+        print(f"wrote {args.out}: merged {len(names)} weights; {kept}")
+        if args.dequantize:
+            from pipeline.llm.export import merge_cost
+            cost = merge_cost(args.from_gguf, adapters, alpha, args.out)
+            print(f"measured cost: KL(base+adapter || merged) mean {cost['kl_mean']:.3g} nats/token, max "
+                  f"{cost['kl_max']:.3g}, top-1 agreement {100 * cost['top1_agree']:.1f}% over {cost['positions']} "
+                  f"positions of {cost['prompts']} held-out prompts")
         return 0
+    if args.dequantize:
+        raise UserError("--dequantize only applies with --adapters (a merge into a quantized base)")
     if args.alpha is not None:
         raise UserError("--alpha only applies with --adapters")
     print(f"export-gguf: transcode  {args.from_gguf} -> {args.out}  dtype={args.dtype or 'verbatim'}")

@@ -12,8 +12,9 @@ import json
 import sys
 
 from ..errors import UserError
+from ..jobs.finetune import OPTIMIZERS, REAL_HIDDEN, REAL_LR, SMALL_LR  # SMALL_LR...: --lr's default by width
 from ..llm.chat import add_chat_template_argument
-from ..jobs.finetune import OPTIMIZERS
+from ..llm.tokenizer import load_tokenizer
 from ._args import InputFile, add_threads_flag
 
 NAME = "finetune"
@@ -28,6 +29,17 @@ def add_arguments(p):
                         "(for a first run, the model.gguf `fucina launch lm` saves)")
     add_data_arguments(p)
     add_chat_template_argument(p)
+    p.add_argument("--val-data", type=InputFile("JSONL file"),
+                   help="held-out JSONL samples (same formats as --data): the validation loss every --eval-every steps "
+                        "in the progress line and metrics.jsonl")
+    p.add_argument("--val-split", type=float, default=0.0, metavar="F",
+                   help="instead of --val-data: hold out this fraction of --data's records (whole documents, picked "
+                        "by --seed: the same split every run)")
+    p.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="validation loss every N optimizer steps and at the last (0 with a validation set: 10)")
+    p.add_argument("--keep", choices=("last", "best"), default="last",
+                   help="best: also keep the adapters of the lowest validation loss in RUN_DIR/best (a directory "
+                        "--lora and export-gguf --adapters take)")
     p.add_argument("--shuffle", action="store_true", help="shuffled sample order (Fisher-Yates per epoch, seeded by "
                                                           "--data-seed)")
     p.add_argument("--seed", type=int, default=42, help="seed of the adapter init and dropout streams")
@@ -36,8 +48,10 @@ def add_arguments(p):
                                                          "run continues from its checkpoint)")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank r")
     p.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (the delta is scaled by alpha/rank)")
-    p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (a resumed run keeps the checkpoint's); "
-                   "the default suits the small model of `fucina launch lm`, use ~1e-3 for Qwen3-0.6B")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"AdamW learning rate (a resumed run keeps the checkpoint's); default {SMALL_LR:g} on a small "
+                        f"model (hidden < {REAL_HIDDEN}: the one `fucina launch lm` trains, the pirate demo's), "
+                        f"{REAL_LR:g} on a real one (SmolLM2, Qwen, Gemma: PEFT's usual LoRA rate; 1e-2 garbles them)")
     p.add_argument("--warmup", type=int, default=0, help="linear learning-rate warm-up over this many optimizer steps")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip, once per window (0 = off)")
     p.add_argument("--targets", default="q,k,v,o,gate,up,down",
@@ -100,6 +114,13 @@ def _targets(text):
     return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
+def default_lr(model_path):
+    """--lr's default for this GGUF (jobs/finetune.default_lr)."""
+    from ..jobs.finetune import default_lr as by_width
+    from ..llm.gguf import open_gguf
+    return by_width(open_gguf(model_path))
+
+
 def _check_args(args):
     for flag, value, low in (("--steps", args.steps, 0), ("--accum-steps", args.accum_steps, 1),
                              ("--seq-max", args.seq_max, 1), ("--trainers", args.trainers, 0),
@@ -108,6 +129,8 @@ def _check_args(args):
             raise UserError(f"{flag} must be >= {low}, got {value}")
     if args.save_every and not args.save:
         raise UserError("--save-every needs --save DIR (the periodic checkpoints go to DIR/checkpoint-step-N)")
+    if args.lr is None:
+        args.lr = default_lr(args.model)
     if args.lr <= 0:
         raise UserError(f"--lr must be positive, got {args.lr}")
     if args.inprocess and args.trainers:
@@ -116,10 +139,16 @@ def _check_args(args):
         raise UserError("--load is the older spelling of --resume: give one of them")
 
 
-def _resume_point(path):
+def _resume_point(path, flag="--resume"):
     """The checkpoint to resume from: a checkpoint dir, or a run dir's newest committed one (its
     checkpoint-step-N/ or, if it has none, the run dir itself, where a finished run commits its final state)."""
+    import os
+
     from ..runtime import ckpt
+    if not os.path.exists(path):
+        raise UserError(f"{flag} {path}: no such directory")
+    if not os.path.isdir(path):
+        raise UserError(f"{flag} {path}: not a directory (pass a checkpoint directory or a run directory)")
     latest = ckpt.latest_checkpoint(path)
     return latest if latest is not None else ckpt.resolve(path)
 
@@ -135,9 +164,12 @@ def spec_of(args, resume=None):
                   steps=max(args.steps, 1), micro_batches=args.accum_steps, seq_max=args.seq_max, shuffle=args.shuffle,
                   seed=args.seed, data_seed=-1 if args.data_seed is None else args.data_seed, rank=args.rank,
                   alpha=args.alpha, targets=args.targets, dropout=args.dropout,
-                  checkpoint_layers=args.checkpoint_layers, optimizer=args.optimizer, lr=args.lr, warmup=args.warmup,
+                  checkpoint_layers=args.checkpoint_layers, optimizer=args.optimizer,
+                  lr=args.lr if args.lr is not None else default_lr(args.model), warmup=args.warmup,
                   clip=args.clip, state_dtype=args.state_dtype, checkpoint_every=args.save_every,
-                  prompt=args.prompt or "", max_new_tokens=args.max_new_tokens)
+                  prompt=args.prompt or "", max_new_tokens=args.max_new_tokens,
+                  val_data=os.path.abspath(args.val_data) if args.val_data else "", val_split=args.val_split,
+                  eval_every=args.eval_every, keep=args.keep)
     if resume is not None:
         from ..runtime import ckpt
         stored = ckpt.read_state(resume).config.get("spec") or {}
@@ -157,24 +189,11 @@ def build(args, log):
     order = "shuffled" if args.shuffle else "sequential"
     loader = sft.Loader(len(job.samples), order, seed=args.seed if args.data_seed is None else args.data_seed)
     session = Session(trainer, optimizer, job.samples, loader, accum_steps=args.accum_steps, clip=args.clip,
-                      lr=args.lr, warmup=args.warmup)
+                      lr=job.spec.lr, warmup=args.warmup)
     return session, job
 
 
-def _load_tokenizer(gg):
-    """Tokenizer.from_gguf, also accepting a pure byte vocab without merges (what `fucina launch lm`
-    writes: token b is byte b, one token per byte), which from_gguf currently refuses."""
-    from ..llm.tokenizer import Tokenizer, _bytes_to_unicode
-    md = gg.metadata
-    tokens = md.get("tokenizer.ggml.tokens") or []
-    byte_chars = [_bytes_to_unicode()[b] for b in range(256)]
-    if md.get("tokenizer.ggml.merges") or tokens[:256] != byte_chars:
-        return Tokenizer.from_gguf(gg)
-    eot = tokens.index("<|im_end|>") if "<|im_end|>" in tokens else md.get("tokenizer.ggml.eot_token_id")
-    return Tokenizer(tokens, md.get("tokenizer.ggml.token_type", [1] * len(tokens)), [],
-                     bos_id=md.get("tokenizer.ggml.bos_token_id"), eos_id=md.get("tokenizer.ggml.eos_token_id"),
-                     eot_id=eot, pad_id=md.get("tokenizer.ggml.padding_token_id"),
-                     add_bos=bool(md.get("tokenizer.ggml.add_bos_token", False)), source=str(gg.path))
+_load_tokenizer = load_tokenizer  # the older private name (tests, bench, es_finetune import it)
 
 
 def _default_run_dir():
@@ -199,13 +218,16 @@ def run(args):
     def log(msg):
         print(msg, file=out, flush=True)
 
+    from ._args import announce_compile
+    announce_compile(log)
+
     if args.verify_grads:
         from ..llm.finetune import verify_grads
         session, job = build(args, log)
         log(_banner(args, job, "in-process"))
         return 0 if verify_grads(session, log) else 1
     resume = args.resume or args.load
-    resume = str(_resume_point(resume)) if resume else None
+    resume = str(_resume_point(resume, "--resume" if args.resume else "--load")) if resume else None
     job = Finetune(spec_of(args, resume))
     trainer = job.trainer()
     order = [n for n, _, _ in job.param_layout()]
@@ -230,11 +252,14 @@ def run(args):
         summary = {"steps": start, "adapters_sha256": _sha(trainer)}
     else:
         os.makedirs(run_dir, exist_ok=True)
-        log(f"run dir {run_dir} (watch it with `fucina monitor --run-dir {run_dir}`)")
+        # only the multiprocess runtime publishes a live view; an in-process run writes metrics.jsonl alone
+        log(f"run dir {run_dir}" + (f" (watch it with `fucina monitor --run-dir {run_dir}`)" if args.trainers else ""))
         if not args.trainers:
             from ..runtime.inprocess import run_inprocess
+            watch = DivergenceWatch(job.spec, log)
             with _progress(job.steps, args.json) as on_step:
-                summary = run_inprocess(job, run_dir, resume=resume, log=log, on_step=on_step)
+                summary = run_inprocess(job, run_dir, resume=resume, log=log,
+                                        on_step=lambda record: (watch(record), on_step(record)))
             from ..runtime.metrics import plot_run
             summary["plot"] = plot_run(run_dir)
         else:
@@ -248,18 +273,25 @@ def run(args):
     after = job.answer(trainer)
     log(f"AFTER   {job.prompt()!r} -> {after!r}")
     losses, elapsed_ms, supervised = _this_run(job, summary.get("run_dir"), start)
+    if losses and DivergenceWatch.diverged(losses[0], max(losses)):
+        log(DivergenceWatch(job.spec, log).message(losses[0], max(losses)))
     if losses:
         drop = 100.0 * (1.0 - losses[-1] / losses[0]) if losses[0] else 0.0
         log(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} ({drop:.1f}% lower) in {len(losses)} steps, "
             f"{summary['elapsed_s']:.1f} s, {supervised / max(summary['elapsed_s'], 1e-9):.1f} supervised tok/s")
         log(f"saved {run_dir} (adapters.safetensors, optimizer.safetensors, trainer_state.json; "
             f"checkpoint-step-N/, metrics.jsonl, loss.png)")
+    best = _best(run_dir)
+    if best:
+        log(f"best val_loss {best['val_loss']:.4f} at step {best['step']}: its adapters are in "
+            f"{os.path.join(run_dir, 'best')}")
     if args.json:
         print(json.dumps({"initial_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
                           "before": before, "after": after, "steps": summary["steps"],
                           "adapters_sha256": summary["adapters_sha256"],
                           "params_sha256": summary.get("params_sha256"), "run_dir": summary.get("run_dir"),
                           "mode": mode, "ms_per_step": elapsed_ms / max(1, len(losses)),
+                          "val_loss": _last_eval(summary.get("run_dir")), "best": best,
                           "supervised_tokens_per_s": 1e3 * supervised / elapsed_ms if losses else None}))
     return 0
 
@@ -267,8 +299,67 @@ def run(args):
 def _banner(args, job, mode):
     t, c = job.trainer(), job.trainer().config
     return (f"fucina finetune: {args.model} ({c.layers} layers, hidden {c.hidden}); LoRA rank {t.rank} alpha "
-            f"{t.alpha:g} on {','.join(t.targets)}: {t.n_parameters():,} trainable parameters; {len(job.pairs)} pairs; "
+            f"{t.alpha:g} on {','.join(t.targets)}: {t.n_parameters():,} trainable parameters; {_count(job.pairs)}; "
             f"lr {job.spec.lr:g}; accum {job.spec.micro_batches}; {job.spec.optimizer}; {mode}")
+
+
+class DivergenceWatch:
+    """Says loudly, once, when the training loss rises far above where it started (the learning rate is too high
+    for this model, or too many projections are adapted): the AFTER answer would be garbage, and a loss curve
+    nobody reads is no warning."""
+
+    FACTOR, MARGIN = 2.0, 1.0  # "far above": more than twice the first step's loss and at least a nat more
+
+    def __init__(self, spec, log):
+        self.spec, self.log, self.first, self.said = spec, log, None, False
+
+    @classmethod
+    def diverged(cls, first, loss):
+        return loss > max(cls.FACTOR * first, first + cls.MARGIN)
+
+    def message(self, first, loss):
+        s = self.spec
+        return (f"WARNING: the training loss rose from {first:.4f} to {loss:.4f}: the run is diverging and the "
+                f"adapters will garble the model's answers. Lower the learning rate (--lr {s.lr / 10:g}; 1e-4 to "
+                f"2e-4 suits real 135M-1B models) or adapt fewer projections (--targets q,k,v,o; now {s.targets})")
+
+    def __call__(self, record):
+        loss = record.get("loss")
+        if loss is None:
+            return
+        if self.first is None:
+            self.first = loss
+        elif not self.said and self.diverged(self.first, loss):
+            self.said = True
+            self.log(self.message(self.first, loss))
+
+
+def _best(run_dir):
+    """RUN_DIR/best/best.json of --keep best, or None."""
+    import os
+    path = os.path.join(run_dir, "best", "best.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def _last_eval(run_dir):
+    """The last validation loss of the run's metrics.jsonl, or None."""
+    from ..runtime.metrics import read_metrics
+    if not run_dir:
+        return None
+    evals = [r["eval"] for r in read_metrics(run_dir) if r.get("kind") == "metrics" and r.get("eval") is not None]
+    return evals[-1] if evals else None
+
+
+def _count(records):
+    """'5 pairs', '12 conversations' or '3 pairs and 9 conversations' (multi-turn records are not pairs)."""
+    from ..llm.data import Pair
+    pairs = sum(1 for r in records if isinstance(r, Pair))
+    parts = [f"{n} {word}{'s' if n != 1 else ''}" for n, word in ((pairs, "pair"), (len(records) - pairs,
+                                                                              "conversation")) if n]
+    return " and ".join(parts) or "0 samples"
 
 
 def _sha(trainer):

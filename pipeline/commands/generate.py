@@ -5,7 +5,7 @@ import time
 
 from ..errors import UserError
 from ..llm.chat import add_chat_template_argument
-from ._args import InputFile, add_threads_flag
+from ._args import InputFile, add_lora_arguments, add_threads_flag
 
 NAME = "generate"
 HELP = "generate text from a GGUF model (streams tokens; greedy by default)"
@@ -43,6 +43,7 @@ def add_sampling_arguments(parser):
                              "unset, the template's default, as llama.cpp renders it")
     parser.add_argument("--system", default=None, help="optional system message for --chat")
     add_chat_template_argument(parser)
+    add_lora_arguments(parser)
     add_thread_arguments(parser)
 
 
@@ -59,12 +60,21 @@ def sampling_from(args):
     return Sampling(args.temperature, args.top_k, args.top_p, args.seed)
 
 
+def load(args):
+    """The LoadedModel of --model with --chat-template and --lora/--lora-scale applied."""
+    from ..llm.generate import LoadedModel
+    return LoadedModel(args.model, chat_template=getattr(args, "chat_template", None), lora=getattr(args, "lora", None),
+                       lora_scale=getattr(args, "lora_scale", None), log=lambda m: print(m, file=sys.stderr))
+
+
 def run(args):
-    from ..llm.generate import LoadedModel, generate
+    from ..llm.generate import generate
     if args.max_tokens < 1:
         raise UserError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     apply_threads(args)
-    lm = LoadedModel(args.model, chat_template=getattr(args, "chat_template", None))
+    from ._args import announce_compile
+    announce_compile(lambda m: print(m, file=sys.stderr, flush=True))
+    lm = load(args)
     ids = lm.encode_prompt(args.prompt, chat=args.chat, system=args.system, enable_thinking=args.think)
     stream = lm.tokenizer.stream()
     t0, n = time.perf_counter(), 0

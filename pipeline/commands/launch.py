@@ -206,8 +206,16 @@ class _progress:
         info = (f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  |g| {record['grad_norm']:.3f}  "
                 f"{record.get('tokens_per_s', 0):.0f} tok/s")
         if record.get("eval") is not None:
-            info += f"  eval {record['eval']:.4f}"
+            info += f"  {record.get('eval_name') or 'eval'} {record['eval']:.4f}"
         self.bar.update(self.task, completed=record["step"], info=info)
+
+    @staticmethod
+    def event_line(msg) -> str:
+        """One shown event. run_started is published before a resumed run has loaded its checkpoint, so its
+        step is not the run's: it is printed without one."""
+        detail = ", ".join(f"{k}={v}" for k, v in msg["detail"].items() if k != "sample")
+        where = "" if msg["event"] == "run_started" else f"step {msg['step']}: "
+        return f"{where}{msg['event']} {detail}".rstrip()
 
     def _follow(self):
         import threading
@@ -225,8 +233,7 @@ class _progress:
                     if msg and msg["kind"] in ("metrics", "es_metrics"):
                         self.update(msg)
                     elif msg and msg["event"] in self.SHOWN:
-                        detail = ", ".join(f"{k}={v}" for k, v in msg["detail"].items() if k != "sample")
-                        self.bar.console.print(f"[dim]step {msg['step']}: {msg['event']} {escape(detail)}[/dim]")
+                        self.bar.console.print(f"[dim]{escape(self.event_line(msg))}[/dim]")
             finally:
                 sub.close()
         threading.Thread(target=loop, daemon=True).start()

@@ -411,7 +411,7 @@ class GenerationScorer:
 
     def bind(self, model_path, tokenizer=None):
         if tokenizer is None:
-            from ..commands.finetune import _load_tokenizer
+            from ..llm.tokenizer import load_tokenizer as _load_tokenizer
             from ..llm.gguf import open_gguf
             tokenizer = _load_tokenizer(open_gguf(model_path))
         self._tokenizer, self._fn = tokenizer, parse_reward(self.spec, timeout=self.timeout)

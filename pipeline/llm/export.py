@@ -41,7 +41,9 @@ _NAME = re.compile(r"^layers\.(\d{1,9})\.([a-z]+)\.lora_([ab])$")  # bounded: in
 
 QUANTIZED_BASE_REFUSAL = (
     "merging into a quantized base would dequantize -> merge -> re-encode and compound the quantization error, "
-    "so it is refused. Merge into the dense f32/f16/bf16 base the adapters were trained against, then quantize "
+    "so it is refused unless you ask for it with --dequantize (each merged weight is re-quantized to its own "
+    "type and the measured cost is printed), or serve it unmerged with `fucina generate --lora RUN_DIR`. "
+    "Best: merge into the dense f32/f16/bf16 base the adapters were trained against, then quantize "
     "the result in a second pass:\n"
     "  fucina export-gguf --from-gguf BASE-f16.gguf --adapters RUN_DIR --out merged-f16.gguf\n"
     "  fucina export-gguf --from-gguf merged-f16.gguf --dtype q4_k --out merged-q4_k.gguf")
@@ -182,28 +184,120 @@ def _match(adapters: Adapters, base, base_path) -> dict[str, AdapterPair]:
     return matched
 
 
-def merge(base_path, adapters: Adapters, alpha: float, out_path) -> list[str]:
+ENCODABLE = (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)
+
+
+def _dense_values(t: GGUFTensor) -> np.ndarray:
+    """float32 [out, in] of a stored tensor of any type Fucina reads (quantized blocks dequantized)."""
+    if t.qtype in DENSE:
+        return t.dense()
+    from kernels import dequant
+    return np.asarray(dequant.dequantize_rows(int(t.qtype), t.data, t.shape[-1]), np.float32).reshape(t.shape)
+
+
+def _merge_plan(base, dtype):
+    """{tensor name: output type} for a --dequantize merge: each tensor keeps its stored type, or with --dtype
+    every matrix weight takes the target (llama-quantize's mix for q4_k_m / q5_k_m) where its rows fit."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    from .gguf_write import TARGETS, _block_count, is_matrix_weight
+    from .quant_mix import MIXES, mix_types
+    if dtype is None:
+        return {t.name: t.qtype for t in base.tensors}
+    target = TARGETS[dtype]
+    mix = {}
+    if dtype in MIXES:
+        matrices = [(t.name, t.shape[-1]) for t in base.tensors if is_matrix_weight(t)]
+        mix = mix_types(matrices, dtype, _block_count(base))
+    plan = {}
+    for t in base.tensors:
+        new = mix.get(t.name, (target, ""))[0] if is_matrix_weight(t) else t.qtype
+        plan[t.name] = new if t.shape[-1] % GGML_QUANT_SIZES[new][0] == 0 else t.qtype
+    return plan
+
+
+def merge(base_path, adapters: Adapters, alpha: float, out_path, dequantize: bool = False,
+          dtype: str | None = None) -> list[str]:
     """Write base + (alpha/rank) * B @ A for every adapter pair to `out_path`; returns the merged tensor names.
 
     Every merged tensor keeps its stored type (F32 stays F32; F16/BF16 are
     widened, merged in float32 and rounded back once). Everything else is
-    re-emitted verbatim.
+    re-emitted verbatim. A quantized base weight is refused unless `dequantize`:
+    then it is dequantized, merged in float32 and re-quantized to its own type with
+    the byte-exact llama.cpp encoders (the file keeps its mix); `dtype` (with
+    `dequantize`) re-encodes every matrix weight to that type instead.
     """
+    from .gguf_write import FILE_TYPES, QUANTIZATION_VERSION, TARGETS, set_value
     base = read_gguf(base_path)
     matched = _match(adapters, base, base_path)
     quantized = [f"{n} ({base.tensor(n).qtype.name})" for n in matched if base.tensor(n).qtype not in DENSE]
-    if quantized:
+    if quantized and not dequantize:
         raise UserError(f"{base_path}: quantized base weights {', '.join(quantized[:3])}: {QUANTIZED_BASE_REFUSAL}")
+    if dtype is not None and not dequantize:
+        raise UserError("merge and --dtype are separate passes by design (one quantization in the file's history); "
+                        "--dequantize allows both in one pass")
+    dtype = dtype.lower() if dtype else None
+    if dtype is not None and dtype not in TARGETS:
+        raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(TARGETS)}")
+    plan = _merge_plan(base, dtype)
+    bad = [f"{t.name} ({plan[t.name].name})" for t in base.tensors
+           if plan[t.name] not in ENCODABLE and (t.name in matched or plan[t.name] != t.qtype)]
+    if bad:
+        raise UserError(f"{base_path}: no byte-exact encoder for {', '.join(bad[:3])}"
+                        f"{f' (+{len(bad) - 3} more)' if len(bad) > 3 else ''}; pass --dtype with one of "
+                        f"{', '.join(n for n, q in TARGETS.items() if q in ENCODABLE)} to re-encode the merged "
+                        "weights to it")
     tensors = []
     for t in base.tensors:
-        p = matched.get(t.name)
-        if p is not None:
-            scale = np.float32(alpha / p.rank)
-            merged = t.dense() + (p.b @ p.a) * scale
-            t = GGUFTensor(t.name, t.qtype, t.shape, encode(merged, t.qtype))
+        p, new = matched.get(t.name), plan[t.name]
+        if p is not None or new != t.qtype:
+            values = _dense_values(t)
+            if p is not None:
+                values = values + (p.b @ p.a) * np.float32(alpha / p.rank)
+            t = GGUFTensor(t.name, new, t.shape, encode(values, new))
         tensors.append(t)
-    write_gguf(out_path, base.metadata, tensors, base.alignment)
+    metadata = dict(base.metadata)
+    if dtype is not None:
+        set_value(metadata, "general.file_type", int(FILE_TYPES[dtype]), GGUFValueType.UINT32)
+        if TARGETS[dtype] not in DENSE:
+            set_value(metadata, "general.quantization_version", QUANTIZATION_VERSION, GGUFValueType.UINT32)
+    write_gguf(out_path, metadata, tensors, base.alignment)
     return list(matched)
+
+
+HELD_OUT_PROMPTS = ("What is the capital of France?", "Write one sentence about the sea.",
+                    "List three prime numbers.", "Explain what a compiler does.")
+
+
+def merge_cost(base_path, adapters: Adapters, alpha: float, merged_path, prompts=HELD_OUT_PROMPTS) -> dict:
+    """What re-quantizing the merge cost: KL(base+adapter || merged) of the next-token distributions at every
+    position of a few prompts (chat-templated when the model has a template; token ids when it has no
+    tokenizer), the reference being the base served with the adapters unmerged (pipeline/llm/lora_serve.py)."""
+    from .generate import LoadedModel
+    from .lora_serve import ServedPair, apply_lora
+    ref, merged = LoadedModel(base_path), LoadedModel(merged_path)
+    apply_lora(ref.model, [ServedPair(p.layer, p.target, p.a, p.b, alpha / p.rank) for p in adapters.pairs])
+    kls, agree, n = [], 0, 0
+    for i, text in enumerate(prompts):
+        if ref.tokenizer is None:
+            ids = [(7 * i + 13 * j + 1) % ref.model.config.vocab_size for j in range(12)]
+        else:
+            try:
+                ids = ref.encode_prompt(text, chat=True)
+            except UserError:
+                ids = ref.encode_prompt(text)
+        lp, lq = (_log_softmax(m.model.infer(np.asarray(ids), all_logits=True)) for m in (ref, merged))
+        kls.extend((np.exp(lp) * (lp - lq)).sum(-1).tolist())
+        agree += int((lp.argmax(-1) == lq.argmax(-1)).sum())
+        n += len(ids)
+    return {"kl_mean": float(np.mean(kls)), "kl_max": float(np.max(kls)), "top1_agree": agree / n,
+            "positions": n, "prompts": len(prompts)}
+
+
+def _log_softmax(logits) -> np.ndarray:
+    z = np.asarray(logits, np.float64)
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
 
 
 def write_lora_gguf(adapters: Adapters, alpha: float, base_path, out_path) -> Path:

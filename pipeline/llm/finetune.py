@@ -161,8 +161,9 @@ def _const(v):
     return np.asarray(v.data if isinstance(v, Tensor) else v, dtype=np.float32)
 
 
-class Trainer(Module):
-    """LoRA adapters on the selected projections of a frozen model, and its losses.
+class LoraModel(Module):
+    """LoRA adapters on the selected projections of a frozen model, and its losses (the one LoRA model of the
+    tree: the backprop job, ES and the commands build this; "Trainer" names the runtime's worker role).
 
     model: a `pipeline.models.decoder.DecoderLM` of any family, frozen (its
     projection seam is read, never written: every weight becomes a constant of
@@ -334,11 +335,21 @@ class Trainer(Module):
             p.data[...] = arr
 
 
+
+Trainer = LoraModel  # the older name: pipeline/es and its tests (another branch) still import it
+
+
 # --- the training session: windows, checkpoints, fan-out ------------------------
 def adapters_sha256(trainer):
     """The run's fingerprint: the one digest (pipeline/runtime/ckpt.params_sha256) of the adapter tensors."""
     from ..runtime.ckpt import params_sha256
     return params_sha256((name, p.data) for name, p in trainer.named_parameters())
+
+
+def lr_factor(step: int, warmup: int) -> float:
+    """The one LR schedule of LoRA fine-tuning: the multiplier of the peak lr at optimizer step `step` (0-based),
+    linear warm-up over `warmup` steps then constant. The finetune job and Session both read it."""
+    return 1.0 if warmup <= 0 else min(1.0, (step + 1) / warmup)
 
 
 class Session:
@@ -363,10 +374,8 @@ class Session:
         return self.trainer.step // self.accum_steps
 
     def lr_at(self, macro_step):
-        """Linear warm-up then constant: a pure function of the MACRO step."""
-        if self.warmup <= 0:
-            return self.base_lr
-        return self.base_lr * min(1.0, (macro_step + 1) / self.warmup)
+        """Linear warm-up then constant: a pure function of the MACRO step (the job's schedule, lr_factor)."""
+        return self.base_lr * lr_factor(macro_step, self.warmup)
 
     def window(self):
         """Run one accumulation window; returns (mean loss over its supervised tokens, tokens seen, supervised)."""

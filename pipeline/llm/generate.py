@@ -115,15 +115,22 @@ def greedy(model, prompt_ids, n: int) -> list[int]:
 
 
 class LoadedModel:
-    """A GGUF opened for inference: model, tokenizer (None when the file has none), chat template."""
+    """A GGUF opened for inference: model (with the --lora adapters applied), tokenizer (None when the file has
+    none), chat template."""
 
-    def __init__(self, path, llama_numerics: bool = False, chat_template: str | None = None):
+    def __init__(self, path, llama_numerics: bool = False, chat_template: str | None = None, lora=None,
+                 lora_scale=None, log=None):
         from .chat import ChatTemplate
         from .gguf import GGUFFile
         from .tokenizer import Tokenizer
         from ..models.registry import load_model
         self.gguf = GGUFFile(path)
         self.model = load_model(self.gguf, llama_numerics=llama_numerics)
+        if lora:  # --lora PATH...: adapters applied beside the frozen weights (pipeline/llm/lora_serve.py)
+            from .lora_serve import attach
+            attach(self.model, lora, lora_scale, log)
+        elif lora_scale:
+            raise UserError("--lora-scale needs --lora PATH")
         self._tok_error = None
         try:
             self.tokenizer = Tokenizer.from_gguf(self.gguf)

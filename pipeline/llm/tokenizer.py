@@ -406,6 +406,22 @@ class Tokenizer:
         return f"Tokenizer({self.n_vocab} tokens, {kind}, from {self.source})"
 
 
+def load_tokenizer(gg) -> Tokenizer:
+    """Tokenizer.from_gguf, also accepting a pure byte vocab without merges (what `fucina launch lm`
+    writes: token b is byte b, one token per byte), which from_gguf refuses. Every fine-tuning path
+    (the backprop job, ES, its rewards, the commands) loads its tokenizer through this one fallback."""
+    md = gg.metadata
+    tokens = md.get("tokenizer.ggml.tokens") or []
+    byte_chars = [_bytes_to_unicode()[b] for b in range(256)]
+    if md.get("tokenizer.ggml.merges") or tokens[:256] != byte_chars:
+        return Tokenizer.from_gguf(gg)
+    eot = tokens.index("<|im_end|>") if "<|im_end|>" in tokens else md.get("tokenizer.ggml.eot_token_id")
+    return Tokenizer(tokens, md.get("tokenizer.ggml.token_type", [1] * len(tokens)), [],
+                     bos_id=md.get("tokenizer.ggml.bos_token_id"), eos_id=md.get("tokenizer.ggml.eos_token_id"),
+                     eot_id=eot, pad_id=md.get("tokenizer.ggml.padding_token_id"),
+                     add_bos=bool(md.get("tokenizer.ggml.add_bos_token", False)), source=str(gg.path))
+
+
 class StreamDecoder:
     """Incremental decode: push(id) returns the text completed so far (never half a UTF-8 character).
 

@@ -107,3 +107,15 @@ def test_the_procfile_starts_a_finetune_from_a_job_file(tmp_path):
     assert summary["job"] == "finetune" and summary["steps"] == 3
     assert (tmp_path / "run" / "adapters.safetensors").is_file() and (tmp_path / "run" / "loss.png").is_file()
     _no_segments_left(tmp_path / "run")
+
+
+def test_validation_and_keep_best_on_two_trainers_equal_in_process(tmp_path):
+    """--val-split / --eval-every / --keep best run by the optimizer role: the same val losses, best checkpoint and
+    training bits as in-process."""
+    flags = ("--steps", "3", "--val-split", "0.4", "--eval-every", "1", "--keep", "best")
+    here = _finetune(tmp_path / "inproc", *flags)
+    there = _finetune(tmp_path / "two", *flags, "--trainers", "2")
+    _same_bits(there, here)
+    assert there["val_loss"] == here["val_loss"] is not None and there["best"] == here["best"]
+    assert (tmp_path / "two" / "best" / "adapters.safetensors").read_bytes() == \
+        (tmp_path / "inproc" / "best" / "adapters.safetensors").read_bytes()

@@ -9,7 +9,7 @@ import pytest
 from pipeline.autograd import Tensor
 from pipeline.errors import UserError
 from pipeline.autograd import parameter
-from pipeline.llm.finetune import TARGETS, Trainer
+from pipeline.llm.finetune import TARGETS, LoraModel
 from pipeline.models.decoder import MLP, Attention, Block, FrozenLinear, Linear
 from pipeline.models.qwen3 import Qwen3, Qwen3Config
 
@@ -64,7 +64,7 @@ def test_golden_parity_with_torch_replica():
     cfg = Qwen3Config(vocab_size=meta["vocab"], hidden=meta["hidden"], layers=meta["layers"], heads=meta["heads"],
                       kv_heads=meta["kv_heads"], head_dim=meta["head_dim"], ffn=meta["ffn"],
                       rope_base=meta["rope_theta"], rms_eps=meta["norm_eps"])
-    tr = Trainer(model_from_arrays(cfg, z), targets=TARGETS, rank=meta["rank"], alpha=meta["alpha"])
+    tr = LoraModel(model_from_arrays(cfg, z), targets=TARGETS, rank=meta["rank"], alpha=meta["alpha"])
     tr.load_adapter_tensors({n: z[n] for n, _ in tr.named_parameters()})
     loss = tr.loss(z["tokens"], z["labels"])
     loss.backward()
@@ -79,7 +79,7 @@ def test_golden_parity_with_torch_replica():
 
 def test_finite_differences_through_the_whole_loss():
     base = random_model(seed=5)
-    tr = Trainer(base, targets=("q", "v", "down"), rank=4, alpha=8, seed=1)
+    tr = LoraModel(base, targets=("q", "v", "down"), rank=4, alpha=8, seed=1)
     _warm(tr)
     tokens, labels = _sample(seq=40, n_masked=10, seed=7)
     tr.loss(tokens, labels).backward()
@@ -114,7 +114,7 @@ def test_zero_b_is_the_base_and_frozen_base_gets_no_gradient():
     snapshot = [p.weight.data.copy() for p in _projections(model)]
     tokens, labels = _sample()
     base_logits = model.forward(tokens).data
-    tr = Trainer(model, targets=TARGETS, rank=2, dropout=0.2, seed=9)
+    tr = LoraModel(model, targets=TARGETS, rank=2, dropout=0.2, seed=9)
     # B == 0: the adapted model IS the base model (the model's own autograd forward)
     np.testing.assert_allclose(tr.eval_logits(tokens), base_logits, rtol=1e-5, atol=1e-5)
     loss = tr.loss(tokens, labels)
@@ -144,7 +144,7 @@ def test_quantized_base_trains_and_stays_untouched():
         w = getattr(holder, attr).weight.data
         setattr(holder, attr, FrozenLinear(FrozenWeight(FORMATS[QT.Q8_0], quantize(w, QT.Q8_0), w.shape, attr)))
     before = blk.attn.q.weight.raw.copy()
-    tr = Trainer(model, rank=4)
+    tr = LoraModel(model, rank=4)
     tokens, labels = _sample(seq=12, n_masked=3)
     # with B == 0 the trainer reproduces the model's forward over the quantized weights
     np.testing.assert_allclose(tr.eval_logits(tokens), model.forward(tokens).data, rtol=1e-4, atol=1e-4)
@@ -161,7 +161,7 @@ def test_checkpoint_layers_is_bitwise_equal_with_dropout():
     tokens, labels = _sample(seq=20)
     runs = []
     for ckpt in (False, True):
-        tr = Trainer(base, targets=("q", "v", "gate"), rank=4, dropout=0.3, seed=11, checkpoint_layers=ckpt)
+        tr = LoraModel(base, targets=("q", "v", "gate"), rank=4, dropout=0.3, seed=11, checkpoint_layers=ckpt)
         _warm(tr, steps=2)
         loss = tr.loss(tokens, labels)
         loss.backward()
@@ -174,7 +174,7 @@ def test_checkpoint_layers_is_bitwise_equal_with_dropout():
 def test_dropout_stream_follows_the_step_counter_and_eval_does_not_advance_it():
     base = random_model(seed=3)
     tokens, labels = _sample(seq=16)
-    tr = Trainer(base, rank=4, dropout=0.5, seed=2)
+    tr = LoraModel(base, rank=4, dropout=0.5, seed=2)
     _warm(tr, steps=1)
     step = tr.step
     tr.eval_logits(tokens)
@@ -190,7 +190,7 @@ def test_dropout_stream_follows_the_step_counter_and_eval_does_not_advance_it():
 def test_sum_reduction_with_scale_is_the_mean():
     base = random_model(seed=6)
     tokens, labels = _sample()
-    tr = Trainer(base, rank=2)
+    tr = LoraModel(base, rank=2)
     mean = tr.loss(tokens, labels).item()
     n_valid = int((labels != -100).sum())
     s = tr.loss(tokens, labels, reduction="sum", loss_scale=1.0 / n_valid).item()
@@ -200,10 +200,10 @@ def test_sum_reduction_with_scale_is_the_mean():
 def test_bad_inputs_are_clear_errors():
     base = random_model(seed=6)
     with pytest.raises(UserError, match="targets"):
-        Trainer(base, targets=("q", "x"))
+        LoraModel(base, targets=("q", "x"))
     with pytest.raises(UserError, match="rank"):
-        Trainer(base, rank=100)
-    tr = Trainer(base)
+        LoraModel(base, rank=100)
+    tr = LoraModel(base)
     with pytest.raises(UserError, match="token ids"):
         tr.loss(np.array([1, 2, 999]), np.array([2, 3, 4]))
     with pytest.raises(UserError, match="labels shape"):
@@ -217,7 +217,7 @@ def test_grouped_projections_equal_one_by_one_bitwise(monkeypatch):
     fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "qwen3-mini-q8_0.gguf")
 
     def run():
-        tr = Trainer.from_gguf(fixture, targets=("q", "v", "gate"), rank=4)
+        tr = LoraModel.from_gguf(fixture, targets=("q", "v", "gate"), rank=4)
         for p in tr.parameters():
             p.data[...] = np.random.default_rng(0).standard_normal(p.shape).astype(np.float32) * 0.1
         tokens = np.arange(40) % tr.config.vocab_size

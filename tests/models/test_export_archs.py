@@ -39,10 +39,10 @@ def run(request, tmp_path_factory):
 
 def _adapted_logits(path, run_dir, ids):
     """Our trainer over the base with the run's adapters: the reference every export must reproduce."""
-    from pipeline.llm.finetune import Trainer
+    from pipeline.llm.finetune import LoraModel
     from pipeline.train.state_dict import read_safetensors
     state = json.loads((run_dir / "trainer_state.json").read_text())["config"]["lora"]
-    tr = Trainer.from_gguf(path, targets=tuple(state["targets"]), rank=state["rank"], alpha=state["alpha"])
+    tr = LoraModel.from_gguf(path, targets=tuple(state["targets"]), rank=state["rank"], alpha=state["alpha"])
     tr.load_adapter_tensors(read_safetensors(run_dir / "adapters.safetensors")[0])
     return tr.eval_logits(ids)
 

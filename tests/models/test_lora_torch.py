@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.llm.finetune import TARGETS, Trainer
+from pipeline.llm.finetune import TARGETS, LoraModel
 from pipeline.models.registry import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
@@ -102,7 +102,7 @@ def _torch_loss(model, adapters, scale, tokens, labels):
 def test_lora_loss_and_gradients_match_torch(tmp_path, arch, shape):
     import torch
     model = load_model(_path(tmp_path, arch, shape))
-    tr = Trainer(model, targets=TARGETS, rank=4, alpha=8.0, seed=3)
+    tr = LoraModel(model, targets=TARGETS, rank=4, alpha=8.0, seed=3)
     g = np.random.default_rng(0)
     for p in tr.parameters():  # B != 0 so every A gradient is live too
         if p.name.endswith("lora_b"):

@@ -211,6 +211,10 @@ def matmul_t_many(weights: list, x) -> list:
     return [y.reshape(*np.shape(x)[:-1], w.shape[0]) for w, y in zip(weights, ys)]
 
 
+# llama.cpp 0.3.36 takes its tiled K-quant GEMM (ggml-cpu/tiled: ggml_tiled_min_batch) from 8 activation rows
+GGML_TILED_MIN_ROWS = 8
+
+
 def integer_matmul_t_many(weights: list, x2, group_rows: int | None = None) -> list:
     """x2 [m, n_in] @ W.T for weights on the integer path. The arithmetic is chosen per weight by the rows of
     one independent group (group_rows, default m: a caller stacking ES members or lock-step rows passes one
@@ -222,10 +226,12 @@ def integer_matmul_t_many(weights: list, x2, group_rows: int | None = None) -> l
     Each weight's bits do not depend on the other weights of the call."""
     from kernels import qint_gemm, qtile
     n = x2.shape[0] if group_rows is None else group_rows
-    tiled = [w.tiled and n >= w.TILE_MIN_ROWS and qtile.supports(w.format.qtype) for w in weights]
+    ggml = any(w.llama_numerics for w in weights)  # llama.cpp's tiled AVX2 GEMM from GGML_TILED_MIN_ROWS rows
+    tiled = [qtile.supports(w.format.qtype) and (n >= GGML_TILED_MIN_ROWS if ggml else
+                                                 w.tiled and n >= w.TILE_MIN_ROWS) for w in weights]
     on_tiles = [w for w, t in zip(weights, tiled) if t]
     rest = [w for w, t in zip(weights, tiled) if not t]
-    ys_tiled = iter(qtile.matmul_t_many([(int(w.format.qtype), w.raw, w.tiles()) for w in on_tiles], x2)
+    ys_tiled = iter(qtile.matmul_t_many([(int(w.format.qtype), w.raw, w.tiles()) for w in on_tiles], x2, ggml)
                     if on_tiles else [])
     if not rest:
         ys_rest = iter([])

@@ -316,7 +316,10 @@ def _q6_k_dots(h, kind, rows, at, x_at):
 #   4 q (int8 activations; Q6_K: uint8, + 128; flat)   5 qo (row 0's block start)   6 q_stride
 #   7 sums16 int16 (the Q8_K 32-element sums, flat)   8 so (row 0's block start)   9 s_stride
 #   10 d f32 (the activations' block scales, flat)   11 do (row 0's)   12 d_stride
-def _tile_block(kind, rows):
+def _tile_block(kind, rows, ggml_avx2=False):
+    """ggml_avx2: llama.cpp's own AVX2 tiled epilogue instead (ggml-cpu/tiled/tiled-kernel.cpp, what llama-numerics
+    takes from 8 rows): per block r = d_r * f32(T), r = fma(-dmin_r, f32(M), r), acc = fma(r, d_i, acc); accm
+    stays 0."""
     def codegen(context, builder, signature, args):
         h = _IR(context, builder, signature, args)
         at = lambda extra: h.b.add(h.ptrs[3], ir.Constant(_I64, extra))
@@ -330,6 +333,9 @@ def _tile_block(kind, rows):
             totals = _k_dots(h, kind, rows, at, x_at)
         d = h.b.bitcast(h.vload(2, at(_D[kind]), _V64B), _V16F)
         row_d = [h.splat(h.b.load(h.b.gep(h.ptrs[10], [row(11, 12, i)])), _V16F) for i in range(rows)]
+        if ggml_avx2:
+            _ggml_epilogue(h, kind, rows, at, row, d, row_d, totals)
+            return context.get_dummy_value()
         for i in range(rows):
             _fma_row(h, 0, 16 * i, h.b.fmul(row_d[i], d), totals[i])
         if kind in (2, 3):
@@ -348,11 +354,37 @@ def _tile_block(kind, rows):
     return codegen
 
 
-def _tile_intrinsic(kind, rows):
+def _block_mins(h, kind, rows, at, row):
+    mins = [None] * rows
+    for c in range(_MIN_PAIRS[kind]):  # arg 7: the 32-element sums (Q4_K/Q5_K), the 16-element ones (Q2_K)
+        min_pairs = h.b.bitcast(h.vload(2, at(_MN[kind] + 64 * c), _V64B), _V32S)
+        for i in range(rows):
+            sums = h.b.bitcast(_splat_i32(h, 7, h.b.add(row(8, 9, i), ir.Constant(_I64, 2 * c))), _V32S)
+            m = _madd_pairs(h, min_pairs, sums)
+            mins[i] = m if mins[i] is None else h.b.add(mins[i], m)
+    return mins
+
+
+def _ggml_epilogue(h, kind, rows, at, row, d, row_d, totals):
+    fn = cgutils.get_or_insert_function(h.b.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
+    mins = None
+    if kind not in (2, 3):
+        dmin = h.b.bitcast(h.vload(2, at(_DMIN[kind]), _V64B), _V16F)
+        neg_dmin = h.b.fsub(ir.Constant(_V16F, [-0.0] * 16), dmin)
+        mins = _block_mins(h, kind, rows, at, row)
+    for i in range(rows):
+        r = h.b.fmul(d, h.b.sitofp(totals[i], _V16F))
+        if mins is not None:
+            r = h.b.call(fn, [neg_dmin, h.b.sitofp(mins[i], _V16F), r])
+        p = h.b.bitcast(h.b.gep(h.ptrs[0], [ir.Constant(_I64, 16 * i)]), _V16F.as_pointer())
+        h.b.store(h.b.call(fn, [r, row_d[i], h.b.load(p, align=4)]), p, align=4)
+
+
+def _tile_intrinsic(kind, rows, ggml_avx2=False):
     @intrinsic
     def tile_block(typingctx, acc, accm, tiles, to, q, qo, q_stride, sums16, so, s_stride, d, do, d_stride):
         sig = types.void(acc, accm, tiles, to, q, qo, q_stride, sums16, so, s_stride, d, do, d_stride)
-        return sig, _tile_block(kind, rows)
+        return sig, _tile_block(kind, rows, ggml_avx2)
     return tile_block
 
 
@@ -361,6 +393,34 @@ _q5_k_rows, _q5_k_one = _tile_intrinsic(1, ROWS), _tile_intrinsic(1, 1)
 _q6_k_rows, _q6_k_one = _tile_intrinsic(2, ROWS), _tile_intrinsic(2, 1)
 _iq4_xs_rows, _iq4_xs_one = _tile_intrinsic(3, ROWS), _tile_intrinsic(3, 1)
 _q2_k_rows, _q2_k_one = _tile_intrinsic(4, ROWS), _tile_intrinsic(4, 1)
+
+
+_ggml_kinds = tuple(_tile_intrinsic(kind, 1, ggml_avx2=True) for kind in range(5))
+_g_q4_k, _g_q5_k, _g_q6_k, _g_iq4_xs, _g_q2_k = _ggml_kinds
+
+
+@njit(cache=True, nogil=True)
+def _gemm_tiles_ggml(kind, tiles, q, d, sums16, out, t0, t1):
+    """_gemm_tiles with llama.cpp's AVX2 tiled epilogue (_tile_block's ggml_avx2), one activation row at a time."""
+    m, n = q.shape
+    nb, block = n // 256, TILE_BLOCK[kind]
+    acc, accm = np.empty(TILE_ROWS, np.float32), np.zeros(TILE_ROWS, np.float32)
+    for i in range(m):
+        for t in range(t0, t1):
+            acc[:] = 0.0
+            for blk in range(nb):
+                to, qo, so, do = (t * nb + blk) * block, i * n + blk * 256, i * (n // 32) + blk * 8, i * nb + blk
+                if kind == 4:
+                    _g_q2_k(acc, accm, tiles, to, q, qo, n, sums16, 2 * so, n // 16, d, do, nb)
+                elif kind == 0:
+                    _g_q4_k(acc, accm, tiles, to, q, qo, n, sums16, so, n // 32, d, do, nb)
+                elif kind == 1:
+                    _g_q5_k(acc, accm, tiles, to, q, qo, n, sums16, so, n // 32, d, do, nb)
+                elif kind == 2:
+                    _g_q6_k(acc, accm, tiles, to, q, qo, n, sums16, so, n // 32, d, do, nb)
+                else:
+                    _g_iq4_xs(acc, accm, tiles, to, q, qo, n, sums16, so, n // 32, d, do, nb)
+            _store_tile(out, acc, accm, i, 0, t)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -412,9 +472,10 @@ def _gemm_tiles(kind, tiles, q, d, sums16, out, t0, t1):
         i += rows
 
 
-def matmul_t_many(weights, x: np.ndarray) -> list:
+def matmul_t_many(weights, x: np.ndarray, ggml_avx2: bool = False) -> list:
     """[x @ W.T for (qtype, raw, tiles) in weights] (K-quant rows and their `pack` tiles), x f32 [m, n] quantized
-    to Q8_K once; each weight's tiles cut into pieces of PIECE_TILES that the threads take dynamically."""
+    to Q8_K once; each weight's tiles cut into pieces of PIECE_TILES that the threads take dynamically.
+    ggml_avx2: llama.cpp's AVX2 tiled arithmetic (llama-numerics prompts of >= 8 rows) instead of this module's."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2:
         raise ValueError(f"qtile: x must be [m, n_cols], got shape {x.shape}")
@@ -442,7 +503,8 @@ def matmul_t_many(weights, x: np.ndarray) -> list:
 
     def piece(i):
         kind, tiles, out, t0, t1 = pieces[i]
-        _gemm_tiles(kind, tiles, unsigned if kind in (2, 3) else q, d, bsums16 if kind == 4 else sums16, out, t0, t1)
+        gemm = _gemm_tiles_ggml if ggml_avx2 else _gemm_tiles
+        gemm(kind, tiles, unsigned if kind in (2, 3) else q, d, bsums16 if kind == 4 else sums16, out, t0, t1)
 
     run_dynamic(len(pieces), piece)
     return outs

@@ -211,29 +211,39 @@ def matmul_t_many(weights: list, x) -> list:
     return [y.reshape(*np.shape(x)[:-1], w.shape[0]) for w, y in zip(weights, ys)]
 
 
+# llama.cpp 0.3.36 takes its tiled K-quant GEMM (ggml-cpu/tiled: ggml_tiled_min_batch) from 8 activation rows
+GGML_TILED_MIN_ROWS = 8
+
+
 def integer_matmul_t_many(weights: list, x2, group_rows: int | None = None) -> list:
     """x2 [m, n_in] @ W.T for weights on the integer path. The arithmetic is chosen per weight by the rows of
     one independent group (group_rows, default m: a caller stacking ES members or lock-step rows passes one
     member's rows, so each row gets the bits it would get alone):
       * the K-quants and IQ4_XS with at least FrozenWeight.TILE_MIN_ROWS rows (unless the weight's `tiled` is False):
-        the tiled GEMM (kernels/qtile.py, its own arithmetic: one fma per block and output);
+        the tiled GEMM (kernels/qtile.py, its own arithmetic: one fma per block and output); a weight with
+        llama_numerics from GGML_TILED_MIN_ROWS rows, with llama.cpp's AVX2 tiled arithmetic (qtile's ggml_avx2);
       * otherwise llama.cpp's vec_dot arithmetic: the register-blocked GEMM (kernels/qint_gemm.py) for at least
         qint_gemm.ROWS rows through Q4_K/Q5_K/Q6_K, else the row kernels (kernels/qint.py), the same bits.
     Each weight's bits do not depend on the other weights of the call."""
     from kernels import qint_gemm, qtile
     n = x2.shape[0] if group_rows is None else group_rows
-    tiled = [w.tiled and n >= w.TILE_MIN_ROWS and qtile.supports(w.format.qtype) for w in weights]
-    on_tiles = [w for w, t in zip(weights, tiled) if t]
+    # llama numerics: llama.cpp's tiled AVX2 arithmetic from GGML_TILED_MIN_ROWS rows, decided per weight
+    tiled = [qtile.supports(w.format.qtype) and (n >= GGML_TILED_MIN_ROWS if w.llama_numerics else
+                                                 w.tiled and n >= w.TILE_MIN_ROWS) for w in weights]
     rest = [w for w, t in zip(weights, tiled) if not t]
-    ys_tiled = iter(qtile.matmul_t_many([(int(w.format.qtype), w.raw, w.tiles()) for w in on_tiles], x2)
-                    if on_tiles else [])
+    ys = {}
+    for ggml in (False, True):
+        group = [w for w, t in zip(weights, tiled) if t and w.llama_numerics == ggml]
+        if group:
+            ys.update(zip(map(id, group), qtile.matmul_t_many([(int(w.format.qtype), w.raw, w.tiles())
+                                                               for w in group], x2, ggml)))
     if not rest:
         ys_rest = iter([])
     elif x2.shape[0] >= qint_gemm.ROWS and all(qint_gemm.supports(w.format.qtype) for w in rest):
         ys_rest = iter(qint_gemm.matmul_t_many([(int(w.format.qtype), w.raw) for w in rest], x2))
     else:
         ys_rest = iter(integer_product(rest)(x2))
-    return [next(ys_tiled) if t else next(ys_rest) for t in tiled]
+    return [ys[id(w)] if t else next(ys_rest) for w, t in zip(weights, tiled)]
 
 
 def integer_product(weights: list):

@@ -41,7 +41,7 @@ from typing import Callable
 
 import numpy as np
 
-from kernels import attention, decode, handoff, rng, workpool
+from kernels import attention, decode, ggml_f32, handoff, rng, workpool
 from kernels.dequant import HALF_TO_FLOAT
 from kernels.decode import norm_rope_heads as _norm_rope_heads, rms_rows as _rms_rows
 from kernels.nn import swiglu as swiglu_f32  # the training path's kernel: the same bits in inference
@@ -77,6 +77,7 @@ class Family:
     swa_pattern: int = 0               # n > 0: layer i is sliding-window (local) iff i % n < n - 1; 0: all global
     swa_rope_base: float = 10_000.0    # RoPE base of the local layers (llama.cpp fixes it per family)
     attention_scale: Callable | None = None  # (hidden, heads, head_dim, layers) -> q scale; None: head_dim^-1/2
+    scale_query: bool = False          # llama.cpp scales q after RoPE (scores x 1) rather than the scores
     chat_format: str = "chatml"        # turn format for a GGUF without tokenizer.chat_template (llm/chat.py)
 
     def __post_init__(self):
@@ -687,8 +688,8 @@ class DecoderLM(Module):
         from pipeline.autograd.tensor import grad_enabled
         from kernels.qint import _RUNNER
         plan = self.__dict__.get("_decode")
-        if grad_enabled() or (self.family.activation != "silu" and self.llama_numerics):
-            return None  # llama.cpp's f16-table GELU (parity runs) stays on the general path
+        if grad_enabled() or self.llama_numerics:
+            return None  # llama.cpp's f32 arithmetic (parity runs, kernels/ggml_f32.py) is the general path's
         if plan is not None and plan.threads == threads and plan.current(self):
             return plan
         layers, used = [], []
@@ -723,8 +724,13 @@ class DecoderLM(Module):
         if max(starts) + t > c.context_length:
             raise UserError(f"context of {max(starts) + t} tokens exceeds the model's context length "
                             f"{c.context_length}")
+        ln = self.llama_numerics  # llama.cpp's f32 arithmetic between the products too (kernels/ggml_f32.py)
         tables = {}  # (base, scale) -> (cos, sin) [rows * t, 1, head_dim/2]: one pair per RoPE kind in the model
         for base, scale in sorted({c.layer_rope(li) for li in range(c.layers)}):
+            if ln:
+                pos = np.concatenate([np.arange(p0, p0 + t) for p0 in starts])
+                tables[base, scale] = ggml_f32.rope_tables(pos, c.head_dim, base, scale, self._rope_factors)
+                continue
             pos = np.concatenate([np.arange(p0, p0 + t, dtype=np.float64) for p0 in starts]) * scale
             tables[base, scale] = tuple(a[:, None, :] for a in
                                         ops.rope_tables(pos, c.head_dim, base, np.float32, self._rope_factors))
@@ -733,6 +739,10 @@ class DecoderLM(Module):
         x = self.embed.data[flat] if isinstance(self.embed, Tensor) else weight_rows(self.embed, flat)
         x = self.scale_embedding(x.astype(np.float32))
         scale = c.attn_scale or None
+        rms, norm_rope, attend, q_scale = _rms, _norm_rope, _attend, None
+        if ln:
+            rms, norm_rope, attend = _rms_llama, _norm_rope_llama, _attend_llama
+            scale, q_scale = _llama_attention_scales(c, self.family)
 
         def project(li, targets, h):
             h3 = h.reshape(n_rows, t, -1)
@@ -744,28 +754,30 @@ class DecoderLM(Module):
 
         for li, blk in enumerate(self.blocks):
             cos, sin = tables[c.layer_rope(li)]
-            h = _rms(x, blk.attn_norm.data, c.rms_eps)
+            h = rms(x, blk.attn_norm.data, c.rms_eps)
             q, k, v = project(li, ("q", "k", "v"), h)
             q, k, v = (q.reshape(-1, c.heads, c.head_dim), k.reshape(-1, c.kv_heads, c.head_dim),
                        v.reshape(-1, c.kv_heads, c.head_dim))
-            q = _norm_rope(q, blk.attn.q_norm, c.rms_eps, cos, sin, interleaved).reshape(n_rows, t, c.heads, -1)
-            k = _norm_rope(k, blk.attn.k_norm, c.rms_eps, cos, sin, interleaved).reshape(n_rows, t, c.kv_heads, -1)
+            q = norm_rope(q, blk.attn.q_norm, c.rms_eps, cos, sin, interleaved).reshape(n_rows, t, c.heads, -1)
+            k = norm_rope(k, blk.attn.k_norm, c.rms_eps, cos, sin, interleaved).reshape(n_rows, t, c.kv_heads, -1)
+            if q_scale is not None:  # llama.cpp's gemma3 graph scales q after RoPE and the scores by 1
+                q = q * q_scale
             v = v.reshape(n_rows, t, c.kv_heads, c.head_dim)
             attended = []
             for r, (cache, p0) in enumerate(zip(caches, starts)):
                 keys, values = cache.store(li, p0, k[r], v[r])
-                attended.append(_attend(q[r], keys, values, p0, scale, c.window(li)))
+                attended.append(attend(q[r], keys, values, p0, scale, c.window(li)))
             a = attended[0] if n_rows == 1 else np.concatenate(attended)
-            x = x + _infer_post_norm(project(li, ("o",), a)[0], blk.post_attn_norm, c.rms_eps)
-            h = _rms(x, blk.ffn_norm.data, c.rms_eps)
+            x = x + _infer_post_norm(project(li, ("o",), a)[0], blk.post_attn_norm, c.rms_eps, rms)
+            h = rms(x, blk.ffn_norm.data, c.rms_eps)
             g, u = project(li, ("gate", "up"), h)
-            m = project(li, ("down",), swiglu_f32(g, u) if self.family.activation == "silu"
-                        else _gelu_tanh_mul(g, u, self.llama_numerics))[0]
-            x = x + _infer_post_norm(m, blk.post_ffn_norm, c.rms_eps)
+            m = project(li, ("down",), (_swiglu_llama(g, u) if ln else swiglu_f32(g, u))
+                        if self.family.activation == "silu" else _gelu_tanh_mul(g, u, ln))[0]
+            x = x + _infer_post_norm(m, blk.post_ffn_norm, c.rms_eps, rms)
         for cache, p0 in zip(caches, starts):
             cache.length = p0 + t
         x = x.reshape(n_rows, t, c.hidden)
-        x = _rms(x if all_logits else x[:, -1:], self.out_norm.data, c.rms_eps)
+        x = rms(x if all_logits else x[:, -1:], self.out_norm.data, c.rms_eps)
         logits = _infer_rows([self.output], x)[0]
         return logits if all_logits else logits[:, 0]
 
@@ -817,8 +829,48 @@ def _norm_rope(x: np.ndarray, norm, eps: float, cos: np.ndarray, sin: np.ndarray
     return out
 
 
-def _infer_post_norm(x: np.ndarray, norm, eps: float) -> np.ndarray:
-    return x if norm is None else _rms(x, norm.data if isinstance(norm, Tensor) else norm, eps)
+def _infer_post_norm(x: np.ndarray, norm, eps: float, rms=None) -> np.ndarray:
+    return x if norm is None else (rms or _rms)(x, norm.data if isinstance(norm, Tensor) else norm, eps)
+
+
+# --- llama-numerics: llama.cpp's own f32 arithmetic between the products (kernels/ggml_f32.py) ---------------
+def _rms_llama(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """ggml's rms_norm (float64 sum of squares) then the weight."""
+    x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+    out = np.empty_like(x2)
+    ggml_f32.rms_rows(x2, np.ascontiguousarray(w, dtype=np.float32), np.float32(eps), out)
+    return out.reshape(x.shape)
+
+
+def _norm_rope_llama(x: np.ndarray, norm, eps: float, cos: np.ndarray, sin: np.ndarray,
+                     interleaved: bool) -> np.ndarray:
+    """_norm_rope with ggml's per-head rms_norm and rope_f32 (cos/sin [seq, head_dim/2] from ggml_f32)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(x)
+    normed = norm is not None
+    w = np.ascontiguousarray(norm.data if normed else np.ones(x.shape[-1]), dtype=np.float32)
+    ggml_f32.norm_rope_heads(x, w, np.float32(eps), cos, sin, out, normed, interleaved)
+    return out
+
+
+def _attend_llama(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale, window: int = 0) -> np.ndarray:
+    return ggml_f32.attend(q, k, v, pos0, scale, window)
+
+
+def _swiglu_llama(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    g, u = (np.ascontiguousarray(a, np.float32) for a in (g, u))
+    out = np.empty_like(g)
+    ggml_f32.swiglu_rows(g.reshape(-1), u.reshape(-1), out.reshape(-1))
+    return out
+
+
+def _llama_attention_scales(c: DecoderConfig, family: Family):
+    """(softmax scale, q scale or None) as llama.cpp's graphs apply them, in f32: kq_scale = 1/sqrtf(head_dim)
+    on the scores, or (gemma3, `Family.scale_query`) q multiplied by f_attention_scale after RoPE and the
+    scores by 1."""
+    if family.scale_query:
+        return np.float32(1.0), np.float32(c.attn_scale or np.float32(1.0) / np.sqrt(np.float32(c.head_dim)))
+    return np.float32(c.attn_scale or np.float32(1.0) / np.sqrt(np.float32(c.head_dim))), None
 
 
 def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale=None, window: int = 0) -> np.ndarray:

@@ -34,4 +34,5 @@ def gemma3_attention_scale(hidden: int, heads: int, head_dim: int, layers: int) 
 
 GEMMA3 = Family(name="gemma3", rope="neox", qk_norm=True, default_rope_base=1_000_000.0, default_rms_eps=1e-6,
                 embed_scale=True, post_norms=True, activation="gelu_tanh", swa_pattern=GEMMA3_SWA_PATTERN,
-                swa_rope_base=GEMMA3_LOCAL_ROPE_BASE, attention_scale=gemma3_attention_scale, chat_format="gemma")
+                swa_rope_base=GEMMA3_LOCAL_ROPE_BASE, attention_scale=gemma3_attention_scale,
+                scale_query=True, chat_format="gemma")

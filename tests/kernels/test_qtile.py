@@ -43,8 +43,42 @@ def tiled_model(qt, raw, x):
     return out
 
 
-def tiled(qt, raw, x):
-    return qtile.matmul_t_many([(int(qt), raw, qtile.pack(int(qt), raw))], x)[0]
+def ggml_model(qt, raw, x):
+    """llama.cpp's AVX2 tiled epilogue (llama-numerics): per block r = f32(d_r * f32(T)), r = fma(-dmin_r,
+    f32(M), r), acc = fma(r, d_i, acc)."""
+    n = x.shape[1]
+    q, yd = ref_quantize_q8_k(x)
+    w, scale, wd, extra = block_integers(qt, raw, n)
+    rows, blocks = raw.shape[0], n // 256
+    out = np.empty((x.shape[0], rows), np.float32)
+    for i in range(x.shape[0]):
+        totals = (w * scale * q[i]).reshape(rows, blocks, 256).sum(axis=-1).astype(np.float32)
+        if extra is not None:
+            dmin, mins = extra
+            sums = q[i].reshape(blocks, mins.shape[-1], 256 // mins.shape[-1]).sum(axis=-1)
+            m = (mins * sums).sum(axis=-1).astype(np.float32)
+        acc = np.zeros(rows, np.float32)
+        for b in range(blocks):
+            r = (wd[:, b] * totals[:, b]).astype(np.float32)
+            if extra is not None:
+                r = fma32(-dmin[:, b].astype(np.float32), m[:, b], r)
+            acc = fma32(r, np.full(rows, yd[i, b], np.float32), acc)
+        out[i] = acc
+    return out
+
+
+def tiled(qt, raw, x, ggml_avx2=False):
+    return qtile.matmul_t_many([(int(qt), raw, qtile.pack(int(qt), raw))], x, ggml_avx2)[0]
+
+
+@pytest.mark.parametrize("qt", FORMATS, ids=lambda q: q.name)
+def test_ggml_avx2_variant_bitwise_equals_its_model(qt):
+    raw = random_blocks(qt, 37, 768, seed=3)
+    x = np.random.default_rng(4).standard_normal((5, 768)).astype(np.float32)
+    x[1, :256] *= 1e-3
+    with np.errstate(invalid="ignore"):
+        want = ggml_model(qt, raw, x)
+    np.testing.assert_array_equal(tiled(qt, raw, x, True).view(np.uint32), want.view(np.uint32))
 
 
 @pytest.mark.parametrize("qt", FORMATS, ids=lambda q: q.name)

@@ -27,7 +27,10 @@ def test_tokens_logits_greedy_match_recorded_llama_cpp(name):
     model = Qwen3.from_gguf(path, llama_numerics=quantized)
     ours = model.infer(np.array(rec["prompt_ids"]), all_logits=True)
     ref = LOGITS[name]
-    if quantized:
+    if name == "qwen3-mini-q8_0.gguf":  # Q8_0 products and every f32 op between them: llama.cpp's bits
+        bad = [i for i, (a, b) in enumerate(zip(ours, ref)) if not np.array_equal(a.view(np.uint32), b.view(np.uint32))]
+        assert not bad, f"positions {bad} differ from the recorded llama.cpp logits"
+    elif quantized:  # the K-quant prompt GEMM's epilogue depends on the recording host's ISA (docs/models.md)
         rows = np.linalg.norm(ours - ref, axis=1) / np.linalg.norm(ref, axis=1)
         assert np.median(rows) <= 2e-2 and np.abs(ours - ref).max() <= 3e-2 * np.abs(ref).max()
     else:

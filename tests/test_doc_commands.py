@@ -15,9 +15,9 @@ instead, with no venv until that line makes one.
 
 Pages holding a long command (training runs, benchmarks, a fresh venv) run whole in the `slow` suite with
 their long training runs shortened (`shorten`: a `fucina pretrain` or `fucina launch lm` line runs a tenth of
-its --steps, at least 8; `launch lm` without --steps, and the Procfile's lm through CONFIG, 60 steps), and
-exactly as written in the `soak` suite (`pytest -m soak`); the default suite runs each page's lines up to its
-first long one, and the documented honcho command. Never run:
+its --steps, at least 8, a resume at least 120; `launch lm` without --steps, and the Procfile's lm through
+CONFIG, 60 steps), and exactly as written in the `soak` suite (`pytest -m soak`); the default suite runs each
+page's lines up to its first long one, and the documented honcho command. Never run:
 llama-cli (an interactive program outside Fucina), and the README's test-suite command, which is .ci/run's
 first step verbatim (checked here).
 """
@@ -157,7 +157,8 @@ def shorten(line):
     code, sep, comment = line.partition(" # ")
     m = re.search(r"--steps (\d+)", code)
     if m:
-        code = f"{code[:m.start()]}--steps {max(8, int(m.group(1)) // 10)}{code[m.end():]}"
+        floor = 2 * SHORT_LM_STEPS if "--resume" in code else 8  # a resume goes on past the shortened first run
+        code = f"{code[:m.start()]}--steps {max(floor, int(m.group(1)) // 10)}{code[m.end():]}"
     elif "launch lm" in code:
         code = f"{code.rstrip()} --steps {SHORT_LM_STEPS}"
     return code + sep + comment
@@ -234,7 +235,8 @@ def test_documented_commands_all_of_them_as_written(page, sandbox):
 def test_shorten_cuts_training_runs_only():
     assert shorten("fucina pretrain --preset d4 --steps 160 --x 1") == "fucina pretrain --preset d4 --steps 16 --x 1"
     assert shorten("fucina launch lm   # ~3-5 min") == f"fucina launch lm --steps {SHORT_LM_STEPS} # ~3-5 min"
-    assert shorten("fucina launch lm --resume r --steps 600   # on") == "fucina launch lm --resume r --steps 60   # on"
+    resumed = shorten("fucina launch lm --resume r --steps 600   # on")
+    assert resumed == f"fucina launch lm --resume r --steps {2 * SHORT_LM_STEPS}   # on"
     assert shorten("fucina finetune --steps 30") == "fucina finetune --steps 30"
 
 

@@ -85,3 +85,29 @@ def numba_threads(n: int):
         yield
     finally:
         numba.set_num_threads(before)
+
+
+def add_threads_flag(parser, default=1, what="this process", also="", many=False):
+    """The one --threads flag of every command, worker and bench: pipeline.threads.pin_threads(args.threads)
+    applies it. `what` names whose threads they are; `also` adds what else takes the count (torch, llama.cpp).
+    many=True (a bench measuring several counts): a comma-separated list of counts >= 1, args.threads a list."""
+    if many:
+        parser.add_argument("--threads", type=_thread_counts, default=default, metavar="N[,N...]",
+                            help=f"compute threads of {what}, one or more counts >= 1 (1,2): numba and the kernel "
+                                 f"pool on N threads, BLAS on one{also}")
+        return
+    parser.add_argument("--threads", type=int, default=default, metavar="N",
+                        help=f"compute threads of {what}: numba and the kernel pool on N threads, BLAS on one "
+                             f"(the bits are the same for any N){also}; 0 = leave the thread pools as they are "
+                             f"(numba starts with one thread per core)")
+
+
+def _thread_counts(text):
+    import argparse
+    try:
+        counts = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected thread counts >= 1, comma-separated (1,2), got {text!r}")
+    return counts

@@ -45,9 +45,10 @@ def test_zero_threads_leaves_the_pools_and_negative_is_one_clear_error():
 
 
 def test_the_threads_flag_is_defined_once():
-    """Every --threads (commands, workers, benches) comes from commands/_args.py add_threads_flag."""
+    """Every --threads (commands, workers, benches) comes from pipeline/threads.py add_threads_flag (beside
+    pin_threads, which applies it; workers and the runtime take it from there, not from commands/)."""
     import pathlib
     root = pathlib.Path(__file__).resolve().parent.parent
     defined = [str(p.relative_to(root)) for d in ("pipeline", "workers", "scripts")
                for p in (root / d).rglob("*.py") if 'add_argument("--threads"' in p.read_text()]
-    assert defined == ["pipeline/commands/_args.py"]
+    assert defined == ["pipeline/threads.py"]

@@ -11,7 +11,7 @@ import os
 import sys
 import uuid
 
-from pipeline.commands._args import add_threads_flag
+from pipeline.threads import add_threads_flag
 from pipeline.errors import FucinaError
 from pipeline.jobs import get_job
 from pipeline.jobs.spec import build, check_fields, load_toml

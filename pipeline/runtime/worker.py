@@ -24,7 +24,7 @@ import sys
 import time
 import traceback
 
-from ..commands._args import add_threads_flag
+from ..threads import add_threads_flag
 from ..errors import FucinaError, UserError
 from ..jobs import get_job
 from ..threads import pin_threads

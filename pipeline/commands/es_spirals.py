@@ -32,7 +32,7 @@ def add_arguments(p):
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="place the --members as Ray actors (one CPU each) on the cluster at ADDRESS (default: "
                         "RAY_ADDRESS, else a local Ray), connecting back over tcp (--bind, else a free loopback "
-                        "port); needs the extra fucina[ray]")
+                        "port); needs the extra [ray] (pip install -e '.[ray]' in a checkout)")
     p.add_argument("--seed", type=int, default=0, help="ES noise seed")
     p.add_argument("--model-seed", type=int, default=0, help="SpiralsMLP init seed")
     p.add_argument("--data-seed", type=int, default=0, help="spirals data noise seed")

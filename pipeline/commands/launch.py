@@ -37,8 +37,9 @@ def add_arguments(parser):
                                 "and gradients travel as frames instead of shared memory; see docs/cluster.md)")
         p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                        help=f"place the {workers} as Ray actors (one CPU each) on the cluster at ADDRESS (default: "
-                            "RAY_ADDRESS, else a local Ray); needs the extra fucina[ray]; the other roles run here, "
-                            "over tcp (--port, a free one if not given; --host must be reachable from the nodes)")
+                            "RAY_ADDRESS, else a local Ray); needs the extra [ray] (pip install -e '.[ray]' in a "
+                            "checkout, pip install 'fucina[ray]' from an index); the other roles run here, over tcp "
+                            "(--port, a free one if not given; --host must be reachable from the nodes)")
         p.add_argument("--inprocess", action="store_true", help="run every task inline in this process (same bits)")
         p.add_argument("--resume", metavar="DIR",
                        help="continue from a checkpoint dir or a run dir's latest checkpoint")

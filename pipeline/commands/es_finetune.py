@@ -19,7 +19,7 @@ import time
 
 from ..errors import ConfigMismatchError, UserError
 from ..es.countdown import MAX_NUMBER, N_NUMBERS, check_difficulty
-from .finetune import add_data_arguments, load_data
+from .finetune import add_data_arguments
 from ..llm.chat import add_chat_template_argument
 from ._args import InputFile, add_threads_flag, default_run_dir
 
@@ -171,14 +171,6 @@ def check_reward_args(args):
         raise UserError(f"--reward {reward} generates answers: --max-new-tokens must be >= 1")
 
 
-def _countdown_source(args) -> str:
-    """The run config's data field: the default difficulty keeps the name older checkpoints recorded."""
-    source = f"builtin:countdown:{args.task_seed}:{args.task_size}"
-    if (args.task_numbers, args.task_max_number) != (N_NUMBERS, MAX_NUMBER):
-        source += f":numbers={args.task_numbers}:max={args.task_max_number}"
-    return source
-
-
 def reward_spec(args) -> str:
     """The --reward value(s) as one spec string (several joined by SPEC_SEP), or the task's default."""
     from ..es.rewards import join_specs
@@ -189,23 +181,10 @@ def reward_spec(args) -> str:
     return "countdown" if args.task == "countdown" else "nll"
 
 
-def _items(pairs, encoder, template, options):
-    """Generation-reward items: a record's first user turn is the prompt, its last assistant turn the reference."""
-    from ..es.rewards import Item
-    from ..llm.data import encode_prompt
-    items = []
-    for rec in pairs:
-        reference = getattr(rec, "response", None)
-        if reference is None:
-            reference = next((c for role, c in reversed(rec.turns) if role == "assistant"), "")
-        items.append(Item(rec.instruction, encode_prompt(encoder, template, rec.instruction, options), reference))
-    return items
-
-
 def _es_settings(args, state, log):
     """ES config + batch + search: the checkpoint's on resume (explicit flags that differ are reported), else
     flags/defaults."""
-    from ..es.finetune import es_config_from_state
+    from ..finetune.es import es_config_from_state
 
     flags = {k: getattr(args, k) for k in ES_DEFAULTS}
     flags["seed"] = args.es_seed
@@ -232,73 +211,22 @@ def _es_settings(args, state, log):
 
 
 def build(args, log):
-    """Trainer, samples, loader and the ES run from the flags (+ --load)."""
-    from ..es import ESConfig
-    from dataclasses import replace
-    from ..es.finetune import ESFinetune
-    from ..es.rewards import GenerationScorer, NLLScorer
-    from ..llm import data as sft
-    from ..llm.chat import ChatTemplate
-    from ..llm.finetune import Trainer, lora_config
-    from ..llm.gguf import open_gguf
-    from ..models.registry import load_model
+    """The ES run from the flags (+ --load): the job spec they stand for, built as every es_member builds its
+    replica (pipeline/finetune/build.build_es); -> (run, tokenizer, encoder, template, records, options, config)."""
+    from ..finetune.build import build_es
+    from ..finetune.spec import ESFinetuneSpec
+    from ..jobs.spec import build as build_spec
     from ..runtime.ckpt import read_state
-    from .finetune import _load_tokenizer, _targets
 
-    state = read_state(args.load) if args.load else None
-    settings = _es_settings(args, state, log)
-    lora_seed = args.seed
-    if state is not None and isinstance(state.seeds.get("lora"), int):
-        lora_seed = state.seeds["lora"]  # the adapter init (and so the AWD anchor) must be the checkpoint's
-    gg = open_gguf(args.model)
-    model = load_model(gg)
-    tokenizer = _load_tokenizer(gg)
-    encoder, template = sft.RawEncoder(tokenizer), ChatTemplate.from_gguf(gg, getattr(args, "chat_template", None))
-    if args.data:
-        pairs, source = load_data(args), args.data
-    elif args.task == "countdown":
-        from ..es import countdown
-        tasks = countdown.problems(args.task_seed, args.task_size, args.task_numbers, args.task_max_number)
-        pairs, source = [sft.Pair(t.prompt, f"<answer>{t.solution}</answer>") for t in tasks], "countdown problem"
-    else:
-        pairs, source = list(sft.PIRATE_PAIRS), "pirate pair"
-    options = sft.EncodeOptions(seq_max=args.seq_max)
-    samples = sft.encode_all(encoder, template, pairs, options, source=source)
-    trainer_kwargs = dict(targets=_targets(args.targets), rank=args.rank, alpha=args.lora_alpha, seed=lora_seed)
-    trainer = Trainer(model, **trainer_kwargs)
-    order = "shuffled" if args.shuffle else "sequential"
-    data_seed = args.seed if args.data_seed is None else args.data_seed
-    loader = sft.Loader(len(samples), order, seed=data_seed)
-    es_config = ESConfig(**{k: settings[k] for k in ("sigma", "alpha", "population", "seed", "noise", "antithetic",
-                                                      "shaping", "restore_mode", "anchor_decay", "anchor_lambda")})
-    reward = reward_spec(args)
-    if state is not None and state.config.get("reward", reward) != reward:
-        log(f"resume: the checkpoint was trained with --reward {state.config['reward']}; this run scores {reward}")
-    if reward == "nll":
-        scorer = NLLScorer(samples)
-    else:
-        items = _items(pairs, encoder, template, options)
-        if args.task == "countdown":
-            items = [replace(item, reference=t.reference) for item, t in zip(items, tasks)]
-        scorer = GenerationScorer(items, reward, template.stop_ids, args.max_new_tokens,
-                                  timeout=args.reward_timeout).bind(args.model, tokenizer)
-    if settings["search"] == "full" and args.workers and not getattr(args, "inprocess", False):
+    settings = _es_settings(args, read_state(args.load) if args.load else None, log)
+    fields = spec_of(args, settings)
+    search = fields["search"]
+    if search == "full" and args.workers and not getattr(args, "inprocess", False):
         raise UserError("--search full scores members in this process: drop --workers")
-    run = ESFinetune(trainer, samples, loader, es_config, batch=settings["batch"], search=settings["search"],
-                     scorer=scorer, dequantize=args.dequantize, model_source=str(args.model),
-                     member_batch=args.member_batch)
-    if state is not None:
-        stored_order = state.config.get("order")
-        if stored_order is not None and stored_order != order:
-            raise ConfigMismatchError(f"{args.load}/trainer_state.json: field 'config.order' is {stored_order!r} "
-                                      f"but this run is {order!r} (pass --shuffle as the checkpoint did, or not)")
-        run.load(args.load)
-        log(f"resumed {args.load}: ES iteration {run.iteration}, loader epoch {run.loader.epoch} index "
-            f"{run.loader.index}")
-    data = args.data or (_countdown_source(args) if args.task else "builtin:pirate")
-    run_config = {"model": str(args.model), "lora": lora_config(trainer), "seq_max": args.seq_max,
-                  "data": data, "order": order, "trainer": "es", "reward": reward}
-    return run, tokenizer, encoder, template, pairs, options, run_config
+    spec = build_spec(ESFinetuneSpec, {**fields, "search": "ab" if search == "full" else search})  # full: in here
+    parts = build_es(spec, log, search=search, dequantize=args.dequantize)
+    text = parts.text
+    return parts.run, text.tokenizer, text.encoder, text.template, parts.records, text.options, parts.run_config
 
 
 def run(args):
@@ -322,15 +250,16 @@ _OPTIONAL = {"data": "", "chat_template": "", "task": "", "es_seed": -1, "data_s
              "anchor_decay": "", "load": ""}
 
 
-def spec_of(args) -> dict:
+def spec_of(args, settings=None) -> dict:
     """The es-finetune job's fields from the flags, the ES settings resolved as this run takes them (the
-    checkpoint's on --load): what every replica of a runtime run builds from (args_of)."""
-    from ..es.finetune import ESFinetuneSpec
-    state = None
-    if args.load:
-        from ..runtime.ckpt import read_state
-        state = read_state(args.load)
-    settings = _es_settings(args, state, log=lambda m: None)
+    checkpoint's on --load): what every replica of a runtime run builds from (finetune/build.build_es)."""
+    from ..finetune.spec import ESFinetuneSpec
+    if settings is None:
+        state = None
+        if args.load:
+            from ..runtime.ckpt import read_state
+            state = read_state(args.load)
+        settings = _es_settings(args, state, log=lambda m: None)
     fields = {}
     for f in dataclasses.fields(ESFinetuneSpec):
         value = settings[f.name] if f.name in ES_DEFAULTS else getattr(args, f.name)
@@ -339,17 +268,6 @@ def spec_of(args) -> dict:
     fields["es_seed"] = settings["seed"]  # the resolved noise seed (settings' "seed"; the spec's seed is the run's)
     fields["anchor_lambda"] = fields["anchor_lambda"] or 0.0
     return fields
-
-
-def args_of(spec) -> argparse.Namespace:
-    """The flags a job spec stands for (the inverse of spec_of): a replica scores its members in its process."""
-    values = dataclasses.asdict(spec)
-    for name, absent in _OPTIONAL.items():
-        if values[name] == absent:
-            values[name] = None
-    if values["anchor_decay"] is None:
-        values["anchor_lambda"] = None
-    return argparse.Namespace(**values, dequantize=False, workers=0, inprocess=True)
 
 
 def _answer(trainer, tokenizer, encoder, template, prompt, options, max_new):
@@ -364,10 +282,9 @@ def _bar(done, total, width=20):
 
 
 def _train(args, log, es_run, tokenizer, encoder, template, pairs, options, run_config):
-    from ..es.finetune import batch_loss
+    from ..finetune.model import adapters_sha256, batch_loss
     from ..es.rewards import describe
     from ..runtime.ckpt import params_sha256
-    from ..llm.finetune import adapters_sha256
 
     trainer, cfg = es_run.trainer, es_run.es.config
     eval_set = es_run.samples[:args.eval_samples]
@@ -480,7 +397,7 @@ def _iterate_on_runtime(args, log, es_run, run_config):
     starts where es_run stands; the per-iteration lines come from the run's
     metrics.jsonl once it is done.
     """
-    from ..es.finetune import REWARD_FILES_ENV, ESFinetuneJob
+    from ..finetune.es import REWARD_FILES_ENV, ESFinetuneJob
     from ..jobs.spec import build as build_spec
     from ..runtime.launch import Supervisor
     from ..runtime.metrics import read_metrics

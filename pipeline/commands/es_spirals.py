@@ -110,7 +110,7 @@ def run(args) -> int:
         if args.inprocess:
             raise UserError("--ray places members; --inprocess runs none: choose one")
         from ..runtime.ray_place import require_ray
-        from .launch import free_port_pair
+        from ..runtime.transport import free_port_pair
         require_ray()  # before anything is written
         args.bind = args.bind or f"tcp://127.0.0.1:{free_port_pair('127.0.0.1')}"
     job_cls = get_job(NAME)

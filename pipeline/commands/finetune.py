@@ -12,9 +12,8 @@ import json
 import sys
 
 from ..errors import UserError
-from ..jobs.finetune import OPTIMIZERS, REAL_HIDDEN, REAL_LR, SMALL_LR  # SMALL_LR...: --lr's default by width
+from ..finetune.spec import OPTIMIZERS, REAL_HIDDEN, REAL_LR, SMALL_LR  # SMALL_LR...: --lr's default by width
 from ..llm.chat import add_chat_template_argument
-from ..llm.tokenizer import load_tokenizer
 from ._args import InputFile, add_threads_flag
 
 NAME = "finetune"
@@ -115,8 +114,8 @@ def _targets(text):
 
 
 def default_lr(model_path):
-    """--lr's default for this GGUF (jobs/finetune.default_lr)."""
-    from ..jobs.finetune import default_lr as by_width
+    """--lr's default for this GGUF (finetune/spec.default_lr)."""
+    from ..finetune.spec import default_lr as by_width
     from ..llm.gguf import open_gguf
     return by_width(open_gguf(model_path))
 
@@ -156,7 +155,7 @@ def _resume_point(path, flag="--resume"):
 def spec_of(args, resume=None):
     """The finetune job's spec from the flags; a resumed run keeps the checkpoint's window, lr and warm-up."""
     import os
-    from ..jobs.finetune import FinetuneSpec
+    from ..finetune.spec import FinetuneSpec
     from ..jobs.spec import build
     fields = dict(model=os.path.abspath(args.model), data=os.path.abspath(args.data) if args.data else "",
                   format=args.format, instruction_key=args.instruction_key, response_key=args.response_key,
@@ -180,20 +179,17 @@ def spec_of(args, resume=None):
 
 def build(args, log):
     """Session, tokenizer and the rest from the flags, for --verify-grads (which probes one process's trainer)."""
-    from ..jobs.finetune import Finetune
-    from ..llm import data as sft
-    from ..llm.finetune import Session
+    from ..finetune.build import loader_of
+    from ..finetune.job import Finetune
+    from ..finetune.session import Session
     job = Finetune(spec_of(args))
     trainer = job.trainer()
     optimizer = job.make_optimizer(trainer.named_parameters())
-    order = "shuffled" if args.shuffle else "sequential"
-    loader = sft.Loader(len(job.samples), order, seed=args.seed if args.data_seed is None else args.data_seed)
+    loader = loader_of(job.spec, len(job.samples))
     session = Session(trainer, optimizer, job.samples, loader, accum_steps=args.accum_steps, clip=args.clip,
                       lr=job.spec.lr, warmup=args.warmup)
     return session, job
 
-
-_load_tokenizer = load_tokenizer  # the older private name (tests, bench, es_finetune import it)
 
 
 def _default_run_dir():
@@ -204,9 +200,9 @@ def _default_run_dir():
 def run(args):
     import os
 
-    from ..jobs.finetune import Finetune
+    from ..finetune.job import Finetune
+    from ..finetune.model import check_resume_config
     from ..jobs.spec import to_dict
-    from ..llm.finetune import check_resume_config
     from ..runtime import ckpt
     from ..threads import pin_threads
     from .launch import _progress
@@ -222,7 +218,7 @@ def run(args):
     announce_compile(log)
 
     if args.verify_grads:
-        from ..llm.finetune import verify_grads
+        from ..finetune.session import verify_grads
         session, job = build(args, log)
         log(_banner(args, job, "in-process"))
         return 0 if verify_grads(session, log) else 1
@@ -363,7 +359,7 @@ def _count(records):
 
 
 def _sha(trainer):
-    from ..llm.finetune import adapters_sha256
+    from ..finetune.model import adapters_sha256
     return adapters_sha256(trainer)
 
 

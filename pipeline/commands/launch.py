@@ -8,6 +8,7 @@ import sys
 from ..errors import UserError
 from ..jobs import ES_JOBS, JOBS, get_job
 from ..jobs.spec import add_flags, from_args, to_dict
+from ..runtime.transport import free_port_pair
 from ._args import add_threads_flag, check_job_inputs, default_run_dir
 
 NAME = "launch"
@@ -79,21 +80,6 @@ def _point_latest(run_dir, job, say):
     os.replace(tmp, link)  # atomic: a reader sees the old run or the new one, never no link
 
 
-def free_port_pair(host):
-    """A port P with P and P+1 free on `host` (control and events)."""
-    import socket
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind((host, 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind((host, port + 1))
-            except OSError:
-                continue
-            return port
-    raise UserError(f"launch: no free pair of tcp ports on {host}")
-
-
 def _run_dir(args):
     if args.run_dir:
         return args.run_dir
@@ -155,7 +141,7 @@ def run(args) -> int:
         except UserError:
             pass
     else:
-        from ..es.finetune import REWARD_FILES_ENV
+        from ..finetune.es import REWARD_FILES_ENV
         from ..runtime.launch import Supervisor
         env = dict(os.environ)
         if es:  # a reward file named here is one the members spawned here may import

@@ -11,7 +11,8 @@ from pipeline.cli import main
 from pipeline.commands import _args
 from pipeline.commands.finetune import DivergenceWatch, default_lr
 from pipeline.commands.launch import _progress
-from pipeline.jobs.finetune import FinetuneSpec, split_records
+from pipeline.finetune.build import split_records
+from pipeline.finetune.spec import FinetuneSpec
 from pipeline.llm import data as sft
 from pipeline.runtime.metrics import read_metrics
 

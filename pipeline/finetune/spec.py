@@ -15,45 +15,66 @@ from ..jobs.spec import field, on_nonfinite_field
 from ..llm import data as sft
 
 OPTIMIZERS = ("adamw", "adam", "lion", "sgd", "muon")
+SMALL_LR, REAL_LR, REAL_HIDDEN = 1e-2, 2e-4, 512
+
+
+def _chat_template_help():
+    from ..llm.chat import CHAT_FORMATS
+    return (f"render conversations with this turn format ({', '.join(CHAT_FORMATS)}) or jinja file instead of the "
+            "GGUF's template (empty: the GGUF's, else its family's format)")
 
 
 @dataclasses.dataclass
 class FinetuneSpec:
-    model: str = field("", "the frozen GGUF model (llama, qwen2, qwen3 or gemma3; any quant type)")
-    data: str = field("", "JSONL samples (empty: the built-in pirate pairs)")
-    format: str = field("auto", "the JSONL format", choices=("auto",) + sft.FORMATS)
+    """The `finetune` job: `fucina finetune`'s and `fucina launch finetune`'s flags (add_field_flags)."""
+
+    model: str = field("", "GGUF model to fine-tune: llama, qwen2, qwen3 or gemma3 architecture, any quant type "
+                           "(for a first run, the model.gguf `fucina launch lm` saves)")
+    data: str = field("", "JSONL file of samples (empty: the built-in pirate pairs); formats in --format")
+    format: str = field("auto", "the --data format: instruction/response pairs, alpaca (instruction, input, output), "
+                                "chat messages or ShareGPT conversations; auto = read from the first record's fields",
+                        choices=("auto",) + sft.FORMATS)
     instruction_key: str = field("instruction", "JSONL key holding the instruction (pairs)")
     response_key: str = field("response", "JSONL key holding the response (pairs)")
-    max_record_bytes: int = field(sft.MAX_RECORD_BYTES, "refuse a JSONL line over this many bytes")
-    chat_template: str = field("", "a chat template name or Jinja file (empty: the model's own)")
-    steps: int = field(30, "optimizer steps in total (a resumed run continues to it)")
-    micro_batches: int = field(5, "samples per optimizer step (= --accum-steps), token-weighted")
-    seq_max: int = field(256, "truncate samples to this many input tokens")
-    shuffle: bool = field(False, "shuffled sample order (Fisher-Yates per epoch, seeded by data_seed)")
+    max_record_bytes: int = field(sft.MAX_RECORD_BYTES, "refuse a JSONL line over N bytes before parsing it",
+                                  metavar="N")
+    chat_template: str = field("", _chat_template_help(), metavar="NAME|FILE")
+    val_data: str = field("", "held-out JSONL samples (same formats as --data): the validation loss every "
+                              "--eval-every steps in the progress line and metrics.jsonl")
+    val_split: float = field(0.0, "instead of --val-data: hold out this fraction of --data's records (whole "
+                                  "documents, picked by --seed: the same split every run); 0: none", metavar="F")
+    eval_every: int = field(0, "validation loss every N optimizer steps and at the last (0: off; with a validation "
+                               "set: 10)", metavar="N")
+    keep: str = field("last", "best: also keep the adapters of the lowest validation loss in RUN_DIR/best (a "
+                              "directory --lora and export-gguf --adapters take)", choices=("last", "best"))
+    shuffle: bool = field(False, "shuffled sample order (Fisher-Yates per epoch, seeded by --data-seed)")
     seed: int = field(42, "seed of the adapter init and dropout streams")
-    data_seed: int = field(-1, "seed of the shuffled order (-1: seed)")
-    on_nonfinite: str = on_nonfinite_field()
+    data_seed: int = field(-1, "seed of the shuffled order (-1: --seed)")
+    steps: int = field(30, "train until this many optimizer steps in total (a resumed run continues from its "
+                           "checkpoint)")
     rank: int = field(8, "LoRA rank r")
     alpha: float = field(16.0, "LoRA alpha (the delta is scaled by alpha/rank)")
-    targets: str = field("q,k,v,o,gate,up,down", "comma-separated projections to adapt (q,k,v,o,gate,up,down)")
-    dropout: float = field(0.0, "LoRA dropout probability on the adapter input, in [0, 1)")
-    checkpoint_layers: bool = field(False, "recompute each layer in backward (less memory, same bits)")
-    optimizer: str = field("adamw", "the optimizer of the adapters", choices=OPTIMIZERS)
-    lr: float = field(0.0, "peak learning rate (0: by the model's width: 1e-2 below hidden 512, 2e-4 on a "
-                           "real model)")
+    lr: float = field(0.0, f"peak learning rate (a resumed run keeps the checkpoint's); 0: by the model's width, "
+                           f"{SMALL_LR:g} on a small model (hidden < {REAL_HIDDEN}: the one `fucina launch lm` trains, "
+                           f"the pirate demo's), {REAL_LR:g} on a real one (SmolLM2, Qwen, Gemma: PEFT's usual LoRA "
+                           "rate; 1e-2 garbles them)")
     warmup: int = field(0, "linear learning-rate warm-up over this many optimizer steps")
     clip: float = field(1.0, "global gradient-norm clip, once per step (0: off)")
+    targets: str = field("q,k,v,o,gate,up,down", "comma-separated projections to adapt, any of q,k,v,o,gate,up,down "
+                                                 "(q,v is the classic choice for large models)")
+    micro_batches: int = field(5, "samples per optimizer step, token-weighted (5: the whole pirate set per step; a "
+                                  "resumed run keeps the checkpoint's)", aliases=("--accum-steps",), metavar="N")
+    seq_max: int = field(256, "truncate samples to this many input tokens")
+    dropout: float = field(0.0, "LoRA dropout probability on the adapter input, in [0, 1)")
+    optimizer: str = field("adamw", "optimizer of the adapters", choices=OPTIMIZERS)
     state_dtype: str = field("f32", "dtype of the AdamW/Lion moments", choices=("f32", "bf16"))
-    checkpoint_every: int = field(0, "also checkpoint every N steps (0: only the final step)")
-    val_data: str = field("", "JSONL held-out samples for the validation loss (same formats as data)")
-    val_split: float = field(0.0, "hold out this fraction of the data's records (whole documents, chosen by the "
-                                  "seed) for the validation loss; 0: none")
-    eval_every: int = field(0, "validation loss every N optimizer steps and at the last (0: off; with val_data or "
-                               "val_split: 10)")
-    keep: str = field("last", "best: also keep the adapters of the lowest validation loss in RUN_DIR/best",
-                      choices=("last", "best"))
+    checkpoint_layers: bool = field(False, "recompute each layer in backward (less memory, same bits)")
+    checkpoint_every: int = field(0, "also checkpoint every N optimizer steps, RUN_DIR/checkpoint-step-N (0: only "
+                                     "the final step)", aliases=("--save-every",), metavar="N")
+    on_nonfinite: str = on_nonfinite_field()
     prompt: str = field("", "held prompt of the BEFORE/AFTER answers (empty: the first training instruction)")
-    max_new_tokens: int = field(48, "length of the BEFORE/AFTER greedy answers in tokens")
+    max_new_tokens: int = field(48, "length of the BEFORE/AFTER greedy answers (tokens; bytes on a byte-level "
+                                    "model)")
 
     def validate(self):
         if not self.model:
@@ -79,8 +100,6 @@ class FinetuneSpec:
         return tuple(t.strip() for t in self.targets.split(",") if t.strip())
 
 
-
-SMALL_LR, REAL_LR, REAL_HIDDEN = 1e-2, 2e-4, 512
 
 
 def default_lr(gg) -> float:

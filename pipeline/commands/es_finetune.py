@@ -10,7 +10,6 @@ and the AFTER answer; `--json` prints one summary line.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -18,9 +17,7 @@ import sys
 import time
 
 from ..errors import ConfigMismatchError, UserError
-from ..es.countdown import MAX_NUMBER, N_NUMBERS, check_difficulty
-from .finetune import add_data_arguments
-from ..llm.chat import add_chat_template_argument
+from ..es.countdown import check_difficulty
 from ._args import InputFile, add_threads_flag, default_run_dir
 
 NAME = "es-finetune"
@@ -36,63 +33,25 @@ ES_DEFAULTS = {"sigma": 0.05, "alpha": 0.05, "population": 16, "antithetic": Tru
 
 
 def add_arguments(p):
-    p.add_argument("--model", required=True, type=InputFile("GGUF file"),
-                   help="GGUF model to fine-tune: llama, qwen2, qwen3 or gemma3 architecture "
-                        "(for a first run, the model.gguf `fucina launch lm` saves)")
-    add_data_arguments(p)
-    add_chat_template_argument(p)
-    p.add_argument("--shuffle", action="store_true", help="shuffled sample order (Fisher-Yates per epoch, seeded by "
-                                                          "--data-seed)")
-    p.add_argument("--seed", type=int, default=42, help="run seed: the adapter init (A), the ES noise (unless "
-                                                        "--es-seed) and the data order (unless --data-seed)")
-    p.add_argument("--es-seed", type=int, default=None, help="seed of the ES noise stream (default: derived from "
-                                                             "--seed, independent of the adapter init)")
-    p.add_argument("--data-seed", type=int, default=None, help="seed of the shuffled order (default: --seed)")
-    p.add_argument("--iterations", type=int, default=40, help="train until this many ES iterations in total (a "
-                                                              "resumed run continues from its checkpoint)")
-    p.add_argument("--population", type=int, default=None, help="members per iteration (default "
-                                                                f"{ES_DEFAULTS['population']}; even with --antithetic)")
-    p.add_argument("--sigma", type=float, default=None, help=f"perturbation scale (default {ES_DEFAULTS['sigma']})")
-    p.add_argument("--alpha", type=float, default=None, help="ES step size, no 1/sigma (default "
-                                                             f"{ES_DEFAULTS['alpha']})")
-    p.add_argument("--antithetic", action=argparse.BooleanOptionalAction, default=None,
-                   help="mirrored (+eps, -eps) member pairs (default on; --no-antithetic: independent members)")
-    p.add_argument("--shaping", choices=("z_score", "centered_ranks"), default=None, help="fitness shaping (default "
-                                                                                          "z_score)")
-    p.add_argument("--noise", choices=("iid", "correlated"), default=None, help="noise scheme (default iid)")
-    p.add_argument("--batch", type=int, default=None, help="samples every member scores per iteration (default 5: the "
-                                                           "whole pirate set)")
-    add_reward_arguments(p)
-    p.add_argument("--task", choices=("countdown",), default=None,
-                   help="a built-in task instead of --data: countdown = reach a target from 4 numbers with + - * / "
-                        "(default reward: countdown)")
-    p.add_argument("--task-size", type=int, default=64, metavar="N", help="problems the built-in task generates")
-    p.add_argument("--task-seed", type=int, default=0, help="seed of the built-in task's problem set")
-    p.add_argument("--task-numbers", type=int, default=N_NUMBERS, metavar="N",
-                   help=f"countdown: numbers per problem, 2..6 (default {N_NUMBERS}; fewer = easier)")
-    p.add_argument("--task-max-number", type=int, default=MAX_NUMBER, metavar="M",
-                   help=f"countdown: the numbers are drawn from 1..M (default {MAX_NUMBER}; smaller = easier)")
-    p.add_argument("--search", choices=("ab", "b", "full"), default=None,
-                   help="what ES perturbs: ab = LoRA A and B (default), b = only B (A stays at its random init), "
-                        "full = every dense (F32/F16/BF16) weight matrix of the model, in place")
+    from ..finetune.spec import ESFinetuneSpec
+    from ..jobs.spec import add_field_flags
+    overrides = {
+        "model": dict(required=True, type=InputFile("GGUF file")), "data": dict(type=InputFile("JSONL file")),
+        "reward": dict(action="append", metavar="SPEC[@W]", help=_reward_help()),
+        "search": dict(choices=("ab", "b", "full"), help="what ES perturbs: ab = LoRA A and B (default), b = only B "
+                       "(A stays at its random init), full = every dense (F32/F16/BF16) weight matrix of the model, "
+                       "in place (in this process only)"),
+        "anchor_decay": dict(choices=("l1", "l2"))}
+    # ES_DEFAULTS' flags and --es-seed stay None when not given: a resume takes the checkpoint's values instead
+    unset = ("data", "es_seed", "reward", *ES_DEFAULTS)
+    add_field_flags(p, ESFinetuneSpec, dest="{}", defaults=True, unset=unset, overrides=overrides)
     p.add_argument("--dequantize", action="store_true",
                    help="with --search full on a quantized GGUF: perturb a dequantized f32 copy of each quantized "
                         "matrix (4 bytes per weight in memory) instead of refusing")
-    p.add_argument("--rank", type=int, default=8, help="LoRA rank r")
-    p.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha (the delta is scaled by lora-alpha/rank)")
-    p.add_argument("--targets", default="q,v", help="comma-separated projections to adapt, any of q,k,v,o,gate,up,down")
-    p.add_argument("--anchor-decay", choices=("l1", "l2"), default=None,
-                   help="anchored weight decay toward the initial adapters after each update (default off)")
-    p.add_argument("--anchor-lambda", type=float, default=None, help="anchored decay strength lambda (shrink = "
-                                                                     "alpha*lambda)")
-    p.add_argument("--seq-max", type=int, default=256, help="truncate samples to this many input tokens")
     p.add_argument("--eval-samples", type=int, default=32,
                    help="initial/final loss is measured on the first N training samples (unperturbed adapters)")
-    p.add_argument("--save", metavar="DIR", help="write the final checkpoint directory here")
-    p.add_argument("--save-every", type=int, default=0, metavar="N", help="also save DIR/checkpoint-step-N every N "
-                                                                          "iterations (needs --save)")
-    p.add_argument("--load", metavar="DIR", help="resume from a checkpoint (adapters, iteration, loader position; its "
-                                                 "ES config wins over the flags)")
+    p.add_argument("--save", metavar="DIR", help="write the final checkpoint directory here (--save-every: also "
+                   "DIR/checkpoint-step-N)")
     p.add_argument("--workers", "--members", type=int, default=0, metavar="N", dest="workers",
                    help="run as an ES job of the pipeline runtime with N es_member processes, each mapping the GGUF "
                         "read-only and keeping its own replica (0 = score the members in this process); same bits")
@@ -103,34 +62,31 @@ def add_arguments(p):
     p.add_argument("--liveness", type=float, default=60.0,
                    help="--workers: seconds of silence before a member is declared lost (must exceed one chunk "
                         "of member evaluations, including the first call's numba compilation)")
-    p.add_argument("--member-batch", type=int, default=0, metavar="K",
-                   help="score K members per pass as one batch through the frozen weights (any reward: "
-                        "generation rewards decode in lock-step; LoRA search; the same bits as one at a time); "
-                        "0 = one member at a time")
     add_threads_flag(p, 1, "this process and of each es_member (1: the forwards are small)")
     p.add_argument("--prompt", default=None, help="held prompt for the BEFORE/AFTER answers (default: the first "
                                                   "training instruction)")
-    p.add_argument("--max-new-tokens", type=int, default=48,
-                   help="greedy tokens generated per answer: the BEFORE/AFTER answers and every generation reward")
     p.add_argument("--json", action="store_true", help="print one JSON summary line on stdout (progress goes to "
                                                        "stderr)")
 
 
+def _reward_help(default_help="nll (default; -mean CE of the reference responses), ",
+                 what="what a member is scored by: "):
+    return (what + default_help + "exact (greedy answer == reference after normalisation), countdown (the --task "
+            "countdown checker), rule:format, rule:length=LO,HI, rule:regex=PATTERN, or PATH.py:FUNC (your function "
+            "reward(prompt, completion, reference) -> float). Generation rewards decode greedily up to "
+            "--max-new-tokens, stopping at the GGUF's end-of-generation tokens. Give --reward several times, each "
+            "optionally SPEC@WEIGHT (weight 1 when not given), to score the weighted sum, e.g. --reward "
+            "'rule:regex=<answer>@0.2' --reward countdown (format credit + correctness)")
+
+
 def add_reward_arguments(p, default_help="nll (default; -mean CE of the reference responses), ",
                          what="what a member is scored by: "):
-    """--reward (repeatable, SPEC[@WEIGHT]) and --reward-timeout: shared with `fucina eval`."""
-    p.add_argument("--reward", default=None, metavar="SPEC[@W]", action="append",
-                   help=what + default_help + "exact "
-                        "(greedy answer == reference after normalisation), countdown (the --task countdown checker), "
-                        "rule:format, rule:length=LO,HI, rule:regex=PATTERN, or PATH.py:FUNC (your function "
-                        "reward(prompt, completion, reference) -> float). Generation rewards decode greedily up to "
-                        "--max-new-tokens, stopping at the GGUF's end-of-generation tokens. Give --reward several "
-                        "times, each optionally SPEC@WEIGHT (weight 1 when not given), to score the weighted sum, e.g. "
-                        "--reward 'rule:regex=<answer>@0.2' --reward countdown (format credit + correctness)")
-    p.add_argument("--reward-timeout", type=float, default=10.0, metavar="S",
-                   help="seconds one call of a PATH.py:FUNC reward may take before the run stops with an error "
-                        "naming it (0: no limit); its printed output is captured, at most 4096 characters per call "
-                        "passed on to stderr")
+    """--reward (repeatable, SPEC[@WEIGHT]) and --reward-timeout for `fucina eval` (es-finetune takes them from
+    ESFinetuneSpec's fields)."""
+    from ..finetune.spec import ESFinetuneSpec
+    from ..jobs.spec import add_field_flags
+    p.add_argument("--reward", default=None, metavar="SPEC[@W]", action="append", help=_reward_help(default_help, what))
+    add_field_flags(p, ESFinetuneSpec, names=["reward_timeout"], dest="{}", defaults=True)
 
 
 def _check_args(args):

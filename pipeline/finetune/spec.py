@@ -24,21 +24,45 @@ def _chat_template_help():
             "GGUF's template (empty: the GGUF's, else its family's format)")
 
 
+# the fields both jobs read their data and model by (one definition: the same flag means the same in both)
+def _model():
+    return field("", "GGUF model to fine-tune: llama, qwen2, qwen3 or gemma3 architecture, any quant type "
+                     "(for a first run, the model.gguf `fucina launch lm` saves)")
+
+
+def _format():
+    return field("auto", "the --data format: instruction/response pairs, alpaca (instruction, input, output), chat "
+                         "messages or ShareGPT conversations; auto = read from the first record's fields",
+                 choices=("auto",) + sft.FORMATS)
+
+
+def _key(role, default):
+    return field(default, f"JSONL key holding the {role} (pairs)")
+
+
+def _max_record_bytes():
+    return field(sft.MAX_RECORD_BYTES, "refuse a JSONL line over N bytes before parsing it", metavar="N")
+
+
+def _chat_template():
+    return field("", _chat_template_help(), metavar="NAME|FILE")
+
+
+def _shuffle():
+    return field(False, "shuffled sample order (Fisher-Yates per epoch, seeded by --data-seed)")
+
+
 @dataclasses.dataclass
 class FinetuneSpec:
     """The `finetune` job: `fucina finetune`'s and `fucina launch finetune`'s flags (add_field_flags)."""
 
-    model: str = field("", "GGUF model to fine-tune: llama, qwen2, qwen3 or gemma3 architecture, any quant type "
-                           "(for a first run, the model.gguf `fucina launch lm` saves)")
+    model: str = _model()
     data: str = field("", "JSONL file of samples (empty: the built-in pirate pairs); formats in --format")
-    format: str = field("auto", "the --data format: instruction/response pairs, alpaca (instruction, input, output), "
-                                "chat messages or ShareGPT conversations; auto = read from the first record's fields",
-                        choices=("auto",) + sft.FORMATS)
-    instruction_key: str = field("instruction", "JSONL key holding the instruction (pairs)")
-    response_key: str = field("response", "JSONL key holding the response (pairs)")
-    max_record_bytes: int = field(sft.MAX_RECORD_BYTES, "refuse a JSONL line over N bytes before parsing it",
-                                  metavar="N")
-    chat_template: str = field("", _chat_template_help(), metavar="NAME|FILE")
+    format: str = _format()
+    instruction_key: str = _key("instruction", "instruction")
+    response_key: str = _key("response", "response")
+    max_record_bytes: int = _max_record_bytes()
+    chat_template: str = _chat_template()
     val_data: str = field("", "held-out JSONL samples (same formats as --data): the validation loss every "
                               "--eval-every steps in the progress line and metrics.jsonl")
     val_split: float = field(0.0, "instead of --val-data: hold out this fraction of --data's records (whole "
@@ -47,7 +71,7 @@ class FinetuneSpec:
                                "set: 10)", metavar="N")
     keep: str = field("last", "best: also keep the adapters of the lowest validation loss in RUN_DIR/best (a "
                               "directory --lora and export-gguf --adapters take)", choices=("last", "best"))
-    shuffle: bool = field(False, "shuffled sample order (Fisher-Yates per epoch, seeded by --data-seed)")
+    shuffle: bool = _shuffle()
     seed: int = field(42, "seed of the adapter init and dropout streams")
     data_seed: int = field(-1, "seed of the shuffled order (-1: --seed)")
     steps: int = field(30, "train until this many optimizer steps in total (a resumed run continues from its "
@@ -116,48 +140,60 @@ class ESFinetuneSpec:
     spec_of). Every replica builds its LoraModel, data and scorer from them (build.build_es); "" and -1 stand for
     a flag not given."""
 
-    model: str = field("", "the frozen GGUF model (llama, qwen2, qwen3 or gemma3; any quant type)")
-    data: str = field("", "JSONL samples (empty: the built-in pirate pairs, or the task's problems)")
-    format: str = field("auto", "the JSONL format", choices=("auto",) + sft.FORMATS)
-    instruction_key: str = field("instruction", "JSONL key holding the instruction (pairs)")
-    response_key: str = field("response", "JSONL key holding the response (pairs)")
-    max_record_bytes: int = field(sft.MAX_RECORD_BYTES, "refuse a JSONL line over this many bytes")
-    chat_template: str = field("", "a chat template name or Jinja file (empty: the model's own)")
-    task: str = field("", "a built-in task instead of data: countdown (empty: none)", choices=("", "countdown"))
-    task_size: int = field(64, "problems the built-in task generates")
+    model: str = _model()
+    data: str = field("", "JSONL file of samples (empty: the built-in pirate pairs, or the task's problems); formats "
+                          "in --format")
+    format: str = _format()
+    instruction_key: str = _key("instruction", "instruction")
+    response_key: str = _key("response", "response")
+    max_record_bytes: int = _max_record_bytes()
+    chat_template: str = _chat_template()
+    task: str = field("", "a built-in task instead of --data: countdown = reach a target from 4 numbers with + - * / "
+                          "(its reward: countdown; empty: none)", choices=("", "countdown"))
+    task_size: int = field(64, "problems the built-in task generates", metavar="N")
     task_seed: int = field(0, "seed of the built-in task's problem set")
-    task_numbers: int = field(N_NUMBERS, "countdown: numbers per problem, 2..6")
-    task_max_number: int = field(MAX_NUMBER, "countdown: the numbers are drawn from 1..M")
-    shuffle: bool = field(False, "shuffled sample order (Fisher-Yates per epoch, seeded by data_seed)")
-    seed: int = field(42, "run seed: the adapter init, the ES noise (unless es_seed) and the data order")
-    es_seed: int = field(-1, "seed of the ES noise stream (-1: derived from seed)")
-    data_seed: int = field(-1, "seed of the shuffled order (-1: seed)")
-    iterations: int = field(40, "train until this many ES iterations in total")
-    population: int = field(16, "members per iteration (even with antithetic; a resumed run's must be its "
+    task_numbers: int = field(N_NUMBERS, "countdown: numbers per problem, 2..6 (fewer = easier)", metavar="N")
+    task_max_number: int = field(MAX_NUMBER, "countdown: the numbers are drawn from 1..M (smaller = easier)",
+                                 metavar="M")
+    shuffle: bool = _shuffle()
+    seed: int = field(42, "run seed: the adapter init (A), the ES noise (unless --es-seed) and the data order "
+                          "(unless --data-seed)")
+    es_seed: int = field(-1, "seed of the ES noise stream (-1: derived from --seed, independent of the adapter init)")
+    data_seed: int = field(-1, "seed of the shuffled order (-1: --seed)")
+    iterations: int = field(40, "train until this many ES iterations in total (a resumed run continues from its "
+                                "checkpoint)")
+    population: int = field(16, "members per iteration (even with --antithetic; a resumed run's is its "
                                 "checkpoint's)")
     sigma: float = field(0.05, "perturbation scale")
     alpha: float = field(0.05, "ES step size, no 1/sigma")
-    antithetic: bool = field(True, "mirrored (+eps, -eps) member pairs")
+    antithetic: bool = field(True, "mirrored (+eps, -eps) member pairs (--no-antithetic: independent members)")
     shaping: str = field("z_score", "fitness shaping", choices=("z_score", "centered_ranks"))
     noise: str = field("iid", "noise scheme", choices=("iid", "correlated"))
-    batch: int = field(5, "samples every member scores per iteration")
+    batch: int = field(5, "samples every member scores per iteration (5: the whole pirate set)")
     reward: str = field("", "what a member is scored by: nll, exact, countdown, rule:..., PATH.py:FUNC, each "
                             "optionally @WEIGHT, several newline-separated = their weighted sum (empty: countdown "
                             "for the countdown task, else nll)")
-    reward_timeout: float = field(10.0, "seconds one call of a user's reward function may take (0: no limit)")
-    search: str = field("ab", "what ES perturbs: ab = LoRA A and B, b = only B (full runs in one process only)",
+    reward_timeout: float = field(10.0, "seconds one call of a PATH.py:FUNC reward may take before the run stops "
+                                        "with an error naming it (0: no limit); its printed output is captured, at "
+                                        "most 4096 characters per call passed on to stderr", metavar="S")
+    search: str = field("ab", "what ES perturbs: ab = LoRA A and B, b = only B (A stays at its random init)",
                         choices=("ab", "b"))
     rank: int = field(8, "LoRA rank r")
-    lora_alpha: float = field(16.0, "LoRA alpha (the delta is scaled by lora_alpha/rank)")
+    lora_alpha: float = field(16.0, "LoRA alpha (the delta is scaled by lora-alpha/rank)")
     targets: str = field("q,v", "comma-separated projections to adapt, any of q,k,v,o,gate,up,down")
-    anchor_decay: str = field("", "anchored weight decay toward the initial adapters: l1, l2 (empty: off)",
-                              choices=("", "l1", "l2"))
-    anchor_lambda: float = field(0.0, "anchored decay strength lambda")
+    anchor_decay: str = field("", "anchored weight decay toward the initial adapters after each update: l1, l2 "
+                                  "(empty: off)", choices=("", "l1", "l2"))
+    anchor_lambda: float = field(0.0, "anchored decay strength lambda (shrink = alpha*lambda)")
     seq_max: int = field(256, "truncate samples to this many input tokens")
-    member_batch: int = field(0, "score K members per pass as one batch (0: one at a time); same bits")
-    max_new_tokens: int = field(48, "greedy tokens per answer of a generation reward")
-    load: str = field("", "the checkpoint every replica starts from (its ES settings win; empty: a fresh run)")
-    save_every: int = field(0, "checkpoint every N iterations (0: only the final one)")
+    member_batch: int = field(0, "score K members per pass as one batch through the frozen weights (any reward: "
+                                 "generation rewards decode in lock-step; LoRA search; the same bits as one at a "
+                                 "time); 0 = one member at a time", metavar="K")
+    max_new_tokens: int = field(48, "greedy tokens generated per answer: the BEFORE/AFTER answers and every "
+                                    "generation reward")
+    load: str = field("", "resume from a checkpoint (adapters, iteration, loader position; its ES settings win over "
+                          "the flags; empty: a fresh run)", metavar="DIR")
+    save_every: int = field(0, "also checkpoint every N iterations, checkpoint-step-N (0: only the final one)",
+                            metavar="N")
 
     def validate(self):
         if not self.model:

@@ -231,11 +231,11 @@ def test_the_job_spec_stands_for_the_flags_every_replica_builds_from(argv):
     args = _flags(*argv)
     spec = build(ESFinetuneSpec, spec_of(args))
     settings = _es_settings(args, None, log=lambda m: None)
-    assert (spec.task or None) == args.task
+    assert spec.task == args.task
     for name in ("model", "task_numbers", "shuffle", "seed", "rank", "reward_timeout", "lora_alpha",
                  "targets", "seq_max", "member_batch", "max_new_tokens"):
         assert getattr(spec, name) == getattr(args, name), name
-    assert spec.data_seed == (-1 if args.data_seed is None else args.data_seed)
+    assert spec.data_seed == args.data_seed
     assert es_reward(spec) == reward_spec(args)  # the --reward list travels as one spec string
     assert {k: getattr(spec, k) or None for k in ES_DEFAULTS if k != "anchor_lambda"} == \
            {k: settings[k] or None for k in ES_DEFAULTS if k != "anchor_lambda"}

@@ -24,28 +24,25 @@ def _chat_template_help():
             "GGUF's template (empty: the GGUF's, else its family's format)")
 
 
-# the fields both jobs read their data and model by (one definition: the same flag means the same in both)
-def _model():
-    return field("", "GGUF model to fine-tune: llama, qwen2, qwen3 or gemma3 architecture, any quant type "
-                     "(for a first run, the model.gguf `fucina launch lm` saves)")
+@dataclasses.dataclass
+class _ModelAndData:
+    """The fields both jobs read their model and data by (defined once: a flag means the same in both)."""
 
+    model: str = field("", "GGUF model to fine-tune: llama, qwen2, qwen3 or gemma3 architecture, any quant type "
+                           "(for a first run, the model.gguf `fucina launch lm` saves)")
+    data: str = field("", "JSONL file of samples (empty: the built-in pirate pairs); formats in --format")
+    format: str = field("auto", "the --data format: instruction/response pairs, alpaca (instruction, input, output), "
+                                "chat messages or ShareGPT conversations; auto = read from the first record's fields",
+                        choices=("auto",) + sft.FORMATS)
+    instruction_key: str = field("instruction", "JSONL key holding the instruction (pairs)")
+    response_key: str = field("response", "JSONL key holding the response (pairs)")
+    max_record_bytes: int = field(sft.MAX_RECORD_BYTES, "refuse a JSONL line over N bytes before parsing it",
+                                  metavar="N")
+    chat_template: str = field("", _chat_template_help(), metavar="NAME|FILE")
 
-def _format():
-    return field("auto", "the --data format: instruction/response pairs, alpaca (instruction, input, output), chat "
-                         "messages or ShareGPT conversations; auto = read from the first record's fields",
-                 choices=("auto",) + sft.FORMATS)
-
-
-def _key(role, default):
-    return field(default, f"JSONL key holding the {role} (pairs)")
-
-
-def _max_record_bytes():
-    return field(sft.MAX_RECORD_BYTES, "refuse a JSONL line over N bytes before parsing it", metavar="N")
-
-
-def _chat_template():
-    return field("", _chat_template_help(), metavar="NAME|FILE")
+    def target_tuple(self):
+        """The `targets` field of the job (every fine-tune spec has one) as a tuple of projection names."""
+        return tuple(t.strip() for t in self.targets.split(",") if t.strip())
 
 
 def _shuffle():
@@ -53,16 +50,9 @@ def _shuffle():
 
 
 @dataclasses.dataclass
-class FinetuneSpec:
+class FinetuneSpec(_ModelAndData):
     """The `finetune` job: `fucina finetune`'s and `fucina launch finetune`'s flags (add_field_flags)."""
 
-    model: str = _model()
-    data: str = field("", "JSONL file of samples (empty: the built-in pirate pairs); formats in --format")
-    format: str = _format()
-    instruction_key: str = _key("instruction", "instruction")
-    response_key: str = _key("response", "response")
-    max_record_bytes: int = _max_record_bytes()
-    chat_template: str = _chat_template()
     val_data: str = field("", "held-out JSONL samples (same formats as --data): the validation loss every "
                               "--eval-every steps in the progress line and metrics.jsonl")
     val_split: float = field(0.0, "instead of --val-data: hold out this fraction of --data's records (whole "
@@ -120,10 +110,6 @@ class FinetuneSpec:
         if self.keep == "best" and not (self.val_data or self.val_split):
             raise UserError("finetune: keep = best needs a validation set (val_data or val_split)")
 
-    def target_tuple(self):
-        return tuple(t.strip() for t in self.targets.split(",") if t.strip())
-
-
 
 
 def default_lr(gg) -> float:
@@ -135,19 +121,13 @@ def default_lr(gg) -> float:
 
 
 @dataclasses.dataclass
-class ESFinetuneSpec:
+class ESFinetuneSpec(_ModelAndData):
     """The es-finetune job: `fucina es-finetune`'s flags as fields, with the ES settings resolved (the command's
     spec_of). Every replica builds its LoraModel, data and scorer from them (build.build_es); "" and -1 stand for
     a flag not given."""
 
-    model: str = _model()
     data: str = field("", "JSONL file of samples (empty: the built-in pirate pairs, or the task's problems); formats "
-                          "in --format")
-    format: str = _format()
-    instruction_key: str = _key("instruction", "instruction")
-    response_key: str = _key("response", "response")
-    max_record_bytes: int = _max_record_bytes()
-    chat_template: str = _chat_template()
+                          "in --format")  # _ModelAndData's, with its help: keeps its place among the fields
     task: str = field("", "a built-in task instead of --data: countdown = reach a target from 4 numbers with + - * / "
                           "(its reward: countdown; empty: none)", choices=("", "countdown"))
     task_size: int = field(64, "problems the built-in task generates", metavar="N")
@@ -212,6 +192,3 @@ class ESFinetuneSpec:
             raise UserError(f"es-finetune: field 'reward_timeout' must be >= 0, got {self.reward_timeout}")
         if self.anchor_lambda < 0:
             raise UserError(f"es-finetune: field 'anchor_lambda' must be >= 0, got {self.anchor_lambda}")
-
-    def target_tuple(self):
-        return tuple(t.strip() for t in self.targets.split(",") if t.strip())

@@ -230,6 +230,9 @@ def run(args):
             f"{summary['elapsed_s']:.1f} s, {supervised / max(summary['elapsed_s'], 1e-9):.1f} supervised tok/s")
         log(f"saved {run_dir} (adapters.safetensors, optimizer.safetensors, trainer_state.json; "
             f"checkpoint-step-N/, metrics.jsonl, loss.png)")
+    if summary.get("steps", job.steps) < job.steps:
+        log(f"early stop at step {summary['steps']} of {job.steps}: {job.spec.patience} evaluations in a row without "
+            f"a lower val_loss (--patience {job.spec.patience}); its checkpoint is the run's last")
     best = _best(run_dir)
     if best:
         log(f"best val_loss {best['val_loss']:.4f} at step {best['step']}: its adapters are in "

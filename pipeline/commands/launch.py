@@ -164,7 +164,7 @@ def run(args) -> int:
 class _progress:
     """A rich progress bar fed by in-process steps, or by the run's PUB socket."""
 
-    SHOWN = ("run_started", "checkpoint_committed", "checkpoint_retry", "worker_lost", "run_restarting")
+    SHOWN = ("run_started", "checkpoint_committed", "checkpoint_retry", "worker_lost", "run_restarting", "early_stop")
 
     def __init__(self, total, quiet, endpoint=None, key=None):
         self.total, self.quiet, self.endpoint, self.key = total, quiet, endpoint, key

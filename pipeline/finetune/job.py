@@ -55,6 +55,7 @@ class Finetune(Job):
         self.val_samples = (sft.encode_all(self.encoder, self.template, val_records, self.options, source=val_source)
                             if val_records else [])
         self.last_val = None  # the latest validation loss: what after_step's --keep best compares
+        self.restore_progress(None)
         if self.val_samples and not spec.eval_every:  # a validation set is measured every 10 steps by default
             self.spec = spec = dataclasses.replace(spec, eval_every=10)
         self.longest = max(len(s.inputs) for s in self.samples)
@@ -78,7 +79,28 @@ class Finetune(Job):
 
     def checkpoint_config(self):
         from .model import lora_config
-        return {"lora": lora_config(self.trainer()), "model": self.spec.model}
+        early = {"early_stop": dict(self.early)} if self.spec.patience else {}
+        return {"lora": lora_config(self.trainer()), "model": self.spec.model, **early}
+
+    # --- --patience: the early stop's counters travel in the checkpoint, so a resumed run stops where one
+    # --- uninterrupted run stops (the validation losses are the same bits in-process and on N trainers)
+    def restore_progress(self, config):
+        stored = (config or {}).get("early_stop")
+        self.early = dict(stored) if isinstance(stored, dict) else {"step": 0, "best": None, "since": 0}
+
+    def stopped(self):
+        return bool(self.spec.patience) and self.early["since"] >= self.spec.patience
+
+    def _observe(self, step):
+        """Count the evaluations in a row without a lower validation loss (once per step: a replay is a no-op)."""
+        e = self.early
+        if step <= e["step"]:
+            return
+        e["step"] = step
+        if e["best"] is None or self.last_val < e["best"]:
+            e["best"], e["since"] = self.last_val, 0
+        else:
+            e["since"] += 1
 
     def make_optimizer(self, named):
         from .. import optim
@@ -177,7 +199,10 @@ class Finetune(Job):
     def after_step(self, step, model, run_dir):
         """--keep best: when this step's validation loss is the lowest so far, its adapters (and a sentinel that
         export-gguf and --lora read) go to RUN_DIR/best. Idempotent: a replayed step compares with what is there."""
-        if self.spec.keep != "best" or self.last_val is None or not self._eval_due(step):
+        if self.last_val is None or not self._eval_due(step):
+            return
+        self._observe(step)
+        if self.spec.keep != "best":
             return
         import json
 
@@ -218,7 +243,7 @@ class Finetune(Job):
         from .model import adapters_sha256
         from ..runtime import ckpt
         trainer = self.bind(list(params.items()))
-        ckpt.publish(ckpt.checkpoint_dir(run_dir, self.steps), run_dir)
+        ckpt.publish(ckpt.checkpoint_dir(run_dir, self.end_step or self.steps), run_dir)
         log(f"finetune: the final checkpoint is also at {os.path.abspath(run_dir)}")
         return {"adapters_sha256": adapters_sha256(trainer)}
 

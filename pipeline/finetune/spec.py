@@ -59,6 +59,8 @@ class FinetuneSpec(_ModelAndData):
                                   "documents, picked by --seed: the same split every run); 0: none", metavar="F")
     eval_every: int = field(0, "validation loss every N optimizer steps and at the last (0: off; with a validation "
                                "set: 10)", metavar="N")
+    patience: int = field(0, "stop early after N evaluations in a row without a lower validation loss (needs a "
+                             "validation set; the stop step's checkpoint is the run's last); 0: off", metavar="N")
     keep: str = field("last", "best: also keep the adapters of the lowest validation loss in RUN_DIR/best (a "
                               "directory --lora and export-gguf --adapters take)", choices=("last", "best"))
     shuffle: bool = _shuffle()
@@ -107,6 +109,11 @@ class FinetuneSpec(_ModelAndData):
             raise UserError("finetune: give val_data or val_split, not both")
         if self.eval_every < 0:
             raise UserError(f"finetune: eval_every must be >= 0, got {self.eval_every}")
+        if self.patience < 0:
+            raise UserError(f"finetune: patience must be >= 0, got {self.patience}")
+        if self.patience and not (self.val_data or self.val_split):
+            raise UserError("finetune: patience stops on the validation loss: it needs a validation set (--val-data "
+                            "FILE or --val-split F, measured every --eval-every N steps)")
         if self.keep == "best" and not (self.val_data or self.val_split):
             raise UserError("finetune: keep = best needs a validation set (val_data or val_split)")
 

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from ..errors import ConfigMismatchError, UserError
+from ..errors import UserError
 from ..es.countdown import check_difficulty
 from ._args import InputFile, add_threads_flag, default_run_dir
 
@@ -140,7 +140,7 @@ def reward_spec(args) -> str:
 def _es_settings(args, state, log):
     """ES config + batch + search: the checkpoint's on resume (explicit flags that differ are reported), else
     flags/defaults."""
-    from ..finetune.es import es_config_from_state
+    from ..finetune.es import es_run_from_state
 
     flags = {k: getattr(args, k) for k in ES_DEFAULTS}
     flags["seed"] = args.es_seed
@@ -149,11 +149,7 @@ def _es_settings(args, state, log):
         flags["seed"] = derive_seed(args.seed, 2)  # the trainer derives streams 0 (adapter init) and 1 (dropout)
     if state is not None:
         source = f"{args.load}/trainer_state.json"
-        stored = es_config_from_state(state.config, source)
-        for key in ("es_batch", "es_search"):
-            if key not in state.config:
-                raise ConfigMismatchError(f"{source}: field 'config.{key}' is missing; not an es-finetune checkpoint")
-        stored["batch"], stored["search"] = state.config["es_batch"], state.config["es_search"]
+        stored, stored["batch"], stored["search"] = es_run_from_state(state.config, source)
         ignored = [f"--{k.replace('_', '-')} {v}" for k, v in flags.items()
                    if v is not None and k in stored and stored[k] != v]
         if ignored:

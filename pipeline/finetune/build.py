@@ -112,34 +112,36 @@ class ESParts:
 
 
 def build_es(spec, log=lambda m: None, search: str | None = None, dequantize: bool = False) -> ESParts:
-    """The ES run of an ESFinetuneSpec (its ES settings already resolved; a `load` checkpoint's stored restore
-    mode and adapter seed win, and the checkpoint is loaded). `search` "full" / `dequantize` are the in-process
-    command's (the spec's search is a job's, ab or b)."""
+    """The ES run of an ESFinetuneSpec (its ES settings resolved; with `load`, the checkpoint's ES settings, batch,
+    search and adapter seed win over the spec's, and the checkpoint is loaded). `search` "full" / `dequantize` are
+    the in-process command's (the spec's search is a job's, ab or b)."""
     from ..es import ESConfig
     from ..runtime.ckpt import read_state
-    from .es import ESFinetune, es_config_from_state
+    from .es import ESFinetune, es_run_from_state
     from .model import lora_config
 
-    search = search or spec.search
     state = read_state(spec.load) if spec.load else None
-    lora_seed, restore_mode = spec.seed, "snapshot"
-    if state is not None:
-        restore_mode = es_config_from_state(state.config, f"{spec.load}/trainer_state.json")["restore_mode"]
+    lora_seed, batch = spec.seed, spec.batch
+    settings = dict(sigma=spec.sigma, alpha=spec.alpha, population=spec.population, seed=spec.es_seed,
+                    noise=spec.noise, antithetic=spec.antithetic, shaping=spec.shaping, restore_mode="snapshot",
+                    anchor_decay=spec.anchor_decay or None, anchor_lambda=spec.anchor_lambda)
+    if state is not None:  # the checkpoint's ES settings win over the spec's, as on the command line
+        settings, batch, stored_search = es_run_from_state(state.config, f"{spec.load}/trainer_state.json")
+        search = search or stored_search
         if isinstance(state.seeds.get("lora"), int):
             lora_seed = state.seeds["lora"]  # the adapter init (and so the AWD anchor) must be the checkpoint's
+    search = search or spec.search
     text = open_text(spec.model, spec.chat_template, spec.seq_max)
     records, source, tasks = load_records(spec)
     samples = sft.encode_all(text.encoder, text.template, records, text.options, source=source)
     model = lora_model(text.gguf, spec, alpha=spec.lora_alpha, seed=lora_seed)
     loader = loader_of(spec, len(samples))
-    es_config = ESConfig(sigma=spec.sigma, alpha=spec.alpha, population=spec.population, seed=spec.es_seed,
-                         noise=spec.noise, antithetic=spec.antithetic, shaping=spec.shaping, restore_mode=restore_mode,
-                         anchor_decay=spec.anchor_decay or None, anchor_lambda=spec.anchor_lambda)
+    es_config = ESConfig(**settings)
     reward = es_reward(spec)
     if state is not None and state.config.get("reward", reward) != reward:
         log(f"resume: the checkpoint was trained with --reward {state.config['reward']}; this run scores {reward}")
     scorer = scorer_of(reward, samples, records, text, tasks, spec.max_new_tokens, spec.reward_timeout, spec.model)
-    run = ESFinetune(model, samples, loader, es_config, batch=spec.batch, search=search, scorer=scorer,
+    run = ESFinetune(model, samples, loader, es_config, batch=batch, search=search, scorer=scorer,
                      dequantize=dequantize, model_source=str(spec.model), member_batch=spec.member_batch)
     if state is not None:
         stored_order = state.config.get("order")

@@ -194,6 +194,15 @@ def es_config_from_state(stored: dict, source: str) -> dict:
     return {ours: stored[k] for k, ours in keys.items()}
 
 
+def es_run_from_state(stored: dict, source: str) -> tuple[dict, int, str]:
+    """(ESConfig keyword arguments, batch, search) of an es-finetune checkpoint's config: what a resume takes."""
+    config = es_config_from_state(stored, source)
+    for key in ("es_batch", "es_search"):
+        if key not in stored:
+            raise ConfigMismatchError(f"{source}: field 'config.{key}' is missing; not an es-finetune checkpoint")
+    return config, stored["es_batch"], stored["es_search"]
+
+
 # --- the runtime job -------------------------------------------------------------
 class FinetuneReplica:
     """The ES replica ESRun and es_member drive: the searched tensors, plus the loader that draws each batch.

@@ -266,3 +266,21 @@ def test_a_bad_es_finetune_job_file_is_one_error_naming_the_field(tmp_path, text
     with pytest.raises(UserError) as e:
         build(ESFinetuneSpec, load_toml(str(path), ESFinetuneSpec), where=str(path))
     assert message in str(e.value)
+
+
+def test_a_replica_resumed_from_a_checkpoint_takes_its_es_settings(tmp_path, capsys):
+    """An es_member's replica of a `load` spec (build_es) takes the checkpoint's ES settings, batch and search over
+    the spec's, as the command line does; only a population that differs is refused (the job's make_task)."""
+    from pipeline.errors import UserError
+    from pipeline.finetune.build import build_es
+    from pipeline.finetune.es import ESFinetuneJob
+    from pipeline.finetune.spec import ESFinetuneSpec
+    from pipeline.jobs.spec import build
+    rc = main(["es-finetune", "--model", MODEL, *SMALL, "--iterations", "1", "--sigma", "0.02", "--save",
+               str(tmp_path / "c")])
+    assert rc == 0, capsys.readouterr().err
+    spec = build(ESFinetuneSpec, {"model": MODEL, "load": str(tmp_path / "c"), "population": 4})  # sigma 0.05
+    run = build_es(spec).run
+    assert (run.es.config.sigma, run.batch, run.search, run.iteration) == (0.02, 2, "ab", 1)
+    with pytest.raises(UserError, match="field 'population' is 6"):
+        ESFinetuneJob(build(ESFinetuneSpec, {"model": MODEL, "load": str(tmp_path / "c"), "population": 6})).make_task()

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+_SHORT_BASETEMP = None
+
 # Test modules are imported in importlib mode (basenames repeat across folders);
 # helper modules beside the tests (e.g. tests/llm/test_export_fixtures.py) stay
 # importable by plain name because each test folder is on sys.path.
@@ -30,7 +32,16 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=f"oracle not installed: {', '.join(missing)}"))
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
+    """A short base temp dir: the runs under test bind ipc:// sockets at RUN_DIR/sockets/*.sock (at most ~100
+    characters in all), and pytest's /tmp/pytest-of-USER/pytest-N (plus xdist's popen-gwN) leaves too little of
+    that to the test's own names. Made per session (concurrent sessions never share one), removed after a
+    passing session; workers get their subdirectory of it from xdist."""
+    global _SHORT_BASETEMP
+    if config.option.basetemp is None and not hasattr(config, "workerinput"):
+        import tempfile
+        _SHORT_BASETEMP = config.option.basetemp = tempfile.mkdtemp(prefix="pt-", dir="/tmp")
     config.addinivalue_line("markers",
                             "needs(module): parity test needs this importable module (torch, llama_cpp, ...)")
 
@@ -44,3 +55,13 @@ def pytest_xdist_auto_num_workers(config):
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
     return max(1, min(cores, 4))
+
+
+def pytest_unconfigure(config):
+    if _SHORT_BASETEMP and not hasattr(config, "workerinput") and getattr(config, "_fucina_passed", False):
+        import shutil
+        shutil.rmtree(_SHORT_BASETEMP, ignore_errors=True)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config._fucina_passed = exitstatus == 0

@@ -247,15 +247,28 @@ def _mm_q5_1(raw, q, d, s, out, lut, r0, r1):
     _rows_q8_1(idot_q5_1, raw, q, d, s, out, lut, r0, r1, GEOMETRY[Q5_1])
 
 
-_Q4_K, _Q5_K, _Q6_K, _Q2_K, _IQ4_NL = (GEOMETRY[q] for q in (Q4_K, Q5_K, Q6_K, Q2_K, IQ4_NL))
+_Q6_K, _Q2_K, _IQ4_NL = (GEOMETRY[q] for q in (Q6_K, Q2_K, IQ4_NL))
 
 
-@njit(cache=True, nogil=True)
-def _mm_q4_k(raw, q, d, sums, out, lut, r0, r1):
-    """Rows r0..r1 of Q4_K raw against Q8_K activations: the scaled sums in 8 lanes, the mins in 4, as llama.cpp."""
-    block, size, d_at, m_at = _Q4_K
+@njit(inline="always")
+def _mins4(accm):
+    """Q4_K's mins: 4 lanes, added as llama.cpp does."""
+    return (accm[0] + accm[2]) + (accm[1] + accm[3])
+
+
+@njit(inline="always")
+def _mins1(accm):
+    """Q5_K's mins: one f32."""
+    return accm[0]
+
+
+@njit(inline="always")
+def _rows_k(idot, mins, accm_size, raw, q, d, sums, out, lut, r0, r1, geometry):
+    """Rows r0..r1 of Q4_K/Q5_K raw against Q8_K activations: the scaled sums in 8 lanes, the mins in accm_size
+    f32 lanes, as llama.cpp (its mins(accm) added after the lanes' hsum_float_8)."""
+    block, size, d_at, m_at = geometry
     acc = np.empty(8, np.float32)
-    accm = np.empty(4, np.float32)
+    accm = np.empty(accm_size, np.float32)
     for r in range(r0, r1):
         b = raw[r]
         for i in range(q.shape[0]):
@@ -264,28 +277,19 @@ def _mm_q4_k(raw, q, d, sums, out, lut, r0, r1):
             accm[:] = 0.0
             for blk in range(qi.shape[0] // block):
                 o = blk * size
-                idot_q4_k(acc, b, o, qi, blk * block, di[blk] * _half(lut, b, o + d_at), accm, si, blk * 8,
-                          -di[blk] * _half(lut, b, o + m_at))
-            out[i, r] = _hsum8(acc) + ((accm[0] + accm[2]) + (accm[1] + accm[3]))
+                idot(acc, b, o, qi, blk * block, di[blk] * _half(lut, b, o + d_at), accm, si, blk * 8,
+                     -di[blk] * _half(lut, b, o + m_at))
+            out[i, r] = _hsum8(acc) + mins(accm)
+
+
+@njit(cache=True, nogil=True)
+def _mm_q4_k(raw, q, d, sums, out, lut, r0, r1):
+    _rows_k(idot_q4_k, _mins4, 4, raw, q, d, sums, out, lut, r0, r1, GEOMETRY[Q4_K])
 
 
 @njit(cache=True, nogil=True)
 def _mm_q5_k(raw, q, d, sums, out, lut, r0, r1):
-    """Rows r0..r1 of Q5_K raw against Q8_K activations: the scaled sums in 8 lanes, the mins in one f32."""
-    block, size, d_at, m_at = _Q5_K
-    acc = np.empty(8, np.float32)
-    accm = np.empty(1, np.float32)
-    for r in range(r0, r1):
-        b = raw[r]
-        for i in range(q.shape[0]):
-            qi, di, si = q[i], d[i], sums[i]
-            acc[:] = 0.0
-            accm[0] = 0.0
-            for blk in range(qi.shape[0] // block):
-                o = blk * size
-                idot_q5_k(acc, b, o, qi, blk * block, di[blk] * _half(lut, b, o + d_at), accm, si, blk * 8,
-                          -di[blk] * _half(lut, b, o + m_at))
-            out[i, r] = _hsum8(acc) + accm[0]
+    _rows_k(idot_q5_k, _mins1, 1, raw, q, d, sums, out, lut, r0, r1, GEOMETRY[Q5_K])
 
 
 @njit(cache=True, nogil=True)

@@ -346,13 +346,7 @@ def _tile_block(kind, rows, ggml_avx2=False):
         if kind in (2, 3):
             return context.get_dummy_value()
         dmin = h.b.bitcast(h.vload(2, at(_DMIN[kind]), _V64B), _V16F)
-        mins = [None] * rows
-        for c in range(_MIN_PAIRS[kind]):  # arg 7: the 32-element sums (Q4_K/Q5_K), the 16-element ones (Q2_K)
-            min_pairs = h.b.bitcast(h.vload(2, at(_MN[kind] + 64 * c), _V64B), _V32S)
-            for i in range(rows):
-                sums = h.b.bitcast(_splat_i32(h, 7, h.b.add(row(8, 9, i), ir.Constant(_I64, 2 * c))), _V32S)
-                m = _madd_pairs(h, min_pairs, sums)
-                mins[i] = m if mins[i] is None else h.b.add(mins[i], m)
+        mins = _block_mins(h, kind, rows, at, row)
         for i in range(rows):
             _fma_row(h, 1, 16 * i, h.b.fmul(row_d[i], dmin), mins[i])
         return context.get_dummy_value()
@@ -360,6 +354,7 @@ def _tile_block(kind, rows, ggml_avx2=False):
 
 
 def _block_mins(h, kind, rows, at, row):
+    """Per activation row the <16 x i32> M of the module docstring (Q4_K, Q5_K, Q2_K)."""
     mins = [None] * rows
     for c in range(_MIN_PAIRS[kind]):  # arg 7: the 32-element sums (Q4_K/Q5_K), the 16-element ones (Q2_K)
         min_pairs = h.b.bitcast(h.vload(2, at(_MN[kind] + 64 * c), _V64B), _V32S)

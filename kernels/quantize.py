@@ -18,7 +18,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .formats import FORMATS, GEOMETRY, Q4_K, Q5_K, Q6_K, Q8_0
+from .formats import FORMATS, GEOMETRY, Q6_K, Q8_0
 
 QK8_0 = 32
 QK_K = 256
@@ -416,10 +416,46 @@ def _qk_levels(x, off, nmax, rmin, nstep, L, Laux, weights, scales, mins, out, p
             L[32 * j + i] = max(0, min(nmax, l))
 
 
+@njit(cache=True)
+def _pack_q4_k(L, out, pos):
+    """Q4_K's qs: the levels of values j and j + 32 of each 64 as the low and high nibble."""
+    q = pos + 16
+    for j in range(0, QK_K, 64):
+        for l in range(32):
+            out[q + l] = L[j + l] | (L[j + l + 32] << 4)
+        q += 32
+
+
+@njit(cache=True)
+def _pack_q5_k(L, out, pos):
+    """Q5_K's qh (bit 4 of each level) and qs (the low nibbles, as Q4_K's)."""
+    qh = pos + 16
+    ql = pos + 48
+    for j in range(32):
+        out[qh + j] = 0
+    m1 = 1
+    m2 = 2
+    for n in range(0, QK_K, 64):
+        for j in range(32):
+            l1 = L[n + j]
+            if l1 > 15:
+                l1 -= 16
+                out[qh + j] |= m1
+            l2 = L[n + j + 32]
+            if l2 > 15:
+                l2 -= 16
+                out[qh + j] |= m2
+            out[ql + j] = l1 | (l2 << 4)
+        m1 <<= 2
+        m2 <<= 2
+        ql += 32
+
+
 @njit(cache=True, parallel=True)
-def _q4_k(x, out):
-    """x: float32[nb*256] -> out: uint8[nb * block bytes]."""
-    size = GEOMETRY[Q4_K][1]
+def _qk(x, out, size, high_bit):
+    """x: float32[nb*256] -> out: uint8[nb * size] in Q4_K (high_bit False: levels 0..15, ggml's rmin -1 and
+    20 steps) or Q5_K (True: 0..31, rmin -0.5, 15 steps) blocks."""
+    nmax, rmin, nstep = (31, np.float32(-0.5), 15) if high_bit else (15, np.float32(-1.0), 20)
     nb = x.size // QK_K
     nchunks = (nb + CHUNK - 1) // CHUNK
     for c in prange(nchunks):
@@ -430,49 +466,11 @@ def _q4_k(x, out):
         mins = np.zeros(8, np.float32)
         for b in range(c * CHUNK, min(nb, (c + 1) * CHUNK)):
             pos = b * size
-            _qk_levels(x, b * QK_K, 15, np.float32(-1.0), 20, L, Laux, weights, scales, mins, out, pos)
-            q = pos + 16
-            for j in range(0, QK_K, 64):
-                for l in range(32):
-                    out[q + l] = L[j + l] | (L[j + l + 32] << 4)
-                q += 32
-
-
-@njit(cache=True, parallel=True)
-def _q5_k(x, out):
-    """x: float32[nb*256] -> out: uint8[nb * block bytes]."""
-    size = GEOMETRY[Q5_K][1]
-    nb = x.size // QK_K
-    nchunks = (nb + CHUNK - 1) // CHUNK
-    for c in prange(nchunks):
-        L = np.zeros(QK_K, np.int64)
-        Laux = np.zeros(32, np.int64)
-        weights = np.zeros(32, np.float32)
-        scales = np.zeros(8, np.float32)
-        mins = np.zeros(8, np.float32)
-        for b in range(c * CHUNK, min(nb, (c + 1) * CHUNK)):
-            pos = b * size
-            _qk_levels(x, b * QK_K, 31, np.float32(-0.5), 15, L, Laux, weights, scales, mins, out, pos)
-            qh = pos + 16
-            ql = pos + 48
-            for j in range(32):
-                out[qh + j] = 0
-            m1 = 1
-            m2 = 2
-            for n in range(0, QK_K, 64):
-                for j in range(32):
-                    l1 = L[n + j]
-                    if l1 > 15:
-                        l1 -= 16
-                        out[qh + j] |= m1
-                    l2 = L[n + j + 32]
-                    if l2 > 15:
-                        l2 -= 16
-                        out[qh + j] |= m2
-                    out[ql + j] = l1 | (l2 << 4)
-                m1 <<= 2
-                m2 <<= 2
-                ql += 32
+            _qk_levels(x, b * QK_K, nmax, rmin, nstep, L, Laux, weights, scales, mins, out, pos)
+            if high_bit:
+                _pack_q5_k(L, out, pos)
+            else:
+                _pack_q4_k(L, out, pos)
 
 
 @njit(cache=True, parallel=True)
@@ -534,7 +532,12 @@ def _legacy_kernel(size, nbits, affine):
     return lambda x, out: _legacy(x, out, size, nbits, affine)
 
 
-_KERNELS = {"q8_0": _q8_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k,
+def _k_kernel(size, high_bit):
+    return lambda x, out: _qk(x, out, size, high_bit)
+
+
+_KERNELS = {"q8_0": _q8_0, "q6_k": _q6_k, "q4_k": _k_kernel(BLOCK["q4_k"][1], False),
+            "q5_k": _k_kernel(BLOCK["q5_k"][1], True),
             **{key: _legacy_kernel(BLOCK[key][1], *spec) for key, spec in _LEGACY.items()}}
 if set(_KERNELS) != set(BLOCK):
     raise RuntimeError("kernels/formats.py's quantize keys and kernels/quantize.py's encoders disagree")

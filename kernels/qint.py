@@ -185,8 +185,10 @@ def _rows_scaled(idot, raw, q, d, out, lut, r0, r1, geometry, weight_first):
             acc[:] = 0.0
             for blk in range(qi.shape[0] // block):
                 o = blk * size
-                wd = _half(lut, b, o + d_at)
-                idot(acc, b, o, qi, blk * block, wd * di[blk] if weight_first else di[blk] * wd)
+                if weight_first:
+                    idot(acc, b, o, qi, blk * block, _half(lut, b, o + d_at) * di[blk])
+                else:
+                    idot(acc, b, o, qi, blk * block, di[blk] * _half(lut, b, o + d_at))
             out[i, r] = _hsum8(acc)
 
 

@@ -33,3 +33,14 @@ def pytest_collection_modifyitems(config, items):
 def pytest_configure(config):
     config.addinivalue_line("markers",
                             "needs(module): parity test needs this importable module (torch, llama_cpp, ...)")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): one worker per core this process may use, at most 4 - the tests are
+    mostly one busy thread each (Python, numba's compiler, subprocesses), so two cores run two at once; more
+    workers than that only multiply numba's cold compiles and memory. `-n 0` runs them in one process."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, 4))

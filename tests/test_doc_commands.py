@@ -150,10 +150,12 @@ SHORT_LM_STEPS = 60
 
 
 def shorten(line):
-    """The line with its training run cut to a tenth (at least 8 steps; `launch lm` without --steps: 60); a
-    trailing comment is kept after the flags. Other lines are returned as they are."""
+    """The line with its training run cut to a tenth (at least 8 steps; `launch lm` without --steps: 60) and its
+    --checkpoint-every with it; a trailing comment is kept after the flags. A command naming a pretrain run's
+    `checkpoint-step-N` names step N/10 instead (the shortened run's checkpoint). Other lines are as they are."""
     if not SHORTEN.search(line):
-        return line
+        return re.sub(r"(runs/pretrain-\S*/checkpoint-step-)(\d+)0\b", r"\1\2", line) \
+            if line.startswith("fucina ") and "runs/pretrain-" in line else line
     code, sep, comment = line.partition(" # ")
     m = re.search(r"--steps (\d+)", code)
     if m:
@@ -161,6 +163,7 @@ def shorten(line):
         code = f"{code[:m.start()]}--steps {max(floor, int(m.group(1)) // 10)}{code[m.end():]}"
     elif "launch lm" in code:
         code = f"{code.rstrip()} --steps {SHORT_LM_STEPS}"
+    code = re.sub(r"--checkpoint-every (\d+)", lambda c: f"--checkpoint-every {max(1, int(c.group(1)) // 10)}", code)
     return code + sep + comment
 
 
@@ -238,6 +241,11 @@ def test_shorten_cuts_training_runs_only():
     resumed = shorten("fucina launch lm --resume r --steps 600   # on")
     assert resumed == f"fucina launch lm --resume r --steps {2 * SHORT_LM_STEPS}   # on"
     assert shorten("fucina finetune --steps 30") == "fucina finetune --steps 30"
+    assert shorten("fucina pretrain --steps 120 --checkpoint-every 40 --x 1") == \
+        "fucina pretrain --steps 12 --checkpoint-every 4 --x 1"
+    assert shorten("fucina export-gguf --from-checkpoint runs/pretrain-latest/checkpoint-step-40 --out step-40.gguf") \
+        == "fucina export-gguf --from-checkpoint runs/pretrain-latest/checkpoint-step-4 --out step-40.gguf"
+    assert shorten("fucina generate --model step-40.gguf") == "fucina generate --model step-40.gguf"
 
 
 def _run_whole_page(page, sandbox, short):

@@ -6,7 +6,7 @@ perm:  loader_perm.json — shuffled epoch permutations computed by an
        independent pure-Python splitmix64 + Fisher-Yates (the checkpoint
        contract of pipeline/llm/data.py), so a drift in either side fails.
 torch: trainer_golden.npz — an INDEPENDENT torch replica of the LoRA trainer
-       (pipeline/llm/finetune.py): Qwen3 block (RMSNorm eps inside the sqrt,
+       (pipeline/finetune/model.py): Qwen3 block (RMSNorm eps inside the sqrt,
        per-head q/k RMSNorm, NeoX half-rotation RoPE, GQA causal softmax
        attention, up * silu(gate)), tied head, LoRA on all seven projections
        with B != 0, CE mean over non-ignored labels. Weights come from

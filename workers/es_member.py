@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from pipeline.es.finetune import check_reward_files
+from pipeline.finetune.es import check_reward_files
 
 from pipeline.es.run import load_state
 from pipeline.runtime.ckpt import params_sha256

@@ -32,7 +32,8 @@ class Optimizer(Worker):
         step = self.logic.init(msg["resume"] or None)
         self.params_seg.version = step
         self.sock.send("ready", step, worker=self.id, gen=msg["gen"], params=self._desc(self.params_seg),
-                       grads=self._desc(self.grads_seg), resume=msg["resume"])
+                       grads=self._desc(self.grads_seg), resume=msg["resume"],
+                       **({"stop": True} if self.job.stopped() else {}))  # a resumed run that had stopped early
 
     def on_step(self, msg):
         step = msg["step"]
@@ -45,6 +46,8 @@ class Optimizer(Worker):
         if eval_due(self.job, step + 1):
             extra["eval"] = self.logic.evaluate()
         self.logic.after_step(step + 1, self.run_dir)
+        if self.job.stopped():
+            extra["stop"] = True  # an early stop: the run ends at this step
         self.sock.send("stepped", step + 1, worker=self.id, gen=msg["gen"], ms=(time.perf_counter() - t0) * 1e3,
                        **info, **extra)
 

@@ -107,27 +107,17 @@ def _spirals_ms(workers, iterations, population):
 
 def _finetune_run(model, args, member_batch=0, reward="nll", plain=False):
     from pathlib import Path
-    from ..commands.finetune import _load_tokenizer
-    from ..commands.es_finetune import _items
     from ..es import ESConfig
-    from ..es.finetune import ESFinetune
-    from ..es.rewards import GenerationScorer, NLLScorer
+    from ..finetune.build import open_text, scorer_of
+    from ..finetune.es import ESFinetune
+    from ..finetune.model import LoraModel
     from ..llm import data as sft
-    from ..llm.chat import ChatTemplate
-    from ..llm.finetune import Trainer
-    from ..llm.gguf import open_gguf
     model = _model_path(model)
-    gg = open_gguf(model)
-    tokenizer = _load_tokenizer(gg)
-    encoder, template = sft.RawEncoder(tokenizer), ChatTemplate.from_gguf(gg)
-    samples = sft.encode_all(encoder, template, sft.PIRATE_PAIRS)
+    text = open_text(model)
+    samples = sft.encode_all(text.encoder, text.template, sft.PIRATE_PAIRS)
     kwargs = dict(targets=("q", "v"), rank=8, seed=42)
-    trainer = Trainer.from_gguf(model, **kwargs)
-    if reward == "nll":
-        scorer = NLLScorer(samples)
-    else:
-        items = _items(sft.PIRATE_PAIRS, encoder, template, sft.EncodeOptions())
-        scorer = GenerationScorer(items, reward, template.stop_ids, args.finetune_new_tokens).bind(model, tokenizer)
+    trainer = LoraModel.from_gguf(model, **kwargs)
+    scorer = scorer_of(reward, samples, sft.PIRATE_PAIRS, text, None, args.finetune_new_tokens, 10.0, model)
     cfg = ESConfig(sigma=0.05, alpha=0.05, population=args.finetune_population, antithetic=True, seed=1,
                    restore_mode="snapshot")
     run = ESFinetune(trainer, samples, sft.Loader(len(samples)), cfg, batch=args.finetune_batch, scorer=scorer,
@@ -142,19 +132,14 @@ def _finetune_runtime_ms(model, args, member_batch, workers, reward):
 
     The same flags as _finetune_run's in-process iteration; the first
     iteration (state transfers, first calls) is not timed."""
-    import argparse
     import tempfile
-    from ..commands import es_finetune
+    from ..finetune.spec import ESFinetuneSpec
+    from ..jobs.spec import build, to_dict
     from ..runtime.launch import Supervisor
     from ..runtime.metrics import read_metrics
-    model = _model_path(model)
-    parser = argparse.ArgumentParser()
-    es_finetune.add_arguments(parser)
-    flags = parser.parse_args(["--model", model, "--population", str(args.finetune_population), "--batch",
-                               str(args.finetune_batch), "--reward", reward, "--member-batch", str(member_batch),
-                               "--es-seed", "1", "--max-new-tokens", str(args.finetune_new_tokens),
-                               "--iterations", str(args.repeat + 1), "--workers", str(workers)])
-    spec = es_finetune.spec_of(flags)
+    spec = to_dict(build(ESFinetuneSpec, dict(
+        model=str(_model_path(model)), population=args.finetune_population, batch=args.finetune_batch, reward=reward,
+        member_batch=member_batch, es_seed=1, max_new_tokens=args.finetune_new_tokens, iterations=args.repeat + 1)))
     with tempfile.TemporaryDirectory(prefix="fucina-bench-es-") as run_dir:
         Supervisor("es-finetune", spec, run_dir, trainers=workers, liveness=60.0, quiet=True).run()
         step_ms = [r["step_ms"] for r in read_metrics(run_dir) if r.get("kind") == "es_metrics"][1:]

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from ..commands._args import add_threads_flag
+from ..threads import add_threads_flag
 from . import timed
 from ..runtime.metrics import peak_rss_mb
 
@@ -51,7 +51,8 @@ def _sample(vocab, seq, seed=0):
 
 def _session(args, model, samples, accum):
     from pipeline.llm.data import Loader
-    from pipeline.llm.finetune import Session, LoraModel
+    from pipeline.finetune.model import LoraModel
+    from pipeline.finetune.session import Session
     from pipeline.optim import AdamW
     targets = tuple(args.targets.split(","))
     trainer = LoraModel(model, targets=targets, rank=args.rank, alpha=2.0 * args.rank)
@@ -67,7 +68,8 @@ def _runtime_rows(args, desc):
     import os
     import tempfile
 
-    from ..jobs.finetune import Finetune, FinetuneSpec
+    from ..finetune.job import Finetune
+    from ..finetune.spec import FinetuneSpec
     from ..runtime.inprocess import run_inprocess
     from ..runtime.launch import Supervisor
     from ..runtime.metrics import read_metrics
@@ -133,7 +135,7 @@ def _torch_step(model, sample, args):
         import torch
     except ImportError:
         return None
-    from pipeline.llm.finetune import TARGETS, Frozen
+    from pipeline.finetune.model import TARGETS, Frozen
     if args.threads:
         torch.set_num_threads(args.threads)
     c = model.config

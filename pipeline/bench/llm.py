@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from ..commands._args import add_threads_flag
+from ..threads import add_threads_flag
 from . import timed
 from ..runtime.metrics import peak_rss_mb
 

@@ -22,7 +22,7 @@ import os
 
 import numpy as np
 
-from ..commands._args import add_threads_flag
+from ..threads import add_threads_flag
 from . import median_ms
 
 NAME = "optim"

@@ -200,7 +200,7 @@ def _es_rows(iterations, population=128, members=2):
     """Median ms per es-spirals iteration with `members` es_members on ipc:// vs loopback tcp:// + CURVE."""
     import shutil
 
-    from ..commands.launch import free_port_pair
+    from ..runtime.transport import free_port_pair
     from ..errors import FucinaError
     root = tempfile.mkdtemp(prefix="fucina-bench-es-")
     cases = {"ipc": [], "tcp": ["--bind", f"tcp://127.0.0.1:{free_port_pair('127.0.0.1')}"]}

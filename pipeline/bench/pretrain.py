@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import FucinaError, UserError
 from ..runtime.metrics import peak_rss_mb
-from ..commands._args import add_threads_flag
+from ..threads import add_threads_flag
 from . import timed
 
 NAME = "pretrain"

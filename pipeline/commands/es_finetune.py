@@ -10,17 +10,14 @@ and the AFTER answer; `--json` prints one summary line.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import sys
 import time
 
-from ..errors import ConfigMismatchError, UserError
-from ..es.countdown import MAX_NUMBER, N_NUMBERS, check_difficulty
-from .finetune import add_data_arguments, load_data
-from ..llm.chat import add_chat_template_argument
+from ..errors import UserError
+from ..es.countdown import check_difficulty
 from ._args import InputFile, add_threads_flag, default_run_dir
 
 NAME = "es-finetune"
@@ -36,63 +33,25 @@ ES_DEFAULTS = {"sigma": 0.05, "alpha": 0.05, "population": 16, "antithetic": Tru
 
 
 def add_arguments(p):
-    p.add_argument("--model", required=True, type=InputFile("GGUF file"),
-                   help="GGUF model to fine-tune: llama, qwen2, qwen3 or gemma3 architecture "
-                        "(for a first run, the model.gguf `fucina launch lm` saves)")
-    add_data_arguments(p)
-    add_chat_template_argument(p)
-    p.add_argument("--shuffle", action="store_true", help="shuffled sample order (Fisher-Yates per epoch, seeded by "
-                                                          "--data-seed)")
-    p.add_argument("--seed", type=int, default=42, help="run seed: the adapter init (A), the ES noise (unless "
-                                                        "--es-seed) and the data order (unless --data-seed)")
-    p.add_argument("--es-seed", type=int, default=None, help="seed of the ES noise stream (default: derived from "
-                                                             "--seed, independent of the adapter init)")
-    p.add_argument("--data-seed", type=int, default=None, help="seed of the shuffled order (default: --seed)")
-    p.add_argument("--iterations", type=int, default=40, help="train until this many ES iterations in total (a "
-                                                              "resumed run continues from its checkpoint)")
-    p.add_argument("--population", type=int, default=None, help="members per iteration (default "
-                                                                f"{ES_DEFAULTS['population']}; even with --antithetic)")
-    p.add_argument("--sigma", type=float, default=None, help=f"perturbation scale (default {ES_DEFAULTS['sigma']})")
-    p.add_argument("--alpha", type=float, default=None, help="ES step size, no 1/sigma (default "
-                                                             f"{ES_DEFAULTS['alpha']})")
-    p.add_argument("--antithetic", action=argparse.BooleanOptionalAction, default=None,
-                   help="mirrored (+eps, -eps) member pairs (default on; --no-antithetic: independent members)")
-    p.add_argument("--shaping", choices=("z_score", "centered_ranks"), default=None, help="fitness shaping (default "
-                                                                                          "z_score)")
-    p.add_argument("--noise", choices=("iid", "correlated"), default=None, help="noise scheme (default iid)")
-    p.add_argument("--batch", type=int, default=None, help="samples every member scores per iteration (default 5: the "
-                                                           "whole pirate set)")
-    add_reward_arguments(p)
-    p.add_argument("--task", choices=("countdown",), default=None,
-                   help="a built-in task instead of --data: countdown = reach a target from 4 numbers with + - * / "
-                        "(default reward: countdown)")
-    p.add_argument("--task-size", type=int, default=64, metavar="N", help="problems the built-in task generates")
-    p.add_argument("--task-seed", type=int, default=0, help="seed of the built-in task's problem set")
-    p.add_argument("--task-numbers", type=int, default=N_NUMBERS, metavar="N",
-                   help=f"countdown: numbers per problem, 2..6 (default {N_NUMBERS}; fewer = easier)")
-    p.add_argument("--task-max-number", type=int, default=MAX_NUMBER, metavar="M",
-                   help=f"countdown: the numbers are drawn from 1..M (default {MAX_NUMBER}; smaller = easier)")
-    p.add_argument("--search", choices=("ab", "b", "full"), default=None,
-                   help="what ES perturbs: ab = LoRA A and B (default), b = only B (A stays at its random init), "
-                        "full = every dense (F32/F16/BF16) weight matrix of the model, in place")
+    from ..finetune.spec import ESFinetuneSpec
+    from ..jobs.spec import add_field_flags
+    overrides = {
+        "model": dict(required=True, type=InputFile("GGUF file")), "data": dict(type=InputFile("JSONL file")),
+        "reward": dict(action="append", metavar="SPEC[@W]", help=_reward_help()),
+        "search": dict(choices=("ab", "b", "full"), help="what ES perturbs: ab = LoRA A and B (default), b = only B "
+                       "(A stays at its random init), full = every dense (F32/F16/BF16) weight matrix of the model, "
+                       "in place (in this process only)"),
+        "anchor_decay": dict(choices=("l1", "l2"))}
+    # ES_DEFAULTS' flags and --es-seed stay None when not given: a resume takes the checkpoint's values instead
+    unset = ("data", "es_seed", "reward", *ES_DEFAULTS)
+    add_field_flags(p, ESFinetuneSpec, dest="{}", defaults=True, unset=unset, overrides=overrides)
     p.add_argument("--dequantize", action="store_true",
                    help="with --search full on a quantized GGUF: perturb a dequantized f32 copy of each quantized "
                         "matrix (4 bytes per weight in memory) instead of refusing")
-    p.add_argument("--rank", type=int, default=8, help="LoRA rank r")
-    p.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha (the delta is scaled by lora-alpha/rank)")
-    p.add_argument("--targets", default="q,v", help="comma-separated projections to adapt, any of q,k,v,o,gate,up,down")
-    p.add_argument("--anchor-decay", choices=("l1", "l2"), default=None,
-                   help="anchored weight decay toward the initial adapters after each update (default off)")
-    p.add_argument("--anchor-lambda", type=float, default=None, help="anchored decay strength lambda (shrink = "
-                                                                     "alpha*lambda)")
-    p.add_argument("--seq-max", type=int, default=256, help="truncate samples to this many input tokens")
     p.add_argument("--eval-samples", type=int, default=32,
                    help="initial/final loss is measured on the first N training samples (unperturbed adapters)")
-    p.add_argument("--save", metavar="DIR", help="write the final checkpoint directory here")
-    p.add_argument("--save-every", type=int, default=0, metavar="N", help="also save DIR/checkpoint-step-N every N "
-                                                                          "iterations (needs --save)")
-    p.add_argument("--load", metavar="DIR", help="resume from a checkpoint (adapters, iteration, loader position; its "
-                                                 "ES config wins over the flags)")
+    p.add_argument("--save", metavar="DIR", help="write the final checkpoint directory here (--save-every: also "
+                   "DIR/checkpoint-step-N)")
     p.add_argument("--workers", "--members", type=int, default=0, metavar="N", dest="workers",
                    help="run as an ES job of the pipeline runtime with N es_member processes, each mapping the GGUF "
                         "read-only and keeping its own replica (0 = score the members in this process); same bits")
@@ -103,34 +62,31 @@ def add_arguments(p):
     p.add_argument("--liveness", type=float, default=60.0,
                    help="--workers: seconds of silence before a member is declared lost (must exceed one chunk "
                         "of member evaluations, including the first call's numba compilation)")
-    p.add_argument("--member-batch", type=int, default=0, metavar="K",
-                   help="score K members per pass as one batch through the frozen weights (any reward: "
-                        "generation rewards decode in lock-step; LoRA search; the same bits as one at a time); "
-                        "0 = one member at a time")
     add_threads_flag(p, 1, "this process and of each es_member (1: the forwards are small)")
     p.add_argument("--prompt", default=None, help="held prompt for the BEFORE/AFTER answers (default: the first "
                                                   "training instruction)")
-    p.add_argument("--max-new-tokens", type=int, default=48,
-                   help="greedy tokens generated per answer: the BEFORE/AFTER answers and every generation reward")
     p.add_argument("--json", action="store_true", help="print one JSON summary line on stdout (progress goes to "
                                                        "stderr)")
 
 
+def _reward_help(default_help="nll (default; -mean CE of the reference responses), ",
+                 what="what a member is scored by: "):
+    return (what + default_help + "exact (greedy answer == reference after normalisation), countdown (the --task "
+            "countdown checker), rule:format, rule:length=LO,HI, rule:regex=PATTERN, or PATH.py:FUNC (your function "
+            "reward(prompt, completion, reference) -> float). Generation rewards decode greedily up to "
+            "--max-new-tokens, stopping at the GGUF's end-of-generation tokens. Give --reward several times, each "
+            "optionally SPEC@WEIGHT (weight 1 when not given), to score the weighted sum, e.g. --reward "
+            "'rule:regex=<answer>@0.2' --reward countdown (format credit + correctness)")
+
+
 def add_reward_arguments(p, default_help="nll (default; -mean CE of the reference responses), ",
                          what="what a member is scored by: "):
-    """--reward (repeatable, SPEC[@WEIGHT]) and --reward-timeout: shared with `fucina eval`."""
-    p.add_argument("--reward", default=None, metavar="SPEC[@W]", action="append",
-                   help=what + default_help + "exact "
-                        "(greedy answer == reference after normalisation), countdown (the --task countdown checker), "
-                        "rule:format, rule:length=LO,HI, rule:regex=PATTERN, or PATH.py:FUNC (your function "
-                        "reward(prompt, completion, reference) -> float). Generation rewards decode greedily up to "
-                        "--max-new-tokens, stopping at the GGUF's end-of-generation tokens. Give --reward several "
-                        "times, each optionally SPEC@WEIGHT (weight 1 when not given), to score the weighted sum, e.g. "
-                        "--reward 'rule:regex=<answer>@0.2' --reward countdown (format credit + correctness)")
-    p.add_argument("--reward-timeout", type=float, default=10.0, metavar="S",
-                   help="seconds one call of a PATH.py:FUNC reward may take before the run stops with an error "
-                        "naming it (0: no limit); its printed output is captured, at most 4096 characters per call "
-                        "passed on to stderr")
+    """--reward (repeatable, SPEC[@WEIGHT]) and --reward-timeout for `fucina eval` (es-finetune takes them from
+    ESFinetuneSpec's fields)."""
+    from ..finetune.spec import ESFinetuneSpec
+    from ..jobs.spec import add_field_flags
+    p.add_argument("--reward", default=None, metavar="SPEC[@W]", action="append", help=_reward_help(default_help, what))
+    add_field_flags(p, ESFinetuneSpec, names=["reward_timeout"], dest="{}", defaults=True)
 
 
 def _check_args(args):
@@ -171,14 +127,6 @@ def check_reward_args(args):
         raise UserError(f"--reward {reward} generates answers: --max-new-tokens must be >= 1")
 
 
-def _countdown_source(args) -> str:
-    """The run config's data field: the default difficulty keeps the name older checkpoints recorded."""
-    source = f"builtin:countdown:{args.task_seed}:{args.task_size}"
-    if (args.task_numbers, args.task_max_number) != (N_NUMBERS, MAX_NUMBER):
-        source += f":numbers={args.task_numbers}:max={args.task_max_number}"
-    return source
-
-
 def reward_spec(args) -> str:
     """The --reward value(s) as one spec string (several joined by SPEC_SEP), or the task's default."""
     from ..es.rewards import join_specs
@@ -189,23 +137,10 @@ def reward_spec(args) -> str:
     return "countdown" if args.task == "countdown" else "nll"
 
 
-def _items(pairs, encoder, template, options):
-    """Generation-reward items: a record's first user turn is the prompt, its last assistant turn the reference."""
-    from ..es.rewards import Item
-    from ..llm.data import encode_prompt
-    items = []
-    for rec in pairs:
-        reference = getattr(rec, "response", None)
-        if reference is None:
-            reference = next((c for role, c in reversed(rec.turns) if role == "assistant"), "")
-        items.append(Item(rec.instruction, encode_prompt(encoder, template, rec.instruction, options), reference))
-    return items
-
-
 def _es_settings(args, state, log):
     """ES config + batch + search: the checkpoint's on resume (explicit flags that differ are reported), else
     flags/defaults."""
-    from ..es.finetune import es_config_from_state
+    from ..finetune.es import es_run_from_state
 
     flags = {k: getattr(args, k) for k in ES_DEFAULTS}
     flags["seed"] = args.es_seed
@@ -214,11 +149,7 @@ def _es_settings(args, state, log):
         flags["seed"] = derive_seed(args.seed, 2)  # the trainer derives streams 0 (adapter init) and 1 (dropout)
     if state is not None:
         source = f"{args.load}/trainer_state.json"
-        stored = es_config_from_state(state.config, source)
-        for key in ("es_batch", "es_search"):
-            if key not in state.config:
-                raise ConfigMismatchError(f"{source}: field 'config.{key}' is missing; not an es-finetune checkpoint")
-        stored["batch"], stored["search"] = state.config["es_batch"], state.config["es_search"]
+        stored, stored["batch"], stored["search"] = es_run_from_state(state.config, source)
         ignored = [f"--{k.replace('_', '-')} {v}" for k, v in flags.items()
                    if v is not None and k in stored and stored[k] != v]
         if ignored:
@@ -232,73 +163,22 @@ def _es_settings(args, state, log):
 
 
 def build(args, log):
-    """Trainer, samples, loader and the ES run from the flags (+ --load)."""
-    from ..es import ESConfig
-    from dataclasses import replace
-    from ..es.finetune import ESFinetune
-    from ..es.rewards import GenerationScorer, NLLScorer
-    from ..llm import data as sft
-    from ..llm.chat import ChatTemplate
-    from ..llm.finetune import Trainer, lora_config
-    from ..llm.gguf import open_gguf
-    from ..models.registry import load_model
+    """The ES run from the flags (+ --load): the job spec they stand for, built as every es_member builds its
+    replica (pipeline/finetune/build.build_es); -> (run, tokenizer, encoder, template, records, options, config)."""
+    from ..finetune.build import build_es
+    from ..finetune.spec import ESFinetuneSpec
+    from ..jobs.spec import build as build_spec
     from ..runtime.ckpt import read_state
-    from .finetune import _load_tokenizer, _targets
 
-    state = read_state(args.load) if args.load else None
-    settings = _es_settings(args, state, log)
-    lora_seed = args.seed
-    if state is not None and isinstance(state.seeds.get("lora"), int):
-        lora_seed = state.seeds["lora"]  # the adapter init (and so the AWD anchor) must be the checkpoint's
-    gg = open_gguf(args.model)
-    model = load_model(gg)
-    tokenizer = _load_tokenizer(gg)
-    encoder, template = sft.RawEncoder(tokenizer), ChatTemplate.from_gguf(gg, getattr(args, "chat_template", None))
-    if args.data:
-        pairs, source = load_data(args), args.data
-    elif args.task == "countdown":
-        from ..es import countdown
-        tasks = countdown.problems(args.task_seed, args.task_size, args.task_numbers, args.task_max_number)
-        pairs, source = [sft.Pair(t.prompt, f"<answer>{t.solution}</answer>") for t in tasks], "countdown problem"
-    else:
-        pairs, source = list(sft.PIRATE_PAIRS), "pirate pair"
-    options = sft.EncodeOptions(seq_max=args.seq_max)
-    samples = sft.encode_all(encoder, template, pairs, options, source=source)
-    trainer_kwargs = dict(targets=_targets(args.targets), rank=args.rank, alpha=args.lora_alpha, seed=lora_seed)
-    trainer = Trainer(model, **trainer_kwargs)
-    order = "shuffled" if args.shuffle else "sequential"
-    data_seed = args.seed if args.data_seed is None else args.data_seed
-    loader = sft.Loader(len(samples), order, seed=data_seed)
-    es_config = ESConfig(**{k: settings[k] for k in ("sigma", "alpha", "population", "seed", "noise", "antithetic",
-                                                      "shaping", "restore_mode", "anchor_decay", "anchor_lambda")})
-    reward = reward_spec(args)
-    if state is not None and state.config.get("reward", reward) != reward:
-        log(f"resume: the checkpoint was trained with --reward {state.config['reward']}; this run scores {reward}")
-    if reward == "nll":
-        scorer = NLLScorer(samples)
-    else:
-        items = _items(pairs, encoder, template, options)
-        if args.task == "countdown":
-            items = [replace(item, reference=t.reference) for item, t in zip(items, tasks)]
-        scorer = GenerationScorer(items, reward, template.stop_ids, args.max_new_tokens,
-                                  timeout=args.reward_timeout).bind(args.model, tokenizer)
-    if settings["search"] == "full" and args.workers and not getattr(args, "inprocess", False):
+    settings = _es_settings(args, read_state(args.load) if args.load else None, log)
+    fields = spec_of(args, settings)
+    search = fields["search"]
+    if search == "full" and args.workers and not getattr(args, "inprocess", False):
         raise UserError("--search full scores members in this process: drop --workers")
-    run = ESFinetune(trainer, samples, loader, es_config, batch=settings["batch"], search=settings["search"],
-                     scorer=scorer, dequantize=args.dequantize, model_source=str(args.model),
-                     member_batch=args.member_batch)
-    if state is not None:
-        stored_order = state.config.get("order")
-        if stored_order is not None and stored_order != order:
-            raise ConfigMismatchError(f"{args.load}/trainer_state.json: field 'config.order' is {stored_order!r} "
-                                      f"but this run is {order!r} (pass --shuffle as the checkpoint did, or not)")
-        run.load(args.load)
-        log(f"resumed {args.load}: ES iteration {run.iteration}, loader epoch {run.loader.epoch} index "
-            f"{run.loader.index}")
-    data = args.data or (_countdown_source(args) if args.task else "builtin:pirate")
-    run_config = {"model": str(args.model), "lora": lora_config(trainer), "seq_max": args.seq_max,
-                  "data": data, "order": order, "trainer": "es", "reward": reward}
-    return run, tokenizer, encoder, template, pairs, options, run_config
+    spec = build_spec(ESFinetuneSpec, {**fields, "search": "ab" if search == "full" else search})  # full: in here
+    parts = build_es(spec, log, search=search, dequantize=args.dequantize)
+    text = parts.text
+    return parts.run, text.tokenizer, text.encoder, text.template, parts.records, text.options, parts.run_config
 
 
 def run(args):
@@ -322,15 +202,16 @@ _OPTIONAL = {"data": "", "chat_template": "", "task": "", "es_seed": -1, "data_s
              "anchor_decay": "", "load": ""}
 
 
-def spec_of(args) -> dict:
+def spec_of(args, settings=None) -> dict:
     """The es-finetune job's fields from the flags, the ES settings resolved as this run takes them (the
-    checkpoint's on --load): what every replica of a runtime run builds from (args_of)."""
-    from ..es.finetune import ESFinetuneSpec
-    state = None
-    if args.load:
-        from ..runtime.ckpt import read_state
-        state = read_state(args.load)
-    settings = _es_settings(args, state, log=lambda m: None)
+    checkpoint's on --load): what every replica of a runtime run builds from (finetune/build.build_es)."""
+    from ..finetune.spec import ESFinetuneSpec
+    if settings is None:
+        state = None
+        if args.load:
+            from ..runtime.ckpt import read_state
+            state = read_state(args.load)
+        settings = _es_settings(args, state, log=lambda m: None)
     fields = {}
     for f in dataclasses.fields(ESFinetuneSpec):
         value = settings[f.name] if f.name in ES_DEFAULTS else getattr(args, f.name)
@@ -339,17 +220,6 @@ def spec_of(args) -> dict:
     fields["es_seed"] = settings["seed"]  # the resolved noise seed (settings' "seed"; the spec's seed is the run's)
     fields["anchor_lambda"] = fields["anchor_lambda"] or 0.0
     return fields
-
-
-def args_of(spec) -> argparse.Namespace:
-    """The flags a job spec stands for (the inverse of spec_of): a replica scores its members in its process."""
-    values = dataclasses.asdict(spec)
-    for name, absent in _OPTIONAL.items():
-        if values[name] == absent:
-            values[name] = None
-    if values["anchor_decay"] is None:
-        values["anchor_lambda"] = None
-    return argparse.Namespace(**values, dequantize=False, workers=0, inprocess=True)
 
 
 def _answer(trainer, tokenizer, encoder, template, prompt, options, max_new):
@@ -364,10 +234,9 @@ def _bar(done, total, width=20):
 
 
 def _train(args, log, es_run, tokenizer, encoder, template, pairs, options, run_config):
-    from ..es.finetune import batch_loss
+    from ..finetune.model import adapters_sha256, batch_loss
     from ..es.rewards import describe
     from ..runtime.ckpt import params_sha256
-    from ..llm.finetune import adapters_sha256
 
     trainer, cfg = es_run.trainer, es_run.es.config
     eval_set = es_run.samples[:args.eval_samples]
@@ -480,7 +349,7 @@ def _iterate_on_runtime(args, log, es_run, run_config):
     starts where es_run stands; the per-iteration lines come from the run's
     metrics.jsonl once it is done.
     """
-    from ..es.finetune import REWARD_FILES_ENV, ESFinetuneJob
+    from ..finetune.es import REWARD_FILES_ENV, ESFinetuneJob
     from ..jobs.spec import build as build_spec
     from ..runtime.launch import Supervisor
     from ..runtime.metrics import read_metrics

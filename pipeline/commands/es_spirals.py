@@ -32,7 +32,7 @@ def add_arguments(p):
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="place the --members as Ray actors (one CPU each) on the cluster at ADDRESS (default: "
                         "RAY_ADDRESS, else a local Ray), connecting back over tcp (--bind, else a free loopback "
-                        "port); needs the extra fucina[ray]")
+                        "port); needs the extra [ray] (pip install -e '.[ray]' in a checkout)")
     p.add_argument("--seed", type=int, default=0, help="ES noise seed")
     p.add_argument("--model-seed", type=int, default=0, help="SpiralsMLP init seed")
     p.add_argument("--data-seed", type=int, default=0, help="spirals data noise seed")
@@ -110,7 +110,7 @@ def run(args) -> int:
         if args.inprocess:
             raise UserError("--ray places members; --inprocess runs none: choose one")
         from ..runtime.ray_place import require_ray
-        from .launch import free_port_pair
+        from ..runtime.transport import free_port_pair
         require_ray()  # before anything is written
         args.bind = args.bind or f"tcp://127.0.0.1:{free_port_pair('127.0.0.1')}"
     job_cls = get_job(NAME)

@@ -18,7 +18,7 @@ from ..errors import UserError
 from ..es.countdown import MAX_NUMBER, N_NUMBERS, check_difficulty
 from ..llm.chat import add_chat_template_argument
 from ._args import InputFile, add_threads_flag
-from .es_finetune import _items, add_reward_arguments, check_reward_args, reward_spec
+from .es_finetune import add_reward_arguments, check_reward_args, reward_spec
 from .finetune import add_data_arguments, load_data
 
 NAME = "eval"
@@ -90,18 +90,19 @@ def build_items(args, tokenizer, template):
     """The evaluation items (prompt, prompt ids, reference) of the task or the data file, the first --n."""
     from dataclasses import replace
 
+    from ..es.rewards import items_of
     from ..llm import data as sft
     encoder, options = sft.RawEncoder(tokenizer), sft.EncodeOptions(seq_max=args.seq_max)
     if args.task == "countdown":
         from ..es import countdown
         tasks = countdown.problems(args.task_seed, args.n, args.task_numbers, args.task_max_number)
         pairs = [sft.Pair(t.prompt, "") for t in tasks]
-        items = _items(pairs, encoder, template, options)
+        items = items_of(pairs, encoder, template, options)
         return [replace(item, reference=t.reference) for item, t in zip(items, tasks)]
     pairs = load_data(args)
     if len(pairs) < args.n:
         raise UserError(f"--n {args.n}: {args.data} holds {len(pairs)} records")
-    items = _items(pairs[:args.n], encoder, template, options)
+    items = items_of(pairs[:args.n], encoder, template, options)
     for i, item in enumerate(items):
         if len(item.prompt_ids) > args.seq_max:
             raise UserError(f"{args.data}: record {i + 1}: the prompt is {len(item.prompt_ids)} tokens, over "
@@ -112,14 +113,11 @@ def build_items(args, tokenizer, template):
 def _score_here(args, lo, hi, log):
     from ..es.evaluate import adapted_trainer, item_rewards
     from ..es.rewards import parse_reward
-    from ..llm.chat import ChatTemplate
-    from ..llm.gguf import open_gguf
+    from ..finetune.build import open_text
     from ..models.registry import load_model
-    from .finetune import _load_tokenizer
 
-    gg = open_gguf(args.model)
-    tokenizer = _load_tokenizer(gg)
-    template = ChatTemplate.from_gguf(gg, getattr(args, "chat_template", None))
+    text = open_text(args.model, getattr(args, "chat_template", None) or "", args.seq_max)
+    gg, tokenizer, template = text.gguf, text.tokenizer, text.template
     items = build_items(args, tokenizer, template)[lo:hi]
     reward = parse_reward(reward_spec(args), timeout=args.reward_timeout)
     trainer = adapted_trainer(load_model(gg), args.lora, source=str(args.model))

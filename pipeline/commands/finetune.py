@@ -12,9 +12,6 @@ import json
 import sys
 
 from ..errors import UserError
-from ..jobs.finetune import OPTIMIZERS, REAL_HIDDEN, REAL_LR, SMALL_LR  # SMALL_LR...: --lr's default by width
-from ..llm.chat import add_chat_template_argument
-from ..llm.tokenizer import load_tokenizer
 from ._args import InputFile, add_threads_flag
 
 NAME = "finetune"
@@ -23,54 +20,19 @@ DESCRIPTION = (HELP + ". With no --data it trains the built-in five-pair pirate 
                "(\"Ahoy! ... matey.\"); watch the loss fall and the AFTER answer change style.")
 
 
+# the fields of FinetuneSpec this command's flags stand for (jobs/spec.add_field_flags: their help, type and
+# choices come from the spec, as `fucina launch finetune`'s do); None where "not given" differs from a value
+_UNSET = ("data", "val_data", "lr")
+
+
 def add_arguments(p):
-    p.add_argument("--model", required=True, type=InputFile("GGUF file"),
-                   help="GGUF model to fine-tune: llama, qwen2, qwen3 or gemma3 architecture "
-                        "(for a first run, the model.gguf `fucina launch lm` saves)")
-    add_data_arguments(p)
-    add_chat_template_argument(p)
-    p.add_argument("--val-data", type=InputFile("JSONL file"),
-                   help="held-out JSONL samples (same formats as --data): the validation loss every --eval-every steps "
-                        "in the progress line and metrics.jsonl")
-    p.add_argument("--val-split", type=float, default=0.0, metavar="F",
-                   help="instead of --val-data: hold out this fraction of --data's records (whole documents, picked "
-                        "by --seed: the same split every run)")
-    p.add_argument("--eval-every", type=int, default=0, metavar="N",
-                   help="validation loss every N optimizer steps and at the last (0 with a validation set: 10)")
-    p.add_argument("--keep", choices=("last", "best"), default="last",
-                   help="best: also keep the adapters of the lowest validation loss in RUN_DIR/best (a directory "
-                        "--lora and export-gguf --adapters take)")
-    p.add_argument("--shuffle", action="store_true", help="shuffled sample order (Fisher-Yates per epoch, seeded by "
-                                                          "--data-seed)")
-    p.add_argument("--seed", type=int, default=42, help="seed of the adapter init and dropout streams")
-    p.add_argument("--data-seed", type=int, default=None, help="seed of the shuffled order (default: --seed)")
-    p.add_argument("--steps", type=int, default=30, help="train until this many optimizer steps in total (a resumed "
-                                                         "run continues from its checkpoint)")
-    p.add_argument("--rank", type=int, default=8, help="LoRA rank r")
-    p.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (the delta is scaled by alpha/rank)")
-    p.add_argument("--lr", type=float, default=None,
-                   help=f"AdamW learning rate (a resumed run keeps the checkpoint's); default {SMALL_LR:g} on a small "
-                        f"model (hidden < {REAL_HIDDEN}: the one `fucina launch lm` trains, the pirate demo's), "
-                        f"{REAL_LR:g} on a real one (SmolLM2, Qwen, Gemma: PEFT's usual LoRA rate; 1e-2 garbles them)")
-    p.add_argument("--warmup", type=int, default=0, help="linear learning-rate warm-up over this many optimizer steps")
-    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip, once per window (0 = off)")
-    p.add_argument("--targets", default="q,k,v,o,gate,up,down",
-                   help="comma-separated projections to adapt, any of q,k,v,o,gate,up,down (q,v is the classic choice "
-                        "for large models)")
-    p.add_argument("--accum-steps", type=int, default=5,
-                   help="samples per optimizer step, token-weighted (default 5: the whole pirate set per step; a "
-                        "resumed run keeps the checkpoint's)")
-    p.add_argument("--seq-max", type=int, default=256, help="truncate samples to this many input tokens")
-    p.add_argument("--dropout", type=float, default=0.0,
-                   help="LoRA dropout probability on the adapter input, in [0, 1)")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer of the adapters")
-    p.add_argument("--state-dtype", choices=("f32", "bf16"), default="f32", help="dtype of the AdamW moments")
-    p.add_argument("--checkpoint-layers", action="store_true", help="recompute each layer in backward (less memory, "
-                                                                    "same bits)")
+    from ..finetune.spec import FinetuneSpec
+    from ..jobs.spec import add_field_flags
+    files = {"model": dict(required=True, type=InputFile("GGUF file")), "data": dict(type=InputFile("JSONL file")),
+             "val_data": dict(type=InputFile("JSONL file"))}
+    add_field_flags(p, FinetuneSpec, dest="{}", defaults=True, unset=_UNSET, overrides=files)
     p.add_argument("--save", metavar="DIR", help="the run directory: the final checkpoint is committed here "
                    "(default: runs/finetune-<time>)")
-    p.add_argument("--save-every", type=int, default=0, metavar="N", help="also save DIR/checkpoint-step-N every N "
-                                                                          "optimizer steps (needs --save)")
     p.add_argument("--load", metavar="DIR", help="the older spelling of --resume DIR")
     p.add_argument("--trainers", type=int, default=0, metavar="N",
                    help="run the job on the multiprocess runtime with N trainer processes (they map the GGUF "
@@ -80,10 +42,6 @@ def add_arguments(p):
     p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint dir or a run dir's newest checkpoint "
                    "(adapters, optimizer, step; the checkpoint's accum_steps, lr and warm-up win over the flags)")
     add_threads_flag(p, 0, "this process and of each trainer process (0: each trainer takes one)")
-    p.add_argument("--prompt", default=None, help="held prompt for the BEFORE/AFTER answers (default: the first "
-                                                  "training instruction)")
-    p.add_argument("--max-new-tokens", type=int, default=48, help="length of the BEFORE/AFTER greedy answers (tokens; "
-                                                                  "bytes on a byte-level model)")
     p.add_argument("--verify-grads", action="store_true", help="instead of training: zero-structure, grad-norm audit, "
                                                                "Taylor and frozen-base checks; exit 1 on failure")
     p.add_argument("--json", action="store_true", help="print one JSON summary line on stdout (progress goes to "
@@ -115,24 +73,24 @@ def _targets(text):
 
 
 def default_lr(model_path):
-    """--lr's default for this GGUF (jobs/finetune.default_lr)."""
-    from ..jobs.finetune import default_lr as by_width
+    """--lr's default for this GGUF (finetune/spec.default_lr)."""
+    from ..finetune.spec import default_lr as by_width
     from ..llm.gguf import open_gguf
     return by_width(open_gguf(model_path))
 
 
 def _check_args(args):
-    for flag, value, low in (("--steps", args.steps, 0), ("--accum-steps", args.accum_steps, 1),
+    for flag, value, low in (("--steps", args.steps, 0), ("--accum-steps", args.micro_batches, 1),
                              ("--seq-max", args.seq_max, 1), ("--trainers", args.trainers, 0),
-                             ("--save-every", args.save_every, 0), ("--max-new-tokens", args.max_new_tokens, 0)):
+                             ("--save-every", args.checkpoint_every, 0), ("--max-new-tokens", args.max_new_tokens, 0)):
         if value < low:
             raise UserError(f"{flag} must be >= {low}, got {value}")
-    if args.save_every and not args.save:
+    if args.checkpoint_every and not args.save:
         raise UserError("--save-every needs --save DIR (the periodic checkpoints go to DIR/checkpoint-step-N)")
-    if args.lr is None:
+    if not args.lr:  # not given, or 0: by the model's width (the spec's 0)
         args.lr = default_lr(args.model)
-    if args.lr <= 0:
-        raise UserError(f"--lr must be positive, got {args.lr}")
+    if args.lr < 0:
+        raise UserError(f"--lr must be positive (or 0: by the model's width), got {args.lr}")
     if args.inprocess and args.trainers:
         raise UserError(f"--inprocess runs every task in this process; it cannot have --trainers {args.trainers}")
     if args.load and args.resume and args.load != args.resume:
@@ -155,21 +113,15 @@ def _resume_point(path, flag="--resume"):
 
 def spec_of(args, resume=None):
     """The finetune job's spec from the flags; a resumed run keeps the checkpoint's window, lr and warm-up."""
+    import dataclasses
     import os
-    from ..jobs.finetune import FinetuneSpec
+
+    from ..finetune.spec import FinetuneSpec
     from ..jobs.spec import build
-    fields = dict(model=os.path.abspath(args.model), data=os.path.abspath(args.data) if args.data else "",
-                  format=args.format, instruction_key=args.instruction_key, response_key=args.response_key,
-                  max_record_bytes=args.max_record_bytes, chat_template=args.chat_template or "",
-                  steps=max(args.steps, 1), micro_batches=args.accum_steps, seq_max=args.seq_max, shuffle=args.shuffle,
-                  seed=args.seed, data_seed=-1 if args.data_seed is None else args.data_seed, rank=args.rank,
-                  alpha=args.alpha, targets=args.targets, dropout=args.dropout,
-                  checkpoint_layers=args.checkpoint_layers, optimizer=args.optimizer,
-                  lr=args.lr if args.lr is not None else default_lr(args.model), warmup=args.warmup,
-                  clip=args.clip, state_dtype=args.state_dtype, checkpoint_every=args.save_every,
-                  prompt=args.prompt or "", max_new_tokens=args.max_new_tokens,
-                  val_data=os.path.abspath(args.val_data) if args.val_data else "", val_split=args.val_split,
-                  eval_every=args.eval_every, keep=args.keep)
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(FinetuneSpec)}
+    fields.update(model=os.path.abspath(args.model), data=os.path.abspath(args.data) if args.data else "",
+                  val_data=os.path.abspath(args.val_data) if args.val_data else "", steps=max(args.steps, 1),
+                  lr=args.lr if args.lr is not None else default_lr(args.model))
     if resume is not None:
         from ..runtime import ckpt
         stored = ckpt.read_state(resume).config.get("spec") or {}
@@ -180,20 +132,17 @@ def spec_of(args, resume=None):
 
 def build(args, log):
     """Session, tokenizer and the rest from the flags, for --verify-grads (which probes one process's trainer)."""
-    from ..jobs.finetune import Finetune
-    from ..llm import data as sft
-    from ..llm.finetune import Session
+    from ..finetune.build import loader_of
+    from ..finetune.job import Finetune
+    from ..finetune.session import Session
     job = Finetune(spec_of(args))
     trainer = job.trainer()
     optimizer = job.make_optimizer(trainer.named_parameters())
-    order = "shuffled" if args.shuffle else "sequential"
-    loader = sft.Loader(len(job.samples), order, seed=args.seed if args.data_seed is None else args.data_seed)
-    session = Session(trainer, optimizer, job.samples, loader, accum_steps=args.accum_steps, clip=args.clip,
+    loader = loader_of(job.spec, len(job.samples))
+    session = Session(trainer, optimizer, job.samples, loader, accum_steps=job.spec.micro_batches, clip=args.clip,
                       lr=job.spec.lr, warmup=args.warmup)
     return session, job
 
-
-_load_tokenizer = load_tokenizer  # the older private name (tests, bench, es_finetune import it)
 
 
 def _default_run_dir():
@@ -204,9 +153,9 @@ def _default_run_dir():
 def run(args):
     import os
 
-    from ..jobs.finetune import Finetune
+    from ..finetune.job import Finetune
+    from ..finetune.model import check_resume_config
     from ..jobs.spec import to_dict
-    from ..llm.finetune import check_resume_config
     from ..runtime import ckpt
     from ..threads import pin_threads
     from .launch import _progress
@@ -222,7 +171,7 @@ def run(args):
     announce_compile(log)
 
     if args.verify_grads:
-        from ..llm.finetune import verify_grads
+        from ..finetune.session import verify_grads
         session, job = build(args, log)
         log(_banner(args, job, "in-process"))
         return 0 if verify_grads(session, log) else 1
@@ -281,6 +230,9 @@ def run(args):
             f"{summary['elapsed_s']:.1f} s, {supervised / max(summary['elapsed_s'], 1e-9):.1f} supervised tok/s")
         log(f"saved {run_dir} (adapters.safetensors, optimizer.safetensors, trainer_state.json; "
             f"checkpoint-step-N/, metrics.jsonl, loss.png)")
+    if summary.get("steps", job.steps) < job.steps:
+        log(f"early stop at step {summary['steps']} of {job.steps}: {job.spec.patience} evaluations in a row without "
+            f"a lower val_loss (--patience {job.spec.patience}); its checkpoint is the run's last")
     best = _best(run_dir)
     if best:
         log(f"best val_loss {best['val_loss']:.4f} at step {best['step']}: its adapters are in "
@@ -363,7 +315,7 @@ def _count(records):
 
 
 def _sha(trainer):
-    from ..llm.finetune import adapters_sha256
+    from ..finetune.model import adapters_sha256
     return adapters_sha256(trainer)
 
 

@@ -8,6 +8,7 @@ import sys
 from ..errors import UserError
 from ..jobs import ES_JOBS, JOBS, get_job
 from ..jobs.spec import add_flags, from_args, to_dict
+from ..runtime.transport import free_port_pair
 from ._args import add_threads_flag, check_job_inputs, default_run_dir
 
 NAME = "launch"
@@ -37,8 +38,9 @@ def add_arguments(parser):
                                 "and gradients travel as frames instead of shared memory; see docs/cluster.md)")
         p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                        help=f"place the {workers} as Ray actors (one CPU each) on the cluster at ADDRESS (default: "
-                            "RAY_ADDRESS, else a local Ray); needs the extra fucina[ray]; the other roles run here, "
-                            "over tcp (--port, a free one if not given; --host must be reachable from the nodes)")
+                            "RAY_ADDRESS, else a local Ray); needs the extra [ray] (pip install -e '.[ray]' in a "
+                            "checkout, pip install 'fucina[ray]' from an index); the other roles run here, over tcp "
+                            "(--port, a free one if not given; --host must be reachable from the nodes)")
         p.add_argument("--inprocess", action="store_true", help="run every task inline in this process (same bits)")
         p.add_argument("--resume", metavar="DIR",
                        help="continue from a checkpoint dir or a run dir's latest checkpoint")
@@ -76,21 +78,6 @@ def _point_latest(run_dir, job, say):
     tmp = f"{link}.{os.getpid()}.tmp"
     os.symlink(os.path.basename(run_dir), tmp)
     os.replace(tmp, link)  # atomic: a reader sees the old run or the new one, never no link
-
-
-def free_port_pair(host):
-    """A port P with P and P+1 free on `host` (control and events)."""
-    import socket
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind((host, 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind((host, port + 1))
-            except OSError:
-                continue
-            return port
-    raise UserError(f"launch: no free pair of tcp ports on {host}")
 
 
 def _run_dir(args):
@@ -154,7 +141,7 @@ def run(args) -> int:
         except UserError:
             pass
     else:
-        from ..es.finetune import REWARD_FILES_ENV
+        from ..finetune.es import REWARD_FILES_ENV
         from ..runtime.launch import Supervisor
         env = dict(os.environ)
         if es:  # a reward file named here is one the members spawned here may import
@@ -177,7 +164,7 @@ def run(args) -> int:
 class _progress:
     """A rich progress bar fed by in-process steps, or by the run's PUB socket."""
 
-    SHOWN = ("run_started", "checkpoint_committed", "checkpoint_retry", "worker_lost", "run_restarting")
+    SHOWN = ("run_started", "checkpoint_committed", "checkpoint_retry", "worker_lost", "run_restarting", "early_stop")
 
     def __init__(self, total, quiet, endpoint=None, key=None):
         self.total, self.quiet, self.endpoint, self.key = total, quiet, endpoint, key

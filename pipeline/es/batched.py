@@ -17,7 +17,7 @@ tile (k times -> once), the weight streaming from memory, and the per-call
 Python and graph overhead.
 
 Two rewards, two forwards, one definition of the model each:
-  * NLL (teacher-forced): the Trainer's own forward (`Trainer.block`, its
+  * NLL (teacher-forced): the LoraModel's own forward (`LoraModel.block`, its
     embedding and head) on a [k, T, hidden] batch with a per-member projection;
   * generation: the KV-cache decoder's `infer_rows` (members x prompts rows,
     each with its own cache) through `llm.generate.greedy_rows`, members in
@@ -31,7 +31,7 @@ import numpy as np
 
 from ..autograd.tensor import Tensor, no_grad
 from ..errors import UserError
-from ..llm.finetune import adapted_linears
+from ..finetune.model import adapted_linears
 from ..llm.generate import greedy_rows
 from ..llm.lora import lora_forward
 from ..llm.quants import FrozenWeight, matmul_t_groups

@@ -24,26 +24,26 @@ from ..errors import UserError
 
 
 def adapted_trainer(model, lora_dir=None, source="the model"):
-    """A Trainer over `model` carrying the adapters of `lora_dir` (an es-finetune / finetune checkpoint or run
+    """A LoraModel over `model` carrying the adapters of `lora_dir` (an es-finetune / finetune checkpoint or run
     directory: its latest committed checkpoint), or, with none, zero adapters (B = 0: the base model's answers).
 
     An es-finetune `--search full` checkpoint (model.safetensors: the searched matrices under their GGUF names)
     is loaded into private writable copies of those matrices instead (pipeline/es/full.py)."""
-    from ..llm.finetune import Trainer
+    from ..finetune.model import LoraModel
     if lora_dir is None:
-        return Trainer(model, targets=("q",), rank=1, seed=0)
+        return LoraModel(model, targets=("q",), rank=1, seed=0)
     from ..runtime.ckpt import load_checkpoint, read_state, resolve, tensors_of
     ckpt = Path(resolve(lora_dir))
     state = read_state(ckpt)
     if state.config.get("es_search") == "full":
         from .full import writable_dense_weights
-        trainer = Trainer(model, targets=("q",), rank=1, seed=0)
+        trainer = LoraModel(model, targets=("q",), rank=1, seed=0)
         arrays = writable_dense_weights(trainer, dequantize=True, source=source)
         load_checkpoint(ckpt, model=tensors_of(arrays))
         return trainer
     from ..llm.export import load_adapters, resolve_alpha
     adapters = load_adapters(ckpt)
-    trainer = Trainer(model, targets=tuple(adapters.targets), rank=adapters.rank,
+    trainer = LoraModel(model, targets=tuple(adapters.targets), rank=adapters.rank,
                       alpha=resolve_alpha(None, adapters), seed=0)
     tensors = {}
     for pair in adapters.pairs:

@@ -359,6 +359,18 @@ class Item:
     reference: str
 
 
+def items_of(records, encoder, template, options) -> list:
+    """Generation-reward items: a record's first user turn is the prompt, its last assistant turn the reference."""
+    from ..llm.data import encode_prompt
+    items = []
+    for rec in records:
+        reference = getattr(rec, "response", None)
+        if reference is None:
+            reference = next((c for role, c in reversed(rec.turns) if role == "assistant"), "")
+        items.append(Item(rec.instruction, encode_prompt(encoder, template, rec.instruction, options), reference))
+    return items
+
+
 class NLLScorer:
     """reward = -token-weighted mean CE of the batch's samples (the teacher-forced reference responses)."""
 
@@ -374,7 +386,7 @@ class NLLScorer:
         return self
 
     def score(self, trainer, idx) -> float:
-        from .finetune import batch_loss
+        from ..finetune.model import batch_loss
         return -batch_loss(trainer, [self.samples[i] for i in idx])
 
     def score_members(self, trainer, stacked: dict, idx, member_batch: int) -> list[float]:
@@ -411,9 +423,9 @@ class GenerationScorer:
 
     def bind(self, model_path, tokenizer=None):
         if tokenizer is None:
-            from ..llm.tokenizer import load_tokenizer as _load_tokenizer
+            from ..llm.tokenizer import load_tokenizer
             from ..llm.gguf import open_gguf
-            tokenizer = _load_tokenizer(open_gguf(model_path))
+            tokenizer = load_tokenizer(open_gguf(model_path))
         self._tokenizer, self._fn = tokenizer, parse_reward(self.spec, timeout=self.timeout)
         return self
 

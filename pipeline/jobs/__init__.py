@@ -8,9 +8,9 @@ from __future__ import annotations
 import importlib
 
 JOBS = {"spirals": "pipeline.jobs.spirals", "lm": "pipeline.jobs.lm", "pretrain": "pipeline.jobs.pretrain",
-        "sft": "pipeline.jobs.sft", "finetune": "pipeline.jobs.finetune"}
+        "sft": "pipeline.jobs.sft", "finetune": "pipeline.finetune.job"}
 # ES jobs run the es_member task kind (pipeline/runtime/es_scheduler.py), not the trainer plan of `fucina launch`
-ES_JOBS = {"es-spirals": "pipeline.es.run", "es-finetune": "pipeline.es.finetune"}
+ES_JOBS = {"es-spirals": "pipeline.es.run", "es-finetune": "pipeline.finetune.es"}
 
 
 def get_job(name: str):

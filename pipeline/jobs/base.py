@@ -20,6 +20,10 @@ The roles never know what model they train. A job supplies:
                             be idempotent: a replayed step runs it again
   finish(run_dir, params)  -> dict of extras for the summary (sample, exports)
   checkpoint_config()      -> dict merged into the sentinel's config (what exports read back)
+  restore_progress(config)  the job's own progress from a checkpoint's config (None: a fresh run), e.g.
+                            the early-stop counters; run by the optimizer's init
+  stopped()                -> True once the job wants no more steps (an early stop): the optimizer
+                            checks it after each step; the run ends there, that step checkpointed
   adapters_only            True: the weights file is adapters.safetensors (a LoRA job)
 
 Trade-off: jobs hand over flat named arrays rather than a model object, so the
@@ -37,6 +41,7 @@ class Job:
     Spec = None
     eval_name = "eval"  # what validate() measures, for plots and the live view
     adapters_only = False  # True names the checkpoint's weights adapters.safetensors
+    end_step = None  # the step the run ended at when it stopped early (set by the runtime before finish)
 
     def __init__(self, spec):
         self.spec = spec
@@ -75,6 +80,12 @@ class Job:
 
     def checkpoint_config(self):
         return {}
+
+    def restore_progress(self, config):
+        pass
+
+    def stopped(self):
+        return False
 
 
 def bind_module(model, params):

@@ -18,8 +18,10 @@ from ..errors import UserError
 _SCALARS = (int, float, str, bool)
 
 
-def field(default, help: str, choices=None):  # noqa: A002 - mirrors argparse
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+def field(default, help: str, choices=None, aliases=(), metavar=None):  # noqa: A002 - mirrors argparse
+    """A spec field: its flag is `--name-with-dashes` (and any `aliases`, other spellings of the same flag)."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "aliases": tuple(aliases),
+                                                        "metavar": metavar})
 
 
 NONFINITE_POLICIES = ("stop", "skip")
@@ -32,19 +34,37 @@ def on_nonfinite_field():
 
 
 def add_flags(parser: argparse.ArgumentParser, spec_cls):
-    """One flag per spec field; defaults are None so we can tell 'not given'."""
+    """One flag per spec field (`fucina launch JOB`); defaults are None so we can tell 'not given'."""
     parser.add_argument("--config", metavar="FILE.toml", help="TOML file of job fields (flags override it)")
     group = parser.add_argument_group(f"{spec_cls.__name__} fields (override the TOML/defaults)")
-    for f in dataclasses.fields(spec_cls):
-        flag = "--" + f.name.replace("_", "-")
+    add_field_flags(group, spec_cls)
+
+
+def add_field_flags(parser, spec_cls, names=None, dest="job_{}", defaults=False, unset=(), overrides=None):
+    """The flags of spec_cls's fields (all, or those in `names`, in that order): `--name-with-dashes` plus the
+    field's aliases, its help (with its default), type and choices. The one place a field becomes a flag: launch
+    (add_flags) and the commands that run a job's spec (finetune, es-finetune) both call it.
+
+    dest: the attribute pattern ("{}" is the field's name). defaults False: every default None ('not given',
+    what launch's precedence needs); True: the field's own default, but None for the `unset` names (a command
+    that tells 'not given' from a value). overrides: {name: argparse keywords} a command adds (required, an
+    input-file type, a metavar)."""
+    fields = {f.name: f for f in dataclasses.fields(spec_cls)}
+    for name in names or list(fields):
+        f = fields[name]
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         shown = "off" if f.default is False else f.default  # a bare "False" reads as a value to pass
-        help_text = f"{f.metadata.get('help', '')} (default: {shown})".replace("%", "%%")  # argparse formats it
+        suffix = "" if f.default == "" else f" (default: {shown})"  # an empty default: the help says what it means
+        help_text = f"{f.metadata.get('help', '')}{suffix}".replace("%", "%%")  # argparse formats it
+        default = f.default if defaults and name not in unset else None
+        kwargs = dict(dest=dest.format(f.name), default=default, help=help_text)
         if f.type in ("bool", bool):
-            group.add_argument(flag, dest=f"job_{f.name}", default=None, action=argparse.BooleanOptionalAction,
-                               help=help_text)
+            kwargs.update(action=argparse.BooleanOptionalAction)
         else:
-            group.add_argument(flag, dest=f"job_{f.name}", default=None, type=_type_of(f),
-                               choices=f.metadata.get("choices"), metavar=f.name.upper(), help=help_text)
+            kwargs.update(type=_type_of(f), choices=f.metadata.get("choices"),
+                          metavar=f.metadata.get("metavar") or f.name.upper())
+        kwargs.update((overrides or {}).get(name, {}))
+        parser.add_argument(*flags, **kwargs)
 
 
 def _type_of(f):

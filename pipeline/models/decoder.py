@@ -15,7 +15,7 @@ its GGUF metadata and its Hugging Face module names.
 
 Trade-off: one block definition (`DecoderLM.block`) written with the autograd
 ops serves both from-scratch training (`forward`) and LoRA training
-(`pipeline.llm.finetune.Trainer`, which passes its own `project` function), and
+(`pipeline.finetune.model.LoraModel`, which passes its own `project` function), and
 one no-grad numpy path with a KV cache (`infer_rows`: many rows in lock-step, each
 with its own cache, bitwise each row alone; `infer` is its one-row case) serves generation, where frozen
 quantized weights are consumed by a fused dequant-matvec (decode) or dequant +

@@ -37,7 +37,8 @@ def run_inprocess(job, run_dir, resume=None, log=print, on_step=None):
     loss, t_run = None, time.perf_counter()
     policy, skipped_total = getattr(job.spec, "on_nonfinite", "stop"), 0
     try:
-        for step in range(start, job.steps):
+        end = start if job.stopped() else job.steps  # a resumed run that had stopped early goes no further
+        for step in range(start, end):
             t0 = time.perf_counter()
             loss, skip = 0.0, []
             for k in range(job.micro_batches):
@@ -65,15 +66,22 @@ def run_inprocess(job, run_dir, resume=None, log=print, on_step=None):
             optimizer.after_step(done, run_dir)
             metrics.write(record)
             on_step and on_step(record)
-            if checkpoint_due(job, done):
+            stop = job.stopped()
+            if checkpoint_due(job, done) or stop:
                 p, skeleton, tensors = optimizer.snapshot()
                 path = ckpt.write_checkpoint(checkpoint_dir(run_dir, done), p, skeleton, tensors,
                                              trainer_state(job, done), adapters=job.adapters_only)
                 metrics.write({"kind": "event", "event": "checkpoint_committed",
                                "detail": {"path": path, "step": done}})
+            if stop:
+                end = done
+                break
+        if end < job.steps:
+            job.end_step = end
+            metrics.write({"kind": "event", "event": "early_stop", "step": end, "detail": {"step": end}})
         final = {n: a for n, a in params.items()}
         extras = job.finish(run_dir, final, log=log)
-        summary = {"job": job.name, "mode": "inprocess", "steps": job.steps, "start_step": start,
+        summary = {"job": job.name, "mode": "inprocess", "steps": end, "start_step": start,
                    "final_loss": loss, "params_sha256": ckpt.params_sha256(final),
                    "checkpoint": ckpt.latest_checkpoint(run_dir), "run_dir": run_dir,
                    "elapsed_s": round(time.perf_counter() - t_run, 3), **extras,

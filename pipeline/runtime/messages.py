@@ -138,8 +138,8 @@ OPTIONAL: dict[str, dict] = {
     "grad_done": {"stale": BOOL,        # the trainer refused: its parameters are of another version
                   "nonfinite": STR},    # 'loss' or the tensor whose gradient held a NaN/inf (nothing written)
     "step": {"skip": INTS},             # micro-batches left out (non-finite, --on-nonfinite skip)
-    "stepped": {"eval": OPT_NUM},
-    "ready": {"resume": STR},
+    "stepped": {"eval": OPT_NUM, "stop": BOOL},  # stop: the job stopped early at this step
+    "ready": {"resume": STR, "stop": BOOL},      # stop: the checkpoint resumed is of a run that stopped early
     "shutdown": {"replace": BOOL,       # a supervisor should start a fresh process
                  "unused": BOOL},       # this run has no use for the role (a Procfile worker stands by)
     "metrics": {"total": INT, "eval": OPT_NUM, "eval_name": STR, "skipped": INTS},

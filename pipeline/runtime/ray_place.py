@@ -26,14 +26,24 @@ from __future__ import annotations
 
 from ..errors import UserError
 
-EXTRA = "fucina[ray]"
+
+def install_hint(extra: str = "ray", root: str | None = None) -> str:
+    """How to install an extra: `pip install -e '.[X]'` in the source checkout this code runs from (`root`, default
+    the directory above the package, holds pyproject.toml), else `pip install 'fucina[X]'` from a package index; a
+    checkout's hint names both, its own first (a user of a checkout has no `fucina` package to add an extra to)."""
+    import os
+    root = root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    index = f"pip install 'fucina[{extra}]'"
+    if os.path.isfile(os.path.join(root, "pyproject.toml")):
+        return f"pip install -e '.[{extra}]' in the source checkout {root} (from a package index: {index})"
+    return index
 
 
 def require_ray():
     try:
         import ray
     except ImportError:
-        raise UserError(f"--ray needs Ray, which is not installed: pip install '{EXTRA}'") from None
+        raise UserError(f"--ray needs Ray, which is not installed: {install_hint('ray')}") from None
     return ray
 
 

@@ -89,8 +89,10 @@ class OptimizerLogic:
         if not resume:
             for name, arr in self.job.init_params():
                 self.params[name][...] = arr
+            self.job.restore_progress(None)
             return 0
         state = ckpt.read_state(resume)
+        self.job.restore_progress(state.config)
         if state.config.get("job") != self.job.name:
             raise ConfigMismatchError(f"{resume}: checkpoint of job {state.config.get('job')!r}, "
                                       f"resuming job {self.job.name!r}")

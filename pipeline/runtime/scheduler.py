@@ -121,6 +121,7 @@ class Scheduler:
         self.dropped, self.last_drop_log = 0, -DROP_LOG_S
         self.gen = 0
         self.ready = False           # optimizer has published parameters of version self.cur
+        self.final = job.steps       # the run's last step: earlier when the job stops early (its optimizer says)
         self.init_sent = None        # the optimizer that was sent this generation's init
         self.started = False
         self.cur = 0
@@ -339,6 +340,8 @@ class Scheduler:
                                                 and self.owns(peer, msg["grads"], "grads")):
             return self.drop(peer, msg, "its step or segments are not this run's")
         self.cur, self.ready, self.optimizer_busy = msg["step"], True, False
+        if msg.get("stop"):
+            self.final = msg["step"]  # the checkpoint resumed is of a run that stopped early there
         self.descs["params"], self.descs["grads"] = msg["params"], msg["grads"]
         self.last_step_t = time.monotonic()
         self.event("optimizer_ready", step=msg["step"], resume=msg.get("resume") or None, gen=self.gen)
@@ -433,7 +436,10 @@ class Scheduler:
         self.cur, self.optimizer_busy, self.grads = done, False, {}
         self.loads = {key: v for key, v in self.loads.items() if key[0] >= done}
         self.suspects = {key: v for key, v in self.suspects.items() if key[0] == self.gen and key[1] >= done}
-        if checkpoint_due(self.job, done):
+        if msg.get("stop") and done < self.final:
+            self.final = done
+            self.event("early_stop", step=done)
+        if checkpoint_due(self.job, done) or done == self.final:
             self.ask_snapshot(peer, done)
         fault(self.run_dir, "step", done)
 
@@ -533,13 +539,13 @@ class Scheduler:
             self.init_sent = optimizer.id
         if not self.ready:
             return
-        if self.cur >= self.job.steps:
+        if self.cur >= self.final:
             self.maybe_finish()
             return
         loader = self.one("loader")
         if loader:
             for t in (self.cur, self.cur + 1):
-                for k in range(self.M if t < self.job.steps else 0):
+                for k in range(self.M if t < self.final else 0):
                     if (t, k) not in self.loads:
                         self.loads[(t, k)] = ("issued", loader.id)
                         self.send(loader, "load", t, gen=self.gen, k=k, slot=(t % 2) * self.M + k)
@@ -601,7 +607,9 @@ class Scheduler:
         return [name for name, _, _ in self.job.param_layout()]
 
     def maybe_finish(self):
-        final = self.job.steps
+        final = self.final
+        if final < self.job.steps:
+            self.job.end_step = final  # what job.finish publishes
         if final not in self.committed_steps and not ckpt.is_committed(checkpoint_dir(self.run_dir, final)):
             optimizer = self.one("optimizer")
             if optimizer and (self.gen, final) not in self.snapshots_asked:

@@ -303,3 +303,18 @@ class HeartbeatThread(threading.Thread):
 
     def stop(self):
         self._stop.set()
+
+
+def free_port_pair(host):
+    """A port P with P and P+1 free on `host` (control and events)."""
+    import socket
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind((host, 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind((host, port + 1))
+            except OSError:
+                continue
+            return port
+    raise UserError(f"no free pair of tcp ports on {host}")

@@ -20,16 +20,16 @@ def one_blas_thread():
 
 
 def _setup(model, search, targets=("q", "v", "down")):
-    from pipeline.commands.finetune import _load_tokenizer
+    from pipeline.llm.tokenizer import load_tokenizer
     from pipeline.es import ESConfig
-    from pipeline.es.finetune import ESFinetune
+    from pipeline.finetune.es import ESFinetune
     from pipeline.llm import data as sft
     from pipeline.llm.chat import ChatTemplate
-    from pipeline.llm.finetune import Trainer
+    from pipeline.finetune.model import LoraModel
     from pipeline.llm.gguf import open_gguf
     gg = open_gguf(model)
-    samples = sft.encode_all(sft.RawEncoder(_load_tokenizer(gg)), ChatTemplate.from_gguf(gg), sft.PIRATE_PAIRS[:3])
-    trainer = Trainer.from_gguf(model, targets=targets, rank=4, seed=5)
+    samples = sft.encode_all(sft.RawEncoder(load_tokenizer(gg)), ChatTemplate.from_gguf(gg), sft.PIRATE_PAIRS[:3])
+    trainer = LoraModel.from_gguf(model, targets=targets, rank=4, seed=5)
     cfg = ESConfig(sigma=0.1, alpha=0.1, population=6, antithetic=True, seed=9, restore_mode="snapshot")
     return ESFinetune(trainer, samples, sft.Loader(3), cfg, batch=3, search=search), samples
 
@@ -38,7 +38,7 @@ def _setup(model, search, targets=("q", "v", "down")):
                                            ("qwen3-tied-q4_k_s.gguf", "ab"), ("qwen2-mini-f32.gguf", "ab"),
                                            ("gemma3-gemma-mini-f32.gguf", "ab")])
 def test_batched_rewards_are_the_one_by_one_bits(model, search):
-    from pipeline.es.finetune import batch_loss
+    from pipeline.finetune.model import batch_loss
     run, samples = _setup(os.path.join(FIXTURES, model), search)
     run.iteration_step()  # B off zero, so every factor matters
     es = run.es

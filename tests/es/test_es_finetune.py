@@ -62,8 +62,8 @@ def test_checkpoint_layout_and_es_fields(tmp_path, capsys):
     tensors = load_file(final / "adapters.safetensors")
     assert sorted(tensors)[0] == "layers.0.q.lora_a" and len(tensors) == 2 * 2 * 2
     assert all(np.any(t) for n, t in tensors.items() if n.endswith("lora_b"))  # ES moved B off zero
-    from pipeline.llm.finetune import Trainer, adapters_sha256
-    reloaded = Trainer.from_gguf(MODEL, targets=("q", "v"), seed=42)
+    from pipeline.finetune.model import LoraModel, adapters_sha256
+    reloaded = LoraModel.from_gguf(MODEL, targets=("q", "v"), seed=42)
     reloaded.load_adapter_tensors(tensors)
     assert adapters_sha256(reloaded) == s["adapters_sha256"]
 
@@ -83,17 +83,18 @@ def test_no_backward_anywhere_and_the_loss_falls(monkeypatch, capsys):
 
 def test_search_b_keeps_a_at_its_init():
     from pipeline.es import ESConfig
-    from pipeline.es.finetune import ESFinetune, batch_loss
+    from pipeline.finetune.es import ESFinetune
+    from pipeline.finetune.model import batch_loss
     from pipeline.llm import data as sft
-    from pipeline.llm.finetune import Trainer
-    from pipeline.commands.finetune import _load_tokenizer
+    from pipeline.finetune.model import LoraModel
+    from pipeline.llm.tokenizer import load_tokenizer
     from pipeline.llm.chat import ChatTemplate
     from pipeline.llm.gguf import open_gguf
 
     gg = open_gguf(MODEL)
-    enc, tpl = sft.RawEncoder(_load_tokenizer(gg)), ChatTemplate.from_gguf(gg)
+    enc, tpl = sft.RawEncoder(load_tokenizer(gg)), ChatTemplate.from_gguf(gg)
     samples = sft.encode_all(enc, tpl, sft.PIRATE_PAIRS[:3])
-    trainer = Trainer.from_gguf(MODEL, targets=("v",), rank=4, seed=3)
+    trainer = LoraModel.from_gguf(MODEL, targets=("v",), rank=4, seed=3)
     a_init = {n: p.data.copy() for n, p in trainer.named_parameters() if n.endswith("lora_a")}
     run = ESFinetune(trainer, samples, sft.Loader(3), ESConfig(sigma=0.05, alpha=0.05, population=4, seed=1,
                                                               restore_mode="snapshot"), batch=3, search="b")
@@ -171,16 +172,16 @@ def test_checkpoint_exports_like_a_backprop_one(tmp_path, capsys):
     assert main(["export-gguf", "--from-gguf", f32, "--adapters", str(tmp_path / "es"),
                  "--out", str(tmp_path / "merged.gguf")]) == 0
     capsys.readouterr()
-    from pipeline.commands.finetune import _load_tokenizer
-    from pipeline.es.finetune import batch_loss
+    from pipeline.llm.tokenizer import load_tokenizer
+    from pipeline.finetune.model import batch_loss
     from pipeline.llm import data as sft
     from pipeline.llm.chat import ChatTemplate
-    from pipeline.llm.finetune import Trainer
+    from pipeline.finetune.model import LoraModel
     from pipeline.llm.gguf import open_gguf
     gg = open_gguf(tmp_path / "merged.gguf")
-    samples = sft.encode_all(sft.RawEncoder(_load_tokenizer(gg)), ChatTemplate.from_gguf(gg),
+    samples = sft.encode_all(sft.RawEncoder(load_tokenizer(gg)), ChatTemplate.from_gguf(gg),
                              sft.PIRATE_PAIRS)
-    merged = batch_loss(Trainer.from_gguf(tmp_path / "merged.gguf"), samples)  # B = 0 adapters: the merged base alone
+    merged = batch_loss(LoraModel.from_gguf(tmp_path / "merged.gguf"), samples)  # B = 0 adapters: the merged base alone
     assert s["final_loss"] != s["initial_loss"]
     assert merged == pytest.approx(s["final_loss"], rel=1e-4)
 
@@ -220,21 +221,33 @@ def _flags(*argv):
                                        "--anchor-decay", "l1", "--anchor-lambda", "0.5", "--shuffle", "--data-seed",
                                        "9", "--no-antithetic", "--reward", "rule:format", "--member-batch", "2")])
 def test_the_job_spec_stands_for_the_flags_every_replica_builds_from(argv):
-    """spec_of (flags -> the es-finetune job's typed fields) and args_of (back) agree on everything build() reads,
-    with the ES settings resolved (the noise seed derived from --seed, population/sigma/... their defaults)."""
-    from pipeline.commands.es_finetune import ES_DEFAULTS, _es_settings, args_of, reward_spec, spec_of
-    from pipeline.es.finetune import ESFinetuneSpec
+    """spec_of (flags -> the es-finetune job's typed fields) carries every flag the builder reads, with the ES
+    settings resolved (the noise seed derived from --seed, population/sigma/... their defaults), and the replica
+    an es_member builds from that spec alone (build_es) is the one the command builds from the flags."""
+    from pipeline.commands.es_finetune import ES_DEFAULTS, _es_settings, build as command_build, reward_spec, spec_of
+    from pipeline.finetune.build import build_es, es_reward
+    from pipeline.finetune.spec import ESFinetuneSpec
     from pipeline.jobs.spec import build
     args = _flags(*argv)
-    back = args_of(build(ESFinetuneSpec, spec_of(args)))
+    spec = build(ESFinetuneSpec, spec_of(args))
     settings = _es_settings(args, None, log=lambda m: None)
-    for name in ("model", "data", "task", "task_numbers", "shuffle", "seed", "data_seed", "rank", "reward_timeout",
-                 "lora_alpha", "targets", "seq_max", "member_batch", "max_new_tokens", "load", "chat_template"):
-        assert getattr(back, name) == getattr(args, name), name
-    assert reward_spec(back) == reward_spec(args)  # the --reward list travels as one spec string
-    assert {k: getattr(back, k) for k in ES_DEFAULTS if k != "anchor_lambda"} == \
-           {k: settings[k] for k in ES_DEFAULTS if k != "anchor_lambda"}
-    assert back.es_seed == settings["seed"] and _es_settings(back, None, log=lambda m: None) == settings
+    assert spec.task == args.task
+    for name in ("model", "task_numbers", "shuffle", "seed", "rank", "reward_timeout", "lora_alpha",
+                 "targets", "seq_max", "member_batch", "max_new_tokens"):
+        assert getattr(spec, name) == getattr(args, name), name
+    assert spec.data_seed == args.data_seed
+    assert es_reward(spec) == reward_spec(args)  # the --reward list travels as one spec string
+    assert {k: getattr(spec, k) or None for k in ES_DEFAULTS if k != "anchor_lambda"} == \
+           {k: settings[k] or None for k in ES_DEFAULTS if k != "anchor_lambda"}
+    assert spec.es_seed == settings["seed"]
+    replica = build_es(spec).run
+    here = command_build(args, log=lambda m: None)[0]
+    assert replica.es.config == here.es.config and replica.batch == here.batch
+    assert replica.loader.state() == here.loader.state() and replica.loader.order == here.loader.order
+    assert [n for n, _ in replica.trainer.named_parameters()] == [n for n, _ in here.trainer.named_parameters()]
+    assert all(np.array_equal(a.data, b.data) for (_, a), (_, b) in zip(replica.trainer.named_parameters(),
+                                                                        here.trainer.named_parameters()))
+    assert type(replica.scorer) is type(here.scorer) and len(replica.scorer) == len(here.scorer)
 
 
 @pytest.mark.parametrize("text, message", [
@@ -246,10 +259,28 @@ def test_the_job_spec_stands_for_the_flags_every_replica_builds_from(argv):
 ])
 def test_a_bad_es_finetune_job_file_is_one_error_naming_the_field(tmp_path, text, message):
     from pipeline.errors import UserError
-    from pipeline.es.finetune import ESFinetuneSpec
+    from pipeline.finetune.spec import ESFinetuneSpec
     from pipeline.jobs.spec import build, load_toml
     path = tmp_path / "es.toml"
     path.write_text(text)
     with pytest.raises(UserError) as e:
         build(ESFinetuneSpec, load_toml(str(path), ESFinetuneSpec), where=str(path))
     assert message in str(e.value)
+
+
+def test_a_replica_resumed_from_a_checkpoint_takes_its_es_settings(tmp_path, capsys):
+    """An es_member's replica of a `load` spec (build_es) takes the checkpoint's ES settings, batch and search over
+    the spec's, as the command line does; only a population that differs is refused (the job's make_task)."""
+    from pipeline.errors import UserError
+    from pipeline.finetune.build import build_es
+    from pipeline.finetune.es import ESFinetuneJob
+    from pipeline.finetune.spec import ESFinetuneSpec
+    from pipeline.jobs.spec import build
+    rc = main(["es-finetune", "--model", MODEL, *SMALL, "--iterations", "1", "--sigma", "0.02", "--save",
+               str(tmp_path / "c")])
+    assert rc == 0, capsys.readouterr().err
+    spec = build(ESFinetuneSpec, {"model": MODEL, "load": str(tmp_path / "c"), "population": 4})  # sigma 0.05
+    run = build_es(spec).run
+    assert (run.es.config.sigma, run.batch, run.search, run.iteration) == (0.02, 2, "ab", 1)
+    with pytest.raises(UserError, match="field 'population' is 6"):
+        ESFinetuneJob(build(ESFinetuneSpec, {"model": MODEL, "load": str(tmp_path / "c"), "population": 6})).make_task()

@@ -52,16 +52,17 @@ def test_full_search_trains_an_f16_model_with_repeatable_bits(f16, capsys):
 
 
 def test_full_search_registers_every_matrix_once_and_restores_bitwise(f16):
-    from pipeline.commands.finetune import _load_tokenizer
+    from pipeline.llm.tokenizer import load_tokenizer
     from pipeline.es import ESConfig
-    from pipeline.es.finetune import ESFinetune, batch_loss
+    from pipeline.finetune.es import ESFinetune
+    from pipeline.finetune.model import batch_loss
     from pipeline.llm import data as sft
     from pipeline.llm.chat import ChatTemplate
-    from pipeline.llm.finetune import Trainer
+    from pipeline.finetune.model import LoraModel
     from pipeline.llm.gguf import open_gguf
     gg = open_gguf(f16)
-    samples = sft.encode_all(sft.RawEncoder(_load_tokenizer(gg)), ChatTemplate.from_gguf(gg), sft.PIRATE_PAIRS[:2])
-    trainer = Trainer.from_gguf(f16, seed=0)
+    samples = sft.encode_all(sft.RawEncoder(load_tokenizer(gg)), ChatTemplate.from_gguf(gg), sft.PIRATE_PAIRS[:2])
+    trainer = LoraModel.from_gguf(f16, seed=0)
     run = ESFinetune(trainer, samples, sft.Loader(2), ESConfig(sigma=0.01, alpha=0.01, population=2, seed=3,
                                                               restore_mode="snapshot"), batch=2, search="full")
     names = run.es.names

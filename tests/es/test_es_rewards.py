@@ -86,8 +86,8 @@ def test_greedy_decoding_with_the_kv_cache_applies_the_adapters():
     """The lock-step KV-cache decoder with the live adapters (k = 1) gives the trainer's own (cache-free,
     full-recompute) greedy tokens."""
     from pipeline.es.batched import member_generations
-    from pipeline.llm.finetune import Trainer
-    trainer = Trainer.from_gguf(MODEL, targets=("q", "v", "down"), rank=4, seed=1)
+    from pipeline.finetune.model import LoraModel
+    trainer = LoraModel.from_gguf(MODEL, targets=("q", "v", "down"), rank=4, seed=1)
     prompt = np.array([1, 5, 9, 2, 7], dtype=np.int64)
     [[base]] = member_generations(trainer, {}, 1, [prompt], 8)
     gen = np.random.default_rng(0)
@@ -139,7 +139,7 @@ def test_exact_reward_runs(capsys):
 
 def test_a_member_imports_a_reward_file_only_when_its_own_environment_lists_it(tmp_path):
     """The file comes to a member in the scheduler's run description: a message alone never makes it run code."""
-    from pipeline.es.finetune import REWARD_FILES_ENV, ESFinetuneJob, check_reward_files
+    from pipeline.finetune.es import REWARD_FILES_ENV, ESFinetuneJob, check_reward_files
     from pipeline.jobs.spec import build
     f = tmp_path / "mine.py"
     f.write_text("def reward(p, c, r):\n    return 1.0\n")

@@ -37,7 +37,7 @@ FINETUNE_PROBE = """
 import sys, numpy as np
 from kernels import rng
 from pipeline.autograd import Tensor, rope, silu, linear_cross_entropy
-from pipeline.llm.finetune import swiglu
+from pipeline.models.decoder import swiglu
 a = Tensor(rng.gaussian(1, (37, 3001)) * 4, requires_grad=True)
 b = Tensor(rng.gaussian(2, (37, 3001)), requires_grad=True)
 (swiglu(a, b) * silu(b)).sum().backward()

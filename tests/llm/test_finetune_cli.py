@@ -57,7 +57,7 @@ def test_the_job_computes_what_accumulation_windows_in_one_process_compute(model
     optimizer role) against Session.window, the plain loop of backward passes over the Loader's order."""
     import argparse
     from pipeline.commands import finetune as command
-    from pipeline.llm.finetune import adapters_sha256
+    from pipeline.finetune.model import adapters_sha256
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
     args = parser.parse_args(["--model", model_path, "--targets", "q,v", "--steps", "3", *COMMON,

@@ -9,7 +9,7 @@ import pytest
 from pipeline.autograd import Tensor
 from pipeline.errors import UserError
 from pipeline.autograd import parameter
-from pipeline.llm.finetune import TARGETS, LoraModel
+from pipeline.finetune.model import TARGETS, LoraModel
 from pipeline.models.decoder import MLP, Attention, Block, FrozenLinear, Linear
 from pipeline.models.qwen3 import Qwen3, Qwen3Config
 
@@ -213,7 +213,7 @@ def test_bad_inputs_are_clear_errors():
 def test_grouped_projections_equal_one_by_one_bitwise(monkeypatch):
     """q/k/v and gate/up share one tile dispatch (adapted_linears, adapters riding in it):
     same bits as one call per weight."""
-    import pipeline.llm.finetune as ft
+    import pipeline.finetune.model as ft
     fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "qwen3-mini-q8_0.gguf")
 
     def run():

@@ -11,7 +11,8 @@ from pipeline.cli import main
 from pipeline.commands import _args
 from pipeline.commands.finetune import DivergenceWatch, default_lr
 from pipeline.commands.launch import _progress
-from pipeline.jobs.finetune import FinetuneSpec, split_records
+from pipeline.finetune.build import split_records
+from pipeline.finetune.spec import FinetuneSpec
 from pipeline.llm import data as sft
 from pipeline.runtime.metrics import read_metrics
 
@@ -138,3 +139,51 @@ def test_a_diverging_loss_is_said_loudly_once():
     assert len(said) == 1 and "rose from 3.0000 to 7.5000" in said[0] and "--lr 0.001" in said[0]
     assert "--targets q,k,v,o" in said[0]
     assert not DivergenceWatch.diverged(0.4, 1.3) and DivergenceWatch.diverged(6.8, 14.13)
+
+
+# val_loss here: 40.4 .. 16.40 (step 5), then 16.65, 16.71: the stop at step 7
+PATIENCE = ("--lr", "0.1", "--eval-every", "1", "--patience", "2")
+
+
+def _val_file(tmp_path):
+    """Held-out answers the pirate training moves away from: its validation loss stops falling within a few steps."""
+    path = tmp_path / "val.jsonl"
+    path.write_text("".join(json.dumps({"instruction": p.instruction, "response": "I do not know."}) + "\n"
+                            for p in sft.PIRATE_PAIRS))
+    return str(path)
+
+
+def test_patience_stops_early_with_the_same_bits_resumed(tmp_path, capsys):
+    """--patience 2: the run ends at the second evaluation in a row without a lower val_loss, that step's checkpoint
+    its last; a run stopped before it and resumed stops at the same step with the same bits, and resuming the
+    stopped run trains no further."""
+    val = _val_file(tmp_path)
+    rc, full, out = _run(capsys, "--steps", "12", "--val-data", val, *PATIENCE, "--save", str(tmp_path / "a"))
+    assert rc == 0, out.err
+    evals = [r["eval"] for r in read_metrics(tmp_path / "a") if r.get("kind") == "metrics"]
+    best = evals.index(min(evals))
+    assert full["steps"] == len(evals) == best + 3 < 12 and min(evals[best + 1:]) >= evals[best]
+    assert f"early stop at step {full['steps']} of 12" in out.err
+    rc, part, _ = _run(capsys, "--steps", str(full["steps"] - 1), "--val-data", val, *PATIENCE,
+                       "--save", str(tmp_path / "b"))
+    assert rc == 0 and part["steps"] == full["steps"] - 1
+    rc, resumed, out = _run(capsys, "--steps", "12", "--val-data", val, *PATIENCE, "--resume", str(tmp_path / "b"))
+    assert rc == 0, out.err
+    assert (resumed["steps"], resumed["adapters_sha256"]) == (full["steps"], full["adapters_sha256"])
+    rc, again, _ = _run(capsys, "--steps", "12", "--val-data", val, *PATIENCE, "--resume", str(tmp_path / "a"))
+    assert rc == 0 and (again["steps"], again["adapters_sha256"]) == (full["steps"], full["adapters_sha256"])
+
+
+@pytest.mark.slow
+def test_patience_on_trainers_stops_where_in_process_does(tmp_path, capsys):
+    val = _val_file(tmp_path)
+    rc, here, _ = _run(capsys, "--steps", "12", "--val-data", val, *PATIENCE, "--save", str(tmp_path / "a"))
+    rc2, there, out = _run(capsys, "--steps", "12", "--val-data", val, *PATIENCE, "--trainers", "2",
+                           "--save", str(tmp_path / "b"))
+    assert rc == rc2 == 0, out.err
+    assert (there["steps"], there["adapters_sha256"]) == (here["steps"], here["adapters_sha256"]) and here["steps"] < 12
+
+
+def test_patience_needs_a_validation_set(capsys):
+    rc, _, out = _run(capsys, "--steps", "2", "--patience", "2")
+    assert rc == 2 and "patience" in out.err and "needs a validation set" in out.err

@@ -39,7 +39,7 @@ def run(request, tmp_path_factory):
 
 def _adapted_logits(path, run_dir, ids):
     """Our trainer over the base with the run's adapters: the reference every export must reproduce."""
-    from pipeline.llm.finetune import LoraModel
+    from pipeline.finetune.model import LoraModel
     from pipeline.train.state_dict import read_safetensors
     state = json.loads((run_dir / "trainer_state.json").read_text())["config"]["lora"]
     tr = LoraModel.from_gguf(path, targets=tuple(state["targets"]), rank=state["rank"], alpha=state["alpha"])

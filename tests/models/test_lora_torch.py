@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.llm.finetune import TARGETS, LoraModel
+from pipeline.finetune.model import TARGETS, LoraModel
 from pipeline.models.registry import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))

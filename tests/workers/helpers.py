@@ -79,5 +79,5 @@ def alive(pid):
 
 def free_port_pair(host="127.0.0.1"):
     """A port P with P and P+1 free on `host` (a tcp run binds control on P, events on P+1)."""
-    from pipeline.commands.launch import free_port_pair as free
+    from pipeline.runtime.transport import free_port_pair as free
     return free(host)

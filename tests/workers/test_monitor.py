@@ -121,8 +121,8 @@ def test_a_resumed_run_is_not_taken_for_the_finished_one(tmp_path):
 
 
 @pytest.mark.parametrize("make_dir", [False, True])
-def test_an_absent_run_is_reported_after_the_wait(tmp_path, capsys, make_dir):
-    run_dir = tmp_path / "runs" / "lm-nothing"
+def test_an_absent_run_is_reported_after_the_wait(short_tmp, capsys, make_dir):
+    run_dir = short_tmp / "runs" / "lm-nothing"  # an ipc:// path: pytest's tmp_path may be too long (xdist)
     if make_dir:
         run_dir.mkdir(parents=True)
     assert monitor.watch(_args(run_dir, wait=0.5)) == 1

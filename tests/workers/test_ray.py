@@ -32,7 +32,17 @@ def test_without_ray_the_flag_is_one_error_naming_the_extra(tmp_path):
     out = subprocess.run(launch_cmd("spirals", tmp_path / "r", "--ray", "--trainers", "2"), capture_output=True,
                          text=True, env=env(PYTHONPATH=f"{hide.parent}{os.pathsep}{ROOT}"), cwd=ROOT, timeout=120)
     assert out.returncode != 0 and "pip install 'fucina[ray]'" in out.stderr
+    assert f"pip install -e '.[ray]' in the source checkout {ROOT}" in out.stderr  # this run is from a checkout
     assert not (tmp_path / "r").exists()
+
+
+def test_the_ray_hint_names_the_checkout_install_only_in_a_checkout(tmp_path):
+    from pipeline.runtime.ray_place import install_hint
+    assert install_hint("ray", str(tmp_path)) == "pip install 'fucina[ray]'"  # an installed package: the index
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'fucina'\n")
+    hint = install_hint("ray", str(tmp_path))
+    assert hint.startswith(f"pip install -e '.[ray]' in the source checkout {tmp_path}")
+    assert "pip install 'fucina[ray]'" in hint
 
 
 def test_es_without_ray_the_flag_is_one_error_naming_the_extra(tmp_path):

@@ -1,7 +1,7 @@
-"""ES fine-tuning of LoRA adapters over a frozen Qwen3 GGUF: `fucina finetune`'s gradient-free twin.
+"""ES fine-tuning of LoRA adapters over a frozen GGUF: `fucina finetune`'s gradient-free twin.
 
 Everything but the learning signal is the backprop fine-tune's: the same
-`pipeline.llm.finetune.Trainer` (frozen base, quantized or not, adapters named
+`pipeline.finetune.model.LoraModel` (frozen base, quantized or not, adapters named
 `layers.<i>.<target>.lora_{a,b}`), the same SFT samples and deterministic
 Loader, the same checkpoint directory (adapters.safetensors + trainer_state.json
 written last), minus the optimizer file: (es seed, iteration) regenerate every
@@ -42,50 +42,26 @@ in-process run's.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import numpy as np
 
-from ..autograd.tensor import no_grad
 from ..errors import ConfigMismatchError, UserError
-from ..jobs.spec import field
-from ..llm import data as sft
+from ..es.checkpoint import STRUCTURAL
+from ..es.rewards import NLLScorer
+from ..es.run import ESJob
+from ..es.trainer import ESConfig, ESTrainer
 from ..runtime.ckpt import load_checkpoint, read_state, save_checkpoint, tensors_of
 from ..train.trainer_state import TrainerState
-from .checkpoint import STRUCTURAL
-from .countdown import MAX_NUMBER, N_NUMBERS
-from .rewards import NLLScorer
-from .run import ESJob
-from .trainer import ESConfig, ESTrainer
+from .spec import ESFinetuneSpec
 
 SEARCHES = ("ab", "b", "full")
 REWARD_FILES_ENV = "FUCINA_REWARD_FILES"  # os.pathsep-separated reward files a member may import
 NOISE_CACHE_BYTES = 256 << 20  # most memory an iteration's cached noise draws may take (ESTrainer.cache_noise)
 
 
-def batch_loss(trainer, samples) -> float:
-    """Token-weighted mean CE of `samples` under the trainer's current adapters (no graph, no dropout).
-
-    Each sample's CE sum is accumulated in float64 in batch order, then divided
-    by the batch's supervised-token count: one serial sum, same bits every call.
-    """
-    total, valid = 0.0, 0
-    saved_step = trainer.step  # loss() advances the dropout counter; evaluation must not
-    try:
-        with no_grad():
-            for s in samples:
-                total += float(trainer.loss(s.inputs, s.labels, reduction="sum").item())
-                valid += s.n_valid
-    finally:
-        trainer.step = saved_step
-    if valid == 0:
-        raise UserError("the batch has no supervised token")
-    return total / valid
-
-
 class ESFinetune:
-    """ES over a Trainer's adapters: one `iteration_step()` = one ES update from one loader batch."""
+    """ES over a LoraModel's adapters: one `iteration_step()` = one ES update from one loader batch."""
 
     def __init__(self, trainer, samples, loader, es_config: ESConfig, batch=5, search="ab", scorer=None,
                  dequantize=False, model_source="the model", member_batch=0):
@@ -98,7 +74,7 @@ class ESFinetune:
         if batch < 1:
             raise UserError(f"batch must be >= 1, got {batch}")
         if trainer.dropout:
-            raise UserError("ES fine-tuning scores members with dropout off; build the Trainer with dropout=0")
+            raise UserError("ES fine-tuning scores members with dropout off; build the LoraModel with dropout=0")
         self.trainer, self.samples, self.loader = trainer, samples, loader
         self.batch, self.search = int(batch), search
         self.scorer = scorer if scorer is not None else NLLScorer(samples)
@@ -110,7 +86,7 @@ class ESFinetune:
                             "at a time")
         self.es = ESTrainer(es_config)
         if search == "full":
-            from .full import writable_dense_weights
+            from ..es.full import writable_dense_weights
             for name, arr in writable_dense_weights(trainer, dequantize, model_source).items():
                 self.es.add_param(arr, name)
         for name, p in trainer.named_parameters():
@@ -184,7 +160,7 @@ class ESFinetune:
         adapters, i.e. BEFORE this load, as anchored decay requires.
         """
         from ..llm.data import Loader
-        from ..llm.finetune import check_resume_config
+        from .model import check_resume_config
 
         state = read_state(directory)
         source = f"{directory}/trainer_state.json"
@@ -218,75 +194,16 @@ def es_config_from_state(stored: dict, source: str) -> dict:
     return {ours: stored[k] for k, ours in keys.items()}
 
 
+def es_run_from_state(stored: dict, source: str) -> tuple[dict, int, str]:
+    """(ESConfig keyword arguments, batch, search) of an es-finetune checkpoint's config: what a resume takes."""
+    config = es_config_from_state(stored, source)
+    for key in ("es_batch", "es_search"):
+        if key not in stored:
+            raise ConfigMismatchError(f"{source}: field 'config.{key}' is missing; not an es-finetune checkpoint")
+    return config, stored["es_batch"], stored["es_search"]
+
+
 # --- the runtime job -------------------------------------------------------------
-@dataclasses.dataclass
-class ESFinetuneSpec:
-    """The es-finetune job: `fucina es-finetune`'s flags as fields (pipeline/commands/es_finetune.py spec_of /
-    args_of convert both ways), with the ES settings resolved. Every replica builds its Trainer, data and scorer
-    from them; "" and -1 stand for a flag not given."""
-
-    model: str = field("", "the frozen GGUF model (llama, qwen2, qwen3 or gemma3; any quant type)")
-    data: str = field("", "JSONL samples (empty: the built-in pirate pairs, or the task's problems)")
-    format: str = field("auto", "the JSONL format", choices=("auto",) + sft.FORMATS)
-    instruction_key: str = field("instruction", "JSONL key holding the instruction (pairs)")
-    response_key: str = field("response", "JSONL key holding the response (pairs)")
-    max_record_bytes: int = field(sft.MAX_RECORD_BYTES, "refuse a JSONL line over this many bytes")
-    chat_template: str = field("", "a chat template name or Jinja file (empty: the model's own)")
-    task: str = field("", "a built-in task instead of data: countdown (empty: none)", choices=("", "countdown"))
-    task_size: int = field(64, "problems the built-in task generates")
-    task_seed: int = field(0, "seed of the built-in task's problem set")
-    task_numbers: int = field(N_NUMBERS, "countdown: numbers per problem, 2..6")
-    task_max_number: int = field(MAX_NUMBER, "countdown: the numbers are drawn from 1..M")
-    shuffle: bool = field(False, "shuffled sample order (Fisher-Yates per epoch, seeded by data_seed)")
-    seed: int = field(42, "run seed: the adapter init, the ES noise (unless es_seed) and the data order")
-    es_seed: int = field(-1, "seed of the ES noise stream (-1: derived from seed)")
-    data_seed: int = field(-1, "seed of the shuffled order (-1: seed)")
-    iterations: int = field(40, "train until this many ES iterations in total")
-    population: int = field(16, "members per iteration (even with antithetic; a resumed run's must be its "
-                                "checkpoint's)")
-    sigma: float = field(0.05, "perturbation scale")
-    alpha: float = field(0.05, "ES step size, no 1/sigma")
-    antithetic: bool = field(True, "mirrored (+eps, -eps) member pairs")
-    shaping: str = field("z_score", "fitness shaping", choices=("z_score", "centered_ranks"))
-    noise: str = field("iid", "noise scheme", choices=("iid", "correlated"))
-    batch: int = field(5, "samples every member scores per iteration")
-    reward: str = field("", "what a member is scored by: nll, exact, countdown, rule:..., PATH.py:FUNC, each "
-                            "optionally @WEIGHT, several newline-separated = their weighted sum (empty: countdown "
-                            "for the countdown task, else nll)")
-    reward_timeout: float = field(10.0, "seconds one call of a user's reward function may take (0: no limit)")
-    search: str = field("ab", "what ES perturbs: ab = LoRA A and B, b = only B (full runs in one process only)",
-                        choices=("ab", "b"))
-    rank: int = field(8, "LoRA rank r")
-    lora_alpha: float = field(16.0, "LoRA alpha (the delta is scaled by lora_alpha/rank)")
-    targets: str = field("q,v", "comma-separated projections to adapt, any of q,k,v,o,gate,up,down")
-    anchor_decay: str = field("", "anchored weight decay toward the initial adapters: l1, l2 (empty: off)",
-                              choices=("", "l1", "l2"))
-    anchor_lambda: float = field(0.0, "anchored decay strength lambda")
-    seq_max: int = field(256, "truncate samples to this many input tokens")
-    member_batch: int = field(0, "score K members per pass as one batch (0: one at a time); same bits")
-    max_new_tokens: int = field(48, "greedy tokens per answer of a generation reward")
-    load: str = field("", "the checkpoint every replica starts from (its ES settings win; empty: a fresh run)")
-    save_every: int = field(0, "checkpoint every N iterations (0: only the final one)")
-
-    def validate(self):
-        if not self.model:
-            raise UserError("es-finetune: field 'model' (a GGUF file) is required")
-        if self.task and self.data:
-            raise UserError("es-finetune: fields 'task' and 'data' exclude each other (a task brings its prompts)")
-        lows = {"iterations": 0, "population": 1, "batch": 1, "task_size": 1, "rank": 1, "seq_max": 1,
-                "member_batch": 0, "max_new_tokens": 0, "save_every": 0, "max_record_bytes": 1}
-        for name, low in lows.items():
-            if getattr(self, name) < low:
-                raise UserError(f"es-finetune: field '{name}' must be >= {low}, got {getattr(self, name)}")
-        if self.antithetic and self.population % 2:
-            raise UserError(f"es-finetune: field 'population' must be even with antithetic pairs, "
-                            f"got {self.population}")
-        if self.reward_timeout < 0:
-            raise UserError(f"es-finetune: field 'reward_timeout' must be >= 0, got {self.reward_timeout}")
-        if self.anchor_lambda < 0:
-            raise UserError(f"es-finetune: field 'anchor_lambda' must be >= 0, got {self.anchor_lambda}")
-
-
 class FinetuneReplica:
     """The ES replica ESRun and es_member drive: the searched tensors, plus the loader that draws each batch.
 
@@ -357,12 +274,13 @@ class ESFinetuneJob(ESJob):
         """The Python files the reward imports (`reward = "PATH.py:FUNC"`), resolved. A member process takes
         these paths from the scheduler's run description, so it imports one only when its own environment
         lists it (REWARD_FILES_ENV): a message is never enough to make a process run a file."""
-        from .rewards import user_reward_files
+        from ..es.rewards import user_reward_files
         return [os.path.realpath(path) for path in user_reward_files(self.spec.reward)]
 
     def make_task(self) -> FinetuneTask:
-        from ..commands.es_finetune import args_of, build
-        ft, _tok, _enc, _tpl, _pairs, _opts, run_config = build(args_of(self.spec), log=lambda m: None)
+        from .build import build_es
+        parts = build_es(self.spec)
+        ft, run_config = parts.run, parts.run_config
         if ft.es.config.population != self.spec.population:
             raise UserError(f"es-finetune: field 'population' is {self.spec.population}, the checkpoint "
                             f"{self.spec.load} was trained with {ft.es.config.population}")

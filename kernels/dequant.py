@@ -23,13 +23,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .formats import (BF16, BLOCK_FORMATS, BY_QTYPE, F16, F32, GEOMETRY, IQ4_NL, IQ4_XS, Q2_K, Q3_K,  # noqa: F401
+                      Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, kernels)
 from .qblocks import (store_bf16, store_f16, store_iq4_nl, store_iq4_xs, store_q2_k, store_q3_k, store_q4_0,
                       store_q4_1, store_q4_k, store_q5_0, store_q5_1, store_q5_k, store_q6_k, store_q8_0)
 from .workpool import run_dynamic, split_range, threads as pool_threads
 
-# qtype ids (gguf GGMLQuantizationType) handled here
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16 = 0, 1, 2, 3, 6, 7, 8, 30
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 10, 11, 12, 13, 14, 20, 23
 ROW_CHUNK = 16  # fewest rows worth a thread of their own
 
 HALF_TO_FLOAT = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
@@ -42,108 +41,90 @@ def _half(lut, b, o):
 
 # Tile kernels: rows of raw blocks, blocks b0..b1 of each row -> out f32 [rows, (b1-b0)*block].
 # The block formats unpack through kernels/qblocks.py's vector IR (the same f32 operations as
-# gguf-py, so element-exact; ~2x the speed of the best numba loops we could get vectorized).
+# gguf-py, so element-exact; ~2x the speed of the best numba loops we could get vectorized). Each
+# format's driver is a module-level function (numba caches it by name) around one of two inlined loops:
+# blocks with one fp16 scale (d) or two (d and dmin / m), at the offsets of the format's row in
+# kernels/formats.py (GEOMETRY: constants folded into the driver).
+
+
+@njit(inline="always")
+def _tile_d(store, raw, out, lut, b0, b1, geometry):
+    block, size, d_at, _ = geometry
+    for r in range(raw.shape[0]):
+        b, y = raw[r], out[r]
+        for blk in range(b0, b1):
+            o = blk * size
+            store(y, b, o, (blk - b0) * block, _half(lut, b, o + d_at))
+
+
+@njit(inline="always")
+def _tile_dm(store, raw, out, lut, b0, b1, geometry):
+    block, size, d_at, m_at = geometry
+    for r in range(raw.shape[0]):
+        b, y = raw[r], out[r]
+        for blk in range(b0, b1):
+            o = blk * size
+            store(y, b, o, (blk - b0) * block, _half(lut, b, o + d_at), _half(lut, b, o + m_at))
 
 
 @njit(cache=True, nogil=True)
 def _dq_q8_0(raw, out, lut, b0, b1):
-    for r in range(raw.shape[0]):
-        b, y = raw[r], out[r]
-        for blk in range(b0, b1):
-            store_q8_0(y, b, blk * 34, (blk - b0) * 32, _half(lut, b, blk * 34))
+    _tile_d(store_q8_0, raw, out, lut, b0, b1, GEOMETRY[Q8_0])
 
 
 @njit(cache=True, nogil=True)
 def _dq_q4_0(raw, out, lut, b0, b1):
-    for r in range(raw.shape[0]):
-        b, y = raw[r], out[r]
-        for blk in range(b0, b1):
-            store_q4_0(y, b, blk * 18, (blk - b0) * 32, _half(lut, b, blk * 18))
+    _tile_d(store_q4_0, raw, out, lut, b0, b1, GEOMETRY[Q4_0])
 
 
 @njit(cache=True, nogil=True)
 def _dq_q4_1(raw, out, lut, b0, b1):
-    for r in range(raw.shape[0]):
-        b, y = raw[r], out[r]
-        for blk in range(b0, b1):
-            o = blk * 20
-            store_q4_1(y, b, o, (blk - b0) * 32, _half(lut, b, o), _half(lut, b, o + 2))
+    _tile_dm(store_q4_1, raw, out, lut, b0, b1, GEOMETRY[Q4_1])
 
 
 @njit(cache=True, nogil=True)
 def _dq_q5_0(raw, out, lut, b0, b1):
-    for r in range(raw.shape[0]):
-        b, y = raw[r], out[r]
-        for blk in range(b0, b1):
-            store_q5_0(y, b, blk * 22, (blk - b0) * 32, _half(lut, b, blk * 22))
+    _tile_d(store_q5_0, raw, out, lut, b0, b1, GEOMETRY[Q5_0])
 
 
 @njit(cache=True, nogil=True)
 def _dq_q5_1(raw, out, lut, b0, b1):
-    for r in range(raw.shape[0]):
-        b, y = raw[r], out[r]
-        for blk in range(b0, b1):
-            o = blk * 24
-            store_q5_1(y, b, o, (blk - b0) * 32, _half(lut, b, o), _half(lut, b, o + 2))
+    _tile_dm(store_q5_1, raw, out, lut, b0, b1, GEOMETRY[Q5_1])
 
 
 @njit(cache=True, nogil=True)
 def _dq_iq4_nl(raw, out, lut, b0, b1):
-    for r in range(raw.shape[0]):
-        b, y = raw[r], out[r]
-        for blk in range(b0, b1):
-            store_iq4_nl(y, b, blk * 18, (blk - b0) * 32, _half(lut, b, blk * 18))
+    _tile_d(store_iq4_nl, raw, out, lut, b0, b1, GEOMETRY[IQ4_NL])
 
 
 @njit(cache=True, nogil=True)
 def _dq_q2_k(raw, out, lut, b0, b1):
-    for r in range(raw.shape[0]):
-        b, y = raw[r], out[r]
-        for blk in range(b0, b1):
-            o = blk * 84
-            store_q2_k(y, b, o, (blk - b0) * 256, _half(lut, b, o + 80), _half(lut, b, o + 82))
+    _tile_dm(store_q2_k, raw, out, lut, b0, b1, GEOMETRY[Q2_K])
 
 
 @njit(cache=True, nogil=True)
 def _dq_q3_k(raw, out, lut, b0, b1):
-    for r in range(raw.shape[0]):
-        b, y = raw[r], out[r]
-        for blk in range(b0, b1):
-            store_q3_k(y, b, blk * 110, (blk - b0) * 256, _half(lut, b, blk * 110 + 108))
+    _tile_d(store_q3_k, raw, out, lut, b0, b1, GEOMETRY[Q3_K])
 
 
 @njit(cache=True, nogil=True)
 def _dq_q4_k(raw, out, lut, b0, b1):
-    for r in range(raw.shape[0]):
-        b, y = raw[r], out[r]
-        for blk in range(b0, b1):
-            o = blk * 144
-            store_q4_k(y, b, o, (blk - b0) * 256, _half(lut, b, o), _half(lut, b, o + 2))
+    _tile_dm(store_q4_k, raw, out, lut, b0, b1, GEOMETRY[Q4_K])
 
 
 @njit(cache=True, nogil=True)
 def _dq_q5_k(raw, out, lut, b0, b1):
-    for r in range(raw.shape[0]):
-        b, y = raw[r], out[r]
-        for blk in range(b0, b1):
-            o = blk * 176
-            store_q5_k(y, b, o, (blk - b0) * 256, _half(lut, b, o), _half(lut, b, o + 2))
+    _tile_dm(store_q5_k, raw, out, lut, b0, b1, GEOMETRY[Q5_K])
 
 
 @njit(cache=True, nogil=True)
 def _dq_q6_k(raw, out, lut, b0, b1):
-    for r in range(raw.shape[0]):
-        b, y = raw[r], out[r]
-        for blk in range(b0, b1):
-            store_q6_k(y, b, blk * 210, (blk - b0) * 256, _half(lut, b, blk * 210 + 208))
+    _tile_d(store_q6_k, raw, out, lut, b0, b1, GEOMETRY[Q6_K])
 
 
 @njit(cache=True, nogil=True)
 def _dq_iq4_xs(raw, out, lut, b0, b1):
-    for r in range(raw.shape[0]):
-        b, y = raw[r], out[r]
-        for blk in range(b0, b1):
-            store_iq4_xs(y, b, blk * 136, (blk - b0) * 256, _half(lut, b, blk * 136))
+    _tile_d(store_iq4_xs, raw, out, lut, b0, b1, GEOMETRY[IQ4_XS])
 
 
 @njit(cache=True, nogil=True)
@@ -171,14 +152,14 @@ def _dq_bf16(raw, out, lut, b0, b1):
             bits[r, k - b0 * 32] = np.uint32(b[k]) << 16
 
 
-# qtype -> (tile kernel, elements per block, bytes per block); F16/BF16 tiles count 32 columns
-TILE_KERNELS = {Q8_0: (_dq_q8_0, 32, 34), Q4_0: (_dq_q4_0, 32, 18), Q4_1: (_dq_q4_1, 32, 20),
-                Q5_0: (_dq_q5_0, 32, 22), Q5_1: (_dq_q5_1, 32, 24), IQ4_NL: (_dq_iq4_nl, 32, 18),
-                Q2_K: (_dq_q2_k, 256, 84), Q3_K: (_dq_q3_k, 256, 110), Q4_K: (_dq_q4_k, 256, 144),
-                Q5_K: (_dq_q5_k, 256, 176), Q6_K: (_dq_q6_k, 256, 210), IQ4_XS: (_dq_iq4_xs, 256, 136),
-                F16: (_dq_f16, 32, 64), BF16: (_dq_bf16, 32, 64)}
+HALF_GROUP = 32  # columns per F16/BF16 tile step
+# qtype -> (tile kernel, elements per block, bytes per block), from kernels/formats.py; F16/BF16 tiles count
+# HALF_GROUP columns
+TILE_KERNELS = {qtype: (kernel, *((BY_QTYPE[qtype].block, BY_QTYPE[qtype].block_bytes) if BY_QTYPE[qtype].quantized
+                                  else (HALF_GROUP, HALF_GROUP * BY_QTYPE[qtype].block_bytes)))
+                for qtype, kernel in kernels("dequant", globals()).items()}
 # the block formats: qtype -> (elements per block, bytes per block)
-_BLOCK = {qtype: (block, size) for qtype, (_, block, size) in TILE_KERNELS.items() if qtype not in (F16, BF16)}
+_BLOCK = {f.qtype: (f.block, f.block_bytes) for f in BLOCK_FORMATS}
 
 
 def matvec_half(raw: np.ndarray, x: np.ndarray, bf16: bool = False) -> np.ndarray:

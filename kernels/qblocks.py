@@ -24,6 +24,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .formats import BF16, BY_QTYPE, F16, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+
 LANES = 32
 # bytes ahead in the weight stream: the hardware prefetcher alone left decode at ~4.6 G weights/s from DRAM,
 # this gives ~7
@@ -130,7 +132,7 @@ def _lane(h, v8, j):
 def _w_q4_k(h, scalars):
     """The 8 sub-blocks of the Q4_K block at b[o:]: (d*s_j) * q - dmin*m_j, q the nibbles at o+16."""
     ds, dm = _k4_scales(h, *scalars)
-    h.prefetch_block(144)
+    h.prefetch_block(BY_QTYPE[Q4_K].block_bytes)
     out = []
     for j in range(8):
         q = h.bits(h.vload(1, o_arg(h), _VB, 16 + (j // 2) * 32), 4 * (j % 2), 0xF)
@@ -141,7 +143,7 @@ def _w_q4_k(h, scalars):
 def _w_q5_k(h, scalars):
     """As _w_q4_k for Q5_K: the fifth bit of sub-block j is bit j of the 32 qh bytes at b[o+16:]."""
     ds, dm = _k4_scales(h, *scalars)
-    h.prefetch_block(176)
+    h.prefetch_block(BY_QTYPE[Q5_K].block_bytes)
     qh = h.vload(1, o_arg(h), _VB, 16)
     out = []
     for j in range(8):
@@ -154,7 +156,7 @@ def _w_q5_k(h, scalars):
 def _w_q6_k(h, scalars):
     """The Q6_K block at b[o:]: (d * scale_16) * (q - 32), int8 scales at o+192, d given."""
     v16f = ir.VectorType(_F32, 16)
-    h.prefetch_block(210)
+    h.prefetch_block(BY_QTYPE[Q6_K].block_bytes)
     scales = h.b.fmul(h.splat(scalars[0], v16f), h.b.sitofp(h.vload(1, o_arg(h), ir.VectorType(_I8, 16), 192), v16f))
     return [h.b.fmul(_pair_lanes(h, scales, 2 * j), h.b.sitofp(h.b.sub(_q6_k_weights(h, j), h.bytes_const(32)), _VF))
             for j in range(8)]
@@ -220,7 +222,7 @@ def _w_q2_k(h, scalars):
     q 2-bit fields of the 64 bytes at o+16 (vector 4*half + s: bits 2s of b[o+16+32*half+l])."""
     d, dmin = scalars
     v16b, v16f = ir.VectorType(_I8, 16), ir.VectorType(_F32, 16)
-    h.prefetch_block(84)
+    h.prefetch_block(BY_QTYPE[Q2_K].block_bytes)
     sc = h.vload(1, o_arg(h), v16b, 0)
     dl = h.b.fmul(h.splat(d, v16f), h.b.uitofp(h.bits(sc, 0, 0xF), v16f))
     ml = h.b.fmul(h.splat(dmin, v16f), h.b.uitofp(h.bits(sc, 4, 0xF), v16f))
@@ -261,7 +263,7 @@ def _w_q3_k(h, scalars):
     """The Q3_K block at b[o:]: (d * (s - 32)) * (ql - 4 * !hbit) per 16 weights; ql 2-bit fields of the 64
     bytes at o+32 (as Q2_K), hbit j of the 32 hmask bytes at o for vector j, the 16 6-bit s packed at o+96."""
     v16f = ir.VectorType(_F32, 16)
-    h.prefetch_block(110)
+    h.prefetch_block(BY_QTYPE[Q3_K].block_bytes)
     dl = h.b.fmul(h.splat(scalars[0], v16f), h.b.sitofp(_q3_k_scale_bytes(h), v16f))
     hmask = h.vload(1, o_arg(h), _VB, 0)
     return [h.b.fmul(_pair_lanes(h, dl, 2 * j), h.b.sitofp(_q3_k_weights(h, hmask, j), _VF)) for j in range(8)]
@@ -309,7 +311,7 @@ def _w_iq4_xs(h, scalars):
     """The IQ4_XS block at b[o:]: (d * (s_j - 32)) * IQ4_VALUES[q] per 32 weights, q the nibbles of the 16
     bytes at o+8+16j (scales: _iq4_xs_scale_bytes)."""
     v8f = ir.VectorType(_F32, 8)
-    h.prefetch_block(136)
+    h.prefetch_block(BY_QTYPE[IQ4_XS].block_bytes)
     dl = h.b.fmul(h.splat(scalars[0], v8f), h.b.sitofp(_iq4_xs_scale_bytes(h), v8f))
     return [h.b.fmul(_lane(h, dl, j), _iq4_values(h, _nibbles(h, 8 + 16 * j))) for j in range(8)]
 
@@ -331,144 +333,38 @@ def o_arg(h):
     return h.ptrs[2]
 
 
-@intrinsic
-def dot_q4_k(typingctx, acc, b, o, x, xo, d, dmin):
-    return _dot(types.void(acc, b, o, x, xo, d, dmin), _w_q4_k, 2)
+def _block_intrinsics(gen, qtype):
+    """(dot, store) intrinsics of the unpacker `gen` of format `qtype`, taking its row's f32 block scales (none
+    for F16/BF16, d, or d and dmin / m: kernels/formats.py): dot(acc, b, o, x, xo, *scales) as _dot,
+    store(y, b, o, yo, *scales) as _store."""
+    fmt = BY_QTYPE[qtype]
+    n = 0 if not fmt.quantized else 1 if fmt.dmin_at < 0 else 2
+    if n == 2:
+        def dot(typingctx, acc, b, o, x, xo, d, m): return _dot(types.void(acc, b, o, x, xo, d, m), gen, 2)
+        def store(typingctx, y, b, o, yo, d, m): return _store(types.void(y, b, o, yo, d, m), gen, 2)
+    elif n == 1:
+        def dot(typingctx, acc, b, o, x, xo, d): return _dot(types.void(acc, b, o, x, xo, d), gen, 1)
+        def store(typingctx, y, b, o, yo, d): return _store(types.void(y, b, o, yo, d), gen, 1)
+    else:
+        def dot(typingctx, acc, b, o, x, xo): return _dot(types.void(acc, b, o, x, xo), gen, 0)
+        def store(typingctx, y, b, o, yo): return _store(types.void(y, b, o, yo), gen, 0)
+    return intrinsic(dot), intrinsic(store)
 
 
-@intrinsic
-def dot_q5_k(typingctx, acc, b, o, x, xo, d, dmin):
-    return _dot(types.void(acc, b, o, x, xo, d, dmin), _w_q5_k, 2)
-
-
-@intrinsic
-def dot_q6_k(typingctx, acc, b, o, x, xo, d):
-    return _dot(types.void(acc, b, o, x, xo, d), _w_q6_k, 1)
-
-
-@intrinsic
-def dot_q8_0(typingctx, acc, b, o, x, xo, d):
-    return _dot(types.void(acc, b, o, x, xo, d), _w_q8_0, 1)
-
-
-@intrinsic
-def dot_q4_0(typingctx, acc, b, o, x, xo, d):
-    return _dot(types.void(acc, b, o, x, xo, d), _w_q4_0, 1)
-
-
-@intrinsic
-def dot_q4_1(typingctx, acc, b, o, x, xo, d, m):
-    return _dot(types.void(acc, b, o, x, xo, d, m), _w_q4_1, 2)
-
-
-@intrinsic
-def dot_q5_0(typingctx, acc, b, o, x, xo, d):
-    return _dot(types.void(acc, b, o, x, xo, d), _w_q5_0, 1)
-
-
-@intrinsic
-def dot_q5_1(typingctx, acc, b, o, x, xo, d, m):
-    return _dot(types.void(acc, b, o, x, xo, d, m), _w_q5_1, 2)
-
-
-@intrinsic
-def dot_q2_k(typingctx, acc, b, o, x, xo, d, dmin):
-    return _dot(types.void(acc, b, o, x, xo, d, dmin), _w_q2_k, 2)
-
-
-@intrinsic
-def dot_q3_k(typingctx, acc, b, o, x, xo, d):
-    return _dot(types.void(acc, b, o, x, xo, d), _w_q3_k, 1)
-
-
-@intrinsic
-def dot_iq4_nl(typingctx, acc, b, o, x, xo, d):
-    return _dot(types.void(acc, b, o, x, xo, d), _w_iq4_nl, 1)
-
-
-@intrinsic
-def dot_iq4_xs(typingctx, acc, b, o, x, xo, d):
-    return _dot(types.void(acc, b, o, x, xo, d), _w_iq4_xs, 1)
-
-
-@intrinsic
-def dot_f16(typingctx, acc, b, o, x, xo):
-    return _dot(types.void(acc, b, o, x, xo), _w_f16, 0)
-
-
-@intrinsic
-def dot_bf16(typingctx, acc, b, o, x, xo):
-    return _dot(types.void(acc, b, o, x, xo), _w_bf16, 0)
-
-
-@intrinsic
-def store_f16(typingctx, y, b, o, yo):
-    return _store(types.void(y, b, o, yo), _w_f16, 0)
-
-
-@intrinsic
-def store_bf16(typingctx, y, b, o, yo):
-    return _store(types.void(y, b, o, yo), _w_bf16, 0)
-
-
-@intrinsic
-def store_q4_k(typingctx, y, b, o, yo, d, dmin):
-    return _store(types.void(y, b, o, yo, d, dmin), _w_q4_k, 2)
-
-
-@intrinsic
-def store_q5_k(typingctx, y, b, o, yo, d, dmin):
-    return _store(types.void(y, b, o, yo, d, dmin), _w_q5_k, 2)
-
-
-@intrinsic
-def store_q6_k(typingctx, y, b, o, yo, d):
-    return _store(types.void(y, b, o, yo, d), _w_q6_k, 1)
-
-
-@intrinsic
-def store_q8_0(typingctx, y, b, o, yo, d):
-    return _store(types.void(y, b, o, yo, d), _w_q8_0, 1)
-
-
-@intrinsic
-def store_q4_0(typingctx, y, b, o, yo, d):
-    return _store(types.void(y, b, o, yo, d), _w_q4_0, 1)
-
-
-@intrinsic
-def store_q4_1(typingctx, y, b, o, yo, d, m):
-    return _store(types.void(y, b, o, yo, d, m), _w_q4_1, 2)
-
-
-@intrinsic
-def store_q5_0(typingctx, y, b, o, yo, d):
-    return _store(types.void(y, b, o, yo, d), _w_q5_0, 1)
-
-
-@intrinsic
-def store_q5_1(typingctx, y, b, o, yo, d, m):
-    return _store(types.void(y, b, o, yo, d, m), _w_q5_1, 2)
-
-
-@intrinsic
-def store_q2_k(typingctx, y, b, o, yo, d, dmin):
-    return _store(types.void(y, b, o, yo, d, dmin), _w_q2_k, 2)
-
-
-@intrinsic
-def store_q3_k(typingctx, y, b, o, yo, d):
-    return _store(types.void(y, b, o, yo, d), _w_q3_k, 1)
-
-
-@intrinsic
-def store_iq4_nl(typingctx, y, b, o, yo, d):
-    return _store(types.void(y, b, o, yo, d), _w_iq4_nl, 1)
-
-
-@intrinsic
-def store_iq4_xs(typingctx, y, b, o, yo, d):
-    return _store(types.void(y, b, o, yo, d), _w_iq4_xs, 1)
+dot_q4_k, store_q4_k = _block_intrinsics(_w_q4_k, Q4_K)
+dot_q5_k, store_q5_k = _block_intrinsics(_w_q5_k, Q5_K)
+dot_q6_k, store_q6_k = _block_intrinsics(_w_q6_k, Q6_K)
+dot_q8_0, store_q8_0 = _block_intrinsics(_w_q8_0, Q8_0)
+dot_q4_0, store_q4_0 = _block_intrinsics(_w_q4_0, Q4_0)
+dot_q4_1, store_q4_1 = _block_intrinsics(_w_q4_1, Q4_1)
+dot_q5_0, store_q5_0 = _block_intrinsics(_w_q5_0, Q5_0)
+dot_q5_1, store_q5_1 = _block_intrinsics(_w_q5_1, Q5_1)
+dot_q2_k, store_q2_k = _block_intrinsics(_w_q2_k, Q2_K)
+dot_q3_k, store_q3_k = _block_intrinsics(_w_q3_k, Q3_K)
+dot_iq4_nl, store_iq4_nl = _block_intrinsics(_w_iq4_nl, IQ4_NL)
+dot_iq4_xs, store_iq4_xs = _block_intrinsics(_w_iq4_xs, IQ4_XS)
+dot_f16, store_f16 = _block_intrinsics(_w_f16, F16)
+dot_bf16, store_bf16 = _block_intrinsics(_w_bf16, BF16)
 
 
 @intrinsic
@@ -644,7 +540,7 @@ def idot_q4_k(typingctx, acc, b, o, q, qo, d, accm, sums, so, dmin):
     and accm[0:4] = fma(dmin, pairs(min_j * sum(q8_j)), accm), sums = the Q8_K block's 32-element sums at so."""
     def codegen(context, builder, signature, args):
         h = _IR(context, builder, signature, args)
-        h.prefetch_block(144)
+        h.prefetch_block(BY_QTYPE[Q4_K].block_bytes)
         s, m = _k4_scale_bytes(h)
         total = None
         for j in range(8):
@@ -670,7 +566,7 @@ def idot_q6_k(typingctx, acc, b, o, q, qo, d, bsums, so):
     the lanes are llama.cpp's, not those of (q6 - 32) . q8."""
     def codegen(context, builder, signature, args):
         h = _IR(context, builder, signature, args)
-        h.prefetch_block(210)
+        h.prefetch_block(BY_QTYPE[Q6_K].block_bytes)
         scales = h.vload(1, o_arg(h), ir.VectorType(_I8, 16), 192)
         total = None
         for j in range(8):
@@ -703,7 +599,7 @@ def idot_q5_k(typingctx, acc, b, o, q, qo, d, accm, sums, so, dmin):
     of the qh bytes), but the mins go to one scalar, accm[0] = fma(dmin, sum_j min_j * sum(q8_j), accm[0])."""
     def codegen(context, builder, signature, args):
         h = _IR(context, builder, signature, args)
-        h.prefetch_block(176)
+        h.prefetch_block(BY_QTYPE[Q5_K].block_bytes)
         s, m = _k4_scale_bytes(h)
         qh = h.vload(1, o_arg(h), _VB, 16)
         total = None
@@ -759,7 +655,7 @@ def idot_iq4_xs(typingctx, acc, b, o, q, qo, d):
     acc), one 6-bit scale per 32 weights."""
     def codegen(context, builder, signature, args):
         h = _IR(context, builder, signature, args)
-        h.prefetch_block(136)
+        h.prefetch_block(BY_QTYPE[IQ4_XS].block_bytes)
         s = _iq4_xs_scale_bytes(h)
         total = None
         for j in range(8):
@@ -785,7 +681,7 @@ def idot_q3_k(typingctx, acc, b, o, q, qo, d):
     exact i16)."""
     def codegen(context, builder, signature, args):
         h = _IR(context, builder, signature, args)
-        h.prefetch_block(110)
+        h.prefetch_block(BY_QTYPE[Q3_K].block_bytes)
         scales = _q3_k_scale_bytes(h)
         hmask = h.vload(1, o_arg(h), _VB, 0)
         total = None
@@ -805,7 +701,7 @@ def idot_q2_k(typingctx, acc, b, o, q, qo, d, bsums, so, dmin):
     fma(d, lanes(sum_g s_g * q2 . q8), acc); scale s_g and min m_g the nibbles of byte g at o."""
     def codegen(context, builder, signature, args):
         h = _IR(context, builder, signature, args)
-        h.prefetch_block(84)
+        h.prefetch_block(BY_QTYPE[Q2_K].block_bytes)
         sc = h.vload(1, o_arg(h), ir.VectorType(_I8, 16), 0)
         prod = h.b.mul(h.b.zext(h.bits(sc, 4, 0xF), _V16I), h.vload(6, h.ptrs[7], _V16I))
         _fma_into(h, 0, h.ptrs[8], _fold_lanes(h, prod))

@@ -14,180 +14,104 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .dequant import (BF16, F16, HALF_TO_FLOAT, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K,
-                      Q6_K, Q8_0, _half)
+from .dequant import HALF_TO_FLOAT, _half
+from .formats import GEOMETRY, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, kernels
 from .qblocks import (LANES, _lane_sum, dot_bf16, dot_f16, dot_iq4_nl, dot_iq4_xs, dot_q2_k, dot_q3_k, dot_q4_0,
                       dot_q4_1, dot_q4_k, dot_q5_0, dot_q5_1, dot_q5_k, dot_q6_k, dot_q8_0)
 
 
-@njit(cache=True, nogil=True)
-def _mv_q4_k(raw, x, out, lut, r0, r1):
-    """Rows r0..r1: raw uint8 [n_rows, row_bytes] Q4_K, x f32 [m, n_cols] -> out f32 [m, n_rows]."""
+# Each format's driver is a module-level function (numba caches it by name) around one of two inlined loops:
+# blocks with one fp16 scale (d) or two (d and dmin / m), at the offsets of its kernels/formats.py row.
+@njit(inline="always")
+def _rows_d(dot, raw, x, out, lut, r0, r1, geometry):
+    """Rows r0..r1: raw uint8 [n_rows, row_bytes], x f32 [m, n_cols] -> out f32 [m, n_rows]."""
+    block, size, d_at, _ = geometry
     acc = np.empty(LANES, np.float32)
     for r in range(r0, r1):
         b = raw[r]
         for i in range(x.shape[0]):
             xi = x[i]
             acc[:] = 0.0
-            for blk in range(xi.shape[0] // 256):
-                o = blk * 144
-                dot_q4_k(acc, b, o, xi, blk * 256, _half(lut, b, o), _half(lut, b, o + 2))
+            for blk in range(xi.shape[0] // block):
+                o = blk * size
+                dot(acc, b, o, xi, blk * block, _half(lut, b, o + d_at))
             out[i, r] = _lane_sum(acc)
+
+
+@njit(inline="always")
+def _rows_dm(dot, raw, x, out, lut, r0, r1, geometry):
+    """As _rows_d for blocks with a second fp16 (dmin, or Q4_1/Q5_1's m)."""
+    block, size, d_at, m_at = geometry
+    acc = np.empty(LANES, np.float32)
+    for r in range(r0, r1):
+        b = raw[r]
+        for i in range(x.shape[0]):
+            xi = x[i]
+            acc[:] = 0.0
+            for blk in range(xi.shape[0] // block):
+                o = blk * size
+                dot(acc, b, o, xi, blk * block, _half(lut, b, o + d_at), _half(lut, b, o + m_at))
+            out[i, r] = _lane_sum(acc)
+
+
+@njit(cache=True, nogil=True)
+def _mv_q4_k(raw, x, out, lut, r0, r1):
+    _rows_dm(dot_q4_k, raw, x, out, lut, r0, r1, GEOMETRY[Q4_K])
 
 
 @njit(cache=True, nogil=True)
 def _mv_q5_k(raw, x, out, lut, r0, r1):
-    """Rows r0..r1: raw uint8 [n_rows, row_bytes] Q5_K, x f32 [m, n_cols] -> out f32 [m, n_rows]."""
-    acc = np.empty(LANES, np.float32)
-    for r in range(r0, r1):
-        b = raw[r]
-        for i in range(x.shape[0]):
-            xi = x[i]
-            acc[:] = 0.0
-            for blk in range(xi.shape[0] // 256):
-                o = blk * 176
-                dot_q5_k(acc, b, o, xi, blk * 256, _half(lut, b, o), _half(lut, b, o + 2))
-            out[i, r] = _lane_sum(acc)
+    _rows_dm(dot_q5_k, raw, x, out, lut, r0, r1, GEOMETRY[Q5_K])
 
 
 @njit(cache=True, nogil=True)
 def _mv_q6_k(raw, x, out, lut, r0, r1):
-    """Rows r0..r1: raw uint8 [n_rows, row_bytes] Q6_K, x f32 [m, n_cols] -> out f32 [m, n_rows]."""
-    acc = np.empty(LANES, np.float32)
-    for r in range(r0, r1):
-        b = raw[r]
-        for i in range(x.shape[0]):
-            xi = x[i]
-            acc[:] = 0.0
-            for blk in range(xi.shape[0] // 256):
-                dot_q6_k(acc, b, blk * 210, xi, blk * 256, _half(lut, b, blk * 210 + 208))
-            out[i, r] = _lane_sum(acc)
+    _rows_d(dot_q6_k, raw, x, out, lut, r0, r1, GEOMETRY[Q6_K])
 
 
 @njit(cache=True, nogil=True)
 def _mv_q8_0(raw, x, out, lut, r0, r1):
-    """Rows r0..r1: raw uint8 [n_rows, row_bytes] Q8_0, x f32 [m, n_cols] -> out f32 [m, n_rows]."""
-    acc = np.empty(LANES, np.float32)
-    for r in range(r0, r1):
-        b = raw[r]
-        for i in range(x.shape[0]):
-            xi = x[i]
-            acc[:] = 0.0
-            for blk in range(xi.shape[0] // 32):
-                dot_q8_0(acc, b, blk * 34, xi, blk * 32, _half(lut, b, blk * 34))
-            out[i, r] = _lane_sum(acc)
+    _rows_d(dot_q8_0, raw, x, out, lut, r0, r1, GEOMETRY[Q8_0])
 
 
 @njit(cache=True, nogil=True)
 def _mv_q4_0(raw, x, out, lut, r0, r1):
-    """Rows r0..r1: raw uint8 [n_rows, row_bytes] Q4_0, x f32 [m, n_cols] -> out f32 [m, n_rows]."""
-    acc = np.empty(LANES, np.float32)
-    for r in range(r0, r1):
-        b = raw[r]
-        for i in range(x.shape[0]):
-            xi = x[i]
-            acc[:] = 0.0
-            for blk in range(xi.shape[0] // 32):
-                dot_q4_0(acc, b, blk * 18, xi, blk * 32, _half(lut, b, blk * 18))
-            out[i, r] = _lane_sum(acc)
+    _rows_d(dot_q4_0, raw, x, out, lut, r0, r1, GEOMETRY[Q4_0])
 
 
 @njit(cache=True, nogil=True)
 def _mv_q4_1(raw, x, out, lut, r0, r1):
-    """Rows r0..r1: raw uint8 [n_rows, row_bytes] Q4_1, x f32 [m, n_cols] -> out f32 [m, n_rows]."""
-    acc = np.empty(LANES, np.float32)
-    for r in range(r0, r1):
-        b = raw[r]
-        for i in range(x.shape[0]):
-            xi = x[i]
-            acc[:] = 0.0
-            for blk in range(xi.shape[0] // 32):
-                dot_q4_1(acc, b, blk * 20, xi, blk * 32, _half(lut, b, blk * 20), _half(lut, b, blk * 20 + 2))
-            out[i, r] = _lane_sum(acc)
+    _rows_dm(dot_q4_1, raw, x, out, lut, r0, r1, GEOMETRY[Q4_1])
 
 
 @njit(cache=True, nogil=True)
 def _mv_q5_0(raw, x, out, lut, r0, r1):
-    """Rows r0..r1: raw uint8 [n_rows, row_bytes] Q5_0, x f32 [m, n_cols] -> out f32 [m, n_rows]."""
-    acc = np.empty(LANES, np.float32)
-    for r in range(r0, r1):
-        b = raw[r]
-        for i in range(x.shape[0]):
-            xi = x[i]
-            acc[:] = 0.0
-            for blk in range(xi.shape[0] // 32):
-                dot_q5_0(acc, b, blk * 22, xi, blk * 32, _half(lut, b, blk * 22))
-            out[i, r] = _lane_sum(acc)
+    _rows_d(dot_q5_0, raw, x, out, lut, r0, r1, GEOMETRY[Q5_0])
 
 
 @njit(cache=True, nogil=True)
 def _mv_q5_1(raw, x, out, lut, r0, r1):
-    """Rows r0..r1: raw uint8 [n_rows, row_bytes] Q5_1, x f32 [m, n_cols] -> out f32 [m, n_rows]."""
-    acc = np.empty(LANES, np.float32)
-    for r in range(r0, r1):
-        b = raw[r]
-        for i in range(x.shape[0]):
-            xi = x[i]
-            acc[:] = 0.0
-            for blk in range(xi.shape[0] // 32):
-                dot_q5_1(acc, b, blk * 24, xi, blk * 32, _half(lut, b, blk * 24), _half(lut, b, blk * 24 + 2))
-            out[i, r] = _lane_sum(acc)
+    _rows_dm(dot_q5_1, raw, x, out, lut, r0, r1, GEOMETRY[Q5_1])
 
 
 @njit(cache=True, nogil=True)
 def _mv_iq4_nl(raw, x, out, lut, r0, r1):
-    """Rows r0..r1: raw uint8 [n_rows, row_bytes] IQ4_NL, x f32 [m, n_cols] -> out f32 [m, n_rows]."""
-    acc = np.empty(LANES, np.float32)
-    for r in range(r0, r1):
-        b = raw[r]
-        for i in range(x.shape[0]):
-            xi = x[i]
-            acc[:] = 0.0
-            for blk in range(xi.shape[0] // 32):
-                dot_iq4_nl(acc, b, blk * 18, xi, blk * 32, _half(lut, b, blk * 18))
-            out[i, r] = _lane_sum(acc)
+    _rows_d(dot_iq4_nl, raw, x, out, lut, r0, r1, GEOMETRY[IQ4_NL])
 
 
 @njit(cache=True, nogil=True)
 def _mv_q2_k(raw, x, out, lut, r0, r1):
-    """Rows r0..r1: raw uint8 [n_rows, row_bytes] Q2_K, x f32 [m, n_cols] -> out f32 [m, n_rows]."""
-    acc = np.empty(LANES, np.float32)
-    for r in range(r0, r1):
-        b = raw[r]
-        for i in range(x.shape[0]):
-            xi = x[i]
-            acc[:] = 0.0
-            for blk in range(xi.shape[0] // 256):
-                dot_q2_k(acc, b, blk * 84, xi, blk * 256, _half(lut, b, blk * 84 + 80), _half(lut, b, blk * 84 + 82))
-            out[i, r] = _lane_sum(acc)
+    _rows_dm(dot_q2_k, raw, x, out, lut, r0, r1, GEOMETRY[Q2_K])
 
 
 @njit(cache=True, nogil=True)
 def _mv_q3_k(raw, x, out, lut, r0, r1):
-    """Rows r0..r1: raw uint8 [n_rows, row_bytes] Q3_K, x f32 [m, n_cols] -> out f32 [m, n_rows]."""
-    acc = np.empty(LANES, np.float32)
-    for r in range(r0, r1):
-        b = raw[r]
-        for i in range(x.shape[0]):
-            xi = x[i]
-            acc[:] = 0.0
-            for blk in range(xi.shape[0] // 256):
-                dot_q3_k(acc, b, blk * 110, xi, blk * 256, _half(lut, b, blk * 110 + 108))
-            out[i, r] = _lane_sum(acc)
+    _rows_d(dot_q3_k, raw, x, out, lut, r0, r1, GEOMETRY[Q3_K])
 
 
 @njit(cache=True, nogil=True)
 def _mv_iq4_xs(raw, x, out, lut, r0, r1):
-    """Rows r0..r1: raw uint8 [n_rows, row_bytes] IQ4_XS, x f32 [m, n_cols] -> out f32 [m, n_rows]."""
-    acc = np.empty(LANES, np.float32)
-    for r in range(r0, r1):
-        b = raw[r]
-        for i in range(x.shape[0]):
-            xi = x[i]
-            acc[:] = 0.0
-            for blk in range(xi.shape[0] // 256):
-                dot_iq4_xs(acc, b, blk * 136, xi, blk * 256, _half(lut, b, blk * 136))
-            out[i, r] = _lane_sum(acc)
+    _rows_d(dot_iq4_xs, raw, x, out, lut, r0, r1, GEOMETRY[IQ4_XS])
 
 
 @njit(cache=True, nogil=True)
@@ -230,9 +154,7 @@ def _mv_bf16(raw, x, out, lut, r0, r1):
             out[i, r] = total
 
 
-MATVEC = {Q4_0: _mv_q4_0, Q4_1: _mv_q4_1, Q5_0: _mv_q5_0, Q5_1: _mv_q5_1, Q8_0: _mv_q8_0, IQ4_NL: _mv_iq4_nl,
-          Q2_K: _mv_q2_k, Q3_K: _mv_q3_k, Q4_K: _mv_q4_k, Q5_K: _mv_q5_k, Q6_K: _mv_q6_k, IQ4_XS: _mv_iq4_xs,
-          F16: _mv_f16, BF16: _mv_bf16}
+MATVEC = kernels("dot", globals())  # qtype -> its driver, by the kernels/formats.py row
 
 
 def matvec_range(qtype: int, raw: np.ndarray, x: np.ndarray, out: np.ndarray, r0: int, r1: int):

@@ -22,8 +22,9 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, njit
 
-from .dequant import (HALF_TO_FLOAT, IQ4_NL, IQ4_XS, MATVEC_PIECES_PER_THREAD, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0,
-                      Q5_1, Q5_K, Q6_K, Q8_0, ROW_CHUNK, _check, _half)
+from .dequant import HALF_TO_FLOAT, MATVEC_PIECES_PER_THREAD, ROW_CHUNK, _check, _half
+from .formats import (FORMATS, GEOMETRY, IQ4_NL, IQ4_XS, PARTNER_BLOCK, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K,  # noqa: F401
+                      Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, Q8_0_PARTNER, Q8_1_PARTNER, Q8_K_PARTNER, kernels)
 from .optim import fma
 from .quantize import _f16_bits_to_f32, _f32_to_f16_bits
 from .qblocks import (IQ4_VALUES, idot_iq4_nl, idot_iq4_xs, idot_q2_k, idot_q3_k, idot_q4_0, idot_q4_1, idot_q4_k,
@@ -31,20 +32,13 @@ from .qblocks import (IQ4_VALUES, idot_iq4_nl, idot_iq4_xs, idot_q2_k, idot_q3_k
 from .handoff import NativeJob, atomic_add, f32_pointer, i8_pointer, i32_pointer, i64_pointer, u8_pointer
 from .workpool import run_native, split_range, threads as pool_threads
 
-Q8_0_PARTNER, Q8_1_PARTNER, Q8_K_PARTNER = "Q8_0", "Q8_1", "Q8_K"
-# weight format -> the activation blocks llama.cpp pairs it with (its vec_dot_type)
-PARTNER = {Q8_0: Q8_0_PARTNER, Q4_0: Q8_0_PARTNER, Q5_0: Q8_0_PARTNER, IQ4_NL: Q8_0_PARTNER,
-           Q4_1: Q8_1_PARTNER, Q5_1: Q8_1_PARTNER,
-           Q2_K: Q8_K_PARTNER, Q3_K: Q8_K_PARTNER, Q4_K: Q8_K_PARTNER, Q5_K: Q8_K_PARTNER, Q6_K: Q8_K_PARTNER,
-           IQ4_XS: Q8_K_PARTNER}
-PARTNER_BLOCK = {Q8_0_PARTNER: 32, Q8_1_PARTNER: 32, Q8_K_PARTNER: 256}
+# weight format -> the activation blocks llama.cpp pairs it with (its vec_dot_type), from kernels/formats.py
+PARTNER = {f.qtype: f.partner for f in FORMATS if f.partner}
 # What a product quantizes x into, as bits of one mask: Q8_0 blocks (Q8_1's q and d are Q8_0's), Q8_1's fp16
 # block sums on top, Q8_K blocks with their 32-element sums, and Q8_K's 16-element sums (bsums: Q2_K, Q6_K)
 USE_Q8_0, USE_Q8_1_SUMS, USE_Q8_K, USE_Q8_K_BSUMS = 1, 2, 4, 8
-NEEDS = {qtype: {Q8_0_PARTNER: USE_Q8_0, Q8_1_PARTNER: USE_Q8_0 | USE_Q8_1_SUMS, Q8_K_PARTNER: USE_Q8_K}[partner]
-         for qtype, partner in PARTNER.items()}
-NEEDS[Q2_K] |= USE_Q8_K_BSUMS
-NEEDS[Q6_K] |= USE_Q8_K_BSUMS
+NEEDS = {f.qtype: {Q8_0_PARTNER: USE_Q8_0, Q8_1_PARTNER: USE_Q8_0 | USE_Q8_1_SUMS, Q8_K_PARTNER: USE_Q8_K}[f.partner]
+         | (USE_Q8_K_BSUMS if f.bsums else 0) for f in FORMATS if f.partner}
 QUANTIZE_SPLIT = 1 << 16  # activations below this many elements are quantized on the calling thread
 
 
@@ -175,129 +169,145 @@ def _hsum8(a):
     return (r0 + r2) + (r1 + r3)
 
 
-@njit(cache=True, nogil=True)
-def _mm_q8_0(raw, q, d, sums, out, lut, r0, r1):
-    """Rows r0..r1 of Q8_0 raw [n_rows, row_bytes] against Q8_0 activations q/d -> out f32 [m, n_rows]."""
+# The row kernels: each format's driver is a module-level function (numba caches it by name); the formats whose
+# block dot takes one f32 scale, or Q8_1's scale and min, share an inlined loop, at the offsets of the format's
+# kernels/formats.py row (GEOMETRY).
+@njit(inline="always")
+def _rows_scaled(idot, raw, q, d, out, lut, r0, r1, geometry, weight_first):
+    """Rows r0..r1 of raw [n_rows, row_bytes] against activations q/d -> out f32 [m, n_rows]: per block one
+    idot with the scale weight d * activation d (weight_first: in that operand order, else the other)."""
+    block, size, d_at, _ = geometry
     acc = np.empty(8, np.float32)
     for r in range(r0, r1):
         b = raw[r]
         for i in range(q.shape[0]):
             qi, di = q[i], d[i]
             acc[:] = 0.0
-            for blk in range(qi.shape[0] // 32):
-                idot_q8_0(acc, b, blk * 34, qi, blk * 32, _half(lut, b, blk * 34) * di[blk])
+            for blk in range(qi.shape[0] // block):
+                o = blk * size
+                if weight_first:
+                    idot(acc, b, o, qi, blk * block, _half(lut, b, o + d_at) * di[blk])
+                else:
+                    idot(acc, b, o, qi, blk * block, di[blk] * _half(lut, b, o + d_at))
             out[i, r] = _hsum8(acc)
+
+
+@njit(inline="always")
+def _rows_q8_1(idot, raw, q, d, s, out, lut, r0, r1, geometry):
+    """Rows r0..r1 of Q4_1/Q5_1 raw against Q8_1 activations q/d/s: the scaled sums in 8 lanes, the mins times
+    the activations' fp16 sums in one f32 (summs, a fused multiply-add per block as llama.cpp's compiled code)."""
+    block, size, d_at, m_at = geometry
+    acc = np.empty(8, np.float32)
+    for r in range(r0, r1):
+        b = raw[r]
+        for i in range(q.shape[0]):
+            qi, di, si = q[i], d[i], s[i]
+            acc[:] = 0.0
+            summs = np.float32(0.0)
+            for blk in range(qi.shape[0] // block):
+                o = blk * size
+                idot(acc, b, o, qi, blk * block, _half(lut, b, o + d_at) * di[blk])
+                summs = fma(_half(lut, b, o + m_at), si[blk], summs)
+            out[i, r] = _hsum8(acc) + summs
+
+
+@njit(cache=True, nogil=True)
+def _mm_q8_0(raw, q, d, sums, out, lut, r0, r1):
+    """Rows r0..r1 of Q8_0 raw [n_rows, row_bytes] against Q8_0 activations q/d -> out f32 [m, n_rows]."""
+    _rows_scaled(idot_q8_0, raw, q, d, out, lut, r0, r1, GEOMETRY[Q8_0], True)
 
 
 @njit(cache=True, nogil=True)
 def _mm_q4_0(raw, q, d, sums, out, lut, r0, r1):
-    """As _mm_q8_0 for Q4_0 weights."""
-    acc = np.empty(8, np.float32)
-    for r in range(r0, r1):
-        b = raw[r]
-        for i in range(q.shape[0]):
-            qi, di = q[i], d[i]
-            acc[:] = 0.0
-            for blk in range(qi.shape[0] // 32):
-                idot_q4_0(acc, b, blk * 18, qi, blk * 32, _half(lut, b, blk * 18) * di[blk])
-            out[i, r] = _hsum8(acc)
+    _rows_scaled(idot_q4_0, raw, q, d, out, lut, r0, r1, GEOMETRY[Q4_0], True)
 
 
 @njit(cache=True, nogil=True)
 def _mm_q5_0(raw, q, d, sums, out, lut, r0, r1):
-    """As _mm_q8_0 for Q5_0 weights."""
-    acc = np.empty(8, np.float32)
-    for r in range(r0, r1):
-        b = raw[r]
-        for i in range(q.shape[0]):
-            qi, di = q[i], d[i]
-            acc[:] = 0.0
-            for blk in range(qi.shape[0] // 32):
-                idot_q5_0(acc, b, blk * 22, qi, blk * 32, _half(lut, b, blk * 22) * di[blk])
-            out[i, r] = _hsum8(acc)
+    _rows_scaled(idot_q5_0, raw, q, d, out, lut, r0, r1, GEOMETRY[Q5_0], True)
 
 
 @njit(cache=True, nogil=True)
-def _mm_q4_k(raw, q, d, sums, out, lut, r0, r1):
-    """Rows r0..r1 of Q4_K raw against Q8_K activations: the scaled sums in 8 lanes, the mins in 4, as llama.cpp."""
+def _mm_iq4_xs(raw, q, d, sums, out, lut, r0, r1):
+    """Against Q8_K activations."""
+    _rows_scaled(idot_iq4_xs, raw, q, d, out, lut, r0, r1, GEOMETRY[IQ4_XS], True)
+
+
+@njit(cache=True, nogil=True)
+def _mm_q3_k(raw, q, d, sums, out, lut, r0, r1):
+    """Against Q8_K activations (the scale as activation d * weight d)."""
+    _rows_scaled(idot_q3_k, raw, q, d, out, lut, r0, r1, GEOMETRY[Q3_K], False)
+
+
+@njit(cache=True, nogil=True)
+def _mm_q4_1(raw, q, d, s, out, lut, r0, r1):
+    _rows_q8_1(idot_q4_1, raw, q, d, s, out, lut, r0, r1, GEOMETRY[Q4_1])
+
+
+@njit(cache=True, nogil=True)
+def _mm_q5_1(raw, q, d, s, out, lut, r0, r1):
+    _rows_q8_1(idot_q5_1, raw, q, d, s, out, lut, r0, r1, GEOMETRY[Q5_1])
+
+
+_Q6_K, _Q2_K, _IQ4_NL = (GEOMETRY[q] for q in (Q6_K, Q2_K, IQ4_NL))
+
+
+@njit(inline="always")
+def _mins4(accm):
+    """Q4_K's mins: 4 lanes, added as llama.cpp does."""
+    return (accm[0] + accm[2]) + (accm[1] + accm[3])
+
+
+@njit(inline="always")
+def _mins1(accm):
+    """Q5_K's mins: one f32."""
+    return accm[0]
+
+
+@njit(inline="always")
+def _rows_k(idot, mins, accm_size, raw, q, d, sums, out, lut, r0, r1, geometry):
+    """Rows r0..r1 of Q4_K/Q5_K raw against Q8_K activations: the scaled sums in 8 lanes, the mins in accm_size
+    f32 lanes, as llama.cpp (its mins(accm) added after the lanes' hsum_float_8)."""
+    block, size, d_at, m_at = geometry
     acc = np.empty(8, np.float32)
-    accm = np.empty(4, np.float32)
+    accm = np.empty(accm_size, np.float32)
     for r in range(r0, r1):
         b = raw[r]
         for i in range(q.shape[0]):
             qi, di, si = q[i], d[i], sums[i]
             acc[:] = 0.0
             accm[:] = 0.0
-            for blk in range(qi.shape[0] // 256):
-                o = blk * 144
-                idot_q4_k(acc, b, o, qi, blk * 256, di[blk] * _half(lut, b, o), accm, si, blk * 8,
-                          -di[blk] * _half(lut, b, o + 2))
-            out[i, r] = _hsum8(acc) + ((accm[0] + accm[2]) + (accm[1] + accm[3]))
+            for blk in range(qi.shape[0] // block):
+                o = blk * size
+                idot(acc, b, o, qi, blk * block, di[blk] * _half(lut, b, o + d_at), accm, si, blk * 8,
+                     -di[blk] * _half(lut, b, o + m_at))
+            out[i, r] = _hsum8(acc) + mins(accm)
+
+
+@njit(cache=True, nogil=True)
+def _mm_q4_k(raw, q, d, sums, out, lut, r0, r1):
+    _rows_k(idot_q4_k, _mins4, 4, raw, q, d, sums, out, lut, r0, r1, GEOMETRY[Q4_K])
 
 
 @njit(cache=True, nogil=True)
 def _mm_q5_k(raw, q, d, sums, out, lut, r0, r1):
-    """Rows r0..r1 of Q5_K raw against Q8_K activations: the scaled sums in 8 lanes, the mins in one f32."""
-    acc = np.empty(8, np.float32)
-    accm = np.empty(1, np.float32)
-    for r in range(r0, r1):
-        b = raw[r]
-        for i in range(q.shape[0]):
-            qi, di, si = q[i], d[i], sums[i]
-            acc[:] = 0.0
-            accm[0] = 0.0
-            for blk in range(qi.shape[0] // 256):
-                o = blk * 176
-                idot_q5_k(acc, b, o, qi, blk * 256, di[blk] * _half(lut, b, o), accm, si, blk * 8,
-                          -di[blk] * _half(lut, b, o + 2))
-            out[i, r] = _hsum8(acc) + accm[0]
+    _rows_k(idot_q5_k, _mins1, 1, raw, q, d, sums, out, lut, r0, r1, GEOMETRY[Q5_K])
 
 
 @njit(cache=True, nogil=True)
 def _mm_q6_k(raw, q, d, bsums, out, lut, r0, r1):
     """Rows r0..r1 of Q6_K raw against Q8_K activations and their 16-element sums (the -32 offset's)."""
+    block, size, d_at, _ = _Q6_K
     acc = np.empty(8, np.float32)
     for r in range(r0, r1):
         b = raw[r]
         for i in range(q.shape[0]):
             qi, di, si = q[i], d[i], bsums[i]
             acc[:] = 0.0
-            for blk in range(qi.shape[0] // 256):
-                idot_q6_k(acc, b, blk * 210, qi, blk * 256, di[blk] * _half(lut, b, blk * 210 + 208), si, blk * 16)
+            for blk in range(qi.shape[0] // block):
+                o = blk * size
+                idot_q6_k(acc, b, o, qi, blk * block, di[blk] * _half(lut, b, o + d_at), si, blk * 16)
             out[i, r] = _hsum8(acc)
-
-
-@njit(cache=True, nogil=True)
-def _mm_q4_1(raw, q, d, s, out, lut, r0, r1):
-    """Rows r0..r1 of Q4_1 raw against Q8_1 activations q/d/s: the scaled sums in 8 lanes, the mins times the
-    activations' fp16 sums in one f32 (summs, a fused multiply-add per block as llama.cpp's compiled code)."""
-    acc = np.empty(8, np.float32)
-    for r in range(r0, r1):
-        b = raw[r]
-        for i in range(q.shape[0]):
-            qi, di, si = q[i], d[i], s[i]
-            acc[:] = 0.0
-            summs = np.float32(0.0)
-            for blk in range(qi.shape[0] // 32):
-                idot_q4_1(acc, b, blk * 20, qi, blk * 32, _half(lut, b, blk * 20) * di[blk])
-                summs = fma(_half(lut, b, blk * 20 + 2), si[blk], summs)
-            out[i, r] = _hsum8(acc) + summs
-
-
-@njit(cache=True, nogil=True)
-def _mm_q5_1(raw, q, d, s, out, lut, r0, r1):
-    """As _mm_q4_1 for Q5_1 weights."""
-    acc = np.empty(8, np.float32)
-    for r in range(r0, r1):
-        b = raw[r]
-        for i in range(q.shape[0]):
-            qi, di, si = q[i], d[i], s[i]
-            acc[:] = 0.0
-            summs = np.float32(0.0)
-            for blk in range(qi.shape[0] // 32):
-                idot_q5_1(acc, b, blk * 24, qi, blk * 32, _half(lut, b, blk * 24) * di[blk])
-                summs = fma(_half(lut, b, blk * 24 + 2), si[blk], summs)
-            out[i, r] = _hsum8(acc) + summs
 
 
 _IQ4_TABLE = np.array(IQ4_VALUES, np.int32)
@@ -308,77 +318,51 @@ def _mm_iq4_nl(raw, q, d, sums, out, lut, r0, r1):
     """Rows r0..r1 of IQ4_NL raw against Q8_0 activations, as ggml_vec_dot_iq4_nl_q8_0 (AVX2): blocks taken in
     pairs into two accumulators, added lane-wise before hsum_float_8; an odd last block as its scalar tail,
     fma(d, sum, total)."""
+    block, size, d_at, _ = _IQ4_NL
     acc, acc2 = np.empty(8, np.float32), np.empty(8, np.float32)
     for r in range(r0, r1):
         b = raw[r]
         for i in range(q.shape[0]):
             qi, di = q[i], d[i]
-            nb = qi.shape[0] // 32
+            nb = qi.shape[0] // block
             acc[:] = 0.0
             acc2[:] = 0.0
             for blk in range(0, nb - 1, 2):
-                idot_iq4_nl(acc, b, blk * 18, qi, blk * 32, _half(lut, b, blk * 18) * di[blk])
-                idot_iq4_nl(acc2, b, blk * 18 + 18, qi, blk * 32 + 32, _half(lut, b, blk * 18 + 18) * di[blk + 1])
+                o = blk * size
+                idot_iq4_nl(acc, b, o, qi, blk * block, _half(lut, b, o + d_at) * di[blk])
+                idot_iq4_nl(acc2, b, o + size, qi, blk * block + block, _half(lut, b, o + size + d_at) * di[blk + 1])
             for k in range(8):
                 acc[k] += acc2[k]
             total = _hsum8(acc)
             if nb % 2:
-                o, qo = (nb - 1) * 18, (nb - 1) * 32
+                o, qo = (nb - 1) * size, (nb - 1) * block
                 sumi = np.int32(0)
-                for k in range(16):
+                for k in range(block // 2):
                     sumi += (_IQ4_TABLE[b[o + 2 + k] & 15] * np.int32(qi[qo + k])
-                             + _IQ4_TABLE[b[o + 2 + k] >> 4] * np.int32(qi[qo + 16 + k]))
-                total = fma(_half(lut, b, o) * di[nb - 1], np.float32(sumi), total)
+                             + _IQ4_TABLE[b[o + 2 + k] >> 4] * np.int32(qi[qo + block // 2 + k]))
+                total = fma(_half(lut, b, o + d_at) * di[nb - 1], np.float32(sumi), total)
             out[i, r] = total
-
-
-@njit(cache=True, nogil=True)
-def _mm_iq4_xs(raw, q, d, sums, out, lut, r0, r1):
-    """Rows r0..r1 of IQ4_XS raw against Q8_K activations."""
-    acc = np.empty(8, np.float32)
-    for r in range(r0, r1):
-        b = raw[r]
-        for i in range(q.shape[0]):
-            qi, di = q[i], d[i]
-            acc[:] = 0.0
-            for blk in range(qi.shape[0] // 256):
-                idot_iq4_xs(acc, b, blk * 136, qi, blk * 256, _half(lut, b, blk * 136) * di[blk])
-            out[i, r] = _hsum8(acc)
-
-
-@njit(cache=True, nogil=True)
-def _mm_q3_k(raw, q, d, sums, out, lut, r0, r1):
-    """Rows r0..r1 of Q3_K raw against Q8_K activations."""
-    acc = np.empty(8, np.float32)
-    for r in range(r0, r1):
-        b = raw[r]
-        for i in range(q.shape[0]):
-            qi, di = q[i], d[i]
-            acc[:] = 0.0
-            for blk in range(qi.shape[0] // 256):
-                idot_q3_k(acc, b, blk * 110, qi, blk * 256, di[blk] * _half(lut, b, blk * 110 + 108))
-            out[i, r] = _hsum8(acc)
 
 
 @njit(cache=True, nogil=True)
 def _mm_q2_k(raw, q, d, bsums, out, lut, r0, r1):
     """Rows r0..r1 of Q2_K raw against Q8_K activations and their 16-element sums: per block the mins' fma,
     then the scales', into the same 8 lanes."""
+    block, size, d_at, m_at = _Q2_K
     acc = np.empty(8, np.float32)
     for r in range(r0, r1):
         b = raw[r]
         for i in range(q.shape[0]):
             qi, di, si = q[i], d[i], bsums[i]
             acc[:] = 0.0
-            for blk in range(qi.shape[0] // 256):
-                o = blk * 84
-                idot_q2_k(acc, b, o, qi, blk * 256, di[blk] * _half(lut, b, o + 80), si, blk * 16,
-                          -di[blk] * _half(lut, b, o + 82))
+            for blk in range(qi.shape[0] // block):
+                o = blk * size
+                idot_q2_k(acc, b, o, qi, blk * block, di[blk] * _half(lut, b, o + d_at), si, blk * 16,
+                          -di[blk] * _half(lut, b, o + m_at))
             out[i, r] = _hsum8(acc)
 
 
-KERNELS = {Q8_0: _mm_q8_0, Q4_0: _mm_q4_0, Q5_0: _mm_q5_0, Q4_K: _mm_q4_k, Q5_K: _mm_q5_k, Q6_K: _mm_q6_k,
-           Q4_1: _mm_q4_1, Q5_1: _mm_q5_1, IQ4_NL: _mm_iq4_nl, IQ4_XS: _mm_iq4_xs, Q3_K: _mm_q3_k, Q2_K: _mm_q2_k}
+KERNELS = kernels("idot", globals())  # qtype -> its row kernel, by the kernels/formats.py row
 
 
 def supports(qtype: int) -> bool:

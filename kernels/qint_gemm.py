@@ -32,7 +32,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .dequant import HALF_TO_FLOAT, Q4_K, Q5_K, Q6_K, ROW_CHUNK, _check, _half
+from .dequant import HALF_TO_FLOAT, ROW_CHUNK, _check, _half
+from .formats import GEOMETRY, Q4_K, Q5_K, Q6_K, kernels
 from .qblocks import (AVX2, _F32, _I32, _I64, _IR, _V8I, _V16I, _V16S, _VB, _k4_scale_bytes, _lane_sums,
                       _pair_products, _pair_scales16, _q6_k_weights, _scale16, _target_has, _x86, o_arg, q6_k_offset)
 from .qint import PARTNER, _bsums, _mm_q4_k, _mm_q5_k, _mm_q6_k, quantize_activations
@@ -306,66 +307,64 @@ finish_q4_k, finish_q5_k, finish_q6_k = (_finish_intrinsic(k) for k in (Q4_K, Q5
 
 # The kernels take the activations' Q8_K scales twice: d [m, nb] for the tail's row kernel and dt [nb, m] (a
 # block's rows side by side) for the blocked one; the block sums as int32 for the row kernel and int16 here.
-@njit(cache=True, nogil=True)
-def _gemm_q4_k(raw, q, qp, d, dt, sums, sums16, bsums, out, lut, r0, r1):
-    """out[:, r0:r1] for Q4_K raw against Q8_K activations q/d/sums: groups of ROWS rows through idot_q4_k_rows,
-    the tail through qint's row kernel; each element as qint._mm_q4_k computes it."""
+@njit(inline="always")
+def _gemm_k(block_rows, finish, row_kernel, raw, q, qp, d, dt, sums, sums16, out, lut, r0, r1, geometry, accm_size):
+    """out[:, r0:r1] for Q4_K/Q5_K raw against Q8_K activations q/d/sums: groups of ROWS rows through
+    block_rows (idot_q4_k_rows / idot_q5_k_rows), the tail through qint's row kernel; each element as
+    that row kernel computes it."""
+    block, size, d_at, m_at = geometry
     m, n = q.shape
-    nb, groups = n // 256, m // ROWS * ROWS
-    acc, accm = np.empty(ROWS * 8, np.float32), np.empty(ROWS * 4, np.float32)
+    nb, groups = n // block, m // ROWS * ROWS
+    acc, accm = np.empty(ROWS * 8, np.float32), np.empty(accm_size, np.float32)
     for i in range(0, groups, ROWS):
         for r in range(r0, r1):
             b = raw[r]
             acc[:] = 0.0
             accm[:] = 0.0
             for blk in range(nb):
-                o = blk * 144
-                idot_q4_k_rows(acc, b, o, qp, i * n + blk * 256, n, dt, blk * m + i, _half(lut, b, o), accm, sums16,
-                               i * (n // 32) + blk * 8, n // 32, _half(lut, b, o + 2))
-            finish_q4_k(acc, accm, out, i * out.shape[1] + r, out.shape[1])
+                o = blk * size
+                block_rows(acc, b, o, qp, i * n + blk * block, n, dt, blk * m + i, _half(lut, b, o + d_at), accm,
+                           sums16, i * (n // 32) + blk * 8, n // 32, _half(lut, b, o + m_at))
+            finish(acc, accm, out, i * out.shape[1] + r, out.shape[1])
     if groups < m:
-        _mm_q4_k(raw, q[groups:], d[groups:], sums[groups:], out[groups:], lut, r0, r1)
+        row_kernel(raw, q[groups:], d[groups:], sums[groups:], out[groups:], lut, r0, r1)
+
+
+@njit(cache=True, nogil=True)
+def _gemm_q4_k(raw, q, qp, d, dt, sums, sums16, bsums, out, lut, r0, r1):
+    """Q4_K: the mins in 4 lanes per row (each element as qint._mm_q4_k)."""
+    _gemm_k(idot_q4_k_rows, finish_q4_k, _mm_q4_k, raw, q, qp, d, dt, sums, sums16, out, lut, r0, r1,
+            GEOMETRY[Q4_K], ROWS * 4)
 
 
 @njit(cache=True, nogil=True)
 def _gemm_q5_k(raw, q, qp, d, dt, sums, sums16, bsums, out, lut, r0, r1):
-    """As _gemm_q4_k for Q5_K (each element as qint._mm_q5_k)."""
-    m, n = q.shape
-    nb, groups = n // 256, m // ROWS * ROWS
-    acc, accm = np.empty(ROWS * 8, np.float32), np.empty(ROWS, np.float32)
-    for i in range(0, groups, ROWS):
-        for r in range(r0, r1):
-            b = raw[r]
-            acc[:] = 0.0
-            accm[:] = 0.0
-            for blk in range(nb):
-                o = blk * 176
-                idot_q5_k_rows(acc, b, o, qp, i * n + blk * 256, n, dt, blk * m + i, _half(lut, b, o), accm, sums16,
-                               i * (n // 32) + blk * 8, n // 32, _half(lut, b, o + 2))
-            finish_q5_k(acc, accm, out, i * out.shape[1] + r, out.shape[1])
-    if groups < m:
-        _mm_q5_k(raw, q[groups:], d[groups:], sums[groups:], out[groups:], lut, r0, r1)
+    """Q5_K: the mins in one f32 per row (each element as qint._mm_q5_k)."""
+    _gemm_k(idot_q5_k_rows, finish_q5_k, _mm_q5_k, raw, q, qp, d, dt, sums, sums16, out, lut, r0, r1,
+            GEOMETRY[Q5_K], ROWS)
 
 
 @njit(cache=True, nogil=True)
 def _gemm_q6_k(raw, q, qp, d, dt, sums, sums16, bsums, out, lut, r0, r1):
     """As _gemm_q4_k for Q6_K (each element as qint._mm_q6_k)."""
+    block, size, d_at, _ = GEOMETRY[Q6_K]
     m, n = q.shape
-    nb, groups = n // 256, m // ROWS * ROWS
+    nb, groups = n // block, m // ROWS * ROWS
     acc = np.empty(ROWS * 8, np.float32)
     for i in range(0, groups, ROWS):
         for r in range(r0, r1):
             b = raw[r]
             acc[:] = 0.0
             for blk in range(nb):
-                idot_q6_k_rows(acc, b, blk * 210, q, i * n + blk * 256, n, dt, blk * m + i,
-                               _half(lut, b, blk * 210 + 208), bsums, i * (n // 16) + blk * 16, n // 16)
+                o = blk * size
+                idot_q6_k_rows(acc, b, o, q, i * n + blk * block, n, dt, blk * m + i, _half(lut, b, o + d_at), bsums,
+                               i * (n // 16) + blk * 16, n // 16)
             finish_q6_k(acc, acc, out, i * out.shape[1] + r, out.shape[1])
     if groups < m:
         _mm_q6_k(raw, q[groups:], d[groups:], bsums[groups:], out[groups:], lut, r0, r1)
 
 
-KERNELS = {Q4_K: _gemm_q4_k, Q5_K: _gemm_q5_k, Q6_K: _gemm_q6_k}
+KERNELS = kernels("gemm", globals())  # qtype -> its blocked GEMM, by the kernels/formats.py row
 
 
 def supports(qtype: int) -> bool:

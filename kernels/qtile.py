@@ -41,7 +41,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .dequant import HALF_TO_FLOAT, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, _check, _half
+from .dequant import HALF_TO_FLOAT, _check, _half
+from .formats import FORMATS, Q4_K, QK_K
 from .qblocks import AVX2, _F32, _I8, _I32, _I64, _IR, _V8I, _V16S, _target_has, _x86
 from .qint import _IQ4_TABLE, PARTNER, _bsums, quantize_activations
 from .workpool import run_dynamic, split_range, threads as pool_threads
@@ -65,9 +66,13 @@ PIECE_TILES = 8  # tiles per piece (128 weight rows: ~320 KB of tiles per 1024 i
 #   Q2_K: the 2-bit weights four to a byte [chunk c][group g][row][4 bytes] (bits 2s: sub-block 4c + s's
 #         weights 4g..4g+3), scales u8 [16-weight sub-block j][row], mins as i16 pairs [pair p][row](m_2p,
 #         m_2p+1) against the activations' 16-element sums, d f32 [row], dmin f32 [row]
-SOURCES = {Q4_K: 0, Q5_K: 1, Q6_K: 2, Q3_K: 3, IQ4_XS: 4, Q2_K: 5}  # the file's block, as _pack_rows reads it
-_RAW_BLOCK = (144, 176, 210, 110, 136, 84)  # by source
-_KIND_OF_SOURCE = (0, 1, 2, 2, 3, 4)  # by source: its tile layout and kernel
+# the file's block, as _pack_rows reads it (kernels/formats.py's tile_source): Q4_K 0, Q5_K 1, Q6_K 2, Q3_K 3,
+# IQ4_XS 4, Q2_K 5; by source: the block's bytes, its fp16 offsets, its tile layout and kernel (tile_kind)
+SOURCES = {f.qtype: f.tile_source for f in FORMATS if f.tile_source >= 0}
+_BY_SOURCE = sorted((f for f in FORMATS if f.tile_source >= 0), key=lambda f: f.tile_source)
+_RAW_BLOCK = tuple(f.block_bytes for f in _BY_SOURCE)
+_D_AT, _DMIN_AT = tuple(f.d_at for f in _BY_SOURCE), tuple(f.dmin_at for f in _BY_SOURCE)
+_KIND_OF_SOURCE = tuple(f.tile_kind for f in _BY_SOURCE)
 KINDS = {qtype: _KIND_OF_SOURCE[src] for qtype, src in SOURCES.items()}
 _QS = 0
 _SC = (2048, 4096, 4096, 4096, 1024)
@@ -147,8 +152,8 @@ def _pack_rows(raw, src, lut, out, out_i16, out_i32, out_f32, t0, t1):
                     for j in range(16):
                         tb[_SC[4] + 16 * j + lane] = b[o + j] & 15
                         out_i16[t, blk, _MN[4] // 2 + 32 * (j // 2) + 2 * lane + j % 2] = b[o + j] >> 4
-                    out_f32[t, blk, _D[4] // 4 + lane] = _half(lut, b, o + 80)
-                    out_f32[t, blk, _DMIN[4] // 4 + lane] = _half(lut, b, o + 82)
+                    out_f32[t, blk, _D[4] // 4 + lane] = _half(lut, b, o + _D_AT[5])
+                    out_f32[t, blk, _DMIN[4] // 4 + lane] = _half(lut, b, o + _DMIN_AT[5])
                     continue
                 if kind >= 2:
                     corr = 0
@@ -163,7 +168,7 @@ def _pack_rows(raw, src, lut, out, out_i16, out_i32, out_f32, t0, t1):
                                 total += w
                         corr += scale * total
                     out_i32[t, blk, _CORR[kind] // 4 + lane] = 128 * corr
-                    out_f32[t, blk, _D[kind] // 4 + lane] = _half(lut, b, o + (208, 108, 0)[src - 2])
+                    out_f32[t, blk, _D[kind] // 4 + lane] = _half(lut, b, o + _D_AT[src])
                     continue
                 for c in range(4):
                     for g in range(8):
@@ -178,8 +183,8 @@ def _pack_rows(raw, src, lut, out, out_i16, out_i32, out_f32, t0, t1):
                     sc, mn = _k4_scale_min(b, o, j)
                     tb[_SC[kind] + 16 * j + lane] = sc
                     out_i16[t, blk, _MN[kind] // 2 + 32 * (j // 2) + 2 * lane + j % 2] = mn
-                out_f32[t, blk, _D[kind] // 4 + lane] = _half(lut, b, o)
-                out_f32[t, blk, _DMIN[kind] // 4 + lane] = _half(lut, b, o + 2)
+                out_f32[t, blk, _D[kind] // 4 + lane] = _half(lut, b, o + _D_AT[src])
+                out_f32[t, blk, _DMIN[kind] // 4 + lane] = _half(lut, b, o + _DMIN_AT[src])
 
 
 def supports(qtype: int) -> bool:
@@ -192,7 +197,7 @@ def pack(qtype: int, raw) -> np.ndarray:
     kind, src = KINDS[int(qtype)], SOURCES[int(qtype)]
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
     nb = raw.shape[1] // _RAW_BLOCK[src]
-    _check(int(qtype), raw, nb * 256)
+    _check(int(qtype), raw, nb * QK_K)
     out = np.empty((-(-raw.shape[0] // TILE_ROWS), nb, TILE_BLOCK[kind]), np.uint8)
     if raw.shape[0] % TILE_ROWS:
         out[-1] = 0  # the rows past the end: all fields zero
@@ -341,13 +346,7 @@ def _tile_block(kind, rows, ggml_avx2=False):
         if kind in (2, 3):
             return context.get_dummy_value()
         dmin = h.b.bitcast(h.vload(2, at(_DMIN[kind]), _V64B), _V16F)
-        mins = [None] * rows
-        for c in range(_MIN_PAIRS[kind]):  # arg 7: the 32-element sums (Q4_K/Q5_K), the 16-element ones (Q2_K)
-            min_pairs = h.b.bitcast(h.vload(2, at(_MN[kind] + 64 * c), _V64B), _V32S)
-            for i in range(rows):
-                sums = h.b.bitcast(_splat_i32(h, 7, h.b.add(row(8, 9, i), ir.Constant(_I64, 2 * c))), _V32S)
-                m = _madd_pairs(h, min_pairs, sums)
-                mins[i] = m if mins[i] is None else h.b.add(mins[i], m)
+        mins = _block_mins(h, kind, rows, at, row)
         for i in range(rows):
             _fma_row(h, 1, 16 * i, h.b.fmul(row_d[i], dmin), mins[i])
         return context.get_dummy_value()
@@ -355,6 +354,7 @@ def _tile_block(kind, rows, ggml_avx2=False):
 
 
 def _block_mins(h, kind, rows, at, row):
+    """Per activation row the <16 x i32> M of the module docstring (Q4_K, Q5_K, Q2_K)."""
     mins = [None] * rows
     for c in range(_MIN_PAIRS[kind]):  # arg 7: the 32-element sums (Q4_K/Q5_K), the 16-element ones (Q2_K)
         min_pairs = h.b.bitcast(h.vload(2, at(_MN[kind] + 64 * c), _V64B), _V32S)
@@ -403,13 +403,13 @@ _g_q4_k, _g_q5_k, _g_q6_k, _g_iq4_xs, _g_q2_k = _ggml_kinds
 def _gemm_tiles_ggml(kind, tiles, q, d, sums16, out, t0, t1):
     """_gemm_tiles with llama.cpp's AVX2 tiled epilogue (_tile_block's ggml_avx2), one activation row at a time."""
     m, n = q.shape
-    nb, block = n // 256, TILE_BLOCK[kind]
+    nb, block = n // QK_K, TILE_BLOCK[kind]
     acc, accm = np.empty(TILE_ROWS, np.float32), np.zeros(TILE_ROWS, np.float32)
     for i in range(m):
         for t in range(t0, t1):
             acc[:] = 0.0
             for blk in range(nb):
-                to, qo, so, do = (t * nb + blk) * block, i * n + blk * 256, i * (n // 32) + blk * 8, i * nb + blk
+                to, qo, so, do = (t * nb + blk) * block, i * n + blk * QK_K, i * (n // 32) + blk * 8, i * nb + blk
                 if kind == 4:
                     _g_q2_k(acc, accm, tiles, to, q, qo, n, sums16, 2 * so, n // 16, d, do, nb)
                 elif kind == 0:
@@ -437,7 +437,7 @@ def _gemm_tiles(kind, tiles, q, d, sums16, out, t0, t1):
     unsigned)/d/sums16 (i16 sums of 32 elements; Q2_K: of 16): ROWS rows per call, the rest one by one, each
     output the module docstring's arithmetic."""
     m, n = q.shape
-    nb, block = n // 256, TILE_BLOCK[kind]
+    nb, block = n // QK_K, TILE_BLOCK[kind]
     acc, accm = np.empty(ROWS * TILE_ROWS, np.float32), np.empty(ROWS * TILE_ROWS, np.float32)
     i = 0
     while i < m:
@@ -446,7 +446,7 @@ def _gemm_tiles(kind, tiles, q, d, sums16, out, t0, t1):
             acc[:] = 0.0
             accm[:] = 0.0
             for blk in range(nb):
-                to, qo, so, do = (t * nb + blk) * block, i * n + blk * 256, i * (n // 32) + blk * 8, i * nb + blk
+                to, qo, so, do = (t * nb + blk) * block, i * n + blk * QK_K, i * (n // 32) + blk * 8, i * nb + blk
                 if kind == 4 and rows == ROWS:
                     _q2_k_rows(acc, accm, tiles, to, q, qo, n, sums16, 2 * so, n // 16, d, do, nb)
                 elif kind == 4:
@@ -483,7 +483,7 @@ def matmul_t_many(weights, x: np.ndarray, ggml_avx2: bool = False) -> list:
         if int(qtype) not in KINDS:
             raise ValueError(f"qtile: no tiled kernel for ggml type {qtype}")
         _check(int(qtype), raw, x.shape[1])
-        if tiles.shape != (-(-raw.shape[0] // TILE_ROWS), x.shape[1] // 256, TILE_BLOCK[KINDS[int(qtype)]]):
+        if tiles.shape != (-(-raw.shape[0] // TILE_ROWS), x.shape[1] // QK_K, TILE_BLOCK[KINDS[int(qtype)]]):
             raise ValueError(f"qtile: tiles of shape {tiles.shape} do not belong to rows {raw.shape} of type {qtype}")
     q, d, sums = quantize_activations(PARTNER[Q4_K], x)
     sums16 = sums.astype(np.int16)  # |a 32-element sum| <= 32 * 127: exact

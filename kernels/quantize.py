@@ -8,15 +8,7 @@ so a file exported here is indistinguishable from one llama-quantize wrote.
 Every arithmetic step is therefore pinned to float32 explicitly (numba would
 otherwise widen `int * float32` to float64 and change the last bits).
 
-Block layouts (little-endian, fp16 = IEEE half; a "nibble" row holds values j and j+16 of a 32-block):
-    Q4_0  32 values  18 B: d fp16 | qs u8[16] nibbles            x = d * (q - 8)
-    Q4_1  32 values  20 B: d fp16 | m fp16 | qs u8[16]           x = d * q + m
-    Q5_0  32 values  22 B: d fp16 | qh u32 (bit 4 of q) | qs[16] x = d * (q - 16)
-    Q5_1  32 values  24 B: d fp16 | m fp16 | qh u32 | qs[16]     x = d * q + m
-    Q8_0  32 values  34 B: d fp16 | qs int8[32]                 x = d * q
-    Q4_K 256 values 144 B: d fp16 | dmin fp16 | scales u8[12] | qs u8[128]
-    Q5_K 256 values 176 B: d fp16 | dmin fp16 | scales u8[12] | qh u8[32] | qs u8[128]
-    Q6_K 256 values 210 B: ql u8[128] | qh u8[64] | scales int8[16] | d fp16
+Block layouts, sizes and scale offsets: the rows of kernels/formats.py (their `layout` field).
 
 Blocks are independent, so the parallel loop (a fixed grid of CHUNK blocks)
 gives identical bytes for any thread count.
@@ -26,13 +18,14 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from .formats import FORMATS, GEOMETRY, Q6_K, Q8_0
+
 QK8_0 = 32
 QK_K = 256
 CHUNK = 64  # blocks per parallel work item (fixed: independent of thread count)
 
-# qtype -> (values per block, bytes per block)
-BLOCK = {"q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "q8_0": (32, 34),
-         "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}
+# encoder key -> (values per block, bytes per block), from kernels/formats.py
+BLOCK = {f.quantize: (f.block, f.block_bytes) for f in FORMATS if f.quantize}
 
 _F0 = np.float32(0.0)
 _F1 = np.float32(1.0)
@@ -263,7 +256,8 @@ def _make_qkx2_quants(nmax, x, off, weights, L, loff, Laux, rmin, rdelta, nstep)
 
 @njit(cache=True, parallel=True)
 def _q8_0(x, out):
-    """x: float32[nb*32] -> out: uint8[nb*34]."""
+    """x: float32[nb*32] -> out: uint8[nb * block bytes]."""
+    size = GEOMETRY[Q8_0][1]
     nb = x.size // QK8_0
     nchunks = (nb + CHUNK - 1) // CHUNK
     for c in prange(nchunks):
@@ -274,7 +268,7 @@ def _q8_0(x, out):
                 amax = max(amax, abs(x[off + j]))
             d = np.float32(amax / np.float32(127.0))
             inv_d = np.float32(_F1 / d) if d != 0 else _F0
-            pos = b * 34
+            pos = b * size
             _put_f16(out, pos, d)
             for j in range(QK8_0):
                 q = np.int64(_roundf(np.float32(x[off + j] * inv_d)))
@@ -346,39 +340,16 @@ def _legacy_level(v, shift, inv, bias, affine, capped, top):
 
 
 @njit(cache=True, parallel=True)
-def _q4_0(x, out):
-    """x: float32[nb*32] -> out: uint8[nb*18]."""
-    nb = x.size // 32
+def _legacy(x, out, size, nbits, affine):
+    """x: float32[nb*32] -> out: uint8[nb*size] in Q4_0 (nbits 4, affine False), Q4_1 (4, True), Q5_0 (5,
+    False) or Q5_1 (5, True) blocks."""
+    nb = x.size // QK8_0
     for c in prange((nb + CHUNK - 1) // CHUNK):
         for b in range(c * CHUNK, min(nb, (c + 1) * CHUNK)):
-            _legacy_block(x, b * 32, out, b * 18, 4, False)
+            _legacy_block(x, b * QK8_0, out, b * size, nbits, affine)
 
 
-@njit(cache=True, parallel=True)
-def _q4_1(x, out):
-    """x: float32[nb*32] -> out: uint8[nb*20]."""
-    nb = x.size // 32
-    for c in prange((nb + CHUNK - 1) // CHUNK):
-        for b in range(c * CHUNK, min(nb, (c + 1) * CHUNK)):
-            _legacy_block(x, b * 32, out, b * 20, 4, True)
-
-
-@njit(cache=True, parallel=True)
-def _q5_0(x, out):
-    """x: float32[nb*32] -> out: uint8[nb*22]."""
-    nb = x.size // 32
-    for c in prange((nb + CHUNK - 1) // CHUNK):
-        for b in range(c * CHUNK, min(nb, (c + 1) * CHUNK)):
-            _legacy_block(x, b * 32, out, b * 22, 5, False)
-
-
-@njit(cache=True, parallel=True)
-def _q5_1(x, out):
-    """x: float32[nb*32] -> out: uint8[nb*24]."""
-    nb = x.size // 32
-    for c in prange((nb + CHUNK - 1) // CHUNK):
-        for b in range(c * CHUNK, min(nb, (c + 1) * CHUNK)):
-            _legacy_block(x, b * 32, out, b * 24, 5, True)
+_LEGACY = {"q4_0": (4, False), "q4_1": (4, True), "q5_0": (5, False), "q5_1": (5, True)}  # (nbits, affine)
 
 
 @njit(cache=True)
@@ -445,9 +416,46 @@ def _qk_levels(x, off, nmax, rmin, nstep, L, Laux, weights, scales, mins, out, p
             L[32 * j + i] = max(0, min(nmax, l))
 
 
+@njit(cache=True)
+def _pack_q4_k(L, out, pos):
+    """Q4_K's qs: the levels of values j and j + 32 of each 64 as the low and high nibble."""
+    q = pos + 16
+    for j in range(0, QK_K, 64):
+        for l in range(32):
+            out[q + l] = L[j + l] | (L[j + l + 32] << 4)
+        q += 32
+
+
+@njit(cache=True)
+def _pack_q5_k(L, out, pos):
+    """Q5_K's qh (bit 4 of each level) and qs (the low nibbles, as Q4_K's)."""
+    qh = pos + 16
+    ql = pos + 48
+    for j in range(32):
+        out[qh + j] = 0
+    m1 = 1
+    m2 = 2
+    for n in range(0, QK_K, 64):
+        for j in range(32):
+            l1 = L[n + j]
+            if l1 > 15:
+                l1 -= 16
+                out[qh + j] |= m1
+            l2 = L[n + j + 32]
+            if l2 > 15:
+                l2 -= 16
+                out[qh + j] |= m2
+            out[ql + j] = l1 | (l2 << 4)
+        m1 <<= 2
+        m2 <<= 2
+        ql += 32
+
+
 @njit(cache=True, parallel=True)
-def _q4_k(x, out):
-    """x: float32[nb*256] -> out: uint8[nb*144]."""
+def _qk(x, out, size, high_bit):
+    """x: float32[nb*256] -> out: uint8[nb * size] in Q4_K (high_bit False: levels 0..15, ggml's rmin -1 and
+    20 steps) or Q5_K (True: 0..31, rmin -0.5, 15 steps) blocks."""
+    nmax, rmin, nstep = (31, np.float32(-0.5), 15) if high_bit else (15, np.float32(-1.0), 20)
     nb = x.size // QK_K
     nchunks = (nb + CHUNK - 1) // CHUNK
     for c in prange(nchunks):
@@ -457,54 +465,18 @@ def _q4_k(x, out):
         scales = np.zeros(8, np.float32)
         mins = np.zeros(8, np.float32)
         for b in range(c * CHUNK, min(nb, (c + 1) * CHUNK)):
-            pos = b * 144
-            _qk_levels(x, b * QK_K, 15, np.float32(-1.0), 20, L, Laux, weights, scales, mins, out, pos)
-            q = pos + 16
-            for j in range(0, QK_K, 64):
-                for l in range(32):
-                    out[q + l] = L[j + l] | (L[j + l + 32] << 4)
-                q += 32
-
-
-@njit(cache=True, parallel=True)
-def _q5_k(x, out):
-    """x: float32[nb*256] -> out: uint8[nb*176]."""
-    nb = x.size // QK_K
-    nchunks = (nb + CHUNK - 1) // CHUNK
-    for c in prange(nchunks):
-        L = np.zeros(QK_K, np.int64)
-        Laux = np.zeros(32, np.int64)
-        weights = np.zeros(32, np.float32)
-        scales = np.zeros(8, np.float32)
-        mins = np.zeros(8, np.float32)
-        for b in range(c * CHUNK, min(nb, (c + 1) * CHUNK)):
-            pos = b * 176
-            _qk_levels(x, b * QK_K, 31, np.float32(-0.5), 15, L, Laux, weights, scales, mins, out, pos)
-            qh = pos + 16
-            ql = pos + 48
-            for j in range(32):
-                out[qh + j] = 0
-            m1 = 1
-            m2 = 2
-            for n in range(0, QK_K, 64):
-                for j in range(32):
-                    l1 = L[n + j]
-                    if l1 > 15:
-                        l1 -= 16
-                        out[qh + j] |= m1
-                    l2 = L[n + j + 32]
-                    if l2 > 15:
-                        l2 -= 16
-                        out[qh + j] |= m2
-                    out[ql + j] = l1 | (l2 << 4)
-                m1 <<= 2
-                m2 <<= 2
-                ql += 32
+            pos = b * size
+            _qk_levels(x, b * QK_K, nmax, rmin, nstep, L, Laux, weights, scales, mins, out, pos)
+            if high_bit:
+                _pack_q5_k(L, out, pos)
+            else:
+                _pack_q4_k(L, out, pos)
 
 
 @njit(cache=True, parallel=True)
 def _q6_k(x, out):
-    """x: float32[nb*256] -> out: uint8[nb*210]."""
+    """x: float32[nb*256] -> out: uint8[nb * block bytes]."""
+    size = GEOMETRY[Q6_K][1]
     nb = x.size // QK_K
     nchunks = (nb + CHUNK - 1) // CHUNK
     for c in prange(nchunks):
@@ -512,7 +484,7 @@ def _q6_k(x, out):
         scales = np.zeros(16, np.float32)
         for b in range(c * CHUNK, min(nb, (c + 1) * CHUNK)):
             off = b * QK_K
-            pos = b * 210
+            pos = b * size
             max_scale = _F0
             max_abs_scale = _F0
             for ib in range(16):
@@ -522,11 +494,11 @@ def _q6_k(x, out):
                     max_abs_scale = abs(s)
                     max_scale = s
             if max_abs_scale < _GROUP_MAX_EPS:
-                for i in range(210):
+                for i in range(size):
                     out[pos + i] = 0
                 continue
             iscale = np.float32(np.float32(-128.0) / max_scale)
-            d_all = _put_f16(out, pos + 208, np.float32(_F1 / iscale))
+            d_all = _put_f16(out, pos + GEOMETRY[Q6_K][2], np.float32(_F1 / iscale))
             for ib in range(16):
                 q = min(127, _nearest_int(np.float32(iscale * scales[ib])))
                 out[pos + 192 + ib] = np.uint8(q & 0xFF)
@@ -556,8 +528,19 @@ def _q6_k(x, out):
                 qh += 32
 
 
-_KERNELS = {"q4_0": _q4_0, "q4_1": _q4_1, "q5_0": _q5_0, "q5_1": _q5_1, "q8_0": _q8_0,
-            "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}
+def _legacy_kernel(size, nbits, affine):
+    return lambda x, out: _legacy(x, out, size, nbits, affine)
+
+
+def _k_kernel(size, high_bit):
+    return lambda x, out: _qk(x, out, size, high_bit)
+
+
+_KERNELS = {"q8_0": _q8_0, "q6_k": _q6_k, "q4_k": _k_kernel(BLOCK["q4_k"][1], False),
+            "q5_k": _k_kernel(BLOCK["q5_k"][1], True),
+            **{key: _legacy_kernel(BLOCK[key][1], *spec) for key, spec in _LEGACY.items()}}
+if set(_KERNELS) != set(BLOCK):
+    raise RuntimeError("kernels/formats.py's quantize keys and kernels/quantize.py's encoders disagree")
 
 
 # ---------------------------------------------------------------- public API

@@ -32,6 +32,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT
 from gguf.gguf_writer import GGUFValue
 
+from kernels.formats import block_sizes, format_of
 from kernels.quantize import quantize, to_bf16_bits, to_f16
 from pipeline.errors import GGUFError, UserError
 from pipeline.untrusted import brief, not_a_regular_file
@@ -130,7 +131,9 @@ def read_gguf(path) -> GGUFContents:
     tensors = []
     for t in reader.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        block, type_bytes = GGML_QUANT_SIZES[t.tensor_type]
+        # the formats table's geometry; a type Fucina has no row for (re-emitted verbatim) from gguf-py's
+        row = format_of(t.tensor_type)
+        block, type_bytes = (row.block, row.block_bytes) if row else GGML_QUANT_SIZES[t.tensor_type]
         row_bytes = shape[-1] // block * type_bytes
         raw = reader.data[t.data_offset:t.data_offset + t.n_bytes]
         tensors.append(GGUFTensor(t.name, QT(t.tensor_type), shape, raw.reshape(*shape[:-1], row_bytes)))
@@ -241,7 +244,7 @@ def plan_tensor(t: GGUFTensor, target: QT, why: str = "converted") -> tuple[QT, 
         return t.qtype, "kept: already the target type"
     if t.qtype not in DENSE:
         return t.qtype, f"kept: source is already quantized ({t.qtype.name}); re-emitted verbatim, never re-quantized"
-    block = GGML_QUANT_SIZES[target][0]
+    block = block_sizes(target)[0]
     if t.shape[-1] % block != 0:
         return t.qtype, (f"kept {t.qtype.name}: row length {t.shape[-1]} is not a multiple of "
                          f"{block} required by {target.name}")

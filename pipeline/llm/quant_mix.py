@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import re
 
-from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
+
+from kernels.formats import block_sizes
 
 MIXES = {"q4_k_m": QT.Q4_K, "q5_k_m": QT.Q5_K}  # --dtype -> the mix's base type
 FALLBACK = {QT.Q4_K: QT.Q5_0, QT.Q5_K: QT.Q5_1, QT.Q6_K: QT.Q8_0}  # llama.cpp's tensor_type_fallback
@@ -60,11 +61,11 @@ def visit_order(names) -> list[str]:
 
 def fallback(qtype: QT, n_cols: int) -> tuple[QT, str]:
     """(type, reason) after llama.cpp's shape fallback for a row of n_cols elements."""
-    block = GGML_QUANT_SIZES[qtype][0]
+    block = block_sizes(qtype)[0]
     if n_cols % block == 0:
         return qtype, ""
     demoted = FALLBACK.get(qtype, qtype)
-    if n_cols % GGML_QUANT_SIZES[demoted][0]:
+    if n_cols % block_sizes(demoted)[0]:
         demoted = QT.F16
     return demoted, f"row length {n_cols} is not a multiple of {block} ({qtype.name}): {demoted.name} instead"
 
@@ -86,7 +87,7 @@ def mix_types(matrices, dtype: str, n_layers: int) -> dict[str, tuple[QT, str]]:
         qtype, why = base, f"{dtype}: {base.name}"
         if category == "output" or (tied and category == "token_embd"):
             head = "output" if category == "output" else "token_embd (tied to the output)"
-            if cols[name] % GGML_QUANT_SIZES[base][0]:
+            if cols[name] % block_sizes(base)[0]:
                 qtype, why = QT.Q8_0, f"{dtype}: {head} rows not a multiple of 256 -> Q8_0"
             else:
                 qtype, why = QT.Q6_K, f"{dtype}: {head} -> Q6_K"

@@ -5,15 +5,17 @@ kernels (F32/F16/BF16; Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; the K-quants Q2_K..Q6_K;
 IQ4_NL and IQ4_XS, which need no codebook tables); anything else (the IQ1-IQ3
 codebook formats, TQ, MXFP4) is rejected at load time with the format's name
 instead of being half-supported.
-Block sizes come from gguf-py's GGML_QUANT_SIZES so they can never drift from
-the file format.
+Block sizes come from kernels/formats.py, the one table of every format's facts the kernels dispatch through
+(tests/kernels/test_formats.py holds it to gguf-py's GGML_QUANT_SIZES).
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+from gguf import GGMLQuantizationType as QT
+
+from kernels import formats as _formats
 
 
 @dataclass(frozen=True)
@@ -32,28 +34,11 @@ class Format:
         return 8.0 * self.type_size / self.block_size
 
 
-def _fmt(qtype: QT, quantized: bool) -> Format:
-    block, size = GGML_QUANT_SIZES[qtype]
-    return Format(qtype.name, qtype, block, size, quantized)
+def _fmt(row: _formats.Format) -> Format:
+    return Format(row.name, QT(row.qtype), row.block, row.block_bytes, row.quantized)
 
 
-FORMATS: dict[QT, Format] = {
-    QT.F32: _fmt(QT.F32, False),
-    QT.F16: _fmt(QT.F16, False),
-    QT.BF16: _fmt(QT.BF16, False),
-    QT.Q8_0: _fmt(QT.Q8_0, True),
-    QT.Q4_0: _fmt(QT.Q4_0, True),
-    QT.Q4_1: _fmt(QT.Q4_1, True),
-    QT.Q5_0: _fmt(QT.Q5_0, True),
-    QT.Q5_1: _fmt(QT.Q5_1, True),
-    QT.Q2_K: _fmt(QT.Q2_K, True),
-    QT.Q3_K: _fmt(QT.Q3_K, True),
-    QT.Q4_K: _fmt(QT.Q4_K, True),
-    QT.Q5_K: _fmt(QT.Q5_K, True),
-    QT.Q6_K: _fmt(QT.Q6_K, True),
-    QT.IQ4_NL: _fmt(QT.IQ4_NL, True),
-    QT.IQ4_XS: _fmt(QT.IQ4_XS, True),
-}
+FORMATS: dict[QT, Format] = {QT(row.qtype): _fmt(row) for row in _formats.FORMATS}
 
 SUPPORTED_NAMES = ", ".join(f.name for f in FORMATS.values())
 
@@ -324,11 +309,13 @@ def llama_activation_roundtrip(qtype, x):
     arithmetic), and tests/llm/test_parity_ties.py's replay of rounding ties."""
     import numpy as np
     x = np.asarray(x, dtype=np.float32)
-    if qtype in (QT.Q8_0, QT.Q4_0, QT.Q5_0, QT.IQ4_NL, QT.Q4_1, QT.Q5_1):
+    row = _formats.format_of(qtype)
+    partner = row.partner if row else ""  # kernels/formats.py's activation partner of the integer dot
+    if partner in (_formats.Q8_0_PARTNER, _formats.Q8_1_PARTNER):
         q, d = _q8_blocks(x.reshape(-1, x.shape[-1]))
         return (q * d.astype(np.float16).astype(np.float32)[..., None]).reshape(x.shape)
-    if qtype in (QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS):
-        blocks = x.reshape(-1, 256)
+    if partner == _formats.Q8_K_PARTNER:
+        blocks = x.reshape(-1, _formats.PARTNER_BLOCK[partner])
         mx = blocks[np.arange(len(blocks)), np.abs(blocks).argmax(axis=1)]
         with np.errstate(divide="ignore"):
             iscale = np.where(mx == 0, np.float32(0), np.float32(-127.0) / mx).astype(np.float32)

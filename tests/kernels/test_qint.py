@@ -388,8 +388,9 @@ def test_portable_ir_and_the_4_row_gemm_give_the_same_bits(tmp_path, isa, probe,
     seen = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert seen.stdout.strip() == expected
     blocked, tiled = (str(Path(__file__).with_name(f"test_{m}.py")) for m in ("qint_gemm", "qtile"))  # shared IR
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, blocked, tiled,
-                          "-k", "bitwise_equals or thread_count"], env=env, capture_output=True, text=True)
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, blocked, tiled,
+            "-k", "bitwise_equals or thread_count"]
+    run = subprocess.run(args, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     last = run.stdout.strip().splitlines()[-1]  # every selected test ran and passed: none skipped, failed or erred
     assert re.fullmatch(r"(\d+) passed, \d+ deselected in .*", last) and int(last.split()[0]) >= 26, run.stdout[-500:]

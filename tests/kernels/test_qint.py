@@ -393,7 +393,8 @@ def test_portable_ir_and_the_4_row_gemm_give_the_same_bits(tmp_path, isa, probe,
     run = subprocess.run(args, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     last = run.stdout.strip().splitlines()[-1]  # every selected test ran and passed: none skipped, failed or erred
-    assert re.fullmatch(r"(\d+) passed, \d+ deselected in .*", last) and int(last.split()[0]) >= 26, run.stdout[-500:]
+    ran = re.fullmatch(r"(\d+) passed(, \d+ deselected)? in .*", last)  # xdist's line names no deselected
+    assert ran and int(ran.group(1)) >= 32, run.stdout[-500:]
 
 
 def test_fp16_rounding_of_the_q8_0_scales_is_numpys():

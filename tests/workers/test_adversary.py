@@ -44,6 +44,7 @@ class PipelineStranger(threading.Thread):
         super().__init__(daemon=True)
         self.run_dir, self.stop, self.error = run_dir, threading.Event(), None
         self.ids: dict[str, set] = {}
+        self.singleton_hellos = 0  # sent, once the run had started (a failure's message says how many)
 
     def run(self):
         try:
@@ -83,6 +84,7 @@ class PipelineStranger(threading.Thread):
                         s = transport.DealerSocket(control, ctx, key)
                         s.send("hello", role=role, worker=f"stranger-{n}", pid=os.getpid(), token="t")
                         hellos.append(s)
+                        self.singleton_hellos += 1
                 time.sleep(0.1)  # a steady stream, not a flood: steering is under test here, not load
         finally:
             for s in [listen, forger, *hellos]:
@@ -150,7 +152,9 @@ def test_a_stranger_with_the_key_cannot_steer_a_tcp_lm_run(tmp_path):
     joined = {e["detail"]["worker"] for e in events(run_dir, "worker_joined")}
     queued = {e["detail"]["worker"] for e in events(run_dir, "worker_queued")}
     assert not any(w.startswith("stranger") or w == "no-key" for w in joined), joined
-    assert queued and all(w.startswith("stranger") for w in queued) and "no-key" not in queued
+    assert queued and all(w.startswith("stranger") for w in queued) and "no-key" not in queued, \
+        (f"queued {queued}; the stranger sent {stranger.singleton_hellos} singleton hellos after the start; "
+         f"events: {sorted({e.get('event') for e in events(run_dir, None)} - {None})}")
     with open(run_dir / "workers.log") as fh:
         log = fh.read()
     assert "dropped" in log and "Traceback" not in log

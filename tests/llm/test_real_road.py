@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from llama_oracle import plain_llama
 from pipeline.cli import main
 
 REAL = os.environ.get("FUCINA_REAL_GGUFS", "")
@@ -73,7 +74,7 @@ def test_merge_with_dequantize_keeps_q4_1_and_llama_cpp_answers_as_fucina(run_di
     assert m and float(m.group(1)) < 0.05 and float(m.group(3)) >= 90, text
     src, dst = read_gguf(SMOL), read_gguf(out)
     assert [(t.name, t.qtype) for t in src.tensors] == [(t.name, t.qtype) for t in dst.tensors]  # the mix is kept
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
     # Fucina in llama.cpp's arithmetic (--llama-numerics: bit-equal logits on this file) against llama.cpp in
     # that set-up (plain CPU buffers, f32 KV cache, no flash attention): the same greedy answer, token for token.
     # The default mode is the exact quantized model; its answer may part from llama.cpp's at a near-tie
@@ -81,20 +82,7 @@ def test_merge_with_dequantize_keeps_q4_1_and_llama_cpp_answers_as_fucina(run_di
     lm = LoadedModel(out, llama_numerics=True)
     ids = lm.encode_prompt(PROMPT, chat=True)
     ours = greedy(lm.model, ids, 6)
-    import llama_cpp.llama as ll
-    orig = ll.llama_cpp.llama_model_default_params
-
-    def params():  # the plain CPU kernels (the repacked ones are another arithmetic and use AMX where present)
-        p = orig()
-        p.use_extra_bufts = False
-        return p
-
-    ll.llama_cpp.llama_model_default_params = params
-    try:  # logits_all: without it llama-cpp-python 0.3.x leaves `scores` all zero (sampling reads the context)
-        llm = llama_cpp.Llama(str(out), n_ctx=256, n_batch=256, n_ubatch=256, logits_all=True, n_threads=2,
-                              type_k=0, type_v=0, flash_attn=False, verbose=False)
-    finally:
-        ll.llama_cpp.llama_model_default_params = orig
+    llm = plain_llama(out)
     theirs = []
     llm.eval(ids)
     for _ in range(6):

@@ -17,6 +17,7 @@ import pytest
 from numba import njit
 
 from kernels import ggml_f32
+from llama_oracle import plain_llama
 
 pytestmark = [pytest.mark.parity, pytest.mark.needs("llama_cpp")]
 
@@ -91,24 +92,6 @@ def _real(name):
     return path
 
 
-def _oracle(path, n_ctx):
-    import llama_cpp
-    import llama_cpp.llama as ll
-    orig = ll.llama_cpp.llama_model_default_params
-
-    def params():  # the plain CPU kernels (the repacked ones are another arithmetic and use AMX where present)
-        p = orig()
-        p.use_extra_bufts = False
-        return p
-
-    ll.llama_cpp.llama_model_default_params = params
-    try:
-        return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
-                               n_threads=2, type_k=0, type_v=0, flash_attn=False, verbose=False)
-    finally:
-        ll.llama_cpp.llama_model_default_params = orig
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(REAL))
 def test_every_position_equals_llama_cpp_on_real_files(name):
@@ -120,7 +103,7 @@ def test_every_position_equals_llama_cpp_on_real_files(name):
     path = _real(name)
     ids = Tokenizer.from_gguf(GGUFFile(path)).encode(TEXT)
     prompt, steps = ids[:-8], ids[-8:]
-    oracle = _oracle(path, 256)
+    oracle = plain_llama(path, 256)
     oracle.eval(prompt)
     for t in steps:
         oracle.eval([t])

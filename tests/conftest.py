@@ -23,7 +23,14 @@ def has_module(name):
     return importlib.util.find_spec(name) is not None
 
 
+# The longest tests of the slow suite (minutes each: whole doc pages, numba recompiling the integer kernels for
+# another ISA) start first, so xdist's workers do not end on them one after the other.
+LONG_FIRST = ("tests/test_doc_commands.py::test_documented_commands_all_of_them",
+              "tests/kernels/test_qint.py::test_portable_ir_and_the_4_row_gemm")
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not item.nodeid.startswith(LONG_FIRST))  # stable: the rest keep their order
     for item in items:
         if "parity" in item.keywords:
             needs = [m.args[0] for m in item.iter_markers("needs")]

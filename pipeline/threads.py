@@ -6,7 +6,7 @@ take effect before numpy/numba load their thread pools, so `pin_threads` both
 sets them (for children) and limits the already-loaded pools.
 
 `n` is the number of compute threads: numba's and the kernel pool's
-(kernels/workpool.py), which split work on grids fixed by the shapes, so the
+(pipeline/kernels/workpool.py), which split work on grids fixed by the shapes, so the
 bits never depend on n. BLAS is always held at ONE thread: multi-threaded
 OpenBLAS sums in a thread-count-dependent order (on AMD EPYC a 384x512 float32
 product differs in the last bits between 1 and 2 threads), and the big

@@ -6,7 +6,7 @@ the algebra (pure-Python splitmix64 and polynomial gaussian; z-score in float64
 with ddof 0; centered ranks with ties broken by member index; antithetic fold
 (C+ - C-) * eps; f32 update sum_n C_n eps_n / N * alpha; anchored weight decay
 l1/l2) written from the formulas in pipeline/es/trainer.py and
-kernels/es_noise.py docstrings, on our own noise (the reference's torch Philox
+pipeline/kernels/es_noise.py docstrings, on our own noise (the reference's torch Philox
 RNG is deliberately replaced by splitmix64). Tests compare the trainer
 against these values within float32 tolerance.
 """

@@ -6,7 +6,7 @@ final parameters of every case) and tests/goldens/optim/meta.json (each case's
 optimizer, kwargs, parameter shapes/routes, step count, and the generating
 versions), so the test rebuilds every case from the JSON alone.
 
-Inputs are pure functions of the counter RNG (kernels.rng), so nothing but the
+Inputs are pure functions of the counter RNG (pipeline.kernels.rng), so nothing but the
 final parameters is stored:
     param i initial value = 0.5 * gaussian(derive_seed(seed, 10000 + i), shape)
     gradient of param i at step s = (1 + 0.5 sin s) * gaussian(derive_seed(seed, 64 s + i), shape)
@@ -42,7 +42,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kernels import rng  # noqa: E402
+from pipeline.kernels import rng  # noqa: E402
 from pipeline.optim.apollo import projection  # noqa: E402
 
 OUT = ROOT / "tests" / "goldens" / "optim"

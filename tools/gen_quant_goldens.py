@@ -143,7 +143,7 @@ def main(argv=None):
                     help="output directory (default: tests/goldens/quant)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from kernels.quantize import BLOCK  # geometry only; the bytes come from ggml
+    from pipeline.kernels.quantize import BLOCK  # geometry only; the bytes come from ggml
 
     lib = ggml_base()
     out = Path(args.out)

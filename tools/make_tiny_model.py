@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gguf  # noqa: E402
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
-from kernels import rng  # noqa: E402
+from pipeline.kernels import rng  # noqa: E402
 
 
 @dataclass(frozen=True)

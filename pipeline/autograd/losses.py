@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.headce import head_ce
-from kernels.losses import ce_backward, ce_forward
-from kernels.nn import matmul_nn, matmul_nt
+from pipeline.kernels.headce import head_ce
+from pipeline.kernels.losses import ce_backward, ce_forward
+from pipeline.kernels.nn import matmul_nn, matmul_nt
 
 from .ops import _compute, as_tensor
 from .tensor import OpError, Tensor, grad_enabled
@@ -175,7 +175,7 @@ def _scatter_rows(values, rows, n):
 def _frozen_head(x, w, X, W, kept, rows, valid, starts, step, reduction, label_smoothing, lead):
     """linear_cross_entropy when only x needs a gradient: one pass over W per
     block of `step` rows computes each row's loss and the gradient of its own loss
-    (kernels/headce.py); the backward multiplies rows by the reduction's scale."""
+    (pipeline/kernels/headce.py); the backward multiplies rows by the reduction's scale."""
     N, H = X.shape
     kept_loss = np.empty(N, np.float64)
     gx_unit = np.empty((N, H), np.float32)

@@ -6,7 +6,7 @@ the engine (`_reduce_to_shape`), so elementwise ops may return full-shape grads.
 
 Trade-off: plain numpy first (legible, BLAS for contractions); the few row
 kernels that dominate training time (cross-entropy, RMSNorm, dropout, and for
-float32 sigmoid/SiLU/RoPE) call numba kernels in `kernels/`; attention runs its
+float32 sigmoid/SiLU/RoPE) call numba kernels in `pipeline/kernels/`; attention runs its
 (batch, kv head) GEMMs and `linear` its float32 products in tiles on our threads.
 Forward values keep the input dtype (float64 inputs stay float64, which the
 finite-difference tests rely on); 16-bit inputs to contractions are widened to
@@ -23,7 +23,7 @@ import math
 import ml_dtypes
 import numpy as np
 
-from kernels.nn import matmul_nn
+from pipeline.kernels.nn import matmul_nn
 
 from .tensor import OpError, OpIndexError, Tensor, _state, enable_grad, grad_enabled, no_grad
 
@@ -142,7 +142,7 @@ def _sigmoid(x):
 def sigmoid(a):
     a = as_tensor(a)
     if a.dtype == np.float32:  # SIMD exp kernel; float64 (finite differences) stays numpy
-        from kernels.nn import sigmoid as sigmoid_f32
+        from pipeline.kernels.nn import sigmoid as sigmoid_f32
         out = sigmoid_f32(a.data)
     else:
         out = _sigmoid(a.data)
@@ -153,7 +153,7 @@ def silu(a):
     """x * sigmoid(x) (a.k.a. swish), as in SwiGLU MLPs."""
     a = as_tensor(a)
     if a.dtype == np.float32:  # one fused pass each way; backward recomputes sigmoid instead of storing it
-        from kernels.nn import silu as silu_f32, silu_backward
+        from pipeline.kernels.nn import silu as silu_f32, silu_backward
         return Tensor.make(silu_f32(a.data), (a,), lambda g: (silu_backward(_f32(g), a.data),), "silu")
     s = _sigmoid(a.data)
     out = a.data * s
@@ -220,7 +220,7 @@ def gelu(a, approximate="none"):
         out64 = 0.5 * x64 * (1.0 + t)
         dydx = 0.5 * (1.0 + t) + 0.5 * x64 * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x64 ** 2)
     elif approximate == "none":
-        from kernels.nn import erf
+        from pipeline.kernels.nn import erf
         cdf = 0.5 * (1.0 + erf(x64 * _INV_SQRT_2))
         out64 = x64 * cdf
         dydx = cdf + x64 * _INV_SQRT_2PI * np.exp(-0.5 * x64 * x64)
@@ -267,7 +267,7 @@ def matmul(a, b):
 
 
 def _gemm(a, b):
-    """a @ b of 2-D arrays. float32 products go to kernels.nn.matmul_nn: a big one is cut into tiles on a
+    """a @ b of 2-D arrays. float32 products go to pipeline.kernels.nn.matmul_nn: a big one is cut into tiles on a
     grid fixed by the shapes and run on our threads (the training step holds BLAS at one thread, so a
     plain `@` would use one core whatever --threads says); the bits never depend on the thread count."""
     if a.dtype == b.dtype == np.float32:
@@ -436,7 +436,7 @@ def gather(a, axis, idx):
 def embedding(ids, table):
     """table[ids]: ids any-shape integer array, table [vocab, dim] -> [*ids.shape, dim].
     Backward is a deterministic scatter-add (rows summed in id order)."""
-    from kernels.nn import embedding_backward
+    from pipeline.kernels.nn import embedding_backward
 
     table = as_tensor(table)
     ids = np.asarray(ids.data if isinstance(ids, Tensor) else ids)
@@ -514,7 +514,7 @@ def log_softmax(a, axis=-1):
 # --- normalization --------------------------------------------------------------
 def rms_norm(x, weight=None, eps=1e-6):
     """x / sqrt(mean(x^2, last axis) + eps) * weight (weight optional, shape [dim])."""
-    from kernels.nn import rms_norm_backward, rms_norm_forward
+    from pipeline.kernels.nn import rms_norm_backward, rms_norm_forward
 
     x = as_tensor(x)
     parents = (x,)
@@ -629,7 +629,7 @@ def rope(x, positions, theta=10000.0, freq_factors=None, interleaved=False):
     X = _compute(x.data)
     cos, sin = _cached_rope_tables(pos, x.shape[-1], theta, X.dtype, freq_factors)
     if X.dtype == np.float32:  # one kernel pass each way; backward rotates by the negative angle
-        from kernels.nn import rope_rotate
+        from pipeline.kernels.nn import rope_rotate
         rows = x.shape[:-2]
         cos_r = np.broadcast_to(cos, rows + cos.shape[-1:]).reshape(-1, cos.shape[-1])
         sin_r = np.broadcast_to(sin, rows + sin.shape[-1:]).reshape(-1, sin.shape[-1])
@@ -681,8 +681,8 @@ def attention(q, k, v, causal=True, offset=None, scale=None, window=0):
     if window < 0:
         raise OpError(f"attention: window must be >= 0, got {window}")
 
-    from kernels.attention import softmax_backward_rows_serial, softmax_rows_serial
-    from kernels.workpool import run_tiles
+    from pipeline.kernels.attention import softmax_backward_rows_serial, softmax_rows_serial
+    from pipeline.kernels.workpool import run_tiles
 
     # Fold the query heads that share a kv head into the GEMM rows: one GEMM per
     # (batch, kv head) pair. Causal: split the queries into blocks of _ATTN_QBLOCK
@@ -757,9 +757,9 @@ def attention(q, k, v, causal=True, offset=None, scale=None, window=0):
 # --- dropout, casts, checkpointing ------------------------------------------------
 def dropout(x, p, seed):
     """Inverted dropout: element i (flat C order) is kept as x[i] / (1 - p) iff
-    uniform(seed, i) < 1 - p (kernels.rng), else 0. The mask is never stored:
+    uniform(seed, i) < 1 - p (pipeline.kernels.rng), else 0. The mask is never stored:
     backward regenerates it from (seed, i). p == 0 returns x unchanged."""
-    from kernels.nn import dropout_apply
+    from pipeline.kernels.nn import dropout_apply
 
     x = as_tensor(x)
     if not 0.0 <= p < 1.0:

@@ -65,8 +65,8 @@ def machine(threads=None):
         import numba
         info["numpy"] = numpy.__version__
         info["numba"] = numba.__version__
-        from kernels.blas import backend
-        info["blas"] = backend()  # the library under the tiled GEMMs (kernels/blas.py)
+        from pipeline.kernels.blas import backend
+        info["blas"] = backend()  # the library under the tiled GEMMs (pipeline/kernels/blas.py)
     except ImportError:
         pass
     try:

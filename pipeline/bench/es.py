@@ -1,10 +1,10 @@
 """`fucina bench es`: ES noise regeneration throughput and ES-spirals iteration time.
 
 Cases (ms; ratio = baseline_ms / ms, above 1 means the case is faster):
-  noise/gaussian        fill N float32 gaussians with kernels.es_noise (the ES
+  noise/gaussian        fill N float32 gaussians with pipeline.kernels.es_noise (the ES
                         mapping, all numba threads) vs numpy's default generator
                         (Ziggurat, one thread) and the exact scalar Box-Muller of
-                        kernels.rng; notes give values/s
+                        pipeline.kernels.rng; notes give values/s
   es-spirals/workers-1  median ms per ES iteration (population 128) with one
                         es-member worker process; baseline: the in-process run
   es-spirals/workers-2  the same with two workers; baseline: workers-1 (so the
@@ -212,7 +212,7 @@ def run(args):
 
 
 def _noise_spirals_rows(args):
-    from kernels import es_noise, rng
+    from pipeline.kernels import es_noise, rng
     out = np.empty(args.values, dtype=np.float32)
     ms = median_ms(lambda: es_noise.gaussian_fill_fast(7, out), repeat=args.repeat)
     generator = np.random.default_rng(7)

@@ -101,10 +101,10 @@ def _machine_limits(threads, repeat):
 
 def _dispatch_row(gg, threads, repeat):
     """The thread pool's fixed cost: one dispatch of an empty decode product (a native job with no pieces,
-    kernels/qint.py) to `threads` threads, a mean over 200 back to back as a decode makes them, and what the 4
+    pipeline/kernels/qint.py) to `threads` threads, a mean over 200 back to back as a decode makes them, and what the 4
     dispatches per layer plus the output head's add per token; beside it an empty dispatch of Python tasks
     (what the GEMM tiles and row kernels pay)."""
-    from kernels import qint, workpool
+    from pipeline.kernels import qint, workpool
     layers = sum(1 for name in gg.tensor_names if name.endswith(".ffn_down.weight"))
     per_token = 4 * layers + 1
     calls = 200
@@ -123,7 +123,7 @@ def _kernel_rows(path, threads, repeat):
     other path too (f32 where the default is integer, integer where it is f32), plus the output head's decode
     row: ms, GB/s of weight bytes read, GFLOP/s (2 n_out n_in per activation row), the path that ran. The pool
     is held (its threads spin between calls, as inside a model forward)."""
-    from kernels import qint, workpool
+    from pipeline.kernels import qint, workpool
     from ..autograd import no_grad
     from ..llm.gguf import GGUFFile
     from ..threads import pin_threads

@@ -88,7 +88,7 @@ def _make(case, named, apollo_rank):
 
 
 def _tensors(shapes, seed):
-    from kernels import rng
+    from pipeline.kernels import rng
     from pipeline.autograd.tensor import Tensor
     named = []
     for i, (name, shape) in enumerate(shapes):
@@ -99,7 +99,7 @@ def _tensors(shapes, seed):
 
 
 def _triad_ms(n_bytes, repeat):
-    from kernels.optim import triad_par
+    from pipeline.kernels.optim import triad_par
     n = max(1, n_bytes // 12)
     a, b = np.ones(n, np.float32), np.ones(n, np.float32)
     return median_ms(lambda: triad_par(a, b, np.float32(1e-3)), repeat, warmup=1)

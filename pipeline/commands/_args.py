@@ -126,9 +126,9 @@ def add_lora_arguments(parser):
 
 
 def kernels_cached(root: str | None = None) -> bool:
-    """True when numba's cache for this source of kernels/ holds compiled code (kernels/__init__.py names the
+    """True when numba's cache for this source of pipeline/kernels/ holds compiled code (kernels/__init__.py names the
     directory by a digest of the sources, so an edited or fresh checkout starts empty)."""
-    import kernels  # noqa: F401  (sets NUMBA_CACHE_DIR to the digest-named directory)
+    import pipeline.kernels  # noqa: F401  (sets NUMBA_CACHE_DIR to the digest-named directory)
     root = os.environ.get("NUMBA_CACHE_DIR", "") if root is None else root
     for _, _, files in os.walk(root) if root else ():
         if any(f.endswith(".nbi") for f in files):

@@ -145,7 +145,7 @@ def _es_settings(args, state, log):
     flags = {k: getattr(args, k) for k in ES_DEFAULTS}
     flags["seed"] = args.es_seed
     if flags["seed"] is None and state is None:
-        from kernels.rng import derive_seed
+        from pipeline.kernels.rng import derive_seed
         flags["seed"] = derive_seed(args.seed, 2)  # the trainer derives streams 0 (adapter init) and 1 (dropout)
     if state is not None:
         source = f"{args.load}/trainer_state.json"

@@ -12,7 +12,7 @@ other processes or on other hosts draw identical noise from two integers.
                   = draw key             scheme "correlated": one stream reused by every
                                          slot (same-length slots get identical noise,
                                          the es-at-scale reference's behaviour)
-    eps[element]  = kernels.es_noise value `element` of the stream key
+    eps[element]  = pipeline.kernels.es_noise value `element` of the stream key
 
 Both schemes and the antithetic pairing are checkpoint contracts.
 """
@@ -26,7 +26,7 @@ _GOLDEN = 0x9E3779B97F4A7C15
 
 
 def at(seed: int, i: int) -> int:
-    """kernels.rng.at in Python ints (cheap for the handful of keys per iteration)."""
+    """pipeline.kernels.rng.at in Python ints (cheap for the handful of keys per iteration)."""
     z = (int(seed) + (int(i) + 1) * _GOLDEN) & _MASK
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 import ml_dtypes
 import numpy as np
 
-from kernels import es_noise
+from pipeline.kernels import es_noise
 from ..autograd import Tensor, named_parameters
 from ..errors import FucinaError, UserError
 from . import noise as es_streams

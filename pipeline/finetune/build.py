@@ -160,7 +160,7 @@ def build_es(spec, log=lambda m: None, search: str | None = None, dequantize: bo
 def split_records(records, fraction, seed, source="record"):
     """(train, validation) records: round(fraction * n) whole records (documents, never a part of one) picked by
     the first positions of the seeded epoch permutation (pure in (n, seed)); both keep the file order."""
-    from kernels.rng import derive_seed
+    from pipeline.kernels.rng import derive_seed
     n = len(records)
     k = int(round(fraction * n))
     if k < 1 or k >= n:

@@ -166,7 +166,7 @@ class Finetune(Job):
 
     # --- compute ---------------------------------------------------------------------
     def micro_grad(self, model, batch, grads):
-        from kernels.workpool import hold, single_thread_blas
+        from pipeline.kernels.workpool import hold, single_thread_blas
         n = int(batch["length"][0])
         model.step = int(batch["micro"][0])  # the dropout stream of micro-batch (step, k)
         with single_thread_blas(), hold():  # small GEMMs on one BLAS thread; big ones tile on our (spinning) threads
@@ -185,7 +185,7 @@ class Finetune(Job):
         the training bits do not depend on it."""
         if not self.val_samples:
             return None
-        from kernels.workpool import hold, single_thread_blas
+        from pipeline.kernels.workpool import hold, single_thread_blas
         total, tokens = 0.0, 0
         with single_thread_blas(), hold():
             for s in self.val_samples:

@@ -12,7 +12,7 @@ named `layers.<i>.<target>.lora_{a,b}`.
 
 Trade-off: a product with a quantized weight needs its dense values, so by
 default each frozen weight is dequantized per use, a few L2-sized tiles at a
-time inside the GEMM (kernels/qgemm.py: forward x @ W.T and backward g @ W), so
+time inside the GEMM (pipeline/kernels/qgemm.py: forward x @ W.T and backward g @ W), so
 memory stays at the file's bits per weight (resident f32 copies were measured
 slower: streaming them from DRAM costs more than dequantizing tiles). The output head is
 always kept dense: the fused linear + cross-entropy uses it in full every step.
@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.nn import matmul_nn, matmul_nt
-from kernels.rng import derive_seed
+from pipeline.kernels.nn import matmul_nn, matmul_nt
+from pipeline.kernels.rng import derive_seed
 from pipeline.autograd import ops
 from pipeline.autograd.losses import linear_cross_entropy
 from pipeline.autograd.module import Module

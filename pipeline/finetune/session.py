@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels import workpool
-from kernels.workpool import single_thread_blas
+from pipeline.kernels import workpool
+from pipeline.kernels.workpool import single_thread_blas
 from pipeline.autograd.tensor import Tensor
 from pipeline.errors import UserError
 
@@ -53,7 +53,7 @@ class Session:
         losses = []
         for i in idx:
             s = self.samples[i]
-            # small GEMMs on one BLAS thread, big ones tile on our threads (kernels/nn.py), which stay spinning
+            # small GEMMs on one BLAS thread, big ones tile on our threads (pipeline/kernels/nn.py), which stay spinning
             with single_thread_blas(), workpool.hold():
                 loss = self.trainer.loss(s.inputs, s.labels, reduction="sum", loss_scale=scale)
                 loss.backward()

@@ -21,7 +21,7 @@ import os
 
 import numpy as np
 
-from kernels import rng
+from pipeline.kernels import rng
 
 from ..autograd.losses import cross_entropy
 from ..autograd.tensor import no_grad

@@ -31,7 +31,7 @@ import os
 import ml_dtypes
 import numpy as np
 
-from kernels import rng
+from pipeline.kernels import rng
 
 from ..autograd.losses import cross_entropy
 from ..autograd.tensor import no_grad

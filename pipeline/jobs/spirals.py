@@ -15,7 +15,7 @@ import dataclasses
 
 import numpy as np
 
-from kernels import rng
+from pipeline.kernels import rng
 
 from ..autograd.losses import cross_entropy
 from ..models.spirals import SpiralsMLP, accuracy, make_spirals

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kernels.rng import SplitMix64, at_values
+from pipeline.kernels.rng import SplitMix64, at_values
 from pipeline.errors import UserError
 from pipeline.untrusted import open_regular
 

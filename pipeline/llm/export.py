@@ -191,7 +191,7 @@ def _dense_values(t: GGUFTensor) -> np.ndarray:
     """float32 [out, in] of a stored tensor of any type Fucina reads (quantized blocks dequantized)."""
     if t.qtype in DENSE:
         return t.dense()
-    from kernels import dequant
+    from pipeline.kernels import dequant
     return np.asarray(dequant.dequantize_rows(int(t.qtype), t.data, t.shape[-1]), np.float32).reshape(t.shape)
 
 

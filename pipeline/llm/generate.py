@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels import rng
+from pipeline.kernels import rng
 from ..errors import UserError
 
 

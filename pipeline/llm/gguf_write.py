@@ -32,8 +32,8 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT
 from gguf.gguf_writer import GGUFValue
 
-from kernels.formats import block_sizes, format_of
-from kernels.quantize import quantize, to_bf16_bits, to_f16
+from pipeline.kernels.formats import block_sizes, format_of
+from pipeline.kernels.quantize import quantize, to_bf16_bits, to_f16
 from pipeline.errors import GGUFError, UserError
 from pipeline.untrusted import brief, not_a_regular_file
 

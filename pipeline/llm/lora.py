@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.workpool import single_thread_blas
-from kernels.rng import kaiming_uniform, uniform
+from pipeline.kernels.workpool import single_thread_blas
+from pipeline.kernels.rng import kaiming_uniform, uniform
 from pipeline.autograd.module import Module
 from pipeline.autograd.tensor import Tensor, parameter
 from pipeline.errors import UserError

@@ -13,7 +13,7 @@ and llama.cpp's convert_lora_to_gguf.py write them).
 Trade-off: the delta runs beside the frozen product (two rank-thin GEMMs per adapted projection)
 instead of being merged into W, so the base file is never rewritten and the logits equal the merged
 dense model's within float rounding; the price is that the single-token decode kernel
-(kernels/decode.layer) covers only plain frozen projections, so adapted models decode on the
+(pipeline/kernels/decode.layer) covers only plain frozen projections, so adapted models decode on the
 general path.
 """
 from __future__ import annotations

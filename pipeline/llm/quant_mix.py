@@ -26,7 +26,7 @@ import re
 
 from gguf import GGMLQuantizationType as QT
 
-from kernels.formats import block_sizes
+from pipeline.kernels.formats import block_sizes
 
 MIXES = {"q4_k_m": QT.Q4_K, "q5_k_m": QT.Q5_K}  # --dtype -> the mix's base type
 FALLBACK = {QT.Q4_K: QT.Q5_0, QT.Q5_K: QT.Q5_1, QT.Q6_K: QT.Q8_0}  # llama.cpp's tensor_type_fallback

@@ -5,7 +5,7 @@ kernels (F32/F16/BF16; Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; the K-quants Q2_K..Q6_K;
 IQ4_NL and IQ4_XS, which need no codebook tables); anything else (the IQ1-IQ3
 codebook formats, TQ, MXFP4) is rejected at load time with the format's name
 instead of being half-supported.
-Block sizes come from kernels/formats.py, the one table of every format's facts the kernels dispatch through
+Block sizes come from pipeline.kernels/formats.py, the one table of every format's facts the kernels dispatch through
 (tests/kernels/test_formats.py holds it to gguf-py's GGML_QUANT_SIZES).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType as QT
 
-from kernels import formats as _formats
+from pipeline.kernels import formats as _formats
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def _integer_kernels():
     """What uses_integer_dot asks, imported once: a decode asks ~300 times a token, and an import statement
     inside the method cost more than the rest of it."""
     global _INTEGER
-    from kernels import qint, qint_gemm, qtile
+    from pipeline.kernels import qint, qint_gemm, qtile
     from pipeline.autograd.tensor import grad_enabled
     _INTEGER = (qint.supports, qint_gemm.supports, qtile.supports, grad_enabled)
     return _INTEGER
@@ -70,18 +70,18 @@ class FrozenWeight:
     `raw` is the GGUF data as read (memory-mapped): f32/f16 arrays, uint16 bits for
     BF16, or uint8 block bytes [n_out, row_bytes]. `matmul_t(x)` computes x @ W.T:
     a fused dequant-matvec for a few rows of x (decode), or a tiled dequant + BLAS
-    for many rows (prefill, training; kernels/qgemm.py). `matmul(g)` computes g @ W
+    for many rows (prefill, training; pipeline/kernels/qgemm.py). `matmul(g)` computes g @ W
     (the backward of a frozen linear) the same tiled way. It carries no gradient.
 
     `integer_dot` (default True: on AVX2 the integer kernels beat the f32 ones where they are used,
     docs/models.md): forwards that record no graph (under autograd's no_grad(): inference, ES member
     evaluation, evaluation passes) quantize their activations the way llama.cpp does and take integer
     block dot products: at most INTEGER_MAX_ROWS activation rows (decode) through every block format
-    (kernels/qint.py: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS: ggml's vec_dot bit for
+    (pipeline/kernels/qint.py: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS: ggml's vec_dot bit for
     bit), and any number of rows (prefill) through Q4_K/Q5_K/Q6_K: from
-    TILE_MIN_ROWS rows the tiled GEMM (kernels/qtile.py, tiles packed at first use and kept; `tiled = False`
-    turns it off; Q2_K, Q3_K and IQ4_XS too), fewer rows the register-blocked GEMM (kernels/qint_gemm.py), both measured
-    faster than the tiled f32 GEMM; the other formats' prefill stays on the tiled f32 GEMM. A forward with
+    TILE_MIN_ROWS rows the tiled GEMM (pipeline/kernels/qtile.py, tiles packed at first use and kept; `tiled = False`
+    turns it off; Q2_K, Q3_K and IQ4_XS too), fewer rows the register-blocked GEMM (pipeline/kernels/qint_gemm.py),
+    both measured faster than the tiled f32 GEMM; the other formats' prefill stays on the tiled f32 GEMM. A forward with
     gradients on keeps f32 activations (the training contract). `llama_numerics` (parity runs) takes the
     integer path for every block format at any row count.
     """
@@ -89,7 +89,7 @@ class FrozenWeight:
     FUSED_MAX_ROWS = 4  # below this many activation rows the fused kernel wins (docs/models.md)
     integer_dot = True  # set False (on an instance or the class) to keep no-grad forwards on f32 activations
     INTEGER_MAX_ROWS = FUSED_MAX_ROWS  # beyond this, only formats with a blocked integer GEMM stay integer
-    TILE_MIN_ROWS = 16  # from this many rows (a prompt, not a decode step) the K-quants take kernels/qtile.py
+    TILE_MIN_ROWS = 16  # from this many rows (a prompt, not a decode step) the K-quants take pipeline/kernels/qtile.py
     # set False (on an instance or the class; FUCINA_TILES=0 in the environment, e.g. for many worker processes
     # on one host: each holds its own tiles) to keep prompts on vec_dot's arithmetic and make no tiles
     tiled = os.environ.get("FUCINA_TILES", "1") != "0"
@@ -103,11 +103,11 @@ class FrozenWeight:
         return int(self.raw.nbytes)
 
     def tiles(self):
-        """kernels/qtile.pack of raw (Q4_K/Q5_K/Q6_K/Q3_K/IQ4_XS/Q2_K), made at first use and kept beside raw
+        """pipeline/kernels/qtile.pack of raw (Q4_K/Q5_K/Q6_K/Q3_K/IQ4_XS/Q2_K), made at first use and kept beside raw
         (1.1x, 1.6x, 1.3x, 2.5x, 2.1x, 1.4x its bytes); made again if raw is replaced."""
         hit = self.__dict__.get("_tiles")
         if hit is None or hit[0] is not self.raw:
-            from kernels import qtile
+            from pipeline.kernels import qtile
             hit = self.__dict__["_tiles"] = (self.raw, qtile.pack(int(self.format.qtype), self.raw))
         return hit[1]
 
@@ -120,7 +120,7 @@ class FrozenWeight:
     def dequantize(self):
         """The f32 copy [n_out, n_in] (allocated per call)."""
         import numpy as np
-        from kernels import dequant
+        from pipeline.kernels import dequant
         if self.format.qtype == QT.F32:
             return np.asarray(self.raw, dtype=np.float32)
         if self.format.qtype == QT.F16:
@@ -131,9 +131,9 @@ class FrozenWeight:
         return dequant.dequantize_rows(int(self.format.qtype), self.raw, self.shape[1])
 
     def uses_integer_dot(self, rows: int) -> bool:
-        """True when matmul_t of `rows` activation rows takes the integer path (kernels/qint.py, or for many
-        rows the tiled kernels/qtile.py or the blocked kernels/qint_gemm.py where they take the format; the class
-        doc)."""
+        """True when matmul_t of `rows` activation rows takes the integer path (pipeline/kernels/qint.py, or for many
+        rows the tiled kernels/qtile.py or the blocked kernels/qint_gemm.py where they take the format;
+        the class doc)."""
         supports, gemm_supports, tile_supports, grad_enabled = _INTEGER or _integer_kernels()
         if not supports(self.format.qtype):
             return False
@@ -144,7 +144,7 @@ class FrozenWeight:
     def matmul_t(self, x):
         """x [..., n_in] f32 -> x @ W.T [..., n_out] f32."""
         import numpy as np
-        from kernels import dequant, qgemm
+        from pipeline.kernels import dequant, qgemm
         x2 = np.asarray(x, dtype=np.float32).reshape(-1, self.shape[1])
         if self.uses_integer_dot(x2.shape[0]):
             y = integer_matmul_t_many([self], x2)[0]
@@ -162,10 +162,10 @@ class FrozenWeight:
     def matmul(self, g):
         """g [..., n_out] f32 -> g @ W [..., n_in] f32: the input gradient of x @ W.T.
 
-        Tiled (kernels/qgemm.py): W is dequantized a few columns at a time into a
+        Tiled (pipeline/kernels/qgemm.py): W is dequantized a few columns at a time into a
         per-thread buffer, never as a whole; bitwise independent of the thread count."""
         import numpy as np
-        from kernels import qgemm
+        from pipeline.kernels import qgemm
         g2 = np.asarray(g, dtype=np.float32).reshape(-1, self.shape[0])
         y = qgemm.matmul(int(self.format.qtype), self.raw, g2, self.shape)
         return y.reshape(*np.shape(g)[:-1], self.shape[1])
@@ -177,11 +177,11 @@ class FrozenWeight:
 def matmul_t_many(weights: list, x) -> list:
     """[w.matmul_t(x) for w in weights], for weights that share their input (q/k/v, gate/up),
     in one dispatch to the threads: the integer block dots when every weight takes them
-    (kernels/qint.py, activations quantized once), the tiled GEMM for many rows of x (kernels/qgemm.py),
+    (pipeline/kernels/qint.py, activations quantized once), the tiled GEMM for many rows of x (kernels/qgemm.py),
     the fused matvec for a few rows through block or 16-bit weights (dequant.matvec_many).
     The results equal the one-by-one calls bit for bit."""
     import numpy as np
-    from kernels import dequant, qgemm
+    from pipeline.kernels import dequant, qgemm
     x2 = np.asarray(x, dtype=np.float32).reshape(-1, weights[0].shape[1])
     if all(w.shape[1] == x2.shape[1] and w.uses_integer_dot(x2.shape[0]) for w in weights):
         ys = integer_matmul_t_many(weights, x2)
@@ -205,12 +205,12 @@ def integer_matmul_t_many(weights: list, x2, group_rows: int | None = None) -> l
     one independent group (group_rows, default m: a caller stacking ES members or lock-step rows passes one
     member's rows, so each row gets the bits it would get alone):
       * the K-quants and IQ4_XS with at least FrozenWeight.TILE_MIN_ROWS rows (unless the weight's `tiled` is False):
-        the tiled GEMM (kernels/qtile.py, its own arithmetic: one fma per block and output); a weight with
+        the tiled GEMM (pipeline/kernels/qtile.py, its own arithmetic: one fma per block and output); a weight with
         llama_numerics from GGML_TILED_MIN_ROWS rows, with llama.cpp's AVX2 tiled arithmetic (qtile's ggml_avx2);
-      * otherwise llama.cpp's vec_dot arithmetic: the register-blocked GEMM (kernels/qint_gemm.py) for at least
-        qint_gemm.ROWS rows through Q4_K/Q5_K/Q6_K, else the row kernels (kernels/qint.py), the same bits.
+      * otherwise llama.cpp's vec_dot arithmetic: the register-blocked GEMM (pipeline/kernels/qint_gemm.py) for at least
+        qint_gemm.ROWS rows through Q4_K/Q5_K/Q6_K, else the row kernels (pipeline/kernels/qint.py), the same bits.
     Each weight's bits do not depend on the other weights of the call."""
-    from kernels import qint_gemm, qtile
+    from pipeline.kernels import qint_gemm, qtile
     n = x2.shape[0] if group_rows is None else group_rows
     # llama numerics: llama.cpp's tiled AVX2 arithmetic from GGML_TILED_MIN_ROWS rows, decided per weight
     tiled = [qtile.supports(w.format.qtype) and (n >= GGML_TILED_MIN_ROWS if w.llama_numerics else
@@ -232,11 +232,11 @@ def integer_matmul_t_many(weights: list, x2, group_rows: int | None = None) -> l
 
 
 def integer_product(weights: list):
-    """The kernels/qint.Product of this group of weights, kept on the first one: a decode makes the same ~113
+    """The pipeline/kernels/qint.Product of this group of weights, kept on the first one: a decode makes the same ~113
     products every token, and laying a product's job out once saves most of its per-call Python. The group is
     found again only while its weights hold the same raw arrays (a replaced raw gets a new product); the key
     holds the weights themselves, so no other object can take their ids."""
-    from kernels import qint
+    from pipeline.kernels import qint
     cache = weights[0].__dict__.setdefault("_integer_products", {})
     key = tuple(weights)
     hit = cache.get(key)
@@ -257,7 +257,7 @@ def matmul_t_groups(weights: list, x3) -> list:
     per-row bits depend on the call (f32 BLAS for a few rows, llama numerics' f32 roundtrip) are called
     group by group."""
     import numpy as np
-    from kernels import dequant, qgemm
+    from pipeline.kernels import dequant, qgemm
     x3 = np.ascontiguousarray(x3, dtype=np.float32)
     groups, n, n_in = x3.shape
     if groups > 1 and all(w.shape[1] == n_in and w.uses_integer_dot(n) for w in weights):
@@ -277,7 +277,7 @@ def matmul_t_groups(weights: list, x3) -> list:
 def weight_rows(w: FrozenWeight, ids):
     """Dequantize only the rows `ids` of w (embedding lookup) -> f32 [len(ids), n_in]."""
     import numpy as np
-    from kernels import dequant
+    from pipeline.kernels import dequant
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     raw = np.asarray(w.raw)[ids]
     if w.format.qtype == QT.F32:
@@ -305,12 +305,12 @@ def llama_activation_roundtrip(qtype, x):
     weight type's dot-product partner (Q8_0 for Q8_0/Q4_0/Q5_0/IQ4_NL, Q8_1 for Q4_1/Q5_1,
     Q8_K for the K-quants and IQ4_XS, BF16 for BF16, F16 for F16) and dequantized here. Q8_1
     rounds like Q8_0 (its fp16 block sums are the integer path's). The f32 path of parity runs
-    through F16/BF16 weights reads it (block formats take kernels/qint.py, llama.cpp's own
+    through F16/BF16 weights reads it (block formats take pipeline/kernels/qint.py, llama.cpp's own
     arithmetic), and tests/llm/test_parity_ties.py's replay of rounding ties."""
     import numpy as np
     x = np.asarray(x, dtype=np.float32)
     row = _formats.format_of(qtype)
-    partner = row.partner if row else ""  # kernels/formats.py's activation partner of the integer dot
+    partner = row.partner if row else ""  # pipeline/kernels/formats.py's activation partner of the integer dot
     if partner in (_formats.Q8_0_PARTNER, _formats.Q8_1_PARTNER):
         q, d = _q8_blocks(x.reshape(-1, x.shape[-1]))
         return (q * d.astype(np.float16).astype(np.float32)[..., None]).reshape(x.shape)

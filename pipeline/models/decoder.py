@@ -41,10 +41,10 @@ from typing import Callable
 
 import numpy as np
 
-from kernels import attention, decode, ggml_f32, handoff, rng, workpool
-from kernels.dequant import HALF_TO_FLOAT
-from kernels.decode import norm_rope_heads as _norm_rope_heads, rms_rows as _rms_rows
-from kernels.nn import swiglu as swiglu_f32  # the training path's kernel: the same bits in inference
+from pipeline.kernels import attention, decode, ggml_f32, handoff, rng, workpool
+from pipeline.kernels.dequant import HALF_TO_FLOAT
+from pipeline.kernels.decode import norm_rope_heads as _norm_rope_heads, rms_rows as _rms_rows
+from pipeline.kernels.nn import swiglu as swiglu_f32  # the training path's kernel: the same bits in inference
 from ..autograd import Module, Tensor, no_grad, ops, parameter
 from ..errors import GGUFError, UserError
 from ..llm.quants import FrozenWeight, integer_product, matmul_t_groups, matmul_t_many, weight_rows
@@ -333,7 +333,7 @@ def _infer_rows(projs, x3: np.ndarray) -> list:
 def swiglu(gate, up):
     """silu(gate) * up as one op: the bits of ops.silu then ops.mul, in one pass
     each way with no [T, ffn] temporaries beyond the outputs."""
-    from kernels.nn import swiglu_backward
+    from pipeline.kernels.nn import swiglu_backward
     a = np.ascontiguousarray(gate.data, dtype=np.float32)
     b = np.ascontiguousarray(up.data, dtype=np.float32)
 
@@ -381,7 +381,7 @@ class KVCache:
         return self.k[layer][:end], self.v[layer][:end]
 
     def reserve(self, end: int):
-        """Room for positions up to end in every layer (kernels/decode.layer writes its own slot)."""
+        """Room for positions up to end in every layer (pipeline/kernels/decode.layer writes its own slot)."""
         for layer in range(len(self.k)):
             self._grow(layer, end)
 
@@ -399,7 +399,7 @@ class KVCache:
 
 
 class _DecodeLayer:
-    """One layer's constant arguments of kernels/decode.layer."""
+    """One layer's constant arguments of pipeline/kernels/decode.layer."""
 
     def __init__(self, blk, templates, needs, rows):
         f32 = lambda a: np.ascontiguousarray(a, np.float32)
@@ -650,7 +650,7 @@ class DecoderLM(Module):
             return self._infer_rows(ids, caches, adapt, all_logits)
 
     def _decode_token(self, ids, cache: KVCache):
-        """One token of one row through kernels/decode.layer (a layer per numba call, the general path's bits),
+        """One token of one row through pipeline/kernels/decode.layer (a layer per numba call, the general path's bits),
         or None when this model or call is not the shape it covers (the general path then runs)."""
         c = self.config
         ids = self._check_ids(ids)
@@ -683,13 +683,13 @@ class DecoderLM(Module):
         return _infer_rows([self.output], x)[0][:, 0]
 
     def _decode_plan(self, threads: int):
-        """The per-layer arguments of kernels/decode.layer for `threads` threads, kept on the model while its
+        """The per-layer arguments of pipeline/kernels/decode.layer for `threads` threads, kept on the model while its
         projections hold the same weights and raw arrays; None when a layer is not what it covers."""
         from pipeline.autograd.tensor import grad_enabled
-        from kernels.qint import _RUNNER
+        from pipeline.kernels.qint import _RUNNER
         plan = self.__dict__.get("_decode")
         if grad_enabled() or self.llama_numerics:
-            return None  # llama.cpp's f32 arithmetic (parity runs, kernels/ggml_f32.py) is the general path's
+            return None  # llama.cpp's f32 arithmetic (parity runs, pipeline/kernels/ggml_f32.py) is the general path's
         if plan is not None and plan.threads == threads and plan.current(self):
             return plan
         layers, used = [], []
@@ -724,7 +724,7 @@ class DecoderLM(Module):
         if max(starts) + t > c.context_length:
             raise UserError(f"context of {max(starts) + t} tokens exceeds the model's context length "
                             f"{c.context_length}")
-        ln = self.llama_numerics  # llama.cpp's f32 arithmetic between the products too (kernels/ggml_f32.py)
+        ln = self.llama_numerics  # llama.cpp's f32 arithmetic between the products too (pipeline/kernels/ggml_f32.py)
         tables = {}  # (base, scale) -> (cos, sin) [rows * t, 1, head_dim/2]: one pair per RoPE kind in the model
         for base, scale in sorted({c.layer_rope(li) for li in range(c.layers)}):
             if ln:
@@ -833,7 +833,7 @@ def _infer_post_norm(x: np.ndarray, norm, eps: float, rms=None) -> np.ndarray:
     return x if norm is None else (rms or _rms)(x, norm.data if isinstance(norm, Tensor) else norm, eps)
 
 
-# --- llama-numerics: llama.cpp's own f32 arithmetic between the products (kernels/ggml_f32.py) ---------------
+# --- llama-numerics: llama.cpp's own f32 arithmetic between the products (pipeline/kernels/ggml_f32.py) ---------------
 def _rms_llama(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """ggml's rms_norm (float64 sum of squares) then the weight."""
     x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
@@ -879,7 +879,7 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale=None, 
     positions behind the query (sliding-window layers); a chunk multiplies only against the keys some
     row of it can see.
 
-    At most ATTEND_CACHED_MAX_T queries (decode) go through kernels/attention.attend_cached in one numba call;
+    At most ATTEND_CACHED_MAX_T queries (decode) go through pipeline/kernels/attention.attend_cached in one numba call;
     more go in chunks of ATTEND_CHUNK positions, each against only the keys it can see
     (a prompt from an empty cache does ~5/8 of the full t x s work). A long prompt splits
     the kv heads over the worker threads (numpy releases the GIL). Chunks depend on t only
@@ -888,7 +888,7 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale=None, 
     s, n_kv, _ = k.shape
     g = n_h // n_kv
     scale = np.float32(d ** -0.5 if scale is None else scale)
-    if t <= ATTEND_CACHED_MAX_T:  # decode: one numba call, no score matrix (kernels/attention.attend_cached)
+    if t <= ATTEND_CACHED_MAX_T:  # decode: one numba call, no score matrix (pipeline/kernels/attention.attend_cached)
         return attention.attend_cached(q, k, v, pos0, scale, window)
     q4 = q.reshape(t, n_kv, g, d).transpose(1, 2, 0, 3)                    # [KV, g, t, D]
     kt, vt = k.transpose(1, 2, 0), v.transpose(1, 0, 2)
@@ -927,7 +927,7 @@ def _gelu_tanh_mul(g: np.ndarray, u: np.ndarray, f16_table: bool = False) -> np.
     then the f32 product). f16_table: as ggml's CPU geglu (GGML_GELU_FP16) instead: g rounded to f16,
     its f32 GELU rounded to f16 (the lookup table), 0 below -10 and the identity above 10; its two f16
     roundings (2^-11 relative each) are most of llama.cpp's distance from the exact GELU."""
-    if not f16_table:  # one numba pass (kernels/decode.gelu_tanh_mul_rows: the decode layer's bits too)
+    if not f16_table:  # one numba pass (pipeline/kernels/decode.gelu_tanh_mul_rows: the decode layer's bits too)
         g, u = (np.ascontiguousarray(a, np.float32) for a in (g, u))
         out = np.empty_like(g)
         decode.gelu_tanh_mul_rows(g.reshape(-1), u.reshape(-1), out.reshape(-1))

@@ -2,7 +2,7 @@
 
 Trade-off: a dataset small enough to train full-batch in seconds yet not
 linearly separable, so it exercises every stage of a training step. All
-randomness (data noise, init) comes from kernels.rng, so a (seed) pins every
+randomness (data noise, init) comes from pipeline.kernels.rng, so a (seed) pins every
 bit of the data and the initial weights.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from kernels import rng
+from pipeline.kernels import rng
 from pipeline.autograd import Module, Tensor, linear, no_grad, tanh
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from kernels import optim as K
+from pipeline.kernels import optim as K
 
 from .base import Optimizer, check_betas, check_range, f32, new_state, state_dtype_name
 

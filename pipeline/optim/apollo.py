@@ -13,7 +13,7 @@ without projection.
 
 Where our RNG replaces theirs: apollo_torch draws P from torch.Generator seeded
 by the param's index and re-seeds with a torch.randint chain every
-update_proj_gap steps. We regenerate P (never store it) from kernels.rng as a
+update_proj_gap steps. We regenerate P (never store it) from pipeline.kernels.rng as a
 pure function of (seed, slot name, step // update_proj_gap): gaussian with
 seed derive_seed(derive_seed(seed, fnv1a64(name)), step // gap). Goldens are
 made by injecting exactly this P into apollo_torch.
@@ -28,8 +28,8 @@ import math
 
 import numpy as np
 
-from kernels import optim as K
-from kernels import rng
+from pipeline.kernels import optim as K
+from pipeline.kernels import rng
 
 from .base import Optimizer, OptimizerConfigError, check_betas, check_range, f32, new_state, state_dtype_name
 

@@ -19,7 +19,7 @@ import math
 import ml_dtypes
 import numpy as np
 
-from kernels.workpool import single_thread_blas
+from pipeline.kernels.workpool import single_thread_blas
 from pipeline.autograd.tensor import Tensor
 from pipeline.errors import ConfigMismatchError, DTypeMismatchError, UserError
 

@@ -1,7 +1,7 @@
 """Global gradient-norm clipping and gradient scaling (torch.nn.utils semantics).
 
 clip_grad_norm: total = sqrt(sum over params of sum(g^2)), each tensor's sum
-of squares from the fixed-chunk float64 reduction in kernels/optim.py and the
+of squares from the fixed-chunk float64 reduction in pipeline/kernels/optim.py and the
 tensors combined in registration order, so the norm is bitwise identical for
 any thread count. If max_norm / (total + 1e-6) < 1 every gradient is scaled by
 that factor (cast to float32). Returns the pre-clip norm.
@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from kernels import optim as K
+from pipeline.kernels import optim as K
 
 from .base import OptimizerConfigError
 

@@ -9,7 +9,7 @@ exactly lr per step, so lr must be ~3-10x smaller than AdamW's.
 """
 from __future__ import annotations
 
-from kernels import optim as K
+from pipeline.kernels import optim as K
 
 from .base import Optimizer, check_betas, check_range, f32, new_state, state_dtype_name
 

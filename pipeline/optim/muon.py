@@ -16,7 +16,7 @@ embeddings and output heads are 2-D but must not be orthogonalized: register
 them with `add_fallback_param`.
 
 Trade-off: the reference runs Newton-Schulz in bf16 on GPU; we run it in
-float32 through the tiled GEMMs of kernels/nn (single-threaded BLAS per tile on
+float32 through the tiled GEMMs of pipeline/kernels/nn (single-threaded BLAS per tile on
 a grid fixed by the shape, so the bits do not depend on the thread count:
 multi-threaded OpenBLAS does not promise that, and on AMD EPYC it measurably
 differs), exact enough to pin goldens to 1e-6 but ~5 GEMMs of the matrix size
@@ -28,8 +28,8 @@ import math
 
 import numpy as np
 
-from kernels import optim as K
-from kernels.nn import matmul_nn, matmul_nt
+from pipeline.kernels import optim as K
+from pipeline.kernels.nn import matmul_nn, matmul_nt
 
 from .adamw import AdamW
 from .base import Optimizer, OptimizerConfigError, check_range, f32, new_state, state_dtype_name

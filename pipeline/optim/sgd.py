@@ -10,7 +10,7 @@ formula, so goldens can pin it to a couple of float32 ulps.
 """
 from __future__ import annotations
 
-from kernels import optim as K
+from pipeline.kernels import optim as K
 
 from .base import Optimizer, OptimizerConfigError, check_range, dummy_state, f32, new_state, state_dtype_name
 

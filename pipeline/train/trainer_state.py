@@ -65,7 +65,7 @@ class TrainerState:
                 value = getattr(self, name)
                 raise CheckpointError(f"{source}: field {name!r} must be a JSON object, got {brief(value)}")
         for key, seed in self.seeds.items():
-            # the counter RNG (kernels/rng.py) takes a seed as a uint64
+            # the counter RNG (pipeline/kernels/rng.py) takes a seed as a uint64
             if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:
                 raise CheckpointError(f"{source}: seed {key!r} must be an integer in [0, 2^64), got {brief(seed)}")
 

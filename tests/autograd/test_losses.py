@@ -157,7 +157,7 @@ def test_bad_options():
         ag.linear_cross_entropy(logits, np.zeros((4, 5), np.float32), np.array([0, 1]))
 
 
-# --- frozen head: one pass over w (kernels/headce.py) vs the two-pass path -------------
+# --- frozen head: one pass over w (pipeline/kernels/headce.py) vs the two-pass path -------------
 
 @pytest.fixture
 def head_calls(monkeypatch):
@@ -176,7 +176,7 @@ def head_calls(monkeypatch):
 
 def small_grid(monkeypatch):
     """Several segments and a partial last chunk even for a small vocabulary."""
-    from kernels import headce
+    from pipeline.kernels import headce
     monkeypatch.setattr(headce, "SEGMENT_ROWS", 128)
     monkeypatch.setattr(headce, "CHUNK_ROWS", 48)
 

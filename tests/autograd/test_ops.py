@@ -58,7 +58,7 @@ def test_linear(gradcheck, rand):
 
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs NUMBA_NUM_THREADS >= 2")
 def test_float32_linear_tiles_bits_independent_of_threads_and_within_the_summation_bound():
-    """A float32 product big enough to run in tiles on our threads (kernels.nn.matmul_nn): forward and both
+    """A float32 product big enough to run in tiles on our threads (pipeline.kernels.nn.matmul_nn): forward and both
     gradients are the same bits at 1 and 2 threads, and within K * 2^-24 * (|a| @ |b|) of float64."""
     r = np.random.default_rng(3)
     x, w, g = (r.standard_normal(s).astype(np.float32) for s in ((2, 128, 512), (640, 512), (2, 128, 640)))
@@ -226,7 +226,7 @@ def test_dropout(gradcheck, rand):
 
 
 def test_dropout_mask_from_rng():
-    from kernels import rng
+    from pipeline.kernels import rng
     x = np.ones((50, 40), np.float32)
     out = ag.dropout(Tensor(x), 0.25, seed=5).data
     keep = rng.uniform(5, x.shape, dtype=np.float64) < 0.75

@@ -1,4 +1,4 @@
-"""kernels/es_noise: the fast gaussian mapping and the three ES noise passes.
+"""pipeline/kernels/es_noise: the fast gaussian mapping and the three ES noise passes.
 
 Each kernel is checked bitwise against a straight-line numpy reference written
 here from the formulas in the module docstring, for 1 and 2 numba threads.
@@ -10,7 +10,7 @@ import numba
 import numpy as np
 import pytest
 
-from kernels import es_noise, rng
+from pipeline.kernels import es_noise, rng
 
 GOLDEN = Path(__file__).parent.parent / "goldens" / "es" / "noise.json"
 M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -86,7 +86,7 @@ def test_fill_thread_count_invariant():
 
 
 def test_fast_mapping_close_to_exact_scalar_gaussian():
-    """Same pair stream and uniforms as kernels.rng, polynomial transcendentals (~1e-10 apart)."""
+    """Same pair stream and uniforms as pipeline.kernels.rng, polynomial transcendentals (~1e-10 apart)."""
     n = 200_000
     fast = es_noise.gaussian_fill_fast(1234, np.empty(n))
     exact = rng.gaussian_fill(1234, np.empty(n))

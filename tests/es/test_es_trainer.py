@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kernels import es_noise
+from pipeline.kernels import es_noise
 from pipeline.autograd import Module, Tensor
 from pipeline.errors import ConfigMismatchError, DTypeMismatchError
 from pipeline.es import ESConfig, ESConfigError, ESStateError, ESTrainer, RewardError, centered_ranks, z_score

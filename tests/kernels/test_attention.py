@@ -1,10 +1,10 @@
-"""kernels/attention.py softmax rows vs numpy; 1 vs 2 threads bitwise; the
+"""pipeline/kernels/attention.py softmax rows vs numpy; 1 vs 2 threads bitwise; the
 float32 attention op (kernel path) vs a float64 reference."""
 import numba
 import numpy as np
 import pytest
 
-from kernels import attention as ka
+from pipeline.kernels import attention as ka
 from pipeline.threads import numba_threads
 
 two_threads = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs NUMBA_NUM_THREADS >= 2")
@@ -13,7 +13,7 @@ two_threads = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="nee
 @pytest.fixture(autouse=True)
 def parallel_even_when_small(monkeypatch):
     """Small inputs run serially below nn.PARALLEL_MIN; here every kernel takes its parallel grid."""
-    from kernels import nn as kernels_nn
+    from pipeline.kernels import nn as kernels_nn
     monkeypatch.setattr(kernels_nn, "PARALLEL_MIN", 0)
 
 

@@ -1,4 +1,4 @@
-"""kernels/blas.py: one single-threaded sgemm call, MKL when installed, numpy's OpenBLAS otherwise."""
+"""pipeline/kernels/blas.py: one single-threaded sgemm call, MKL when installed, numpy's OpenBLAS otherwise."""
 import os
 import subprocess
 import sys
@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from kernels import blas
+from pipeline.kernels import blas
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 has_mkl = blas.backend() == "mkl"
@@ -85,7 +85,7 @@ def test_mkl_bits_do_not_depend_on_alignment():
 
 def _backend_in_subprocess(value):
     env = dict(os.environ, FUCINA_BLAS=value)
-    return subprocess.run([sys.executable, "-c", "from kernels.blas import backend; print(backend())"],
+    return subprocess.run([sys.executable, "-c", "from pipeline.kernels.blas import backend; print(backend())"],
                           cwd=ROOT, env=env, capture_output=True, text=True)
 
 

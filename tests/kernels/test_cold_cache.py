@@ -15,7 +15,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROBE = """
 import sys, numpy as np
-from kernels import rng
+from pipeline.kernels import rng
 from pipeline.autograd import Tensor, cross_entropy, linear_cross_entropy, rms_norm, attention
 x = Tensor(rng.gaussian(1, (37, 64)), requires_grad=True)
 w = Tensor(rng.gaussian(2, (384, 64)) * 0.1, requires_grad=True)
@@ -25,7 +25,7 @@ logits = Tensor(rng.gaussian(4, (37, 384)), requires_grad=True)
 cross_entropy(logits, labels).backward()
 h = Tensor(rng.gaussian(5, (2, 70, 4, 16)), requires_grad=True)
 (attention(h, h, h, causal=True) * rms_norm(h, None, 1e-6)).sum().backward()
-xf = Tensor(rng.gaussian(6, (37, 64)), requires_grad=True)  # a frozen head: the one-pass kernels/headce.py
+xf = Tensor(rng.gaussian(6, (37, 64)), requires_grad=True)  # a frozen head: the one-pass pipeline/kernels/headce.py
 frozen = linear_cross_entropy(xf, Tensor(rng.gaussian(7, (1500, 64)) * 0.3), labels, label_smoothing=0.1)
 frozen.backward()
 np.savez(sys.argv[1], gx=x.grad, gw=w.grad, gl=logits.grad, gh=h.grad, gf=xf.grad, lf=frozen.data)
@@ -35,7 +35,7 @@ np.savez(sys.argv[1], gx=x.grad, gw=w.grad, gl=logits.grad, gh=h.grad, gf=xf.gra
 # The fine-tune step's own kernels: SwiGLU / SiLU, RoPE, and the tiled GEMMs of the two-pass head.
 FINETUNE_PROBE = """
 import sys, numpy as np
-from kernels import rng
+from pipeline.kernels import rng
 from pipeline.autograd import Tensor, rope, silu, linear_cross_entropy
 from pipeline.models.decoder import swiglu
 a = Tensor(rng.gaussian(1, (37, 3001)) * 4, requires_grad=True)
@@ -55,8 +55,7 @@ def _same_bits_cold_and_warm(tmp_path, probe):
     """Run `probe` (which saves arrays to argv[1]) against an empty numba cache, then
     against the cache it filled; every array must be bitwise equal."""
     tree = tmp_path / "tree"
-    for pkg in ("kernels", "pipeline"):
-        shutil.copytree(ROOT / pkg, tree / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "pipeline", tree / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
     env = dict(os.environ, PYTHONPATH=str(tree), NUMBA_CACHE_DIR=str(tmp_path / "numba_cache"))
     outs = []
     for name in ("cold", "warm"):
@@ -79,7 +78,7 @@ def test_cold_and_warm_cache_identical_for_finetune_kernels(tmp_path):
 
 EDIT_PROBE = """
 import numba, numpy as np
-from kernels import qint
+from pipeline.kernels import qint
 raw = np.zeros((2, 18), np.uint8)
 raw[:, 0:2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)  # d = 1, every nibble 0: weights -8
 print(qint.matmul_t_many([(2, raw)], np.ones((1, 32), np.float32))[0][0, 0], numba.config.CACHE_DIR)
@@ -89,10 +88,9 @@ print(qint.matmul_t_many([(2, raw)], np.ones((1, 32), np.float32))[0][0, 0], num
 def test_an_edit_to_an_inlined_helper_recompiles_its_callers(tmp_path):
     """numba revalidates a cached function by its own file only; qint.py's Q4_0 kernel inlines qblocks.py's
     idot_q4_0, so editing qblocks.py alone must still give new machine code: the cache directory is named by a
-    digest of every kernels/*.py (kernels/__init__.py), and the previous digest's directory is removed."""
+    digest of every pipeline/kernels/*.py (kernels/__init__.py), and the previous digest's directory is removed."""
     tree = tmp_path / "tree"
-    for pkg in ("kernels", "pipeline"):
-        shutil.copytree(ROOT / pkg, tree / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "pipeline", tree / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
     env["PYTHONPATH"] = str(tree)
 
@@ -103,9 +101,9 @@ def test_an_edit_to_an_inlined_helper_recompiles_its_callers(tmp_path):
         return float(value), pathlib.Path(cache)
 
     before, first_cache = run()
-    assert abs(before + 8 * 32) < 0.1 and first_cache.parent == tree / "kernels" / "__pycache__"  # x as Q8_0
+    assert abs(before + 8 * 32) < 0.1 and first_cache.parent == tree / "pipeline/kernels/__pycache__"  # x as Q8_0
     assert any(first_cache.rglob("*.nbi"))  # the kernels were cached there
-    qblocks = tree / "kernels" / "qblocks.py"
+    qblocks = tree / "pipeline" / "kernels" / "qblocks.py"
     source = qblocks.read_text()
     old = "h.b.sub(_nibbles(h, 2), h.bytes_const(8))"
     assert old in source

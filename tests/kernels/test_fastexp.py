@@ -1,7 +1,7 @@
-"""kernels/fastexp.py: the SIMD exp/max/sum-exp against numpy references."""
+"""pipeline/kernels/fastexp.py: the SIMD exp/max/sum-exp against numpy references."""
 import numpy as np
 
-from kernels import fastexp
+from pipeline.kernels import fastexp
 
 
 def ulps(got, x):

@@ -1,10 +1,10 @@
-"""kernels/formats.py, the one table of format facts: its sizes against gguf-py's, and every kernel table built
+"""pipeline/kernels/formats.py, the one table of format facts: its sizes against gguf-py's, and every kernel table built
 from it against what the kernels do with a random block of each row."""
 import numpy as np
 import pytest
 
-from kernels import dequant, formats, qdot, qint, qint_gemm, qtile, quantize
-from kernels.formats import FORMATS, PARTNER_BLOCK, Q8_K_PARTNER
+from pipeline.kernels import dequant, formats, qdot, qint, qint_gemm, qtile, quantize
+from pipeline.kernels.formats import FORMATS, PARTNER_BLOCK, Q8_K_PARTNER
 
 ROWS = 3
 

@@ -1,4 +1,4 @@
-"""kernels/headce.py (one-pass head cross-entropy) against a float64 numpy reference;
+"""pipeline/kernels/headce.py (one-pass head cross-entropy) against a float64 numpy reference;
 1 vs 2 numba threads bitwise; online-max rescaling; partial last chunk (cold == warm numba
 cache: tests/kernels/test_cold_cache.py)."""
 
@@ -6,7 +6,7 @@ import numba
 import numpy as np
 import pytest
 
-from kernels import headce
+from pipeline.kernels import headce
 from pipeline.threads import numba_threads
 
 two_threads = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs NUMBA_NUM_THREADS >= 2")

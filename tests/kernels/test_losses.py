@@ -1,9 +1,9 @@
-"""kernels/losses.py against a numpy reference; 1 vs 2 numba threads bitwise."""
+"""pipeline/kernels/losses.py against a numpy reference; 1 vs 2 numba threads bitwise."""
 import numba
 import numpy as np
 import pytest
 
-from kernels import losses
+from pipeline.kernels import losses
 from pipeline.threads import numba_threads
 
 two_threads = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs NUMBA_NUM_THREADS >= 2")
@@ -12,7 +12,7 @@ two_threads = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="nee
 @pytest.fixture(autouse=True)
 def parallel_even_when_small(monkeypatch):
     """Small inputs run serially below nn.PARALLEL_MIN; here every kernel takes its parallel grid."""
-    from kernels import nn as kernels_nn
+    from pipeline.kernels import nn as kernels_nn
     monkeypatch.setattr(kernels_nn, "PARALLEL_MIN", 0)
 
 

@@ -1,4 +1,4 @@
-"""Decode matvec kernels (kernels/qdot.py): bitwise equal to a numpy emulation of their contract.
+"""Decode matvec kernels (pipeline/kernels/qdot.py): bitwise equal to a numpy emulation of their contract.
 
 The contract: lane l (0..31) accumulates, in f32 and block order, w[k] * x[k] for
 k = l mod 32, where w is the exact gguf-py dequantized weight; the 32 lanes are
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT, quants
 
-from kernels import dequant, qdot
+from pipeline.kernels import dequant, qdot
 from pipeline.threads import numba_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "llm"))
@@ -77,7 +77,7 @@ import sys, numpy as np
 sys.path.insert(0, sys.argv[2])
 from test_gguf_dequant import random_blocks
 from gguf import GGMLQuantizationType as QT
-from kernels import dequant, qgemm
+from pipeline.kernels import dequant, qgemm
 x = np.random.default_rng(0).standard_normal((2, 512)).astype(np.float32)
 out = {}
 for qt in (QT.Q4_K, QT.Q6_K, QT.IQ4_XS):
@@ -96,7 +96,7 @@ def test_cold_and_warm_numba_cache_give_identical_bits(tmp_path):
     import subprocess
     root = Path(__file__).resolve().parents[2]
     tree = tmp_path / "tree"
-    shutil.copytree(root / "kernels", tree / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(root / "pipeline", tree / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
     env = dict(os.environ, PYTHONPATH=str(tree), NUMBA_CACHE_DIR=str(tmp_path / "numba_cache"))
     outs = []
     for name in ("cold", "warm"):

@@ -1,4 +1,4 @@
-"""Tiled frozen-weight GEMMs (kernels/qgemm.py): against a numpy reference on the gguf-py dequant,
+"""Tiled frozen-weight GEMMs (pipeline/kernels/qgemm.py): against a numpy reference on the gguf-py dequant,
 several tiles per call, bitwise across thread counts and tile-to-thread assignment."""
 import sys
 from pathlib import Path
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT, quants
 
-from kernels import qgemm
+from pipeline.kernels import qgemm
 from pipeline.threads import numba_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "llm"))

@@ -1,4 +1,4 @@
-"""Integer block dot products (kernels/qint.py): bitwise equal to a numpy model of llama.cpp's arithmetic.
+"""Integer block dot products (pipeline/kernels/qint.py): bitwise equal to a numpy model of llama.cpp's arithmetic.
 
 The model, written from ggml-cpu's x86 quants.c independently of the kernels: activations
 quantized as quantize_row_q8_0 (AVX2) / quantize_row_q8_K_ref; per block, exact integer sums
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT, quants
 
-from kernels import qint
+from pipeline.kernels import qint
 from pipeline.threads import numba_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "llm"))
@@ -309,7 +309,7 @@ def test_bad_shapes_are_refused():
 
 
 def test_frozen_weight_takes_the_integer_path_only_without_gradients():
-    from kernels import dequant, qgemm
+    from pipeline.kernels import dequant, qgemm
     from pipeline.autograd import no_grad
     from pipeline.llm.quants import FORMATS, FrozenWeight, matmul_t_many
     raw = random_blocks(QT.Q4_K, 48, 256, seed=9)
@@ -332,7 +332,7 @@ def test_frozen_weight_takes_the_integer_path_only_without_gradients():
         np.testing.assert_array_equal(fw.matmul_t(many), qgemm.matmul_t(int(QT.Q4_K), raw, many, (48, 256)))
         fw.llama_numerics = True  # vec_dot's bits below 8 rows, llama.cpp's tiled AVX2 GEMM's from 8 (9 here)
         np.testing.assert_array_equal(fw.matmul_t(many[:7]), np.repeat(integer, 3, axis=0)[:7])
-        from kernels import qtile
+        from pipeline.kernels import qtile
         np.testing.assert_array_equal(fw.matmul_t(many), qtile.matmul_t_many([(int(QT.Q4_K), raw, fw.tiles())],
                                                                               many, ggml_avx2=True)[0])
         fw.llama_numerics = False
@@ -362,12 +362,13 @@ _TARGETS = {"avxvnni": ("alderlake", ("avx512", "amx", "evex512"), "avxvnni"),  
 
 @pytest.mark.slow
 @pytest.mark.parametrize("isa, probe, expected", [
-    ("portable", "from kernels import qblocks; print(qblocks.AVX2)", "False"),
-    ("avx2", "from kernels import qint_gemm; print(qint_gemm.ROWS, qint_gemm.VNNI)", "4 False"),
-    ("avxvnni", "from kernels import qint_gemm; print(qint_gemm.ROWS, qint_gemm.VNNI, qint_gemm._EVEX_VNNI)",
+    ("portable", "from pipeline.kernels import qblocks; print(qblocks.AVX2)", "False"),
+    ("avx2", "from pipeline.kernels import qint_gemm; print(qint_gemm.ROWS, qint_gemm.VNNI)", "4 False"),
+    ("avxvnni", "from pipeline.kernels import qint_gemm; print(qint_gemm.ROWS, qint_gemm.VNNI, qint_gemm._EVEX_VNNI)",
      "4 True False"),
-    ("avx512bw", "from kernels import qtile; print(qtile.ROWS, qtile.VNNI512, qtile._BW)", "4 False True"),
-    ("haswell", "from kernels import qtile, qint_gemm; print(qtile.ROWS, qtile.VNNI512, qint_gemm.ROWS)", "2 False 4")])
+    ("avx512bw", "from pipeline.kernels import qtile; print(qtile.ROWS, qtile.VNNI512, qtile._BW)", "4 False True"),
+    ("haswell", "from pipeline.kernels import qtile, qint_gemm; print(qtile.ROWS, qtile.VNNI512, qint_gemm.ROWS)",
+     "2 False 4")])
 def test_portable_ir_and_the_4_row_gemm_give_the_same_bits(tmp_path, isa, probe, expected):
     """Every ISA path of the integer kernels against the same numpy models, in a fresh process with its own
     numba cache (no code compiled for the default target is reused): the portable IR (non-AVX2 targets; forced
@@ -378,7 +379,7 @@ def test_portable_ir_and_the_4_row_gemm_give_the_same_bits(tmp_path, isa, probe,
     import os
     import subprocess
     import llvmlite.binding as llvm
-    from kernels.qblocks import AVX2
+    from pipeline.kernels.qblocks import AVX2
     if isa != "portable" and not AVX2:
         pytest.skip("no AVX2 here")
     if isa in _TARGETS and not llvm.get_host_cpu_features().get(_TARGETS[isa][2], False):
@@ -398,12 +399,12 @@ def test_portable_ir_and_the_4_row_gemm_give_the_same_bits(tmp_path, isa, probe,
 
 
 def test_fp16_rounding_of_the_q8_0_scales_is_numpys():
-    """The Q8_0 activation scales are rounded to fp16 inside numba (kernels/quantize._f32_to_f16_bits; numba has
-    no fp16): bit for bit numpy's float16 rounding over a sweep of f32 bit patterns (normal, fp16-subnormal,
+    """The Q8_0 activation scales are rounded to fp16 inside numba (pipeline/kernels/quantize._f32_to_f16_bits;
+    numba has no fp16): bit for bit numpy's float16 rounding over a sweep of f32 bit patterns (normal, fp16-subnormal,
     overflowing) and ties."""
     from numba import njit
 
-    from kernels.quantize import _f32_to_f16_bits
+    from pipeline.kernels.quantize import _f32_to_f16_bits
 
     @njit
     def rounded(values, out):

@@ -1,4 +1,4 @@
-"""The register-blocked integer GEMM (kernels/qint_gemm.py): bitwise the numpy model of llama.cpp's arithmetic
+"""The register-blocked integer GEMM (pipeline/kernels/qint_gemm.py): bitwise the numpy model of llama.cpp's arithmetic
 (test_qint.reference: int64 lanes, long-double FMAs) and so bitwise the row kernels, for any row grouping,
 weight cut and thread count."""
 import sys
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from kernels import qint, qint_gemm
+from pipeline.kernels import qint, qint_gemm
 from pipeline.threads import numba_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -1,4 +1,4 @@
-"""The integer row kernels (kernels/qint.py) and the blocked GEMM (kernels/qint_gemm.py) against llama.cpp itself:
+"""The integer row kernels (pipeline/kernels/qint.py) and the blocked GEMM (qint_gemm.py) against llama.cpp itself:
 llama-cpp-python's libggml-cpu exports quantize_row_q8_0/q8_1/q8_K and every ggml_vec_dot_*; each output element
 must be the bits ggml's vec_dot computes for the same weight row and activation row, on the row lengths real
 files use (hidden sizes of Qwen3-0.6B, Qwen2.5-0.5B, SmolLM2-135M, Gemma 3 270M, and an odd count of 32-blocks
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from kernels import qint, qint_gemm
+from pipeline.kernels import qint, qint_gemm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "llm"))
 from test_gguf_dequant import random_blocks  # noqa: E402

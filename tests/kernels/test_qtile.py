@@ -1,5 +1,5 @@
-"""The tiled K-quant GEMM (kernels/qtile.py): bitwise its numpy model (int64 block totals, long-double FMAs), for
-any row grouping, tile cut and thread count; close to llama.cpp's vec_dot arithmetic (kernels/qint_gemm.py)."""
+"""The tiled K-quant GEMM (pipeline/kernels/qtile.py): bitwise its numpy model (int64 block totals, long-double
+FMAs), for any row grouping, tile cut and thread count; close to llama.cpp's vec_dot arithmetic (qint_gemm.py)."""
 import sys
 from pathlib import Path
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from kernels import qint, qint_gemm, qtile
+from pipeline.kernels import qint, qint_gemm, qtile
 from pipeline.threads import numba_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

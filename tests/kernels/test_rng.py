@@ -1,11 +1,11 @@
-"""The (seed -> values) mapping of kernels/rng.py is a checkpoint contract."""
+"""The (seed -> values) mapping of pipeline/kernels/rng.py is a checkpoint contract."""
 import math
 
 import numba
 import numpy as np
 import pytest
 
-from kernels import rng
+from pipeline.kernels import rng
 from pipeline.threads import numba_threads
 
 # Golden values: never regenerate these; a change here breaks every checkpoint.

@@ -1,10 +1,10 @@
-"""kernels/workpool.py and kernels/handoff.py: the single-thread BLAS guard nests, dispatches run every task
+"""pipeline/kernels/workpool.py and kernels/handoff.py: the single-thread BLAS guard nests, dispatches run every task
 (Python or native), the hand-off spins only briefly."""
 import numba
 import pytest
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from kernels import handoff, workpool
+from pipeline.kernels import handoff, workpool
 
 
 def _blas_threads():
@@ -165,7 +165,7 @@ def test_native_products_from_two_threads_at_once_give_the_serial_bits():
     from pathlib import Path
     import numpy as np
     from gguf import GGMLQuantizationType as QT
-    from kernels import qint
+    from pipeline.kernels import qint
     from pipeline.threads import numba_threads
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "llm"))
     from test_gguf_dequant import random_blocks
@@ -229,7 +229,7 @@ def test_without_a_futex_waiters_sleep_on_locks(tmp_path):
     import subprocess
     import sys
     code = ("import platform; platform.system = lambda: 'Darwin'\n"
-            "from kernels import handoff; assert not handoff.FUTEX\n"
+            "from pipeline.kernels import handoff; assert not handoff.FUTEX\n"
             "import test_workpool as t\n"
             "t.test_run_dynamic_runs_every_index_once_and_split_range_covers_the_range()\n"
             "t.test_spinning_or_not_a_dispatch_runs_every_task()\n"

@@ -9,7 +9,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from test_export_fixtures import write_adapters, write_tiny_qwen3
 
-from kernels.quantize import quantize, to_bf16_bits
+from pipeline.kernels.quantize import quantize, to_bf16_bits
 from pipeline.cli import main as fucina
 from pipeline.errors import UserError
 from pipeline.llm.export import load_adapters, merge, resolve_alpha, write_lora_gguf, write_peft

@@ -10,7 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFWriter
 
-from kernels.quantize import to_bf16_bits
+from pipeline.kernels.quantize import to_bf16_bits
 from pipeline.train.state_dict import save_state_dict
 
 TARGET_TENSOR = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",

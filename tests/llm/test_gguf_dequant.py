@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT, quants
 
-from kernels import dequant
+from pipeline.kernels import dequant
 from pipeline.llm.gguf import GGUFFile
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
@@ -203,7 +203,7 @@ def test_llama_numerics_products_equal_ggml_cpu_vec_dot(qt):
     rng = np.random.default_rng(13)
     raw = random_blocks(qt, rows, n, seed=12)
     if qt in (QT.Q4_1, QT.Q5_1):  # large block mins, so the Q8_1 block sum's fp16 rounding shows
-        from kernels.quantize import quantize
+        from pipeline.kernels.quantize import quantize
         raw = quantize((10 + 0.5 * rng.random((rows, n))).astype(np.float32), qt.name.lower())
     x = rng.standard_normal((6, n)).astype(np.float32)  # 6 rows: the tiled path
     x[4:] = 64.0273  # constant blocks: fp16(d) * sum q = 2049.86 but ggml stores fp16(d * sum q) = 2048

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from kernels.rng import kaiming_uniform, uniform
+from pipeline.kernels.rng import kaiming_uniform, uniform
 from pipeline.autograd import Tensor
 from pipeline.errors import UserError
 from pipeline.llm.lora import LoraAdapter, dropout_keep_mask, lora_delta

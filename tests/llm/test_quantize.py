@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from kernels.quantize import BLOCK, quantize, to_bf16_bits, to_f16
+from pipeline.kernels.quantize import BLOCK, quantize, to_bf16_bits, to_f16
 from pipeline.threads import numba_threads
 
 GOLDENS = Path(__file__).resolve().parent.parent / "goldens" / "quant" / "quant_goldens.npz"
@@ -183,7 +183,7 @@ def test_nearest_int_matches_ggml_bit_trick_everywhere():
     """ggml: (bits(f + 1.5*2**23) & 0x7fffff) - 0x400000, including far outside its asserted range."""
     from numba import njit
 
-    from kernels.quantize import _nearest_int
+    from pipeline.kernels.quantize import _nearest_int
 
     @njit
     def ours(values, out):

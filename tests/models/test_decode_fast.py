@@ -1,4 +1,4 @@
-"""kernels/decode.layer (one numba call per layer for a one-token decode) gives the general inference path's
+"""pipeline/kernels/decode.layer (one numba call per layer for a one-token decode) gives the general inference path's
 bits: qwen3 (q/k norms, NeoX RoPE), llama (interleaved RoPE) and gemma3 (post-norms, tanh GELU, sliding
 window, local/global RoPE) layouts, Q4_K/Q6_K/Q8_0 weights (both activation partners in one product group), at
 1 and 2 threads, and the general path still runs whatever the fast one does not cover."""
@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kernels import quantize
+from pipeline.kernels import quantize
 from pipeline.llm.quants import FORMATS, FrozenWeight
 from pipeline.models.decoder import FrozenLinear
 from pipeline.models.registry import load_model
@@ -21,7 +21,7 @@ MIX = {"q": "Q4_K", "k": "Q6_K", "v": "Q8_0", "o": "Q4_K", "gate": "Q4_K", "up":
 
 
 def quantized_model(tmp_path, arch, shape="tied"):
-    """The tiny F32 model of `arch`, its projections re-encoded in MIX's block formats (kernels/quantize)."""
+    """The tiny F32 model of `arch`, its projections re-encoded in MIX's block formats (pipeline/kernels/quantize)."""
     from gguf import GGMLQuantizationType as QT
     model = load_model(mk.make(tmp_path, arch, shape, "F32", seed=3))
     for blk in model.blocks:

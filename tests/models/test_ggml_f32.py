@@ -1,5 +1,5 @@
-"""kernels/ggml_f32.py without the oracle: llama.cpp's f32 arithmetic is a rounding of the same math, so each op
-stays within float rounding of the default path's (windows, GQA, a decode step after a prompt included), and the
+"""pipeline/kernels/ggml_f32.py without the oracle: llama.cpp's f32 arithmetic is a rounding of the same math, so
+each op stays within float rounding of the default path's (windows, GQA, a decode step after a prompt included), and the
 llama-numerics forward runs every family. Bit-equality with llama.cpp itself:
 tests/models/test_llama_numerics_real.py."""
 from pathlib import Path
@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kernels import ggml_f32
+from pipeline.kernels import ggml_f32
 from pipeline.autograd import ops
 from pipeline.models import decoder as D
 from pipeline.models.registry import load_model

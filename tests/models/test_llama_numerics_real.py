@@ -2,9 +2,9 @@
 
 Random-weight fixtures hid the gap: on them a float32 difference between the matrix products rarely crossed a
 Q8 rounding midpoint, while on a trained 30-layer model it did at nearly every position (SmolLM2-135M Q4_1:
-bit-equal at positions 0 and 1, then 2.3e-2 - 3.8e-2 relative). kernels/ggml_f32.py now reproduces those f32
+bit-equal at positions 0 and 1, then 2.3e-2 - 3.8e-2 relative). pipeline/kernels/ggml_f32.py now reproduces those f32
 parts (RMSNorm's f64 sum, RoPE's angles and contraction, the scores, softmax's v_expf and f64 sums, the order
-of the weighted value sum, SiLU) and kernels/qtile.py llama.cpp's AVX2 tiled K-quant epilogue. This file holds
+of the weighted value sum, SiLU) and pipeline/kernels/qtile.py llama.cpp's AVX2 tiled K-quant epilogue. This file holds
 them to ggml-cpu's exported vec functions (ctypes) and, on the real files (FUCINA_REAL_GGUFS, see
 tools/fetch_real_ggufs.py), every logit of a prompt and of single-token decode steps to llama-cpp-python's
 (F32 KV cache, no flash attention, its default CPU kernels without the repacked buffers)."""
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from kernels import ggml_f32
+from pipeline.kernels import ggml_f32
 from llama_oracle import plain_llama
 
 pytestmark = [pytest.mark.parity, pytest.mark.needs("llama_cpp")]

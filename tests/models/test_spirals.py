@@ -1,7 +1,7 @@
 """Spirals data and MLP: determinism, shapes, init, and that SGD learns it."""
 import numpy as np
 
-from kernels import rng
+from pipeline.kernels import rng
 from pipeline.autograd import cross_entropy, named_parameters
 from pipeline.models.spirals import SpiralsMLP, accuracy, make_spirals
 

@@ -17,7 +17,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from kernels import rng
+from pipeline.kernels import rng
 from pipeline.autograd.tensor import Tensor
 from pipeline.optim import SGD, Adam, AdamW, Apollo, Muon
 

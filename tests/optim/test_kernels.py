@@ -1,10 +1,10 @@
-"""kernels/optim.py against numpy references, and thread-count invariance."""
+"""pipeline/kernels/optim.py against numpy references, and thread-count invariance."""
 import ml_dtypes
 import numba
 import numpy as np
 import pytest
 
-from kernels import optim as K
+from pipeline.kernels import optim as K
 
 BIG = K.PARALLEL_MIN + 12345  # large enough to take the parallel entry points
 

@@ -3,7 +3,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kernels import rng
+from pipeline.kernels import rng
 from pipeline.autograd.tensor import Tensor
 from pipeline.errors import ConfigMismatchError, DTypeMismatchError, FucinaError
 from pipeline.optim import SGD, Adam, AdamW, Apollo, Lion, Muon, OptimizerConfigError, OptimizerSet

@@ -5,7 +5,7 @@ import numba
 import numpy as np
 import pytest
 
-from kernels import rng
+from pipeline.kernels import rng
 from pipeline.autograd import cross_entropy, matmul, parameter
 from pipeline.optim import (SGD, AdamW, LrSchedule, Muon, OptimizerConfigError, OptimizerSet, clip_grad_norm,
                             context_at, scale_gradients, warmup_cosine_factor, warmup_hold_linear_cooldown)

@@ -4,7 +4,7 @@ Trade-off: the weight W [n_out, n_in] is never materialised in f32 as a whole.
 It is cut into tiles on a grid fixed by W's shape alone; each tile is
 dequantized into a small per-thread f32 buffer (~TILE_BYTES, stays in L2) and
 multiplied by single-threaded BLAS straight into its own slice of the output.
-Tiles run on our own threads (kernels/workpool.py), so both cores do useful work
+Tiles run on our own threads (pipeline/kernels/workpool.py), so both cores do useful work
 (dequantizing and multiplying) instead of OpenBLAS's workers spinning against
 ours. No output element sums over more than one tile:
   * x @ W.T tiles W's rows, so a tile owns whole output columns (for few rows

@@ -4,16 +4,16 @@ Trade-off: the kernels work on whole rows of raw block bytes (a weight of
 shape [n_rows, n_cols] is stored as uint8 [n_rows, row_bytes]) and produce
 float32. Three consumers, chosen by measurement (docs/models.md):
   * prefill / training: the per-format tile kernels `_dq_*` (one per format, no
-    type branch in the hot loop; the block unpacking is kernels/qblocks.py's
-    vector IR) feed kernels/qgemm.py's tiled BLAS products, and
+    type branch in the hot loop; the block unpacking is pipeline/kernels/qblocks.py's
+    vector IR) feed pipeline/kernels/qgemm.py's tiled BLAS products, and
     `dequantize_rows` makes a whole f32 copy;
   * decode (a handful of tokens): `matvec_rows` / `matvec_many` / `matvec_half`
-    (kernels/qdot.py), which never materialise the f32 weight.
+    (pipeline/kernels/qdot.py), which never materialise the f32 weight.
 Dequantization is element-exact against gguf-py's `gguf.quants.dequantize`
 (same f32 operation order: (d*scale)*q - dmin*min). The matvec accumulates
 in 32 fixed lanes, so it matches the dequant+dot path to float rounding, not
 bitwise. Kernels are serial, GIL-free row-range functions run on a pool of
-Python threads (kernels/workpool.py); each row is reduced by the same
+Python threads (pipeline/kernels/workpool.py); each row is reduced by the same
 serial code whatever thread takes it, so results are bitwise independent of
 the thread count, and nothing pays numba's parallel compile. F16 block scales
 are read through a 65536-entry exact lookup table.
@@ -40,11 +40,11 @@ def _half(lut, b, o):
 
 
 # Tile kernels: rows of raw blocks, blocks b0..b1 of each row -> out f32 [rows, (b1-b0)*block].
-# The block formats unpack through kernels/qblocks.py's vector IR (the same f32 operations as
+# The block formats unpack through pipeline/kernels/qblocks.py's vector IR (the same f32 operations as
 # gguf-py, so element-exact; ~2x the speed of the best numba loops we could get vectorized). Each
 # format's driver is a module-level function (numba caches it by name) around one of two inlined loops:
 # blocks with one fp16 scale (d) or two (d and dmin / m), at the offsets of the format's row in
-# kernels/formats.py (GEOMETRY: constants folded into the driver).
+# pipeline/kernels/formats.py (GEOMETRY: constants folded into the driver).
 
 
 @njit(inline="always")
@@ -153,7 +153,7 @@ def _dq_bf16(raw, out, lut, b0, b1):
 
 
 HALF_GROUP = 32  # columns per F16/BF16 tile step
-# qtype -> (tile kernel, elements per block, bytes per block), from kernels/formats.py; F16/BF16 tiles count
+# qtype -> (tile kernel, elements per block, bytes per block), from pipeline.kernels/formats.py; F16/BF16 tiles count
 # HALF_GROUP columns
 TILE_KERNELS = {qtype: (kernel, *((BY_QTYPE[qtype].block, BY_QTYPE[qtype].block_bytes) if BY_QTYPE[qtype].quantized
                                   else (HALF_GROUP, HALF_GROUP * BY_QTYPE[qtype].block_bytes)))

@@ -3,7 +3,7 @@
 Trade-off: the score matrix is still materialized (BLAS does the two GEMMs on
 each side, which beats hand-written loops at these sizes), but the softmax and
 its backward are one fused pass per row instead of four numpy passes, using
-the SIMD exp of kernels/fastexp.py. Rows are independent; the parallel loop
+the SIMD exp of pipeline/kernels/fastexp.py. Rows are independent; the parallel loop
 runs over a fixed grid of row chunks, so the bits do not depend on threads.
 """
 import numpy as np
@@ -11,8 +11,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from kernels.fastexp import exp_shifted_sum_inplace, row_max
-from kernels.nn import threads_for
+from pipeline.kernels.fastexp import exp_shifted_sum_inplace, row_max
+from pipeline.kernels.nn import threads_for
 
 ROW_CHUNK = 64
 _I64, _V8F = ir.IntType(64), ir.VectorType(ir.FloatType(), 8)

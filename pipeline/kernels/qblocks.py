@@ -1,5 +1,5 @@
 """GGML block unpacking written as LLVM vector IR, for numba: the hot inner code of the
-decode matvec (kernels/qdot.py) and the dequantization tiles (kernels/dequant.py).
+decode matvec (pipeline/kernels/qdot.py) and the dequantization tiles (pipeline/kernels/dequant.py).
 
 Trade-off: numba's loop vectorizer would not give us fast code here. A 32-step
 loop with a compile-time trip count is fully unrolled into scalar code; with a
@@ -335,7 +335,7 @@ def o_arg(h):
 
 def _block_intrinsics(gen, qtype):
     """(dot, store) intrinsics of the unpacker `gen` of format `qtype`, taking its row's f32 block scales (none
-    for F16/BF16, d, or d and dmin / m: kernels/formats.py): dot(acc, b, o, x, xo, *scales) as _dot,
+    for F16/BF16, d, or d and dmin / m: pipeline/kernels/formats.py): dot(acc, b, o, x, xo, *scales) as _dot,
     store(y, b, o, yo, *scales) as _store."""
     fmt = BY_QTYPE[qtype]
     n = 0 if not fmt.quantized else 1 if fmt.dmin_at < 0 else 2
@@ -389,7 +389,7 @@ def _lane_sum(typingctx, acc):
 
 # --- integer block dot products (llama.cpp's ggml-cpu arithmetic) ------------------------------------------
 # The weights of a block are unpacked as small integers, multiplied by the int8 activations of
-# kernels/qint.py (Q8_0 / Q8_K blocks) and summed exactly in i32. The i32 sums are kept in the 8 lanes
+# pipeline/kernels/qint.py (Q8_0 / Q8_K blocks) and summed exactly in i32. The i32 sums are kept in the 8 lanes
 # llama.cpp's AVX2 kernels keep them in (lane k holds elements 4k..4k+3 of every 32-element chunk: what
 # maddubs + madd leave), converted to f32 and added with one fused multiply-add per block and lane, so
 # the f32 rounding is llama.cpp's own. Integer sums are exact, so the order inside a lane is free; the

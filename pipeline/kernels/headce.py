@@ -25,9 +25,9 @@ is the removed [N, C] buffer and CE passes more than the halved W traffic.
 import numpy as np
 from numba import njit
 
-from kernels.fastexp import TILE, expf
-from kernels.blas import gemm
-from kernels.workpool import run_tiles
+from pipeline.kernels.fastexp import TILE, expf
+from pipeline.kernels.blas import gemm
+from pipeline.kernels.workpool import run_tiles
 
 SEGMENT_ROWS = 8192  # vocabulary rows per task (one thread); 151936 -> 19 tasks balance 2 threads
 CHUNK_ROWS = 1024    # vocabulary rows per GEMM pair: 4 MB of W at H = 1024, in cache for the second GEMM
@@ -54,7 +54,7 @@ def _chunk_softmax(lt, c0, labels, m, s, label_logit, rescale, col_max, tile_sum
         row = lt[j]
         for i in range(n):
             v = row[i]
-            # a NaN sticks (v != v), so NaN logits give a NaN loss as in kernels/losses.py
+            # a NaN sticks (v != v), so NaN logits give a NaN loss as in pipeline/kernels/losses.py
             # (fastexp's exp maps NaN to 0, which would hide it)
             col_max[i] = v if (v > col_max[i] or v != v) else col_max[i]
     for i in range(n):

@@ -34,7 +34,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from kernels.optim import fma
+from pipeline.kernels.optim import fma
 
 
 @intrinsic

@@ -1,7 +1,7 @@
 """Single-threaded float32 GEMM for the tiled products: Intel MKL when it is installed, numpy's OpenBLAS otherwise.
 
 Trade-off: every big product in a training step is cut into tiles that each
-make ONE single-threaded BLAS call on our own threads (kernels/workpool.py),
+make ONE single-threaded BLAS call on our own threads (pipeline/kernels/workpool.py),
 so the per-thread speed of that call is most of a step's time. On the
 training shapes (128 activation rows against 2 MB weight tiles) MKL's
 sequential sgemm measured 10-30% faster per thread than the OpenBLAS numpy

@@ -1,6 +1,6 @@
 """Register-blocked integer GEMM for no-grad many-row products (prefill): x @ W.T with x quantized as llama.cpp does.
 
-Trade-off: kernels/qint.py's row kernels take one (activation row, weight row)
+Trade-off: pipeline/kernels/qint.py's row kernels take one (activation row, weight row)
 pair at a time, as llama.cpp's plain mul_mat does, so every weight block is
 unpacked again (nibble shifts and masks, the 6-bit scale unpacking, the scale
 broadcasts) for every activation row. Here one weight block is unpacked once
@@ -364,7 +364,7 @@ def _gemm_q6_k(raw, q, qp, d, dt, sums, sums16, bsums, out, lut, r0, r1):
         _mm_q6_k(raw, q[groups:], d[groups:], bsums[groups:], out[groups:], lut, r0, r1)
 
 
-KERNELS = kernels("gemm", globals())  # qtype -> its blocked GEMM, by the kernels/formats.py row
+KERNELS = kernels("gemm", globals())  # qtype -> its blocked GEMM, by the pipeline/kernels/formats.py row
 
 
 def supports(qtype: int) -> bool:
@@ -373,7 +373,7 @@ def supports(qtype: int) -> bool:
 
 def matmul_t_many(weights, x: np.ndarray) -> list:
     """[x @ W.T for (qtype, raw) in weights] (Q4_K/Q5_K/Q6_K), x f32 [m, n] quantized to Q8_K once; the same
-    bits as kernels/qint.matmul_t_many. Every weight's rows are cut into pieces of PIECE_ROWS (a grid fixed by
+    bits as pipeline/kernels/qint.matmul_t_many. Every weight's rows are cut into pieces of PIECE_ROWS (a grid fixed by
     its shape) that the threads take dynamically."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2:

@@ -5,7 +5,7 @@ Trade-off: the general inference path (pipeline/models/decoder.py `_infer_rows`)
 steps around seven products; on a 0.6B model each decode token spent ~13 ms there (beside ~24 ms in the
 products) while the pool's other thread idled, where llama.cpp's whole graph runs in C. Here one call per
 layer does the norms, RoPE, the KV-cache write, attention, SwiGLU, the residuals and the four products (each a
-kernels/qint.py job block posted to the workers with handoff.dispatch), through the very kernels the general
+pipeline/kernels/qint.py job block posted to the workers with handoff.dispatch), through the very kernels the general
 path calls (rms_rows, norm_rope_heads, qint's fill and pieces, attention._attend_cached, nn._swiglu_range), so
 its bits equal the general path's for any thread count (tests/models/test_decode_fast.py). Cost: only the
 common shape is covered (one row, one token, integer-dot frozen weights without biases, SwiGLU or the tanh

@@ -3,12 +3,12 @@
 Trade-off: evolution strategies regenerate every member's noise on every
 perturb, restore and update instead of storing it, so the gaussian draw is the
 hot loop. This module keeps the splitmix64 pair stream and the 53-bit uniforms
-of kernels.rng but replaces libm's log/cos/sin with short polynomials written
+of pipeline.kernels.rng but replaces libm's log/cos/sin with short polynomials written
 in plain IEEE float64 arithmetic (no libm, no FMA contraction). That makes it
 a few times cheaper than the exact scalar kernel AND makes its values the same
 bits on every platform. It is therefore its OWN (key -> values) mapping, a
 checkpoint contract pinned by tests/goldens/es/: never change a formula or a
-constant here. Values agree with kernels.rng.gaussian_at to ~1e-10.
+constant here. Values agree with pipeline.kernels.rng.gaussian_at to ~1e-10.
 
     pair p of stream `key` (elements 2p and 2p+1):
         u1 = 1 - (at(key, 2p)     >> 11) * 2**-53      in (0, 1]

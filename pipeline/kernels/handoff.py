@@ -8,7 +8,7 @@ cycle counter (x86; elsewhere it does not spin), then sleeps: on Linux in the fu
 same nogil function (so waking needs no GIL either), elsewhere on a Python lock; the poster wakes a sleeper
 only when the cell says one sleeps. A "native" job is a C function pointer (a numba cfunc) called with one
 int64 argument from inside the spin loop, so a worker runs it with no Python at all: the decode products are
-native jobs (kernels/qint.py).
+native jobs (pipeline/kernels/qint.py).
 
 A signal cell is an int64 array of 8 (one cache line): cell[SEQ] counts posts, cell[SLEEPING] is 1 while
 its waiter sleeps (set by the waiter before it sleeps; the poster swaps it to 0 and wakes the waiter when it

@@ -15,10 +15,10 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from kernels.blas import gemm
-from kernels.fastexp import ONE, ZERO, expf
-from kernels.rng import _u64, uniform_at
-from kernels.workpool import run_tiles, single_thread_blas, split_range
+from pipeline.kernels.blas import gemm
+from pipeline.kernels.fastexp import ONE, ZERO, expf
+from pipeline.kernels.rng import _u64, uniform_at
+from pipeline.kernels.workpool import run_tiles, single_thread_blas, split_range
 
 ROW_CHUNK = 32      # rows per parallel task (RMSNorm)
 COL_CHUNK = 64      # columns per parallel task (embedding scatter-add)
@@ -63,7 +63,7 @@ def _split_chunks(n_chunks, size, span):
 
 # --- RMSNorm -------------------------------------------------------------------
 # No fastmath here: "reassoc" let LLVM pick a reduction order that differed
-# between a fresh compile and the cached code (see kernels/fastexp.py).
+# between a fresh compile and the cached code (see pipeline/kernels/fastexp.py).
 
 
 @njit(cache=True, nogil=True)
@@ -247,7 +247,7 @@ def erf(x):
 
 
 # --- sigmoid / SiLU / SwiGLU (float32) -----------------------------------------------
-# Elementwise maps with the SIMD exp of kernels/fastexp.py (numpy's exp runs
+# Elementwise maps with the SIMD exp of pipeline/kernels/fastexp.py (numpy's exp runs
 # ~10 ns per float32 element here; this ~1). sigmoid(x) = num / (1 + e) with
 # e = exp(-|x|) and num = 1 (x >= 0) or e (x < 0): exp never overflows, and
 # the selects vectorize. Expressions keep numpy's evaluation order, so the
@@ -445,7 +445,7 @@ def rope_rotate(x, cos, sin):
 # tiles on a grid fixed by the shapes alone; each tile is one single-threaded
 # BLAS call writing its own output columns, taken by whichever of our threads is
 # free. No output element sums across tiles, so the bits never depend on the
-# thread count (the same scheme as kernels/qgemm.py for quantized weights).
+# thread count (the same scheme as pipeline/kernels/qgemm.py for quantized weights).
 TILED_MIN_FLOPS = 1 << 27  # below ~0.1 GFLOP one call on the calling thread is cheaper
 N_TILES = 16               # tiles per product: enough to balance 2-4 threads
 

@@ -11,7 +11,7 @@ leaves the result independent of who computes which piece: each index is
 computed by the same serial code whatever the split, so bits never depend on
 the thread count. Calls made from a pool thread (a row kernel inside a GEMM
 tile) run serially, so a pool thread never waits on the pool.
-The hand-off (kernels/handoff.py) is an int64 cell per direction and worker: the waiting thread spins on it
+The hand-off (pipeline/kernels/handoff.py) is an int64 cell per direction and worker: the waiting thread spins on it
 inside a numba nogil function for at most FUCINA_SPIN_US microseconds (default 200, `set_spin_us`), then
 sleeps on a plain lock, which a poster releases only when the cell says its waiter sleeps. A model forward
 holds the pool (`hold`): its waiting threads then spin past that bound, since a forward's products come a few
@@ -218,7 +218,7 @@ def native_workers():
 
 
 def run_native(fn: int, arg: int, n_threads: int):
-    """The native job fn(arg) (a cfunc address, kernels/handoff.py) on up to n_threads threads at once, the
+    """The native job fn(arg) (a cfunc address, pipeline/kernels/handoff.py) on up to n_threads threads at once, the
     caller one of them: each call takes the job's pieces from a shared counter until none are left, so the
     pieces' results do not depend on who runs them. One thread (or the workers busy with another thread's
     dispatch): the caller runs it alone."""

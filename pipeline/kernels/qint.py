@@ -10,7 +10,7 @@ buys speed (int8 operands, no f32 weight) and llama.cpp's own bits: the
 quantizers below are quantize_row_q8_0's AVX2 path (d = max/127 stored as fp16,
 x * (127/max) rounded half to even; quantize_row_q8_1's sums) and quantize_row_q8_K_ref (the first
 largest-magnitude element m, iscale = -127/m, nearest_int, d = 1/iscale); the
-block intrinsics (kernels/qblocks.py `idot_*`) keep llama.cpp's AVX2 lane
+block intrinsics (pipeline/kernels/qblocks.py `idot_*`) keep llama.cpp's AVX2 lane
 layout and fused multiply-adds, and the lanes are summed in hsum_float_8's
 order. Used only where no gradient flows (pipeline/llm/quants.py,
 FrozenWeight.integer_dot); training keeps f32 activations.
@@ -32,7 +32,7 @@ from .qblocks import (IQ4_VALUES, idot_iq4_nl, idot_iq4_xs, idot_q2_k, idot_q3_k
 from .handoff import NativeJob, atomic_add, f32_pointer, i8_pointer, i32_pointer, i64_pointer, u8_pointer
 from .workpool import run_native, split_range, threads as pool_threads
 
-# weight format -> the activation blocks llama.cpp pairs it with (its vec_dot_type), from kernels/formats.py
+# weight format -> the activation blocks llama.cpp pairs it with (its vec_dot_type), from pipeline.kernels/formats.py
 PARTNER = {f.qtype: f.partner for f in FORMATS if f.partner}
 # What a product quantizes x into, as bits of one mask: Q8_0 blocks (Q8_1's q and d are Q8_0's), Q8_1's fp16
 # block sums on top, Q8_K blocks with their 32-element sums, and Q8_K's 16-element sums (bsums: Q2_K, Q6_K)
@@ -171,7 +171,7 @@ def _hsum8(a):
 
 # The row kernels: each format's driver is a module-level function (numba caches it by name); the formats whose
 # block dot takes one f32 scale, or Q8_1's scale and min, share an inlined loop, at the offsets of the format's
-# kernels/formats.py row (GEOMETRY).
+# pipeline/kernels/formats.py row (GEOMETRY).
 @njit(inline="always")
 def _rows_scaled(idot, raw, q, d, out, lut, r0, r1, geometry, weight_first):
     """Rows r0..r1 of raw [n_rows, row_bytes] against activations q/d -> out f32 [m, n_rows]: per block one
@@ -362,7 +362,7 @@ def _mm_q2_k(raw, q, d, bsums, out, lut, r0, r1):
             out[i, r] = _hsum8(acc)
 
 
-KERNELS = kernels("idot", globals())  # qtype -> its row kernel, by the kernels/formats.py row
+KERNELS = kernels("idot", globals())  # qtype -> its row kernel, by the pipeline/kernels/formats.py row
 
 
 def supports(qtype: int) -> bool:
@@ -507,7 +507,7 @@ class Product:
     integer row kernels: the job block's weight entries and piece grid are laid out once per thread count, and
     a call quantizes x once per partner format and fills in its addresses in one numba call (the per-call
     Python of a decode product: ~15 us instead of ~70). Rows are cut into a fixed number of pieces per weight
-    (ROW_CHUNK multiples) that the threads take from one counter, in one native job (kernels/workpool.run_native:
+    (ROW_CHUNK multiples) that the threads take from one counter, in one native job (workpool.run_native:
     no Python and no GIL on the workers); every element is the same serial code whichever thread runs it."""
 
     def __init__(self, weights, n_cols: int):

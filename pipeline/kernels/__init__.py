@@ -9,10 +9,10 @@ Python threads to run parallel kernels at once: Fucina runs parallel kernels
 from one thread per process.
 
 Compiled-code cache: numba revalidates a cached function by its own source file only, not by the
-intrinsics and helpers it inlines from other files (qint.py's kernels are mostly kernels/qblocks.py's IR), so
+intrinsics and helpers it inlines from other files (qint.py's kernels are mostly pipeline/kernels/qblocks.py's IR), so
 after an update that changed only qblocks.py the old machine code would still load, with the old bits. The
-cache therefore lives in a directory named by a digest of every kernels/*.py (`source_digest`): under
-kernels/__pycache__ (earlier digests' directories there are removed), or under NUMBA_CACHE_DIR when the user
+cache therefore lives in a directory named by a digest of every pipeline/kernels/*.py (`source_digest`): under
+pipeline/kernels/__pycache__ (earlier digests' directories there are removed), or under NUMBA_CACHE_DIR when the user
 set it.
 """
 import hashlib
@@ -39,7 +39,7 @@ def source_digest(folder: str = _HERE) -> str:
 
 
 def _cache_dir() -> str:
-    """base/numba-<digest>, base = NUMBA_CACHE_DIR as the user set it or kernels/__pycache__ (where earlier
+    """base/numba-<digest>, base = NUMBA_CACHE_DIR as the user set it or pipeline/kernels/__pycache__ (where earlier
     digests' directories are removed). A child process inherits NUMBA_CACHE_DIR as set here, and the base it
     came from as FUCINA_NUMBA_CACHE_BASE; a NUMBA_CACHE_DIR changed since is the user's again."""
     stamp = f"numba-{source_digest()}"

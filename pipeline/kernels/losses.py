@@ -3,7 +3,7 @@ writes the logit gradient in ONE pass from those stats (optionally in place).
 
 Trade-off: the forward stores 16 bytes per row instead of the softmax, so the
 backward recomputes exp(x - max) / sum_exp once: cheaper than a [rows, classes] buffer.
-float32 logits use the vectorized exp of kernels/fastexp.py (float64 logits,
+float32 logits use the vectorized exp of pipeline/kernels/fastexp.py (float64 logits,
 used by the finite-difference tests, use np.exp).
 Rows are independent and run in parallel over a fixed grid of row chunks; the
 per-row losses are float64 and the caller reduces them with ONE serial sum in
@@ -12,8 +12,8 @@ row order, so results are bitwise identical for any thread count.
 import numpy as np
 from numba import njit, prange
 
-from kernels.fastexp import exp_shifted_inplace, exp_shifted_into, row_max, sum_exp_shifted
-from kernels.nn import threads_for
+from pipeline.kernels.fastexp import exp_shifted_inplace, exp_shifted_into, row_max, sum_exp_shifted
+from pipeline.kernels.nn import threads_for
 
 ROW_CHUNK = 8  # rows per parallel task
 
@@ -102,7 +102,7 @@ def _ce_forward_f32_rows(logits, labels, ignore_index, smoothing, loss, stats, i
 
 @njit(cache=True, parallel=True)
 def _ce_forward_f32(logits, labels, ignore_index, smoothing, loss, stats):
-    """float32 twin of _ce_forward with the vectorized exp (kernels/fastexp.py)."""
+    """float32 twin of _ce_forward with the vectorized exp (pipeline/kernels/fastexp.py)."""
     n = logits.shape[0]
     nchunks = (n + ROW_CHUNK - 1) // ROW_CHUNK
     for ch in prange(nchunks):
@@ -132,7 +132,7 @@ def _ce_backward_f32_rows(logits, labels, ignore_index, smoothing, stats, row_sc
 
 @njit(cache=True, parallel=True)
 def _ce_backward_f32(logits, labels, ignore_index, smoothing, stats, row_scale, out, inplace):
-    """float32 twin of _ce_backward with the vectorized exp (kernels/fastexp.py)."""
+    """float32 twin of _ce_backward with the vectorized exp (pipeline/kernels/fastexp.py)."""
     n = logits.shape[0]
     nchunks = (n + ROW_CHUNK - 1) // ROW_CHUNK
     for ch in prange(nchunks):

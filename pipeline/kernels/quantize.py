@@ -8,7 +8,7 @@ so a file exported here is indistinguishable from one llama-quantize wrote.
 Every arithmetic step is therefore pinned to float32 explicitly (numba would
 otherwise widen `int * float32` to float64 and change the last bits).
 
-Block layouts, sizes and scale offsets: the rows of kernels/formats.py (their `layout` field).
+Block layouts, sizes and scale offsets: the rows of pipeline/kernels/formats.py (their `layout` field).
 
 Blocks are independent, so the parallel loop (a fixed grid of CHUNK blocks)
 gives identical bytes for any thread count.
@@ -24,7 +24,7 @@ QK8_0 = 32
 QK_K = 256
 CHUNK = 64  # blocks per parallel work item (fixed: independent of thread count)
 
-# encoder key -> (values per block, bytes per block), from kernels/formats.py
+# encoder key -> (values per block, bytes per block), from pipeline.kernels/formats.py
 BLOCK = {f.quantize: (f.block, f.block_bytes) for f in FORMATS if f.quantize}
 
 _F0 = np.float32(0.0)
@@ -540,7 +540,7 @@ _KERNELS = {"q8_0": _q8_0, "q6_k": _q6_k, "q4_k": _k_kernel(BLOCK["q4_k"][1], Fa
             "q5_k": _k_kernel(BLOCK["q5_k"][1], True),
             **{key: _legacy_kernel(BLOCK[key][1], *spec) for key, spec in _LEGACY.items()}}
 if set(_KERNELS) != set(BLOCK):
-    raise RuntimeError("kernels/formats.py's quantize keys and kernels/quantize.py's encoders disagree")
+    raise RuntimeError("pipeline/kernels/formats.py's quantize keys and kernels/quantize.py's encoders disagree")
 
 
 # ---------------------------------------------------------------- public API

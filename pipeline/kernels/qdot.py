@@ -1,7 +1,7 @@
 """Fused dequant-dot kernels for decode: y = x @ W.T with W in GGML blocks, a few rows of x.
 
 Trade-off: never materialise the f32 weight; read only the stored bytes once
-(decode is memory-bound work). Per block, kernels/qblocks.py's vector IR
+(decode is memory-bound work). Per block, pipeline/kernels/qblocks.py's vector IR
 unpacks the weights and accumulates w * x into 32 f32 lanes kept in registers;
 a row's lanes are then summed as a fixed tree. So the result matches the
 dequant-then-dot path to float rounding, not bitwise, but is a pure function of
@@ -21,7 +21,7 @@ from .qblocks import (LANES, _lane_sum, dot_bf16, dot_f16, dot_iq4_nl, dot_iq4_x
 
 
 # Each format's driver is a module-level function (numba caches it by name) around one of two inlined loops:
-# blocks with one fp16 scale (d) or two (d and dmin / m), at the offsets of its kernels/formats.py row.
+# blocks with one fp16 scale (d) or two (d and dmin / m), at the offsets of its pipeline/kernels/formats.py row.
 @njit(inline="always")
 def _rows_d(dot, raw, x, out, lut, r0, r1, geometry):
     """Rows r0..r1: raw uint8 [n_rows, row_bytes], x f32 [m, n_cols] -> out f32 [m, n_rows]."""
@@ -154,7 +154,7 @@ def _mv_bf16(raw, x, out, lut, r0, r1):
             out[i, r] = total
 
 
-MATVEC = kernels("dot", globals())  # qtype -> its driver, by the kernels/formats.py row
+MATVEC = kernels("dot", globals())  # qtype -> its driver, by the pipeline/kernels/formats.py row
 
 
 def matvec_range(qtype: int, raw: np.ndarray, x: np.ndarray, out: np.ndarray, r0: int, r1: int):

@@ -20,10 +20,10 @@ PARTNER_BLOCK = {Q8_0_PARTNER: 32, Q8_1_PARTNER: 32, Q8_K_PARTNER: 256}  # eleme
 @dataclass(frozen=True)
 class Format:
     """A GGUF tensor type: its block geometry, where its fp16 scales sit, and the names of its kernels
-    ("" where there is none): `dequant` (kernels/dequant.py tile kernel), `dot` (kernels/qdot.py fused
-    matvec), `idot` (kernels/qint.py integer row kernel against `partner` activations), `gemm`
-    (kernels/qint_gemm.py blocked integer GEMM), `quantize` (kernels/quantize.py encoder key). `tile_kind` is
-    kernels/qtile.py's tile layout (-1: no tiles) and `tile_source` the block reader its packer uses."""
+    ("" where there is none): `dequant` (pipeline/kernels/dequant.py tile kernel), `dot` (pipeline/kernels/qdot.py fused
+    matvec), `idot` (pipeline/kernels/qint.py integer row kernel against `partner` activations), `gemm`
+    (pipeline/kernels/qint_gemm.py blocked integer GEMM), `quantize` (kernels/quantize.py encoder key). `tile_kind` is
+    pipeline/kernels/qtile.py's tile layout (-1: no tiles) and `tile_source` the block reader its packer uses."""
     qtype: int          # gguf GGMLQuantizationType id
     name: str           # ggml's spelling, e.g. "Q4_K"
     block: int          # elements per block (1 for the plain floats)

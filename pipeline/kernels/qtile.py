@@ -1,6 +1,6 @@
 """Tiled integer GEMM for prefill through K-quant and IQ4_XS weights: 16 weight rows per vector lane set, x as Q8_K.
 
-Trade-off: kernels/qint_gemm.py keeps llama.cpp's vec_dot arithmetic (eight f32 lanes per output, each a sum
+Trade-off: pipeline/kernels/qint_gemm.py keeps llama.cpp's vec_dot arithmetic (eight f32 lanes per output, each a sum
 over sub-blocks of 4-element dot products scaled by the sub-block's scale), which costs two scaling
 instructions per 32 weights and activation row whatever the layout. Here the weights are repacked once, at
 first use, into tiles of 16 rows (TILE_ROWS) so that one 512-bit vpdpbusd multiplies 4 weights of each of the
@@ -66,7 +66,7 @@ PIECE_TILES = 8  # tiles per piece (128 weight rows: ~320 KB of tiles per 1024 i
 #   Q2_K: the 2-bit weights four to a byte [chunk c][group g][row][4 bytes] (bits 2s: sub-block 4c + s's
 #         weights 4g..4g+3), scales u8 [16-weight sub-block j][row], mins as i16 pairs [pair p][row](m_2p,
 #         m_2p+1) against the activations' 16-element sums, d f32 [row], dmin f32 [row]
-# the file's block, as _pack_rows reads it (kernels/formats.py's tile_source): Q4_K 0, Q5_K 1, Q6_K 2, Q3_K 3,
+# the file's block, as _pack_rows reads it (pipeline/kernels/formats.py's tile_source): Q4_K 0, Q5_K 1, Q6_K 2, Q3_K 3,
 # IQ4_XS 4, Q2_K 5; by source: the block's bytes, its fp16 offsets, its tile layout and kernel (tile_kind)
 SOURCES = {f.qtype: f.tile_source for f in FORMATS if f.tile_source >= 0}
 _BY_SOURCE = sorted((f for f in FORMATS if f.tile_source >= 0), key=lambda f: f.tile_source)

@@ -16,10 +16,10 @@ instead, with no venv until that line makes one.
 Pages holding a long command (training runs, benchmarks, a fresh venv) run whole in the `slow` suite with
 their long training runs shortened (`shorten`: a `fucina pretrain` or `fucina launch lm` line runs a tenth of
 its --steps, at least 8, a resume at least 120; `launch lm` without --steps, and the Procfile's lm through
-CONFIG, 60 steps), and exactly as written in the `soak` suite (`pytest -m soak`); the default suite runs each
-page's lines up to its first long one, and the documented honcho command. Never run:
-llama-cli (an interactive program outside Fucina), and the README's test-suite command, which is .ci/run's
-first step verbatim (checked here).
+CONFIG, 60 steps; a `fucina es-finetune` line a tenth of 40 or more --iterations, at least 4), and exactly
+as written in the `soak` suite (`pytest -m soak`); the default suite runs each page's lines up to its first
+long one, and the documented honcho command. Never run: llama-cli (an interactive program outside Fucina),
+and the README's test-suite command, which is .ci/run's first step verbatim (checked here).
 """
 import os
 import pathlib
@@ -145,18 +145,27 @@ def _wait_for_run_json(cwd, since, proc, timeout=900):
         time.sleep(0.5)
 
 
-SHORTEN = re.compile(r"fucina (pretrain|launch lm)\b")
+SHORTEN = re.compile(r"fucina (pretrain|launch lm|es-finetune)\b")
+SHORT_ES_ITERATIONS = 4  # an es-finetune line without --iterations (its default is 40)
 SHORT_LM_STEPS = 60
 
 
 def shorten(line):
     """The line with its training run cut to a tenth (at least 8 steps; `launch lm` without --steps: 60) and its
-    --checkpoint-every with it; a trailing comment is kept after the flags. A command naming a pretrain run's
+    --checkpoint-every with it (an es-finetune line: --iterations of 40 or more to a tenth, at least 4; without
+    it, 4); a trailing comment is kept after the flags. A command naming a pretrain run's
     `checkpoint-step-N` names step N/10 instead (the shortened run's checkpoint). Other lines are as they are."""
     if not SHORTEN.search(line):
         return re.sub(r"(runs/pretrain-\S*/checkpoint-step-)(\d+)0\b", r"\1\2", line) \
             if line.startswith("fucina ") and "runs/pretrain-" in line else line
     code, sep, comment = line.partition(" # ")
+    if "es-finetune" in code:  # --iterations is the total target: a resume's tenth goes on past the first run's
+        m = re.search(r"--iterations (\d+)", code)
+        if not m:
+            return f"{code.rstrip()} --iterations {SHORT_ES_ITERATIONS}" + sep + comment
+        n = int(m.group(1))
+        return f"{code[:m.start()]}--iterations {max(SHORT_ES_ITERATIONS, n // 10) if n >= 40 else n}{code[m.end():]}" \
+            + sep + comment
     m = re.search(r"--steps (\d+)", code)
     if m:
         floor = 2 * SHORT_LM_STEPS if "--resume" in code else 8  # a resume goes on past the shortened first run
@@ -246,6 +255,11 @@ def test_shorten_cuts_training_runs_only():
     assert shorten("fucina export-gguf --from-checkpoint runs/pretrain-latest/checkpoint-step-40 --out step-40.gguf") \
         == "fucina export-gguf --from-checkpoint runs/pretrain-latest/checkpoint-step-4 --out step-40.gguf"
     assert shorten("fucina generate --model step-40.gguf") == "fucina generate --model step-40.gguf"
+    assert shorten("fucina es-finetune --model m --iterations 200 --save s") == \
+        "fucina es-finetune --model m --iterations 20 --save s"
+    assert shorten("fucina es-finetune --model m --iterations 6") == "fucina es-finetune --model m --iterations 6"
+    assert shorten("fucina es-finetune --model m --shuffle   # c") == \
+        f"fucina es-finetune --model m --shuffle --iterations {SHORT_ES_ITERATIONS} # c"
 
 
 def _run_whole_page(page, sandbox, short):

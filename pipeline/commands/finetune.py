@@ -48,11 +48,10 @@ def add_arguments(p):
                                                        "stderr)")
 
 
-def add_data_arguments(p):
-    """The --data flags, shared with es-finetune."""
+def add_data_arguments(p, data_help="JSONL file of samples (default: the built-in pirate pairs); formats in --format"):
+    """The --data flags, shared with es-finetune and eval."""
     from ..llm.data import FORMATS, MAX_RECORD_BYTES
-    p.add_argument("--data", type=InputFile("JSONL file"),
-                   help="JSONL file of samples (default: the built-in pirate pairs); formats in --format")
+    p.add_argument("--data", type=InputFile("JSONL file"), help=data_help)
     p.add_argument("--format", choices=("auto",) + FORMATS, default="auto",
                    help="the --data format: instruction/response pairs, alpaca (instruction, input, output), chat "
                         "messages or ShareGPT conversations; auto = read from the first record's fields")

@@ -18,7 +18,7 @@ import time
 from ..errors import UserError
 from ..es.countdown import MAX_NUMBER, N_NUMBERS, check_difficulty
 from ..llm.chat import add_chat_template_argument
-from ._args import InputFile, add_threads_flag
+from ._args import InputFile, add_threads_flag, progress_log
 from .es_finetune import add_reward_arguments, check_reward_args, reward_spec
 from .finetune import add_data_arguments, load_data
 
@@ -173,10 +173,7 @@ def run(args):
 
     _check_args(args)
     pin_threads(args.threads)
-    out = sys.stderr if args.json else sys.stdout
-
-    def log(msg):
-        print(msg, file=out, flush=True)
+    log = progress_log(args)
 
     if args.shard is not None:  # one worker's part: its rewards, nothing else
         lo, hi = _shard(args.shard, args.n)

@@ -9,10 +9,9 @@ gradient checks on the real model and exits non-zero if one fails.
 from __future__ import annotations
 
 import json
-import sys
 
 from ..errors import UserError
-from ._args import InputFile, add_threads_flag
+from ._args import InputFile, add_threads_flag, progress_log
 
 NAME = "finetune"
 HELP = "LoRA fine-tune a frozen (quantized) GGUF model on SFT data (pairs, alpaca, chat messages, ShareGPT)"
@@ -161,10 +160,7 @@ def run(args):
 
     _check_args(args)
     pin_threads(args.threads)
-    out = sys.stderr if args.json else sys.stdout
-
-    def log(msg):
-        print(msg, file=out, flush=True)
+    log = progress_log(args)
 
     from ._args import announce_compile
     announce_compile(log)

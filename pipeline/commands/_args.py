@@ -51,6 +51,17 @@ class InputFile:
             raise UserError(f"{flag} {problem}")
 
 
+def progress_log(args):
+    """A command's progress printer: to stderr under --json (stdout then carries only the JSON line), else stdout."""
+    import sys
+    out = sys.stderr if getattr(args, "json", False) else sys.stdout
+
+    def log(msg):
+        print(msg, file=out, flush=True)
+
+    return log
+
+
 def check_input_files(parser, args):
     """Raise UserError for the first InputFile flag of `parser` whose path is missing or not a file."""
     for action in parser._actions:

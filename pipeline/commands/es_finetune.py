@@ -13,12 +13,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import time
 
 from ..errors import UserError
 from ..es.countdown import check_difficulty
-from ._args import InputFile, add_threads_flag, default_run_dir
+from ._args import InputFile, add_threads_flag, default_run_dir, progress_log
 
 NAME = "es-finetune"
 HELP = "gradient-free ES fine-tune of LoRA adapters on a frozen (quantized) GGUF model"
@@ -186,10 +185,7 @@ def run(args):
 
     _check_args(args)
     pin_threads(args.threads)
-    out = sys.stderr if args.json else sys.stdout
-
-    def log(msg):
-        print(msg, file=out, flush=True)
+    log = progress_log(args)
 
     if args.inprocess:
         args.workers = 0

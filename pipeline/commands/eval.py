@@ -4,7 +4,8 @@ Greedy answers through the KV-cache decoder (what ES members are scored by), a
 built-in task (--task countdown and its --task-* knobs) or --data JSONL with
 any --reward; --workers W splits the items into W contiguous shards scored by
 W processes (`fucina eval ... --shard LO:HI`, JSON on a pipe), with the same
-numbers as one process. The evaluation itself is pipeline/es/evaluate.py.
+numbers as one process. The model (plus --lora's adapters or ES checkpoint) is built by
+pipeline/finetune/build.eval_model; the evaluation itself is pipeline/es/evaluate.py.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import time
 from ..errors import UserError
 from ..es.countdown import MAX_NUMBER, N_NUMBERS, check_difficulty
 from ..llm.chat import add_chat_template_argument
-from ._args import InputFile, add_threads_flag
+from ._args import InputFile, add_threads_flag, progress_log
 from .es_finetune import add_reward_arguments, check_reward_args, reward_spec
 from .finetune import add_data_arguments, load_data
 
@@ -33,7 +34,7 @@ def add_arguments(p):
     p.add_argument("--lora", metavar="RUN", default=None,
                    help="adapters to apply: an es-finetune or finetune checkpoint directory, or a run directory "
                         "(its latest committed checkpoint-step-N); an es-finetune --search full checkpoint too")
-    add_data_arguments(p)
+    add_data_arguments(p, "JSONL file of the items to score (or --task); formats in --format; the first --n records")
     add_chat_template_argument(p)
     add_reward_arguments(p, default_help="countdown for --task countdown (default), ",
                          what="what an answer is scored by (needed with --data): ")
@@ -86,23 +87,18 @@ def _shard(text, n):
     return lo, hi
 
 
-def build_items(args, tokenizer, template):
+def build_items(args, text):
     """The evaluation items (prompt, prompt ids, reference) of the task or the data file, the first --n."""
-    from dataclasses import replace
-
-    from ..es.rewards import items_of
-    from ..llm import data as sft
-    encoder, options = sft.RawEncoder(tokenizer), sft.EncodeOptions(seq_max=args.seq_max)
+    from ..finetune.build import prompt_items
+    from ..llm.data import Pair
     if args.task == "countdown":
         from ..es import countdown
         tasks = countdown.problems(args.task_seed, args.n, args.task_numbers, args.task_max_number)
-        pairs = [sft.Pair(t.prompt, "") for t in tasks]
-        items = items_of(pairs, encoder, template, options)
-        return [replace(item, reference=t.reference) for item, t in zip(items, tasks)]
+        return prompt_items([Pair(t.prompt, "") for t in tasks], text, tasks)
     pairs = load_data(args)
     if len(pairs) < args.n:
         raise UserError(f"--n {args.n}: {args.data} holds {len(pairs)} records")
-    items = items_of(pairs[:args.n], encoder, template, options)
+    items = prompt_items(pairs[:args.n], text)
     for i, item in enumerate(items):
         if len(item.prompt_ids) > args.seq_max:
             raise UserError(f"{args.data}: record {i + 1}: the prompt is {len(item.prompt_ids)} tokens, over "
@@ -111,22 +107,20 @@ def build_items(args, tokenizer, template):
 
 
 def _score_here(args, lo, hi, log):
-    from ..es.evaluate import adapted_trainer, item_rewards
+    from ..es.evaluate import item_rewards
     from ..es.rewards import parse_reward
-    from ..finetune.build import open_text
-    from ..models.registry import load_model
+    from ..finetune.build import eval_model, open_text
 
     text = open_text(args.model, getattr(args, "chat_template", None) or "", args.seq_max)
-    gg, tokenizer, template = text.gguf, text.tokenizer, text.template
-    items = build_items(args, tokenizer, template)[lo:hi]
+    items = build_items(args, text)[lo:hi]
     reward = parse_reward(reward_spec(args), timeout=args.reward_timeout)
-    trainer = adapted_trainer(load_model(gg), args.lora, source=str(args.model))
+    trainer = eval_model(text.gguf, args.lora, source=str(args.model))
     t0 = time.perf_counter()
 
     def progress(done, total):
         log(f"eval: {done}/{total} items scored, {time.perf_counter() - t0:.0f} s")
 
-    return item_rewards(trainer, tokenizer.decode, items, reward, args.max_new_tokens, template.stop_ids,
+    return item_rewards(trainer, text.tokenizer.decode, items, reward, args.max_new_tokens, text.template.stop_ids,
                         batch=args.batch, start=lo, progress=progress)
 
 
@@ -179,10 +173,7 @@ def run(args):
 
     _check_args(args)
     pin_threads(args.threads)
-    out = sys.stderr if args.json else sys.stdout
-
-    def log(msg):
-        print(msg, file=out, flush=True)
+    log = progress_log(args)
 
     if args.shard is not None:  # one worker's part: its rewards, nothing else
         lo, hi = _shard(args.shard, args.n)

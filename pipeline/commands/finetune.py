@@ -9,10 +9,9 @@ gradient checks on the real model and exits non-zero if one fails.
 from __future__ import annotations
 
 import json
-import sys
 
 from ..errors import UserError
-from ._args import InputFile, add_threads_flag
+from ._args import InputFile, add_threads_flag, progress_log
 
 NAME = "finetune"
 HELP = "LoRA fine-tune a frozen (quantized) GGUF model on SFT data (pairs, alpaca, chat messages, ShareGPT)"
@@ -48,11 +47,10 @@ def add_arguments(p):
                                                        "stderr)")
 
 
-def add_data_arguments(p):
-    """The --data flags, shared with es-finetune."""
+def add_data_arguments(p, data_help="JSONL file of samples (default: the built-in pirate pairs); formats in --format"):
+    """The --data flags, shared with es-finetune and eval."""
     from ..llm.data import FORMATS, MAX_RECORD_BYTES
-    p.add_argument("--data", type=InputFile("JSONL file"),
-                   help="JSONL file of samples (default: the built-in pirate pairs); formats in --format")
+    p.add_argument("--data", type=InputFile("JSONL file"), help=data_help)
     p.add_argument("--format", choices=("auto",) + FORMATS, default="auto",
                    help="the --data format: instruction/response pairs, alpaca (instruction, input, output), chat "
                         "messages or ShareGPT conversations; auto = read from the first record's fields")
@@ -162,10 +160,7 @@ def run(args):
 
     _check_args(args)
     pin_threads(args.threads)
-    out = sys.stderr if args.json else sys.stdout
-
-    def log(msg):
-        print(msg, file=out, flush=True)
+    log = progress_log(args)
 
     from ._args import announce_compile
     announce_compile(log)

@@ -7,7 +7,7 @@ optimised. An item's answer does not depend on which other items share its
 pass (every decode row is computed alone; tested), so the per-item rewards,
 and so the mean, are the same bits on 1 process or W: the command splits the
 items into W contiguous shards and concatenates the shards' rewards in item
-order.
+order. The model and its adapters are built by pipeline/finetune/build.eval_model.
 
 Reported: the mean reward with its standard error (sample std, ddof 1, over
 sqrt(n)) and the solved fraction (reward >= 1.0, the "accuracy" of a 0/1 or
@@ -16,41 +16,9 @@ Countdown reward) with its binomial standard error sqrt(p(1-p)/n).
 from __future__ import annotations
 
 import math
-from pathlib import Path
-
 import numpy as np
 
 from ..errors import UserError
-
-
-def adapted_trainer(model, lora_dir=None, source="the model"):
-    """A LoraModel over `model` carrying the adapters of `lora_dir` (an es-finetune / finetune checkpoint or run
-    directory: its latest committed checkpoint), or, with none, zero adapters (B = 0: the base model's answers).
-
-    An es-finetune `--search full` checkpoint (model.safetensors: the searched matrices under their GGUF names)
-    is loaded into private writable copies of those matrices instead (pipeline/es/full.py)."""
-    from ..finetune.model import LoraModel
-    if lora_dir is None:
-        return LoraModel(model, targets=("q",), rank=1, seed=0)
-    from ..runtime.ckpt import load_checkpoint, read_state, resolve, tensors_of
-    ckpt = Path(resolve(lora_dir))
-    state = read_state(ckpt)
-    if state.config.get("es_search") == "full":
-        from .full import writable_dense_weights
-        trainer = LoraModel(model, targets=("q",), rank=1, seed=0)
-        arrays = writable_dense_weights(trainer, dequantize=True, source=source)
-        load_checkpoint(ckpt, model=tensors_of(arrays))
-        return trainer
-    from ..llm.export import load_adapters, resolve_alpha
-    adapters = load_adapters(ckpt)
-    trainer = LoraModel(model, targets=tuple(adapters.targets), rank=adapters.rank,
-                      alpha=resolve_alpha(None, adapters), seed=0)
-    tensors = {}
-    for pair in adapters.pairs:
-        tensors[f"{pair.trainer_name}.lora_a"] = pair.a
-        tensors[f"{pair.trainer_name}.lora_b"] = pair.b
-    trainer.load_adapter_tensors(tensors, source=f"--lora {ckpt}")
-    return trainer
 
 
 def item_rewards(trainer, decode, items, reward, max_new_tokens: int, stop_ids, batch: int = 8,

@@ -1,14 +1,15 @@
 """One builder from a fine-tune spec to what a run is made of: the model file's text side (tokenizer, chat
 template, encoder), the records and samples, the loader, the LoRA model and the scorer.
 
-The backprop job (job.py), the ES job and its replicas (es.py), `fucina eval` and the commands all build
-through here, so a flag means the same thing in every process of a run: an es_member builds its replica
-from the job spec alone (build_es), never from a command line.
+The backprop job (job.py), the ES job and its replicas (es.py), `fucina eval` (eval_model: the base model plus a
+run's adapters or ES checkpoint) and the commands all build through here, so a flag means the same thing in every
+process of a run: an es_member builds its replica from the job spec alone (build_es), never from a command line.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 from ..errors import ConfigMismatchError, UserError
 from ..llm import data as sft
@@ -74,14 +75,55 @@ def lora_model(model, spec, alpha: float, seed: int | None = None, dropout: floa
 def scorer_of(reward: str, samples, records, text: Text, tasks, max_new_tokens: int, timeout: float, model_path):
     """What a member (or an eval item) is scored by: -mean CE of the samples (nll), or a reward of the greedy
     answers to the records' prompts (a countdown task's references are its problems)."""
-    from ..es.rewards import GenerationScorer, NLLScorer, items_of
+    from ..es.rewards import GenerationScorer, NLLScorer
     if reward == "nll":
         return NLLScorer(samples)
+    return GenerationScorer(prompt_items(records, text, tasks), reward, text.template.stop_ids, max_new_tokens,
+                            timeout=timeout).bind(str(model_path), text.tokenizer)
+
+
+def prompt_items(records, text: Text, tasks=None) -> list:
+    """The generation-reward items (prompt, prompt ids, reference) of records, encoded by the model's text side;
+    a countdown task's references are its problems (many answers are right)."""
+    from ..es.rewards import items_of
     items = items_of(records, text.encoder, text.template, text.options)
     if tasks is not None:
         items = [dataclasses.replace(item, reference=t.reference) for item, t in zip(items, tasks)]
-    return GenerationScorer(items, reward, text.template.stop_ids, max_new_tokens,
-                            timeout=timeout).bind(str(model_path), text.tokenizer)
+    return items
+
+
+def eval_model(model, lora_dir=None, source="the model"):
+    """The model `fucina eval` scores: a LoraModel over `model` (a GGUF, open or a path, or a loaded DecoderLM)
+    carrying the adapters of `lora_dir` (a finetune / es-finetune checkpoint or run directory: its latest
+    committed checkpoint), or, with none, zero adapters (B = 0: the base model's answers).
+
+    An es-finetune `--search full` checkpoint (model.safetensors: the searched matrices under their GGUF names)
+    is loaded into private writable copies of those matrices instead (pipeline/es/full.py). A directory that is
+    not a checkpoint, a corrupt one, or adapters of another model are one UserError naming the directory."""
+    from ..models.registry import load_model
+    from .model import LoraModel
+    if not hasattr(model, "blocks"):
+        model = load_model(model)
+    if lora_dir is None:
+        return LoraModel(model, targets=("q",), rank=1, seed=0)
+    from ..runtime.ckpt import load_checkpoint, read_state, resolve, tensors_of
+    ckpt = Path(resolve(lora_dir))
+    state = read_state(ckpt)
+    if state.config.get("es_search") == "full":
+        from ..es.full import writable_dense_weights
+        trainer = LoraModel(model, targets=("q",), rank=1, seed=0)
+        load_checkpoint(ckpt, model=tensors_of(writable_dense_weights(trainer, dequantize=True, source=source)))
+        return trainer
+    from ..llm.export import load_adapters, resolve_alpha
+    adapters = load_adapters(ckpt)
+    trainer = LoraModel(model, targets=tuple(adapters.targets), rank=adapters.rank,
+                        alpha=resolve_alpha(None, adapters), seed=0)
+    tensors = {}
+    for pair in adapters.pairs:
+        tensors[f"{pair.trainer_name}.lora_a"] = pair.a
+        tensors[f"{pair.trainer_name}.lora_b"] = pair.b
+    trainer.load_adapter_tensors(tensors, source=f"--lora {ckpt}")
+    return trainer
 
 
 def es_reward(spec) -> str:

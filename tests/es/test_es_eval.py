@@ -78,6 +78,26 @@ def test_eval_of_a_finetune_run_dir_with_data(tmp_path, capsys):
     assert rc == 0, err
     assert len(tuned["rewards"]) == 3 and tuned["reward"] == "exact\nrule:length=1,4@0.5"
     assert "0.5*rule:length=1,4" in err
+    _bad_run_dirs_are_one_error(capsys, tmp_path, tmp_path / "ft" / "checkpoint-step-1")
+
+
+def _bad_run_dirs_are_one_error(capsys, tmp_path, good):
+    """--lora that cannot be these adapters: another model's shapes, a truncated adapters file, an unreadable
+    trainer_state.json, a directory with no checkpoint: one error naming it, rc 2, nothing scored."""
+    import shutil
+    corrupt, broken, empty = (tmp_path / n for n in ("corrupt", "broken", "empty"))
+    for d in (corrupt, broken):
+        shutil.copytree(good, d)
+    (corrupt / "adapters.safetensors").write_bytes((good / "adapters.safetensors").read_bytes()[:100])
+    (broken / "trainer_state.json").write_text('{"step": ')
+    empty.mkdir()
+    other = os.path.join(ROOT, "tests", "fixtures", "qwen3-tied-q4_k_s.gguf")  # wider: the shapes differ
+    for model, lora, words in ((other, good, "expected float32"), (MODEL, corrupt, "corrupt safetensors"),
+                               (MODEL, broken, "no valid trainer_state.json"), (MODEL, empty, "neither a committed")):
+        rc, _, err = _main(capsys, "eval", "--model", model, "--task", "countdown", "--n", "2", "--max-new-tokens", "2",
+                           "--threads", "0", "--lora", str(lora))
+        assert rc == 2 and str(lora) in err and words in err and "Traceback" not in err, err
+        assert "items scored" not in err
 
 
 @pytest.mark.parametrize("argv, words", [

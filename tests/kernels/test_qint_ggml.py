@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as QT
 from pipeline.kernels import qint, qint_gemm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "llm"))
+from llama_oracle import ggml_cpu  # noqa: E402
 from test_gguf_dequant import random_blocks  # noqa: E402
 
 pytestmark = [pytest.mark.parity, pytest.mark.needs("llama_cpp")]
@@ -30,14 +31,7 @@ ROW_LENGTHS = {32: (576, 640, 896, 1056), 256: (1024, 1536)}  # 1056: 33 blocks 
 
 @pytest.fixture(scope="module")
 def ggml():
-    import llama_cpp
-    lib_dir = Path(llama_cpp.__file__).parent / "lib"
-    found = sorted(lib_dir.glob("libggml-cpu*.so")) + sorted(lib_dir.glob("libggml-cpu*.dylib"))
-    if not found:
-        pytest.skip(f"no libggml-cpu in {lib_dir}")
-    lib = ctypes.CDLL(str(found[0]))
-    lib.ggml_cpu_init()  # fills the fp16 tables the vec_dots read
-    return lib
+    return ggml_cpu()
 
 
 def ggml_matmul_t(lib, qt, raw, x):

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
+from llama_oracle import CHILD_PRELUDE
 from test_export_fixtures import write_adapters, write_tiny_qwen3
 
 from pipeline.kernels.quantize import quantize, to_bf16_bits
@@ -285,18 +286,11 @@ def test_peft_directory_names_shapes_and_config(tmp_path, capsys):
 
 # --- llama.cpp parity ------------------------------------------------------------
 
-_LLAMA_EVAL = """
-import sys, numpy as np, llama_cpp, llama_cpp.llama_cpp as C
-_defaults = C.llama_model_default_params
-def _no_extra_bufts():  # the AMX extra buffer type SIGILLs on VMs that advertise AMX without enabling it
-    p = _defaults()
-    p.use_extra_bufts = False
-    return p
-C.llama_model_default_params = _no_extra_bufts
+_LLAMA_EVAL = CHILD_PRELUDE + """
+import numpy as np
 model, out, lora, tokens = sys.argv[1], sys.argv[2], sys.argv[3], [int(t) for t in sys.argv[4].split(",")]
 kw = {"lora_path": lora} if lora else {}
-llm = llama_cpp.Llama(model, n_ctx=64, logits_all=True, verbose=False, n_threads=2,
-                      type_k=0, type_v=0, **kw)  # f32 KV cache for tight parity
+llm = llama(model, n_ctx=64, logits_all=True, n_threads=2, type_k=0, type_v=0, **kw)  # f32 KV cache for tight parity
 llm.eval(tokens)
 np.save(out, np.array(llm.scores[:len(tokens)], np.float32))
 """

@@ -11,23 +11,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from llama_oracle import CHILD_PRELUDE
 
 from pipeline.cli import main as fucina
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "What is the capital of France?"  # a training prompt of the built-in pirate set
 
-_LLAMA = """
-import json, sys, numpy as np, llama_cpp, llama_cpp.llama_cpp as C
-_defaults = C.llama_model_default_params
-def _no_extra_bufts():  # the AMX extra buffer type SIGILLs on VMs that advertise AMX without enabling it
-    p = _defaults()
-    p.use_extra_bufts = False
-    return p
-C.llama_model_default_params = _no_extra_bufts
+_LLAMA = CHILD_PRELUDE + """
+import json, numpy as np
 model, lora, ids, out = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
-llm = llama_cpp.Llama(model, n_ctx=256, logits_all=True, verbose=False, n_threads=2, type_k=0, type_v=0,
-                      **({"lora_path": lora} if lora else {}))
+llm = llama(model, n_ctx=256, logits_all=True, n_threads=2, type_k=0, type_v=0, **({"lora_path": lora} if lora else {}))
 llm.eval(ids)
 logits = np.array(llm.scores[:len(ids)], np.float32)
 llm.reset()

@@ -13,7 +13,6 @@ kinds: identical up to a divergence at a near-tie of llama.cpp's own logits).
 The loose bound for rounded activations is pinned to float rounding by
 test_parity_ties.py (every gap is a handful of rounding ties).
 """
-import contextlib
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from pipeline.models.qwen3 import Qwen3
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import make_tiny_model as mk  # noqa: E402
+from llama_oracle import llama as oracle_llama  # noqa: E402
 
 pytestmark = [pytest.mark.parity, pytest.mark.needs("llama_cpp")]
 
@@ -38,30 +38,11 @@ CASES = [pytest.param(s, k, id=f"{s}-{k}", marks=() if (s, k) in FAST else pytes
          for s in ("tied", "untied", "wide") for k in FLOAT_KINDS + QUANT_KINDS]
 
 
-@contextlib.contextmanager
-def _extra_bufts(enabled):
-    """llama.cpp's repacked (extra buffer) CPU kernels: exact for float weights, but its AMX
-    int8 path dies with SIGILL on this VM for block formats, so those run without them."""
-    import llama_cpp
-    import llama_cpp.llama as ll
-    orig = ll.llama_cpp.llama_model_default_params
-
-    def params():
-        p = orig()
-        p.use_extra_bufts = enabled
-        return p
-
-    ll.llama_cpp.llama_model_default_params = params
-    try:
-        yield llama_cpp
-    finally:
-        ll.llama_cpp.llama_model_default_params = orig
-
-
 def llama(path, quantized):
-    with _extra_bufts(not quantized) as llama_cpp:
-        return llama_cpp.Llama(model_path=str(path), n_ctx=256, n_batch=256, n_ubatch=256, logits_all=True,
-                               n_threads=1, type_k=0, type_v=0, verbose=False)  # type 0 = f32 KV cache
+    """llama.cpp's repacked (extra buffer) CPU kernels: exact for float weights, but its AMX int8 path dies with
+    SIGILL on this VM for block formats, so those run without them."""
+    return oracle_llama(path, use_extra_bufts=not quantized, n_ctx=256, n_batch=256, n_ubatch=256,
+                        logits_all=True, n_threads=1, type_k=0, type_v=0)  # type 0 = f32 KV cache
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +161,6 @@ CORPUS = [
 def test_tokenization_matches_llama_cpp(name, special):
     path = FIXTURES / name
     tok = Tokenizer.from_gguf(GGUFFile(path))
-    with _extra_bufts(False) as llama_cpp:
-        oracle = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    oracle = oracle_llama(path, vocab_only=True)
     for text in CORPUS:
         assert tok.encode(text, special=special) == oracle.tokenize(text.encode(), add_bos=False, special=special), text

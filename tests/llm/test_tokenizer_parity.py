@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from llama_oracle import llama
 from pipeline.errors import UserError
 from pipeline.llm.gguf import GGUFFile
 from pipeline.llm.tokenizer import BYTE_DECODER, CONTROL, UNKNOWN, USER_DEFINED, Tokenizer
@@ -92,26 +93,9 @@ ALPHABET = (list("aZé'sStTdDmMlLrReEvV 0123456789\t\n\r.,!?-_()[]{}$+<=>^~|`\"#
 
 
 @pytest.fixture(scope="module")
-def oracle():
-    llama_cpp = pytest.importorskip("llama_cpp")
-    import llama_cpp.llama as ll
-    default_params = ll.llama_cpp.llama_model_default_params
-
-    def params():   # llama.cpp's AMX kernels crash on some CPUs; a vocabulary needs no kernels anyway
-        p = default_params()
-        p.use_extra_bufts = False
-        return p
-
-    ll.llama_cpp.llama_model_default_params = params
-    try:
-        yield llama_cpp
-    finally:
-        ll.llama_cpp.llama_model_default_params = default_params
-
-
-@pytest.fixture(scope="module")
-def llm(oracle, tok, vocab):
-    return oracle.Llama(model_path=str(vocab), vocab_only=True, verbose=False)
+def llm(tok, vocab):
+    pytest.importorskip("llama_cpp")
+    return llama(vocab, vocab_only=True)  # a vocabulary needs no kernels
 
 
 def test_random_text_matches_llama_cpp(name, tok, llm):
@@ -130,11 +114,12 @@ def test_random_text_matches_llama_cpp(name, tok, llm):
         assert got == want, (text, special, add)
 
 
-def test_token_pieces_match_llama_cpp(tok, llm, oracle):
+def test_token_pieces_match_llama_cpp(tok, llm):
     """Every token's bytes equal llama.cpp's token_to_piece, with and without special tokens rendered; and a
     whole sequence decodes as llama_detokenize does (leading space of add_space_prefix dropped)."""
     import ctypes
-    llama_cpp = oracle
+
+    import llama_cpp
     lvocab = llama_cpp.llama_model_get_vocab(llm.model)
     size = 1 + max(len(t.encode()) for t in tok.tokens)
     buf = ctypes.create_string_buffer(size)

@@ -11,6 +11,7 @@ from pathlib import Path
 import gguf
 import pytest
 
+from llama_oracle import llama
 from pipeline.llm.gguf import GGUFFile
 from pipeline.llm.tokenizer import Tokenizer
 
@@ -50,20 +51,8 @@ def test_gemma_rules_from_the_file(tok):
 
 @pytest.mark.parity
 def test_ids_match_llama_cpp(vocab, tok):
-    llama_cpp = pytest.importorskip("llama_cpp")
-    import llama_cpp.llama as ll
-    default_params = ll.llama_cpp.llama_model_default_params
-
-    def params():  # llama.cpp's AMX kernels crash on this VM; a vocabulary needs no kernels anyway
-        p = default_params()
-        p.use_extra_bufts = False
-        return p
-
-    ll.llama_cpp.llama_model_default_params = params
-    try:
-        llm = llama_cpp.Llama(model_path=str(vocab), vocab_only=True, verbose=False)
-    finally:
-        ll.llama_cpp.llama_model_default_params = default_params
+    pytest.importorskip("llama_cpp")
+    llm = llama(vocab, vocab_only=True)  # a vocabulary needs no kernels
     alphabet = list("aZthe sTdmlr 09\t\n.,!?-()") + list("中한🦙ñΩ\u00a0\u2581") + ["  ", "\n\n", " \u2581"]
     specials = ["<start_of_turn>", "<end_of_turn>", "<bos>", "<eos>", "<mask>", "<pad>"]
     rng = random.Random("gemma3")

@@ -17,7 +17,7 @@ import pytest
 from numba import njit
 
 from pipeline.kernels import ggml_f32
-from llama_oracle import plain_llama
+from llama_oracle import ggml_cpu, plain_llama
 
 pytestmark = [pytest.mark.parity, pytest.mark.needs("llama_cpp")]
 
@@ -28,13 +28,7 @@ TEXT = ("The quick brown fox jumps over the lazy dog. In 1969, Apollo 11 landed 
 
 @pytest.fixture(scope="module")
 def ggml():
-    import llama_cpp
-    lib_dir = Path(llama_cpp.__file__).parent / "lib"
-    found = sorted(lib_dir.glob("libggml-cpu*.so")) + sorted(lib_dir.glob("libggml-cpu*.dylib"))
-    if not found:
-        pytest.skip(f"no libggml-cpu in {lib_dir}")
-    lib = ctypes.CDLL(str(found[0]))
-    lib.ggml_cpu_init()
+    lib = ggml_cpu()
     lib.ggml_vec_soft_max_f32.restype = ctypes.c_double
     return lib
 

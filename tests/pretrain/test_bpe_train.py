@@ -2,6 +2,7 @@
 import gguf
 import pytest
 
+from llama_oracle import llama
 from pretrain_helpers import SAMPLE_TEXT, small_documents
 from pipeline.errors import UserError
 from pipeline.jobs.lm_export import write_model_gguf
@@ -63,21 +64,9 @@ def test_bad_tokenizer_files_are_one_error(tmp_path):
 @pytest.mark.parity
 @pytest.mark.needs("llama_cpp")
 def test_llama_cpp_tokenizes_the_gguf_the_same(trained, tmp_path):
-    llama_cpp = pytest.importorskip("llama_cpp")
-    import llama_cpp.llama as ll
+    pytest.importorskip("llama_cpp")
     tok, pre, _, docs = trained
-    path = _tiny_gguf(tmp_path / "m.gguf", tok, pre)
-    defaults = ll.llama_cpp.llama_model_default_params
-
-    def params():  # llama.cpp's AMX kernels crash on this VM; a vocabulary needs no kernels anyway
-        p = defaults()
-        p.use_extra_bufts = False
-        return p
-    ll.llama_cpp.llama_model_default_params = params
-    try:
-        llm = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
-    finally:
-        ll.llama_cpp.llama_model_default_params = defaults
+    llm = llama(_tiny_gguf(tmp_path / "m.gguf", tok, pre), vocab_only=True)  # a vocabulary needs no kernels
     for text in [SAMPLE_TEXT, *docs[:40]]:
         want = tok.encode(text, add_special_tokens=False).ids
         assert llm.tokenize(text.encode(), add_bos=False, special=True) == want

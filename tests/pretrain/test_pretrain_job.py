@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+from llama_oracle import CHILD_PRELUDE
 from pretrain_helpers import small_documents, write_jsonl
 from pipeline.errors import UserError
 from pipeline.jobs import get_job
@@ -132,15 +133,9 @@ def test_bad_specs_are_one_error(spec):
         Pretrain(build(Pretrain.Spec, {**spec, "seq": 1 << 20, "batch_tokens": 1 << 21}))
 
 
-_LLAMA = """
-import sys, json, numpy as np, llama_cpp, llama_cpp.llama_cpp as C
-_defaults = C.llama_model_default_params
-def _no_extra_bufts():  # llama.cpp's AMX extra buffer type crashes on this VM
-    p = _defaults()
-    p.use_extra_bufts = False
-    return p
-C.llama_model_default_params = _no_extra_bufts
-llm = llama_cpp.Llama(sys.argv[1], n_ctx=64, logits_all=True, verbose=False, n_threads=1, type_k=0, type_v=0)
+_LLAMA = CHILD_PRELUDE + """
+import json, numpy as np
+llm = llama(sys.argv[1], n_ctx=64, logits_all=True, n_threads=1, type_k=0, type_v=0)
 ids = llm.tokenize(sys.argv[2].encode(), add_bos=False, special=True)
 llm.eval(ids)
 np.save(sys.argv[3], np.array(llm.scores[:len(ids)], np.float32))

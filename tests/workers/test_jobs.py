@@ -3,6 +3,7 @@ import argparse
 
 import numpy as np
 import pytest
+from llama_oracle import CHILD_PRELUDE
 
 from pipeline.errors import UserError
 from pipeline.jobs import get_job
@@ -108,15 +109,9 @@ def test_lm_gguf_export_round_trips_through_the_reader(tmp_path):
     np.testing.assert_allclose(loaded.infer(prompt), ours.infer(prompt), rtol=1e-4, atol=1e-4)
 
 
-_LLAMA = """
-import sys, json, numpy as np, llama_cpp, llama_cpp.llama_cpp as C
-_defaults = C.llama_model_default_params
-def _no_extra_bufts():  # the AMX extra buffer type SIGILLs on VMs that advertise AMX without enabling it
-    p = _defaults()
-    p.use_extra_bufts = False
-    return p
-C.llama_model_default_params = _no_extra_bufts
-llm = llama_cpp.Llama(sys.argv[1], n_ctx=64, logits_all=True, verbose=False, n_threads=1, type_k=0, type_v=0)
+_LLAMA = CHILD_PRELUDE + """
+import json, numpy as np
+llm = llama(sys.argv[1], n_ctx=64, logits_all=True, n_threads=1, type_k=0, type_v=0)
 ids = llm.tokenize(sys.argv[2].encode(), add_bos=False, special=False)
 llm.eval(ids)
 np.save(sys.argv[3], np.array(llm.scores[:len(ids)], np.float32))

@@ -30,6 +30,7 @@ from ..errors import UserError
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
 MAX_DOCUMENT_BYTES = 64 << 20  # one JSONL record (the SFT reader's default cap of 1 MiB is for chat samples)
+ENCODE_BATCH_CHARS = 16 << 20  # text per tokenizer encode_batch call while writing a token stream
 
 
 @dataclass
@@ -42,13 +43,11 @@ class Corpus:
 
 
 def _read_utf8(path) -> str:
-    with open(path, "rb") as fh:
-        raw = fh.read()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
-        raise UserError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
+    """The text of one text document, streamed in chunks (pipeline.llm.data.read_text, READ_CHUNK bytes at a
+    time, UTF-8 validated incrementally, a character split by a chunk boundary carried over): the file's raw
+    bytes are never held whole, and its first invalid byte is named as `path:line` with its offset."""
+    from ..llm.data import read_text
+    return read_text(path)
 
 
 def _jsonl_documents(path, text_field):
@@ -120,14 +119,19 @@ def split_documents(docs, val_share: float) -> tuple[list, list]:
     if len(docs) < 2:
         raise UserError(f"the corpus has {len(docs)} document; a held-out split needs at least 2 "
                         "(give more files, or JSONL with one document per line)")
-    encoded = [d.encode("utf-8") for d in docs]
-    order = sorted(range(len(docs)), key=lambda i: (hashlib.sha256(encoded[i]).digest(), i))
-    want, held, taken = val_share * sum(len(b) for b in encoded), set(), 0
+    keys, sizes = [], []
+    for i, d in enumerate(docs):  # one document's bytes at a time, not a second copy of the corpus
+        b = d.encode("utf-8")
+        keys.append((hashlib.sha256(b).digest(), i))
+        sizes.append(len(b))
+        del b
+    order = sorted(range(len(docs)), key=keys.__getitem__)
+    want, held, taken = val_share * sum(sizes), set(), 0
     for i in order[:-1]:  # at least one document stays for training
         if held and taken >= want:
             break
         held.add(i)
-        taken += len(encoded[i])
+        taken += sizes[i]
     return ([d for i, d in enumerate(docs) if i not in held], [d for i, d in enumerate(docs) if i in held])
 
 
@@ -171,12 +175,37 @@ def cached(path, make):
     return path
 
 
-def encode_stream(tok, docs, eot_id: int) -> np.ndarray:
-    """<|endoftext|> before every document, then its ids; uint16 when the vocabulary fits, else uint32."""
+def _batches(docs, max_bytes):
+    """Consecutive runs of documents of about max_bytes of text each (at least one document per run)."""
+    batch, size = [], 0
+    for d in docs:
+        batch.append(d)
+        size += len(d)
+        if size >= max_bytes:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def encode_stream(tok, docs, eot_id: int, out=None) -> np.ndarray:
+    """<|endoftext|> before every document, then its ids; uint16 when the vocabulary fits, else uint32.
+
+    Documents are encoded ENCODE_BATCH_CHARS of text at a time (each document whole, so the ids are those of
+    one encode_batch over all of them): with `out` (a binary file) each run's ids are appended to it and the
+    token count returned, so the tokenizer's per-token Encoding objects never exist for the whole corpus."""
     dtype = np.uint16 if tok.get_vocab_size() <= 1 << 16 else np.uint32
-    parts = []
-    for enc in tok.encode_batch(docs, add_special_tokens=False):
-        parts.append(np.array([eot_id] + enc.ids, dtype=dtype))
+    parts, n = [], 0
+    for batch in _batches(docs, ENCODE_BATCH_CHARS):
+        ids = [np.array([eot_id] + enc.ids, dtype=dtype) for enc in tok.encode_batch(batch, add_special_tokens=False)]
+        if out is None:
+            parts += ids
+            continue
+        run = np.concatenate(ids)
+        out.write(run.tobytes())
+        n += len(run)
+    if out is not None:
+        return n
     return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
@@ -186,7 +215,8 @@ def token_stream(cache_dir, corpus_digest, tok_digest, part, tok, docs, eot_id) 
     path = os.path.join(cache_dir, f"tokens-{corpus_digest}-{tok_digest}-{part}.{np.dtype(dtype).name}")
 
     def make(tmp):
-        encode_stream(tok, docs, eot_id).tofile(tmp)
+        with open(tmp, "wb") as fh:
+            encode_stream(tok, docs, eot_id, out=fh)
     cached(path, make)
     if os.path.getsize(path) == 0:
         return np.zeros(0, dtype)

@@ -22,6 +22,7 @@ import fcntl
 import glob
 import hashlib
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +31,7 @@ from ..errors import UserError
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
 MAX_DOCUMENT_BYTES = 64 << 20  # one JSONL record (the SFT reader's default cap of 1 MiB is for chat samples)
-ENCODE_BATCH_CHARS = 16 << 20  # text per tokenizer encode_batch call while writing a token stream
+ENCODE_CHARS = 1 << 20  # text per tokenizer call while writing a token stream (see _pieces)
 
 
 @dataclass
@@ -175,15 +176,55 @@ def cached(path, make):
     return path
 
 
-def _batches(docs, max_bytes):
-    """Consecutive runs of documents of about max_bytes of text each (at least one document per run)."""
-    batch, size = [], 0
-    for d in docs:
-        batch.append(d)
-        size += len(d)
-        if size >= max_bytes:
-            yield batch
-            batch, size = [], 0
+_SAFE_CUT = re.compile(r"\n(?=\S)")
+
+
+def _pieces(doc, size, cuttable):
+    """`doc` cut into pieces of about `size` characters, each cut just after a newline that a non-space
+    character follows. Neither pre-tokenizer regex (qwen2, llama-bpe: pipeline.llm.pretokenize) has a match
+    that holds a newline and a following non-space character, and none looks behind, so such a cut is a
+    pre-token boundary and a byte-level BPE never merges across one: the pieces' ids are the document's.
+    Only for a tokenizer of exactly that shape (`cuttable`, see _cuttable); any other gets the document whole."""
+    if len(doc) <= size or not cuttable:
+        yield doc
+        return
+    start = 0
+    while len(doc) - start > size:
+        cut = _SAFE_CUT.search(doc, start + size)
+        if cut is None:
+            break
+        yield doc[start:cut.end()]
+        start = cut.end()
+    yield doc[start:]
+
+
+def _cuttable(tok) -> bool:
+    """A BPE without normalizer (a Strip, say, sees the whole text) whose pre-tokenizer is exactly the Split +
+    ByteLevel that bpe_train builds (no prefix space, which every piece would get)."""
+    import json
+
+    from tokenizers import Tokenizer, models
+
+    from ..llm import bpe_train
+    data = json.loads(tok.to_str())
+    pre = bpe_train.pre_tokenizer_name(data)
+    if pre is None or data.get("normalizer") is not None or (data.get("model") or {}).get("type") != "BPE":
+        return False
+    reference = Tokenizer(models.BPE())
+    reference.pre_tokenizer = bpe_train._hf_pre_tokenizer(pre)
+    return data["pre_tokenizer"] == json.loads(reference.to_str())["pre_tokenizer"]
+
+
+def _batches(tok, docs, size):
+    """Runs of (starts a document, piece) of about `size` characters in all, in corpus order."""
+    cuttable, batch, chars = _cuttable(tok), [], 0
+    for doc in docs:
+        for i, piece in enumerate(_pieces(doc, size, cuttable)):
+            batch.append((i == 0, piece))
+            chars += len(piece)
+            if chars >= size:
+                yield batch
+                batch, chars = [], 0
     if batch:
         yield batch
 
@@ -191,17 +232,24 @@ def _batches(docs, max_bytes):
 def encode_stream(tok, docs, eot_id: int, out=None) -> np.ndarray:
     """<|endoftext|> before every document, then its ids; uint16 when the vocabulary fits, else uint32.
 
-    Documents are encoded ENCODE_BATCH_CHARS of text at a time (each document whole, so the ids are those of
-    one encode_batch over all of them): with `out` (a binary file) each run's ids are appended to it and the
-    token count returned, so the tokenizer's per-token Encoding objects never exist for the whole corpus."""
+    The text goes to the tokenizer's encode_batch ENCODE_CHARS characters at a time (a long document cut at
+    pre-token boundaries, see _pieces: the same ids as encoding it whole), so its Encoding objects (hundreds
+    of bytes per token) exist for one run of text, not the corpus. With `out` (a binary file) the ids are
+    appended to it as they come and their count returned."""
     dtype = np.uint16 if tok.get_vocab_size() <= 1 << 16 else np.uint32
-    parts, n = [], 0
-    for batch in _batches(docs, ENCODE_BATCH_CHARS):
-        ids = [np.array([eot_id] + enc.ids, dtype=dtype) for enc in tok.encode_batch(batch, add_special_tokens=False)]
-        if out is None:
-            parts += ids
-            continue
+    parts, n, eot = [], 0, np.array([eot_id], dtype)
+    for batch in _batches(tok, docs, ENCODE_CHARS):
+        encoded = tok.encode_batch([piece for _, piece in batch], add_special_tokens=False)
+        ids = []
+        for (first, _), enc in zip(batch, encoded):
+            if first:
+                ids.append(eot)
+            ids.append(np.array(enc.ids, dtype=dtype))
+        del encoded
         run = np.concatenate(ids)
+        if out is None:
+            parts.append(run)
+            continue
         out.write(run.tobytes())
         n += len(run)
     if out is not None:

@@ -133,6 +133,7 @@ class ESRun:
         self.center = None
         os.makedirs(run_dir, exist_ok=True)
         self.metrics = MetricsLog(run_dir)
+        self.metrics.rewind(self.start)  # iterations replayed from the checkpoint are recorded once
         self.durations = []  # seconds per committed iteration
         self.begin()
 

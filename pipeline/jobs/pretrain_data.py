@@ -22,6 +22,7 @@ import fcntl
 import glob
 import hashlib
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,7 @@ from ..errors import UserError
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
 MAX_DOCUMENT_BYTES = 64 << 20  # one JSONL record (the SFT reader's default cap of 1 MiB is for chat samples)
+ENCODE_CHARS = 1 << 20  # text per tokenizer call while writing a token stream (see _pieces)
 
 
 @dataclass
@@ -42,13 +44,11 @@ class Corpus:
 
 
 def _read_utf8(path) -> str:
-    with open(path, "rb") as fh:
-        raw = fh.read()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
-        raise UserError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
+    """The text of one text document, streamed in chunks (pipeline.llm.data.read_text, READ_CHUNK bytes at a
+    time, UTF-8 validated incrementally, a character split by a chunk boundary carried over): the file's raw
+    bytes are never held whole, and its first invalid byte is named as `path:line` with its offset."""
+    from ..llm.data import read_text
+    return read_text(path)
 
 
 def _jsonl_documents(path, text_field):
@@ -120,14 +120,19 @@ def split_documents(docs, val_share: float) -> tuple[list, list]:
     if len(docs) < 2:
         raise UserError(f"the corpus has {len(docs)} document; a held-out split needs at least 2 "
                         "(give more files, or JSONL with one document per line)")
-    encoded = [d.encode("utf-8") for d in docs]
-    order = sorted(range(len(docs)), key=lambda i: (hashlib.sha256(encoded[i]).digest(), i))
-    want, held, taken = val_share * sum(len(b) for b in encoded), set(), 0
+    keys, sizes = [], []
+    for i, d in enumerate(docs):  # one document's bytes at a time, not a second copy of the corpus
+        b = d.encode("utf-8")
+        keys.append((hashlib.sha256(b).digest(), i))
+        sizes.append(len(b))
+        del b
+    order = sorted(range(len(docs)), key=keys.__getitem__)
+    want, held, taken = val_share * sum(sizes), set(), 0
     for i in order[:-1]:  # at least one document stays for training
         if held and taken >= want:
             break
         held.add(i)
-        taken += len(encoded[i])
+        taken += sizes[i]
     return ([d for i, d in enumerate(docs) if i not in held], [d for i, d in enumerate(docs) if i in held])
 
 
@@ -171,12 +176,84 @@ def cached(path, make):
     return path
 
 
-def encode_stream(tok, docs, eot_id: int) -> np.ndarray:
-    """<|endoftext|> before every document, then its ids; uint16 when the vocabulary fits, else uint32."""
+_SAFE_CUT = re.compile(r"\n(?=\S)")
+
+
+def _pieces(doc, size, cuttable):
+    """`doc` cut into pieces of about `size` characters, each cut just after a newline that a non-space
+    character follows. Neither pre-tokenizer regex (qwen2, llama-bpe: pipeline.llm.pretokenize) has a match
+    that holds a newline and a following non-space character, and none looks behind, so such a cut is a
+    pre-token boundary and a byte-level BPE never merges across one: the pieces' ids are the document's.
+    Only for a tokenizer of exactly that shape (`cuttable`, see _cuttable); any other gets the document whole."""
+    if len(doc) <= size or not cuttable:
+        yield doc
+        return
+    start = 0
+    while len(doc) - start > size:
+        cut = _SAFE_CUT.search(doc, start + size)
+        if cut is None:
+            break
+        yield doc[start:cut.end()]
+        start = cut.end()
+    yield doc[start:]
+
+
+def _cuttable(tok) -> bool:
+    """A BPE without normalizer (a Strip, say, sees the whole text) whose pre-tokenizer is exactly the Split +
+    ByteLevel that bpe_train builds (no prefix space, which every piece would get)."""
+    import json
+
+    from tokenizers import Tokenizer, models
+
+    from ..llm import bpe_train
+    data = json.loads(tok.to_str())
+    pre = bpe_train.pre_tokenizer_name(data)
+    if pre is None or data.get("normalizer") is not None or (data.get("model") or {}).get("type") != "BPE":
+        return False
+    reference = Tokenizer(models.BPE())
+    reference.pre_tokenizer = bpe_train._hf_pre_tokenizer(pre)
+    return data["pre_tokenizer"] == json.loads(reference.to_str())["pre_tokenizer"]
+
+
+def _batches(tok, docs, size):
+    """Runs of (starts a document, piece) of about `size` characters in all, in corpus order."""
+    cuttable, batch, chars = _cuttable(tok), [], 0
+    for doc in docs:
+        for i, piece in enumerate(_pieces(doc, size, cuttable)):
+            batch.append((i == 0, piece))
+            chars += len(piece)
+            if chars >= size:
+                yield batch
+                batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def encode_stream(tok, docs, eot_id: int, out=None) -> np.ndarray:
+    """<|endoftext|> before every document, then its ids; uint16 when the vocabulary fits, else uint32.
+
+    The text goes to the tokenizer's encode_batch ENCODE_CHARS characters at a time (a long document cut at
+    pre-token boundaries, see _pieces: the same ids as encoding it whole), so its Encoding objects (hundreds
+    of bytes per token) exist for one run of text, not the corpus. With `out` (a binary file) the ids are
+    appended to it as they come and their count returned."""
     dtype = np.uint16 if tok.get_vocab_size() <= 1 << 16 else np.uint32
-    parts = []
-    for enc in tok.encode_batch(docs, add_special_tokens=False):
-        parts.append(np.array([eot_id] + enc.ids, dtype=dtype))
+    parts, n, eot = [], 0, np.array([eot_id], dtype)
+    for batch in _batches(tok, docs, ENCODE_CHARS):
+        encoded = tok.encode_batch([piece for _, piece in batch], add_special_tokens=False)
+        ids = []
+        for (first, _), enc in zip(batch, encoded):
+            if first:
+                ids.append(eot)
+            ids.append(np.array(enc.ids, dtype=dtype))
+        del encoded
+        run = np.concatenate(ids)
+        if out is None:
+            parts.append(run)
+            continue
+        out.write(run.tobytes())
+        n += len(run)
+    if out is not None:
+        return n
     return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
@@ -186,7 +263,8 @@ def token_stream(cache_dir, corpus_digest, tok_digest, part, tok, docs, eot_id) 
     path = os.path.join(cache_dir, f"tokens-{corpus_digest}-{tok_digest}-{part}.{np.dtype(dtype).name}")
 
     def make(tmp):
-        encode_stream(tok, docs, eot_id).tofile(tmp)
+        with open(tmp, "wb") as fh:
+            encode_stream(tok, docs, eot_id, out=fh)
     cached(path, make)
     if os.path.getsize(path) == 0:
         return np.zeros(0, dtype)

@@ -248,10 +248,14 @@ def read_text(path, max_line_bytes=MAX_LINE_BYTES, keep=True):
 
     A line over max_line_bytes is refused at `path:line` once that many bytes of it are read (a 2 GB line is
     never read whole), bytes that are not UTF-8 at `path:line` with their file offset; a FIFO, a device or a
-    directory is refused before anything is read (pipeline.untrusted.open_regular)."""
+    directory is refused before anything is read (pipeline.untrusted.open_regular).
+
+    keep=True holds the validated bytes (one growing buffer) and decodes them once at the end:
+    peak memory is the file's bytes plus its str (1, 2 or 4 bytes a character), where decoded chunks joined
+    would hold the str twice."""
     path = os.fspath(path)
     chunk_size = min(READ_CHUNK, max_line_bytes + 1)  # a line inside one chunk is then at most the cap
-    parts, carry, lineno, line_bytes, offset = [], b"", 1, 0, 0
+    kept, carry, lineno, line_bytes, offset = bytearray(), b"", 1, 0, 0
     with open_regular(path, UserError, "text file") as f:
         while True:
             try:
@@ -280,10 +284,11 @@ def read_text(path, max_line_bytes=MAX_LINE_BYTES, keep=True):
                     line = lineno + raw[:e.start].count(b"\n")
                     raise UserError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {bad})"
                                     ) from None
+            del text
             if keep:
-                parts.append(text)
+                kept += chunk  # grown, not sized from st_size: a file refused half-way never costs its size
             if not chunk:
-                return "".join(parts) if keep else None
+                return str(kept, "utf-8") if keep else None
             offset += len(chunk)
             lineno += newlines
 

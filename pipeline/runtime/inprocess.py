@@ -33,6 +33,7 @@ def run_inprocess(job, run_dir, resume=None, log=print, on_step=None):
     batch = _buffers(job.batch_layout())
     slots = [_buffers(job.param_layout()) for _ in range(job.micro_batches)]
     metrics = MetricsLog(run_dir)
+    metrics.rewind(start)  # a resume into the same run dir records the replayed steps once
     metrics.write({"kind": "event", "event": "run_started", "detail": {"mode": "inprocess", "start_step": start}})
     loss, t_run = None, time.perf_counter()
     policy, skipped_total = getattr(job.spec, "on_nonfinite", "stop"), 0

@@ -25,13 +25,56 @@ def peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+STEP_KINDS = ("metrics", "es_metrics")  # the records a step (or ES iteration) writes once
+
+
 class MetricsLog:
+    """Appends to RUN_DIR/metrics.jsonl (line-buffered: a crash cuts at most the last line)."""
+
     def __init__(self, run_dir):
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.fh = open(self.path, "a", buffering=1)
 
     def write(self, record: dict):
         self.fh.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+
+    def rewind(self, step: int):
+        """Drop the step records after `step`, the step the run (re)starts from, before it writes again.
+
+        A run resumed from checkpoint N (a restarted scheduler, an in-run restart after a lost optimizer,
+        `--resume` into the same directory) replays steps N+1.. that the file may already hold; by the
+        determinism contract the replayed records carry the same values, so the file is cut back to the
+        checkpoint the run resumed from rather than deduplicated on write: it then describes exactly the
+        state that run continues (a checkpoint older than the last records is resumed consistently too) and
+        every reader sees each step once. Events are kept (they are the run's history, restarts included),
+        and so is everything of other kinds; a line cut by a crash is dropped (the next append would
+        otherwise be glued to it). The rewrite is a temp file renamed over the old one, streamed line by
+        line: a reader sees the old file or the new one, never half of it."""
+        self.fh.close()
+        tmp = f"{self.path}.tmp-{os.getpid()}"
+        changed = False
+        try:
+            with open(self.path, "rb") as src, open(tmp, "wb") as dst:
+                for line in src:
+                    try:
+                        r = json.loads(line) if line.strip() else None
+                    except (ValueError, RecursionError):
+                        r = None
+                    if not isinstance(r, dict) or not line.endswith(b"\n") or (
+                            r.get("kind") in STEP_KINDS and isinstance(r.get("step"), int) and r["step"] > step):
+                        changed = True
+                        continue
+                    dst.write(line)
+                if changed:
+                    dst.flush()
+                    os.fsync(dst.fileno())
+            if changed:
+                os.replace(tmp, self.path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            self.fh = open(self.path, "a", buffering=1)
+        return changed
 
     def close(self):
         self.fh.close()

@@ -344,6 +344,7 @@ class Scheduler:
             self.final = msg["step"]  # the checkpoint resumed is of a run that stopped early there
         self.descs["params"], self.descs["grads"] = msg["params"], msg["grads"]
         self.last_step_t = time.monotonic()
+        self.metrics.rewind(msg["step"])  # the steps replayed from this checkpoint are recorded once
         self.event("optimizer_ready", step=msg["step"], resume=msg.get("resume") or None, gen=self.gen)
 
     def on_loaded(self, peer, msg):

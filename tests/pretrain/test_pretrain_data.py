@@ -64,3 +64,47 @@ def test_token_stream_is_tokenized_once_and_memory_mapped(tmp_path, monkeypatch)
     again = pd.token_stream(str(tmp_path), "corpus", "tok", "train", tok, docs, eot)
     assert np.array_equal(again, first)
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_streamed_reading_and_batched_encoding_give_the_same_bits(tmp_path, monkeypatch):
+    """A corpus read in 7-byte chunks (every multi-byte character of SAMPLE_TEXT straddles some boundary) and
+    encoded 50 characters at a time (documents cut at pre-token boundaries): documents, split, digest and
+    token streams equal the whole-file read and one encode_batch over the whole documents (what the reader
+    and the encoder did before they streamed), for both pre-tokenizers."""
+    from pretrain_helpers import SAMPLE_TEXT
+
+    from pipeline.llm import data as llm_data
+    texts = [SAMPLE_TEXT * (i + 1) + f"\ndocument {i}\n" for i in range(12)]
+    for i, t in enumerate(texts):
+        (tmp_path / f"d{i:02d}.txt").write_bytes(t.encode("utf-8"))
+    whole = pd.load_corpus(str(tmp_path), "text", 0.2)
+    monkeypatch.setattr(llm_data, "READ_CHUNK", 7)
+    monkeypatch.setattr(pd, "ENCODE_CHARS", 50)
+    streamed = pd.load_corpus(str(tmp_path), "text", 0.2)
+    assert (streamed.train_docs, streamed.val_docs) == (whole.train_docs, whole.val_docs) and whole.val_docs
+    assert sorted(streamed.train_docs + streamed.val_docs) == sorted(texts)
+    assert (streamed.digest, streamed.n_bytes) == (whole.digest, whole.n_bytes)
+    for pre in ("qwen2", "llama-bpe"):
+        tok = train_bpe(small_documents(20_000) + [SAMPLE_TEXT] * 3, 320, pre)
+        eot = tok.token_to_id(END_OF_TEXT)
+        assert pd._cuttable(tok)
+        for part, docs in (("train", streamed.train_docs), ("val", streamed.val_docs)):
+            stream = pd.token_stream(str(tmp_path / "cache"), streamed.digest, pre, part, tok, docs, eot)
+            one_pass = np.concatenate([np.array([eot] + e.ids, np.uint16)
+                                       for e in tok.encode_batch(docs, add_special_tokens=False)])
+            assert np.array_equal(stream, one_pass)
+        pieces = [p for b in pd._batches(tok, streamed.train_docs, 50) for p in b]
+        assert len(pieces) > 10 * len(streamed.train_docs)  # the documents were cut, many times each
+    from tokenizers import normalizers
+    tok.normalizer = normalizers.Strip()  # sees the whole text: a cut would change it, so none is made
+    assert not pd._cuttable(tok)
+
+
+def test_a_bad_byte_chunks_into_the_file_is_named_by_line_and_offset(tmp_path, monkeypatch):
+    from pipeline.llm import data as llm_data
+    monkeypatch.setattr(llm_data, "READ_CHUNK", 5)
+    good = "héllo wörld\n" * 9  # 13 bytes a line
+    (tmp_path / "bad.txt").write_bytes(good.encode("utf-8") + b"ab\xe9cd\n")
+    offset = len(good.encode("utf-8")) + 2
+    with pytest.raises(UserError, match=rf"bad.txt:10: not UTF-8 text \(byte 0xe9 at offset {offset}\)"):
+        pd.read_documents(str(tmp_path / "bad.txt"))

@@ -31,6 +31,11 @@ def reference(tmp_path_factory):
     return run_inprocess(job(build(job.Spec, SPEC)), str(tmp_path_factory.mktemp("ref")), log=lambda m: None)
 
 
+def step_records(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [r for r in map(json.loads, fh) if r.get("kind") == "metrics"]
+
+
 def test_checkpointer_killed_mid_write_leaves_previous_checkpoint_latest(tmp_path):
     """Unit level: the weights file of step 40 is written, then the writer dies before the sentinel."""
     pin_threads(1)
@@ -202,3 +207,9 @@ def test_a_killed_scheduler_is_restarted_from_the_checkpoint_and_the_run_ends_on
     assert said.split("restarting it", 1)[1].split("\n", 1)[0].endswith("checkpoint-step-20")
     assert len(events(tmp_path, "run_started")) == 2
     assert shm.run_segments(run_id(tmp_path)) == []
+    # steps 21..30 were replayed by the restarted scheduler: metrics.jsonl holds each step once, the
+    # uninterrupted run's values (bitwise: JSON floats round-trip)
+    got, want = (step_records(d) for d in (tmp_path, reference["run_dir"]))
+    assert [r["step"] for r in got] == list(range(1, 61))
+    assert [[r.get(k) for k in ("loss", "lr", "grad_norm", "eval")] for r in got] == \
+        [[r.get(k) for k in ("loss", "lr", "grad_norm", "eval")] for r in want]

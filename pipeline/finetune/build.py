@@ -102,6 +102,7 @@ def eval_model(model, lora_dir=None, source="the model"):
     not a checkpoint, a corrupt one, or adapters of another model are one UserError naming the directory."""
     from ..models.registry import load_model
     from .model import LoraModel
+    arch = getattr(model, "architecture", None)  # an open GGUF names it; a loaded model is taken as given
     if not hasattr(model, "blocks"):
         model = load_model(model)
     if lora_dir is None:
@@ -116,6 +117,9 @@ def eval_model(model, lora_dir=None, source="the model"):
         return trainer
     from ..llm.export import load_adapters, resolve_alpha
     adapters = load_adapters(ckpt)
+    if arch is not None and adapters.arch != arch:  # equal shapes across families would load and score nonsense
+        raise UserError(f"--lora {ckpt}: adapters trained on a {adapters.arch} model (config.lora.arch), "
+                        f"{source} is {arch}")
     trainer = LoraModel(model, targets=tuple(adapters.targets), rank=adapters.rank,
                         alpha=resolve_alpha(None, adapters), seed=0)
     tensors = {}

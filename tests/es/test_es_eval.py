@@ -82,7 +82,7 @@ def test_eval_of_a_finetune_run_dir_with_data(tmp_path, capsys):
 
 
 def _bad_run_dirs_are_one_error(capsys, tmp_path, good):
-    """--lora that cannot be these adapters: another model's shapes, a truncated adapters file, an unreadable
+    """--lora that cannot be these adapters: another model's shapes or family, a truncated adapters file, an unreadable
     trainer_state.json, a directory with no checkpoint: one error naming it, rc 2, nothing scored."""
     import shutil
     corrupt, broken, empty = (tmp_path / n for n in ("corrupt", "broken", "empty"))
@@ -92,7 +92,9 @@ def _bad_run_dirs_are_one_error(capsys, tmp_path, good):
     (broken / "trainer_state.json").write_text('{"step": ')
     empty.mkdir()
     other = os.path.join(ROOT, "tests", "fixtures", "qwen3-tied-q4_k_s.gguf")  # wider: the shapes differ
-    for model, lora, words in ((other, good, "expected float32"), (MODEL, corrupt, "corrupt safetensors"),
+    llama = os.path.join(ROOT, "tests", "fixtures", "llama-mini-f32.gguf")  # the same shapes, another family
+    for model, lora, words in ((other, good, "expected float32"), (llama, good, "trained on a qwen3 model"),
+                               (MODEL, corrupt, "corrupt safetensors"),
                                (MODEL, broken, "no valid trainer_state.json"), (MODEL, empty, "neither a committed")):
         rc, _, err = _main(capsys, "eval", "--model", model, "--task", "countdown", "--n", "2", "--max-new-tokens", "2",
                            "--threads", "0", "--lora", str(lora))

@@ -11,15 +11,17 @@ Procfile line that needs the venv's Python without naming it fails here as it fa
 Conventions a line's comment may carry: "(exit N)" - the status it must end with (else 0);
 "(another terminal)" - it runs beside the line before it, once that line's run has written its run.json.
 A page that makes a fresh venv (`python3 -m venv .venv ...`) runs in a copy of the repository's files
-instead, with no venv until that line makes one.
+instead, with no venv until that line makes one (in the shortened runs, with the compiled kernels: see _sandbox).
 
-Pages holding a long command (training runs, benchmarks, a fresh venv) run whole in the `slow` suite with
-their long training runs shortened (`shorten`: a `fucina pretrain` or `fucina launch lm` line runs a tenth of
-its --steps, at least 8, a resume at least 120; `launch lm` without --steps, and the Procfile's lm through
-CONFIG, 60 steps; a `fucina es-finetune` line a tenth of 40 or more --iterations, at least 4), and exactly
-as written in the `soak` suite (`pytest -m soak`); the default suite runs each page's lines up to its first
-long one, and the documented honcho command. Never run: llama-cli (an interactive program outside Fucina),
-and the README's test-suite command, which is .ci/run's first step verbatim (checked here).
+Pages holding a long command (training runs, benchmarks, a fresh venv) run whole in the `slow` suite with their
+long training runs shortened (`shorten`: a `fucina pretrain` or `fucina launch lm` line runs a tenth of its
+--steps, at least 8, a resume at least 60, a pretrain line a quarter of its --batch-tokens, at least 1024;
+`launch lm` without --steps, and the Procfile's lm through CONFIG, 30 steps; a `fucina es-finetune` line a tenth
+of 40 or more --iterations, at least 4; a `fucina spirals` line a tenth of its --steps, at least 20, and 200
+without --steps), and exactly as written in the `soak` suite (`pytest -m soak`); the default suite runs each
+page's lines up to its first long one, and the documented honcho command. Never run: llama-cli (an interactive
+program outside Fucina), and the README's test-suite command, which is .ci/run's first step verbatim (checked
+here).
 """
 import os
 import pathlib
@@ -82,8 +84,11 @@ def _expected_status(line):
     return int(m.group(1)) if m else 0
 
 
-def _sandbox(workdir, fresh_clone):
-    """A directory laid out like the repository root, and the environment of a shell with no venv active."""
+def _sandbox(workdir, fresh_clone, warm_kernels=False):
+    """A directory laid out like the repository root, and the environment of a shell with no venv active.
+    `warm_kernels` (a fresh clone in the shortened runs): numba's cached kernels come along (index + object
+    files; the sources keep their mtimes, so the cache stays valid), the compile a new clone pays being
+    test_cold_cache's subject, not this page's."""
     if fresh_clone:  # the repository's files only (tracked or not ignored): no venv, no runs, nothing built
         files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                                capture_output=True, check=True).stdout
@@ -91,6 +96,10 @@ def _sandbox(workdir, fresh_clone):
             if (ROOT / rel).is_file():
                 (workdir / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(ROOT / rel, workdir / rel)
+        cached = [p for p in (ROOT / "pipeline").rglob("__pycache__/*") if p.suffix in (".nbi", ".nbc")]
+        for path in cached if warm_kernels else []:
+            (workdir / path.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, workdir / path.relative_to(ROOT))
     else:
         if not (VENV_BIN / "fucina").exists():
             pytest.skip(f"the tests do not run from a venv holding fucina ({sys.prefix})")
@@ -145,13 +154,14 @@ def _wait_for_run_json(cwd, since, proc, timeout=900):
         time.sleep(0.5)
 
 
-SHORTEN = re.compile(r"fucina (pretrain|launch lm|es-finetune)\b")
+SHORTEN = re.compile(r"fucina (pretrain|launch lm|es-finetune|spirals)\b")
 SHORT_ES_ITERATIONS = 4  # an es-finetune line without --iterations (its default is 40)
-SHORT_LM_STEPS = 60
+SHORT_LM_STEPS = 30
+SHORT_SPIRALS_STEPS = 200  # a spirals line without --steps (its default is 2000): the resume gate is the same
 
 
 def shorten(line):
-    """The line with its training run cut to a tenth (at least 8 steps; `launch lm` without --steps: 60) and its
+    """The line with its training run cut to a tenth (at least 8 steps; `launch lm` without --steps: 30) and its
     --checkpoint-every with it (an es-finetune line: --iterations of 40 or more to a tenth, at least 4; without
     it, 4); a trailing comment is kept after the flags. A command naming a pretrain run's
     `checkpoint-step-N` names step N/10 instead (the shortened run's checkpoint). Other lines are as they are."""
@@ -159,6 +169,11 @@ def shorten(line):
         return re.sub(r"(runs/pretrain-\S*/checkpoint-step-)(\d+)0\b", r"\1\2", line) \
             if line.startswith("fucina ") and "runs/pretrain-" in line else line
     code, sep, comment = line.partition(" # ")
+    if "fucina spirals" in code:  # every recipe's bit-exact resume gate at a tenth of the steps
+        m = re.search(r"--steps (\d+)", code)
+        if not m:
+            return f"{code.rstrip()} --steps {SHORT_SPIRALS_STEPS}" + sep + comment
+        return f"{code[:m.start()]}--steps {max(20, int(m.group(1)) // 10)}{code[m.end():]}" + sep + comment
     if "es-finetune" in code:  # --iterations is the total target: a resume's tenth goes on past the first run's
         m = re.search(r"--iterations (\d+)", code)
         if not m:
@@ -173,12 +188,14 @@ def shorten(line):
     elif "launch lm" in code:
         code = f"{code.rstrip()} --steps {SHORT_LM_STEPS}"
     code = re.sub(r"--checkpoint-every (\d+)", lambda c: f"--checkpoint-every {max(1, int(c.group(1)) // 10)}", code)
+    if "fucina pretrain" in code:  # d4's 256-token windows: 1024 tokens still split into 2 micro-batches of them
+        code = re.sub(r"--batch-tokens (\d+)", lambda c: f"--batch-tokens {max(1024, int(c.group(1)) // 4)}", code)
     return code + sep + comment
 
 
 def run_block(workdir, lines, timeout=3600, short=False):
     fresh = any(line.startswith("python3 -m venv") for line in lines)
-    env = _sandbox(workdir, fresh)
+    env = _sandbox(workdir, fresh, warm_kernels=short)
     if short:  # the Procfile's scheduler reads its job fields from CONFIG (scripts/honcho_run.sh lm)
         (workdir / "short-lm.toml").write_text(f"steps = {SHORT_LM_STEPS}\n")
         env["CONFIG"] = str(workdir / "short-lm.toml")
@@ -246,6 +263,8 @@ def test_documented_commands_all_of_them_as_written(page, sandbox):
 
 def test_shorten_cuts_training_runs_only():
     assert shorten("fucina pretrain --preset d4 --steps 160 --x 1") == "fucina pretrain --preset d4 --steps 16 --x 1"
+    assert shorten("fucina pretrain --steps 160 --batch-tokens 4096 --micro-batches 2") == \
+        "fucina pretrain --steps 16 --batch-tokens 1024 --micro-batches 2"
     assert shorten("fucina launch lm   # ~3-5 min") == f"fucina launch lm --steps {SHORT_LM_STEPS} # ~3-5 min"
     resumed = shorten("fucina launch lm --resume r --steps 600   # on")
     assert resumed == f"fucina launch lm --resume r --steps {2 * SHORT_LM_STEPS}   # on"
@@ -258,6 +277,8 @@ def test_shorten_cuts_training_runs_only():
     assert shorten("fucina es-finetune --model m --iterations 200 --save s") == \
         "fucina es-finetune --model m --iterations 20 --save s"
     assert shorten("fucina es-finetune --model m --iterations 6") == "fucina es-finetune --model m --iterations 6"
+    assert shorten("fucina spirals --json   # j") == f"fucina spirals --json --steps {SHORT_SPIRALS_STEPS} # j"
+    assert shorten("fucina spirals --optimizer adamw --steps 400") == "fucina spirals --optimizer adamw --steps 40"
     assert shorten("fucina es-finetune --model m --shuffle   # c") == \
         f"fucina es-finetune --model m --shuffle --iterations {SHORT_ES_ITERATIONS} # c"
 

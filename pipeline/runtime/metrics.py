@@ -10,6 +10,8 @@ import json
 import os
 import time
 
+from ..errors import CheckpointError
+
 
 def peak_rss_mb():
     """This process's own peak resident set in MB: VmHWM where /proc exists (ru_maxrss would
@@ -52,9 +54,10 @@ class MetricsLog:
         line: a reader sees the old file or the new one, never half of it."""
         self.fh.close()
         tmp = f"{self.path}.tmp-{os.getpid()}"
-        changed = False
+        changed = made = False
         try:
             with open(self.path, "rb") as src, open(tmp, "wb") as dst:
+                made = True
                 for line in src:
                     try:
                         r = json.loads(line) if line.strip() else None
@@ -70,8 +73,12 @@ class MetricsLog:
                     os.fsync(dst.fileno())
             if changed:
                 os.replace(tmp, self.path)
+                made = False
+        except OSError as e:  # disk full, permissions, a directory in the way: the old file is left whole
+            raise CheckpointError(f"{self.path}: cannot rewind the metrics log to step {step}: "
+                                  f"{e.strerror or e}") from None
         finally:
-            if os.path.exists(tmp):
+            if made and os.path.exists(tmp):
                 os.unlink(tmp)
             self.fh = open(self.path, "a", buffering=1)
         return changed

@@ -2,6 +2,9 @@
 import json
 import os
 
+import pytest
+
+from pipeline.errors import CheckpointError
 from pipeline.jobs import get_job
 from pipeline.jobs.spec import build
 from pipeline.runtime.inprocess import run_inprocess
@@ -53,3 +56,18 @@ def test_an_inprocess_resume_into_the_same_run_dir_records_each_step_once(tmp_pa
     assert len(started) == 2  # the history of the restart is kept
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
         assert all(json.loads(line) for line in fh)
+
+
+def test_a_rewind_that_cannot_write_names_the_file_and_leaves_it_whole(tmp_path):
+    log = MetricsLog(tmp_path)
+    for s in (1, 2, 3):
+        log.write({"kind": "metrics", "step": s, "loss": s / 7})
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    (tmp_path / f"metrics.jsonl.tmp-{os.getpid()}").mkdir()  # the temp file's name taken: open() fails
+    with pytest.raises(CheckpointError, match=r"metrics\.jsonl: cannot rewind the metrics log to step 1"):
+        log.rewind(1)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+    assert (tmp_path / f"metrics.jsonl.tmp-{os.getpid()}").is_dir()  # not ours: not removed
+    log.write({"kind": "metrics", "step": 4, "loss": 4 / 7})  # the log is still open for appends
+    log.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]

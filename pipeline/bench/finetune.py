@@ -81,7 +81,7 @@ def _runtime_rows(args, desc):
         with open(data, "w") as fh:
             for i, w in enumerate(words):
                 fh.write(json.dumps({"instruction": f"pair {i}", "response": " ".join(w[: args.seq // 4])}) + "\n")
-        spec = FinetuneSpec(model=os.path.abspath(args.model), data=data, steps=args.steps + 1, micro_batches=2,
+        spec = FinetuneSpec(model=os.path.abspath(args.model), data=data, steps=args.steps + 1, batch_size=2,
                             seq_max=4 * args.seq, rank=args.rank, alpha=2.0 * args.rank, targets=args.targets,
                             lr=1e-3, max_new_tokens=0)
         spec.validate()

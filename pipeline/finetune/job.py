@@ -19,6 +19,7 @@ short sample moves a few padding bytes but never computes on them.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import numpy as np
@@ -27,7 +28,7 @@ from ..errors import UserError
 from ..jobs.base import Job, bind_module, zero_copy_grads
 from ..llm import data as sft
 from .build import load_records, lora_model, open_text, split_records
-from .spec import FinetuneSpec, default_lr
+from .spec import DEFAULT_STEPS, FinetuneSpec, default_lr
 
 
 class Finetune(Job):
@@ -59,6 +60,8 @@ class Finetune(Job):
         if self.val_samples and not spec.eval_every:  # a validation set is measured every 10 steps by default
             self.spec = spec = dataclasses.replace(spec, eval_every=10)
         self.longest = max(len(s.inputs) for s in self.samples)
+        self._steps = spec.steps or (math.ceil(spec.epochs * len(self.samples) / spec.batch_size) if spec.epochs
+                                     else DEFAULT_STEPS)
         self._trainer = None
         self._order = (None, None)  # (epoch, its permutation): the Loader's order, one epoch cached
 
@@ -116,16 +119,28 @@ class Finetune(Job):
         return optim.Muon(named, lr=s.lr)  # every adapter factor is a matrix
 
     def lr_factor(self, step):
-        """Linear warm-up then constant: a pure function of the optimizer step (schedule.lr_factor)."""
+        """Linear warm-up then constant, linear or cosine decay to 0 at the run's last step: a pure function of
+        the optimizer step and the run's length (schedule.lr_factor)."""
         from .schedule import lr_factor
-        return lr_factor(step, self.spec.warmup)
+        return lr_factor(step, self.spec.warmup, self.steps, self.spec.decay)
 
     def schedule_fields(self):
-        return {"name": "warmup_constant", "lr": self.spec.lr, "warmup": self.spec.warmup}
+        return {"name": f"warmup_{self.spec.decay}", "lr": self.spec.lr, "warmup": self.spec.warmup,
+                "decay": self.spec.decay}
+
+    @property
+    def steps(self):
+        """--steps, or --epochs' worth: ceil(E * training samples / batch size), the last batch topped up from
+        the next epoch's order (the Loader's stream runs on across epochs)."""
+        return self._steps
+
+    @property
+    def micro_batches(self):
+        return self.spec.batch_size
 
     # --- data ------------------------------------------------------------------------
     def rows_per_step(self):
-        return self.spec.micro_batches
+        return self.spec.batch_size
 
     def rows_per_micro(self):
         return 1
@@ -144,8 +159,8 @@ class Finetune(Job):
         return self._order[1][i % n]
 
     def window(self, step):
-        first = step * self.spec.micro_batches
-        return [self.samples[self.sample_of(i)] for i in range(first, first + self.spec.micro_batches)]
+        first = step * self.spec.batch_size
+        return [self.samples[self.sample_of(i)] for i in range(first, first + self.spec.batch_size)]
 
     def supervised_tokens(self, step):
         return sum(s.n_valid for s in self.window(step))
@@ -161,7 +176,7 @@ class Finetune(Job):
         out["inputs"][:n], out["labels"][:n] = s.inputs, s.labels
         out["inputs"][n:], out["labels"][n:] = 0, sft.IGNORE_INDEX
         # the step's supervised tokens are > 0: encode_all refuses a sample without one
-        out["length"][0], out["micro"][0] = n, step * self.spec.micro_batches + k
+        out["length"][0], out["micro"][0] = n, step * self.spec.batch_size + k
         out["scale"][0] = 1.0 / self.supervised_tokens(step)
 
     # --- compute ---------------------------------------------------------------------

@@ -97,7 +97,7 @@ def test_monitor_attaches_to_a_running_finetune(tmp_path):
 
 def test_the_procfile_starts_a_finetune_from_a_job_file(tmp_path):
     job_file = tmp_path / "finetune.toml"
-    job_file.write_text(f'model = "{MODEL}"\nsteps = 3\ntargets = "q,v"\nmicro_batches = 2\n')
+    job_file.write_text(f'model = "{MODEL}"\nsteps = 3\ntargets = "q,v"\nbatch_size = 2\n')
     honcho = os.path.join(os.path.dirname(sys.executable), "honcho")
     out = subprocess.run([honcho, "start", "-c", "trainer=1"], capture_output=True, text=True, timeout=600, cwd=ROOT,
                          env=_env(PYTHON=sys.executable, JOB="finetune", CONFIG=str(job_file),

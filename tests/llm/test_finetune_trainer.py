@@ -232,3 +232,32 @@ def test_grouped_projections_equal_one_by_one_bitwise(monkeypatch):
     assert grouped[0] == single[0]
     for n in grouped[1]:
         np.testing.assert_array_equal(grouped[1][n], single[1][n])
+
+
+def test_the_adapter_init_is_pure_in_the_seed():
+    """--seed seeds every A (B starts at 0): the same seed gives the same bits, another seed other values."""
+    def init(seed):
+        return LoraModel(random_model(), targets=("q", "v"), rank=4, seed=seed).adapter_tensors()
+    one, again, other = init(7), init(7), init(8)
+    a_names = [n for n in one if n.endswith("lora_a")]
+    assert len(a_names) == CFG.layers * 2
+    for n in one:
+        assert one[n].tobytes() == again[n].tobytes()
+    for n in a_names:
+        assert np.any(one[n]) and not np.array_equal(one[n], other[n])
+    assert all(not np.any(one[n]) and not np.any(other[n]) for n in one if n.endswith("lora_b"))
+
+
+def test_the_schedule_warms_up_then_decays_to_zero_at_the_last_step():
+    from pipeline.finetune.schedule import lr_factor
+    warm = [lr_factor(s, 2, 10, "cosine") for s in range(2)]
+    assert warm == [0.5, 1.0] == [lr_factor(s, 2, 10, "linear") for s in range(2)]
+    for decay in ("linear", "cosine"):
+        after = [lr_factor(s, 2, 10, decay) for s in range(2, 10)]
+        assert after[0] == 1.0 and all(a > b for a, b in zip(after, after[1:])) and 0.0 < after[-1] < 0.2
+        assert lr_factor(10, 2, 10, decay) == 0.0
+    assert lr_factor(5, 2, 10, "linear") == pytest.approx(1 - 3 / 8)
+    assert lr_factor(6, 2, 10, "cosine") == pytest.approx(0.5)  # half way through the decay
+    assert [lr_factor(s, 2, 10, "constant") for s in range(2, 10)] == [1.0] * 8
+    with pytest.raises(UserError, match="decay"):
+        lr_factor(0, 0, 10, "step")

@@ -80,8 +80,9 @@ class FinetuneSpec(_ModelAndData):
                            f"the pirate demo's), {REAL_LR:g} on a real one (SmolLM2, Qwen, Gemma: PEFT's usual LoRA "
                            "rate; 1e-2 garbles them)")
     warmup: int = field(0, "linear learning-rate warm-up over this many optimizer steps")
-    decay: str = field("constant", "after the warm-up: hold the peak lr, or decay it to 0 at the last step linearly "
-                                   "or along a half cosine (a resumed run keeps the checkpoint's)", choices=DECAYS)
+    decay: str = field("constant", "the lr after the warm-up: constant (the peak), linear or cosine (down to 0 at the "
+                                   "run's last step along a line or a half cosine); a resumed run keeps the "
+                                   "checkpoint's", choices=DECAYS, metavar="|".join(DECAYS))
     clip: float = field(1.0, "global gradient-norm clip, once per step (0: off)")
     targets: str = field("q,k,v,o,gate,up,down", "comma-separated projections to adapt, any of q,k,v,o,gate,up,down "
                                                  "(q,v is the classic choice for large models)")

@@ -149,7 +149,7 @@ class Finetune(Job):
     def _window_bound(self):
         """The most windows of seq_max tokens a step's samples can fill, from the data alone (a resumed run must
         find the same count): first fit leaves any two windows together over seq_max tokens, so k windows hold
-        over floor(k / 2) * seq_max tokens, at most S, the B longest sample lengths a step can draw (a sample
+        over floor(k / 2) * seq_max tokens, at most S, the sum of the B longest lengths a step can draw (a sample
         recurs up to ceil(B / n) + 1 times in a step that straddles epochs)."""
         b, cap = self.spec.batch_size, self.spec.seq_max
         lengths = [len(s.inputs) for s in self.samples]

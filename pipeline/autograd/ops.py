@@ -651,7 +651,7 @@ def rope(x, positions, theta=10000.0, freq_factors=None, interleaved=False):
 _ATTN_QBLOCK = 64  # query positions per block in causal attention
 
 
-def attention(q, k, v, causal=True, offset=None, scale=None, window=0):
+def attention(q, k, v, causal=True, offset=None, scale=None, window=0, segments=None):
     """Scaled dot-product attention with grouped-query heads.
 
     q: [batch, seq_q, heads_q, head_dim]; k, v: [batch, seq_k, heads_kv, head_dim]
@@ -660,6 +660,9 @@ def attention(q, k, v, causal=True, offset=None, scale=None, window=0):
     offset defaults to seq_k - seq_q (the KV-cache decoding case). Returns
     [batch, seq_q, heads_q, head_dim]. scale defaults to 1/sqrt(head_dim).
     window > 0 (causal only; sliding-window layers): query p also stops seeing keys j <= p - window.
+    segments (causal self-attention only; packed samples): non-decreasing ids [seq], one per position of every
+    batch row; a query sees only the keys of its own segment (a block-diagonal causal mask), and a block of
+    queries multiplies only against the keys from its first query's segment start on.
     """
     q, k, v = as_tensor(q), as_tensor(k), as_tensor(v)
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
@@ -680,6 +683,14 @@ def attention(q, k, v, causal=True, offset=None, scale=None, window=0):
         raise OpError("attention: a sliding window needs causal=True")
     if window < 0:
         raise OpError(f"attention: window must be >= 0, got {window}")
+    if segments is not None:
+        segments = np.asarray(segments)
+        if not causal or Sq != Sk or offset != 0 or segments.shape != (Sq,):
+            raise OpError(f"attention: segments [seq] need causal self-attention, got segments "
+                          f"{segments.shape} for seq_q {Sq}, seq_k {Sk}, offset {offset}")
+        if Sq > 1 and np.any(np.diff(segments) < 0):
+            raise OpError("attention: segments must be non-decreasing (one contiguous run per packed sample)")
+        starts = np.searchsorted(segments, segments, side="left")  # each position's segment start
 
     from pipeline.kernels.attention import softmax_backward_rows_serial, softmax_rows_serial
     from pipeline.kernels.workpool import run_tiles
@@ -693,18 +704,22 @@ def attention(q, k, v, causal=True, offset=None, scale=None, window=0):
     K = _compute(k.data).transpose(0, 2, 1, 3)  # [B, Hkv, Sk, D]
     V = _compute(v.data).transpose(0, 2, 1, 3)
     step = _ATTN_QBLOCK if causal else Sq
-    blocks = []  # (q0, q1, visible keys, additive mask [G*bq, kmax] or None)
+    blocks = []  # (q0, q1, first and end of the visible keys, additive mask [G*bq, kmax - kmin] or None)
     for q0 in range(0, Sq, step):
         q1 = builtins.min(Sq, q0 + step)
         kmax = builtins.min(Sk, offset + q1) if causal else Sk
+        kmin = int(starts[q0]) if segments is not None else 0
         mask = None
         if causal:
-            blocked = np.arange(kmax)[None, :] > (offset + np.arange(q0, q1))[:, None]
+            keys, queries = np.arange(kmin, kmax)[None, :], (offset + np.arange(q0, q1))[:, None]
+            blocked = keys > queries
             if window:
-                blocked |= (offset + np.arange(q0, q1))[:, None] - np.arange(kmax)[None, :] >= window
+                blocked |= queries - keys >= window
+            if segments is not None:
+                blocked |= segments[kmin:kmax][None, :] != segments[q0:q1][:, None]
             if blocked.any():
                 mask = np.tile(np.where(blocked, -np.inf, 0.0).astype(Q5.dtype), (G, 1))
-        blocks.append((q0, q1, kmax, mask))
+        blocks.append((q0, q1, kmin, kmax, mask))
     pairs = B * Hkv
     saved = [None] * pairs  # per pair: [(Q rows [G*bq, D], probabilities [G*bq, kmax]) per block]
     O5 = np.empty(Q5.shape, Q5.dtype)
@@ -713,14 +728,14 @@ def attention(q, k, v, causal=True, offset=None, scale=None, window=0):
     def forward_pair(i):
         b, h = divmod(i, Hkv)
         mine = []
-        for q0, q1, kmax, mask in blocks:
+        for q0, q1, kmin, kmax, mask in blocks:
             Qb = Q5[b, h, :, q0:q1].reshape(G * (q1 - q0), D)
-            pb = Qb @ K[b, h, :kmax].T
+            pb = Qb @ K[b, h, kmin:kmax].T
             pb *= typed_scale
             if mask is not None:
                 pb += mask
             softmax_rows_serial(pb)
-            O5[b, h, :, q0:q1] = (pb @ V[b, h, :kmax]).reshape(G, q1 - q0, D)
+            O5[b, h, :, q0:q1] = (pb @ V[b, h, kmin:kmax]).reshape(G, q1 - q0, D)
             mine.append((Qb, pb))
         saved[i] = mine
 
@@ -735,15 +750,15 @@ def attention(q, k, v, causal=True, offset=None, scale=None, window=0):
 
         def backward_pair(i):
             b, h = divmod(i, Hkv)
-            for (q0, q1, kmax, _), (Qb, pb) in zip(blocks, saved[i]):  # fixed block order: deterministic sums
+            for (q0, q1, kmin, kmax, _), (Qb, pb) in zip(blocks, saved[i]):  # fixed block order: deterministic
                 dOb = dO5[b, h, :, q0:q1].reshape(G * (q1 - q0), D)
                 if v.requires_grad:
-                    dV[b, h, :kmax] += pb.T @ dOb  # sums over the group inside the GEMM
-                ds = softmax_backward_rows_serial(pb, dOb @ V[b, h, :kmax].T, scale)
+                    dV[b, h, kmin:kmax] += pb.T @ dOb  # sums over the group inside the GEMM
+                ds = softmax_backward_rows_serial(pb, dOb @ V[b, h, kmin:kmax].T, scale)
                 if q.requires_grad:
-                    dQ5[b, h, :, q0:q1] = (ds @ K[b, h, :kmax]).reshape(G, q1 - q0, D)
+                    dQ5[b, h, :, q0:q1] = (ds @ K[b, h, kmin:kmax]).reshape(G, q1 - q0, D)
                 if k.requires_grad:
-                    dK[b, h, :kmax] += ds.T @ Qb
+                    dK[b, h, kmin:kmax] += ds.T @ Qb
 
         run_tiles(pairs, backward_pair)
         dq = dQ5.transpose(0, 3, 1, 2, 4).reshape(B, Sq, Hq, D) if q.requires_grad else None

@@ -39,6 +39,9 @@ def add_arguments(p):
     add_threads_flag(p, 2, "the bench", also="; torch gets the same N, a trainer process N/2")
     p.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
     p.add_argument("--no-trainers", action="store_true", help="skip the runtime rows (in-process vs 1 and 2 trainers)")
+    p.add_argument("--pack", type=int, default=0, metavar="N",
+                   help="also time one step's N short samples (seq/8 .. seq/4 tokens) one per micro-batch vs packed "
+                        "into windows of --seq tokens (finetune --pack); 0: off")
 
 
 def _sample(vocab, seq, seed=0):
@@ -58,6 +61,40 @@ def _session(args, model, samples, accum):
     trainer = LoraModel(model, targets=targets, rank=args.rank, alpha=2.0 * args.rank)
     opt = AdamW(trainer.named_parameters(), lr=1e-3, weight_decay=0.0)
     return Session(trainer, opt, samples, Loader(len(samples)), accum_steps=accum)
+
+
+def _pack_rows(args, model, desc):
+    """--pack N: the forward+backward of N short synthetic samples (lengths seq/8 .. seq/4, seeded), one per
+    micro-batch vs packed first-fit into windows of seq tokens (segmented attention), alternating. -> rows."""
+    from pipeline.finetune.model import LoraModel, pack_windows, packed
+    from pipeline.kernels.workpool import hold, single_thread_blas
+    from pipeline.llm.data import IGNORE_INDEX, Sample
+    g = np.random.default_rng(1)
+    lengths = g.integers(max(2, args.seq // 8), max(3, args.seq // 4 + 1), args.pack)
+    samples = []
+    for n in lengths:
+        labels = g.integers(0, model.config.vocab_size, n)
+        labels[: n // 2] = IGNORE_INDEX
+        samples.append(Sample(g.integers(0, model.config.vocab_size, n), labels, n // 2 + 1))
+    plan = [[samples[i] for i in w] for w in pack_windows([int(n) for n in lengths], args.seq)]
+    trainer = LoraModel(model, targets=tuple(args.targets.split(",")), rank=args.rank, alpha=2.0 * args.rank)
+    scale = 1.0 / sum(s.n_valid for s in samples)
+
+    def run(batches):
+        trainer.zero_grad()
+        for tokens, labels, segments in batches:
+            with single_thread_blas(), hold():
+                trainer.loss(tokens, labels, reduction="sum", loss_scale=scale, segments=segments).backward()
+
+    one = [(s.inputs, s.labels, None) for s in samples]
+    windows = [packed(w) for w in plan]
+    (one_ms, _), (pack_ms, _) = _timed_alternating([lambda: run(one), lambda: run(windows)], args.steps)
+    tokens = int(lengths.sum())
+    note = f"{desc}; {args.pack} samples of {lengths.min()}-{lengths.max()} tokens, forward+backward"
+    return [{"case": f"pack {args.pack} short/one per micro-batch", "ms": one_ms, "baselines": {},
+             "tokens_s": tokens / one_ms * 1e3, "notes": f"{note}, {args.pack} micro-batches"},
+            {"case": f"pack {args.pack} short/packed", "ms": pack_ms, "baselines": {"one_per_micro_batch": one_ms},
+             "tokens_s": tokens / pack_ms * 1e3, "notes": f"{note}, {len(plan)} windows of {args.seq}"}]
 
 
 def _runtime_rows(args, desc):
@@ -81,7 +118,7 @@ def _runtime_rows(args, desc):
         with open(data, "w") as fh:
             for i, w in enumerate(words):
                 fh.write(json.dumps({"instruction": f"pair {i}", "response": " ".join(w[: args.seq // 4])}) + "\n")
-        spec = FinetuneSpec(model=os.path.abspath(args.model), data=data, steps=args.steps + 1, micro_batches=2,
+        spec = FinetuneSpec(model=os.path.abspath(args.model), data=data, steps=args.steps + 1, batch_size=2,
                             seq_max=4 * args.seq, rank=args.rank, alpha=2.0 * args.rank, targets=args.targets,
                             lr=1e-3, max_new_tokens=0)
         spec.validate()
@@ -259,6 +296,8 @@ def run(args):
                  "baseline_cpu_ms": {"torch_f32": torch_cpu}, "supervised_tok_s": n_sup / ms * 1e3,
                  "peak_rss_mb": peak_rss_mb(),
                  "notes": f"{desc}; base stays in its file format; {cpu_note(cpu, torch_cpu)}"})
+    if args.pack:
+        rows += _pack_rows(args, model, desc)
     if not args.no_trainers:
         rows += _runtime_rows(args, desc)
     return rows

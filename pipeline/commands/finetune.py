@@ -39,7 +39,8 @@ def add_arguments(p):
     p.add_argument("--inprocess", action="store_true", help="run every task inline in this process (the default "
                    "unless --trainers N)")
     p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint dir or a run dir's newest checkpoint "
-                   "(adapters, optimizer, step; the checkpoint's accum_steps, lr and warm-up win over the flags)")
+                   "(adapters, optimizer, step; the checkpoint's batch size, lr, warm-up, decay and --pack win over "
+                   "the flags)")
     add_threads_flag(p, 0, "this process and of each trainer process (0: each trainer takes one)")
     p.add_argument("--verify-grads", action="store_true", help="instead of training: zero-structure, grad-norm audit, "
                                                                "Taylor and frozen-base checks; exit 1 on failure")
@@ -78,7 +79,7 @@ def default_lr(model_path):
 
 
 def _check_args(args):
-    for flag, value, low in (("--steps", args.steps, 0), ("--accum-steps", args.micro_batches, 1),
+    for flag, value, low in (("--steps", args.steps, 0), ("--batch-size", args.batch_size, 1),
                              ("--seq-max", args.seq_max, 1), ("--trainers", args.trainers, 0),
                              ("--save-every", args.checkpoint_every, 0), ("--max-new-tokens", args.max_new_tokens, 0)):
         if value < low:
@@ -118,13 +119,15 @@ def spec_of(args, resume=None):
     from ..jobs.spec import build
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(FinetuneSpec)}
     fields.update(model=os.path.abspath(args.model), data=os.path.abspath(args.data) if args.data else "",
-                  val_data=os.path.abspath(args.val_data) if args.val_data else "", steps=max(args.steps, 1),
+                  val_data=os.path.abspath(args.val_data) if args.val_data else "",
                   lr=args.lr if args.lr is not None else default_lr(args.model))
     if resume is not None:
         from ..runtime import ckpt
         stored = ckpt.read_state(resume).config.get("spec") or {}
-        for name in ("micro_batches", "lr", "warmup"):  # the checkpoint's window and lr win over the flags
-            fields[name] = stored.get(name, fields[name])
+        stored.setdefault("batch_size", stored.get("micro_batches"))  # the field's name before `batch_size`
+        for name in ("batch_size", "lr", "warmup", "decay", "pack"):  # the checkpoint's batch and schedule win
+            if stored.get(name) is not None:
+                fields[name] = stored[name]
     return build(FinetuneSpec, fields, where="flags")
 
 
@@ -137,8 +140,8 @@ def build(args, log):
     trainer = job.trainer()
     optimizer = job.make_optimizer(trainer.named_parameters())
     loader = loader_of(job.spec, len(job.samples))
-    session = Session(trainer, optimizer, job.samples, loader, accum_steps=job.spec.micro_batches, clip=args.clip,
-                      lr=job.spec.lr, warmup=args.warmup)
+    session = Session(trainer, optimizer, job.samples, loader, accum_steps=job.spec.batch_size, clip=args.clip,
+                      lr=job.spec.lr, warmup=args.warmup, decay=job.spec.decay, total=job.steps)
     return session, job
 
 
@@ -181,8 +184,9 @@ def run(args):
         check_resume_config(state.config, trainer, f"{resume}/trainer_state.json")
         trainer.load_adapter_tensors(ckpt.read_params(resume, order=order), source=resume)
         start = state.macro_step
-        log(f"resumed {resume}: optimizer step {start}; accum_steps {job.spec.micro_batches} and lr "
-            f"{job.spec.lr:g} from the checkpoint")
+        log(f"resumed {resume}: optimizer step {start}; batch size {job.spec.batch_size}, lr {job.spec.lr:g}, "
+            f"warm-up {job.spec.warmup}, decay {job.spec.decay}{', packed' if job.spec.pack else ''} from the "
+            "checkpoint")
     in_step_dir = resume and os.path.basename(resume).startswith("checkpoint-step-")
     run_dir = args.save or (os.path.dirname(resume) if in_step_dir else resume) or _default_run_dir()
     if not resume and (ckpt.latest_checkpoint(run_dir) or ckpt.is_committed(run_dir)):
@@ -191,8 +195,8 @@ def run(args):
     log(_banner(args, job, mode))
     before = job.answer(trainer)
     log(f"BEFORE  {job.prompt()!r} -> {before!r}")
-    if start >= args.steps:
-        log(f"nothing to do: the run is already at step {start} of --steps {args.steps}")
+    if start >= job.steps:
+        log(f"nothing to do: the run is already at step {start} of {job.steps}")
         summary = {"steps": start, "adapters_sha256": _sha(trainer)}
     else:
         os.makedirs(run_dir, exist_ok=True)
@@ -247,7 +251,13 @@ def _banner(args, job, mode):
     t, c = job.trainer(), job.trainer().config
     return (f"fucina finetune: {args.model} ({c.layers} layers, hidden {c.hidden}); LoRA rank {t.rank} alpha "
             f"{t.alpha:g} on {','.join(t.targets)}: {t.n_parameters():,} trainable parameters; {_count(job.pairs)}; "
-            f"lr {job.spec.lr:g}; accum {job.spec.micro_batches}; {job.spec.optimizer}; {mode}")
+            f"lr {job.spec.lr:g} ({_schedule(job)}); batch {job.spec.batch_size}{' packed' if job.spec.pack else ''}; "
+            f"{job.steps} steps; {job.spec.optimizer}; {mode}")
+
+
+def _schedule(job):
+    s = job.spec
+    return f"warm-up {s.warmup}, {s.decay}" if s.warmup else s.decay
 
 
 class DivergenceWatch:

@@ -2,23 +2,29 @@
 
 Data: pipeline.llm.data (instruction pairs, alpaca, `messages` or ShareGPT records, auto-detected; no
 --data: the built-in pirate pairs), rendered by the model's chat template, labels only on the assistant
-turns. One micro-batch is one sample; step s of the run takes samples s*M .. s*M+M-1 of the Loader's
-order (sequential, or Fisher-Yates per epoch seeded by data_seed), exactly as `fucina finetune` always
-did. Loss: summed cross-entropy of the micro-batch scaled by 1/(supervised tokens of the whole step),
-so the in-order sum of micro-batch gradients is the gradient of the step's token-weighted mean.
+turns. One micro-batch is one sample (or, --pack, one window of them); step s of the run takes samples
+s*B .. s*B+B-1 (B = --batch-size) of the Loader's order (sequential, or Fisher-Yates per epoch seeded by
+data_seed), exactly as `fucina finetune` always did. Loss: summed cross-entropy of the micro-batch scaled
+by 1/(supervised tokens of the whole step), so the in-order sum of micro-batch gradients is the gradient
+of the step's token-weighted mean.
 
 Model: the frozen GGUF memory-mapped read-only in every process (the OS shares its pages), its weights
 constants of the graph; the parameters are the adapters only (`layers.<i>.<target>.lora_{a,b}`, pure in
-the seed). Optimizer: AdamW by default (any of adam, lion, sgd, muon), linear warm-up then constant LR,
-global clipping. Checkpoints: adapters.safetensors, optimizer.safetensors, trainer_state.json (last);
-at the end the final checkpoint is also committed at the run dir itself.
+the seed). Optimizer: AdamW by default (any of adam, lion, sgd, muon), linear warm-up then a constant,
+linear or cosine LR (--decay), global clipping. Checkpoints: adapters.safetensors, optimizer.safetensors,
+trainer_state.json (last); at the end the final checkpoint is also committed at the run dir itself.
 
 Trade-off: one sample per micro-batch in a slot sized for the longest sample (with its length), so a
-short sample moves a few padding bytes but never computes on them.
+short sample moves a few padding bytes but never computes on them. --pack instead puts a step's samples
+into windows of seq_max tokens (first fit in order; attention block-diagonal and positions restarting per
+sample, so the loss and gradients are the samples' own): fewer, taller products. The runtime needs one
+micro-batch count for every step, so a packed run has as many as the data can ever need (_window_bound)
+and a step that needs fewer leaves the rest empty (no compute, zero gradients).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import numpy as np
@@ -27,7 +33,7 @@ from ..errors import UserError
 from ..jobs.base import Job, bind_module, zero_copy_grads
 from ..llm import data as sft
 from .build import load_records, lora_model, open_text, split_records
-from .spec import FinetuneSpec, default_lr
+from .spec import DEFAULT_STEPS, FinetuneSpec, default_lr
 
 
 class Finetune(Job):
@@ -59,8 +65,12 @@ class Finetune(Job):
         if self.val_samples and not spec.eval_every:  # a validation set is measured every 10 steps by default
             self.spec = spec = dataclasses.replace(spec, eval_every=10)
         self.longest = max(len(s.inputs) for s in self.samples)
+        self._steps = spec.steps or (math.ceil(spec.epochs * len(self.samples) / spec.batch_size) if spec.epochs
+                                     else DEFAULT_STEPS)
         self._trainer = None
         self._order = (None, None)  # (epoch, its permutation): the Loader's order, one epoch cached
+        self._windows = (None, None)  # (step, its packed windows): --pack's plan of one step, cached
+        self._pack_slots = self._window_bound() if spec.pack else 0
 
     # --- the model -------------------------------------------------------------------
     def trainer(self):
@@ -116,16 +126,51 @@ class Finetune(Job):
         return optim.Muon(named, lr=s.lr)  # every adapter factor is a matrix
 
     def lr_factor(self, step):
-        """Linear warm-up then constant: a pure function of the optimizer step (schedule.lr_factor)."""
+        """Linear warm-up then constant, linear or cosine decay to 0 at the run's last step: a pure function of
+        the optimizer step and the run's length (schedule.lr_factor)."""
         from .schedule import lr_factor
-        return lr_factor(step, self.spec.warmup)
+        return lr_factor(step, self.spec.warmup, self.steps, self.spec.decay)
 
     def schedule_fields(self):
-        return {"name": "warmup_constant", "lr": self.spec.lr, "warmup": self.spec.warmup}
+        return {"name": f"warmup_{self.spec.decay}", "lr": self.spec.lr, "warmup": self.spec.warmup,
+                "decay": self.spec.decay}
+
+    @property
+    def steps(self):
+        """--steps, or --epochs' worth: ceil(E * training samples / batch size), the last batch topped up from
+        the next epoch's order (the Loader's stream runs on across epochs)."""
+        return self._steps
+
+    @property
+    def micro_batches(self):
+        """One sample per micro-batch; with --pack, the windows a step can need at most (_window_bound)."""
+        return self._pack_slots or self.spec.batch_size
+
+    def _window_bound(self):
+        """The most windows of seq_max tokens a step's samples can fill, from the data alone (a resumed run must
+        find the same count): first fit leaves any two windows together over seq_max tokens, so k windows hold
+        over floor(k / 2) * seq_max tokens, at most S, the sum of the B longest lengths a step can draw (a sample
+        recurs up to ceil(B / n) + 1 times in a step that straddles epochs)."""
+        b, cap = self.spec.batch_size, self.spec.seq_max
+        lengths = [len(s.inputs) for s in self.samples]
+        top = sorted(lengths * (-(-b // len(lengths)) + 1), reverse=True)[:b]
+        return max(1, min(b, 2 * -(-sum(top) // cap) - 1))
+
+    def windows(self, step):
+        """--pack: the step's samples in windows of at most seq_max tokens (model.pack_windows: first fit in the
+        Loader's order), as lists of samples; pure in (data seed, step)."""
+        from .model import pack_windows
+        if self._windows[0] != step:
+            samples = self.window(step)
+            plan = pack_windows([len(s.inputs) for s in samples], self.spec.seq_max)
+            if len(plan) > self._pack_slots:
+                raise RuntimeError(f"step {step}: {len(plan)} windows over the bound {self._pack_slots}")
+            self._windows = (step, [[samples[i] for i in w] for w in plan])
+        return self._windows[1]
 
     # --- data ------------------------------------------------------------------------
     def rows_per_step(self):
-        return self.spec.micro_batches
+        return self.spec.batch_size
 
     def rows_per_micro(self):
         return 1
@@ -144,24 +189,32 @@ class Finetune(Job):
         return self._order[1][i % n]
 
     def window(self, step):
-        first = step * self.spec.micro_batches
-        return [self.samples[self.sample_of(i)] for i in range(first, first + self.spec.micro_batches)]
+        first = step * self.spec.batch_size
+        return [self.samples[self.sample_of(i)] for i in range(first, first + self.spec.batch_size)]
 
     def supervised_tokens(self, step):
         return sum(s.n_valid for s in self.window(step))
 
     def batch_layout(self):
-        t = self.longest
-        return [("inputs", (t,), np.int64), ("labels", (t,), np.int64), ("length", (1,), np.int64),
+        t = self.spec.seq_max if self.spec.pack else self.longest
+        packed = [("segments", (t,), np.int64)] if self.spec.pack else []
+        return [("inputs", (t,), np.int64), ("labels", (t,), np.int64), *packed, ("length", (1,), np.int64),
                 ("micro", (1,), np.int64), ("scale", (1,), np.float64)]
 
     def fill_batch(self, step, k, out):
-        s = self.window(step)[k]
-        n = len(s.inputs)
-        out["inputs"][:n], out["labels"][:n] = s.inputs, s.labels
+        if self.spec.pack:  # window k of the step's packed samples; a step that needs fewer leaves the rest empty
+            from .model import packed
+            windows = self.windows(step)
+            inputs, labels, segments = packed(windows[k]) if k < len(windows) else ((), (), ())
+            out["segments"][:len(segments)], out["segments"][len(segments):] = segments, len(segments)
+        else:
+            s = self.window(step)[k]
+            inputs, labels = s.inputs, s.labels
+        n = len(inputs)
+        out["inputs"][:n], out["labels"][:n] = inputs, labels
         out["inputs"][n:], out["labels"][n:] = 0, sft.IGNORE_INDEX
         # the step's supervised tokens are > 0: encode_all refuses a sample without one
-        out["length"][0], out["micro"][0] = n, step * self.spec.micro_batches + k
+        out["length"][0], out["micro"][0] = n, step * self.spec.batch_size + k
         out["scale"][0] = 1.0 / self.supervised_tokens(step)
 
     # --- compute ---------------------------------------------------------------------
@@ -169,9 +222,13 @@ class Finetune(Job):
         from pipeline.kernels.workpool import hold, single_thread_blas
         n = int(batch["length"][0])
         model.step = int(batch["micro"][0])  # the dropout stream of micro-batch (step, k)
+        if n == 0:  # an empty --pack window: no sample, no gradient
+            zero_copy_grads(model, grads)
+            return 0.0, 0
+        segments = batch["segments"][:n] if self.spec.pack else None
         with single_thread_blas(), hold():  # small GEMMs on one BLAS thread; big ones tile on our (spinning) threads
             loss = model.loss(batch["inputs"][:n], batch["labels"][:n], reduction="sum",
-                              loss_scale=float(batch["scale"][0]))
+                              loss_scale=float(batch["scale"][0]), segments=segments)
             loss.backward()
         zero_copy_grads(model, grads)
         return loss.item(), 1

@@ -227,8 +227,9 @@ class LoraModel(Module):
                     for t in targets]
         return adapted_linears(x, [self._layers[i][t] for t in targets], adapters)
 
-    def hidden(self, tokens, step=None):
-        """Final-normed hidden states [T, hidden]; step None = eval (no dropout)."""
+    def hidden(self, tokens, step=None, segments=None):
+        """Final-normed hidden states [T, hidden]; step None = eval (no dropout). segments: packed samples
+        (sample_segments), each attending only to itself with positions from 0, as if run alone."""
         tokens = np.asarray(tokens)
         if tokens.ndim != 1 or tokens.size == 0 or tokens.dtype.kind not in "iu":
             raise UserError(f"tokens must be a non-empty 1-D integer sequence, got shape {tokens.shape} dtype "
@@ -238,6 +239,11 @@ class LoraModel(Module):
                             f"{tokens.max()}]")
         c, n = self.config, tokens.size
         pos = np.arange(n)
+        if segments is not None:
+            segments = np.asarray(segments, dtype=np.int64)
+            if segments.shape != tokens.shape:
+                raise UserError(f"segments shape {segments.shape} must equal tokens shape {tokens.shape}")
+            pos = pos - np.searchsorted(segments, segments, side="left")  # RoPE restarts at every sample
 
         def project(i, targets, x):
             return self._projs(x, i, targets, step)
@@ -245,9 +251,9 @@ class LoraModel(Module):
         h = self.embedded(tokens)
         for i in range(c.layers):
             if self.checkpoint_layers and step is not None:
-                h = ops.checkpoint(lambda x, i=i: self._base.block(i, x, pos, project), h)
+                h = ops.checkpoint(lambda x, i=i: self._base.block(i, x, pos, project, segments), h)
             else:
-                h = self._base.block(i, h, pos, project)
+                h = self._base.block(i, h, pos, project, segments)
         return self.final_norm(ops.reshape(h, n, c.hidden))
 
     # --- the frozen forward's parts, for callers that run it with their own projections (ES's member batch)
@@ -273,18 +279,19 @@ class LoraModel(Module):
         return linear_cross_entropy(h, self._head.dense(), np.asarray(labels).astype(np.int64),
                                     ignore_index=self.ignore_index, reduction=reduction)
 
-    def loss(self, tokens, labels, reduction="mean", loss_scale=None):
+    def loss(self, tokens, labels, reduction="mean", loss_scale=None, segments=None):
         """Cross-entropy of next-token labels (ignore_index masked); advances the step counter.
 
         reduction='mean' averages over supervised positions; 'sum' with
-        loss_scale = 1/total_valid is the accumulation-window arm.
+        loss_scale = 1/total_valid is the accumulation-window arm. segments: the
+        samples packed in tokens (hidden); a sample's labels never cross into the next.
         """
         labels = np.asarray(labels)
         if labels.shape != np.shape(tokens):
             raise UserError(f"labels shape {labels.shape} must equal tokens shape {np.shape(tokens)}")
         step = self.step
         self.step += 1
-        loss = self.head_loss(self.hidden(tokens, step), labels, reduction)
+        loss = self.head_loss(self.hidden(tokens, step, segments), labels, reduction)
         if loss_scale is not None:
             loss = loss * np.float32(loss_scale)
         return loss
@@ -363,6 +370,32 @@ def check_resume_config(stored, trainer, source):
         if lora.get(key) != mine[key]:
             raise ConfigMismatchError(f"{source}: field 'config.lora.{key}' is {lora.get(key)!r} but this run has "
                                       f"{mine[key]!r}; pass the checkpoint's value (--{key} …) to resume")
+
+
+def pack_windows(lengths, capacity):
+    """Windows of sample indices (first fit, in order: each sample goes into the first window with room for it,
+    a window's samples in their order) whose lengths sum to at most `capacity` each."""
+    windows, room = [], []
+    for i, n in enumerate(lengths):
+        if n > capacity:
+            raise UserError(f"a sample of {n} tokens does not fit a window of {capacity}")
+        for w, free in enumerate(room):
+            if n <= free:
+                windows[w].append(i)
+                room[w] -= n
+                break
+        else:
+            windows.append([i])
+            room.append(capacity - n)
+    return windows
+
+
+def packed(samples):
+    """(tokens, labels, segments) of samples concatenated into one window: segment j = sample j's positions."""
+    tokens = np.concatenate([s.inputs for s in samples])
+    labels = np.concatenate([s.labels for s in samples])
+    segments = np.repeat(np.arange(len(samples), dtype=np.int64), [len(s.inputs) for s in samples])
+    return tokens, labels, segments
 
 
 def batch_loss(model, samples) -> float:

@@ -27,11 +27,13 @@ class Session:
     micro-batch gradients in window-index order.
     """
 
-    def __init__(self, trainer, optimizer, samples, loader, accum_steps=1, clip=1.0, lr=1e-3, warmup=0):
+    def __init__(self, trainer, optimizer, samples, loader, accum_steps=1, clip=1.0, lr=1e-3, warmup=0,
+                 decay="constant", total=0):
         if accum_steps < 1:
             raise UserError(f"accum_steps must be >= 1, got {accum_steps}")
         self.trainer, self.optimizer, self.samples, self.loader = trainer, optimizer, samples, loader
         self.accum_steps, self.clip, self.base_lr, self.warmup = int(accum_steps), clip, float(lr), int(warmup)
+        self.decay, self.total = decay, int(total)
         keep_freed_memory()
 
     @property
@@ -40,7 +42,7 @@ class Session:
 
     def lr_at(self, macro_step):
         """The job's schedule (schedule.lr_factor): a pure function of the MACRO step."""
-        return self.base_lr * lr_factor(macro_step, self.warmup)
+        return self.base_lr * lr_factor(macro_step, self.warmup, self.total, self.decay)
 
     def window(self):
         """Run one accumulation window; returns (mean loss over its supervised tokens, tokens seen, supervised)."""

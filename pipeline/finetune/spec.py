@@ -13,8 +13,10 @@ from ..errors import UserError
 from ..es.countdown import MAX_NUMBER, N_NUMBERS
 from ..jobs.spec import field, on_nonfinite_field
 from ..llm import data as sft
+from .schedule import DECAYS
 
 OPTIMIZERS = ("adamw", "adam", "lion", "sgd", "muon")
+DEFAULT_STEPS = 30  # a run given neither --steps nor --epochs
 SMALL_LR, REAL_LR, REAL_HIDDEN = 1e-2, 2e-4, 512
 
 
@@ -66,8 +68,11 @@ class FinetuneSpec(_ModelAndData):
     shuffle: bool = _shuffle()
     seed: int = field(42, "seed of the adapter init and dropout streams")
     data_seed: int = field(-1, "seed of the shuffled order (-1: --seed)")
-    steps: int = field(30, "train until this many optimizer steps in total (a resumed run continues from its "
-                           "checkpoint)")
+    steps: int = field(0, f"train until this many optimizer steps in total (a resumed run continues from its "
+                          f"checkpoint); 0: {DEFAULT_STEPS}, or --epochs' worth; excludes --epochs", metavar="N")
+    epochs: float = field(0.0, "instead of --steps: ceil(E x training samples / --batch-size) optimizer steps (the "
+                               "last batch is topped up from the next epoch's order, as every epoch boundary is); "
+                               "0: off", metavar="E")
     rank: int = field(8, "LoRA rank r")
     alpha: float = field(16.0, "LoRA alpha (the delta is scaled by alpha/rank)")
     lr: float = field(0.0, f"peak learning rate (a resumed run keeps the checkpoint's); 0: by the model's width, "
@@ -75,12 +80,19 @@ class FinetuneSpec(_ModelAndData):
                            f"the pirate demo's), {REAL_LR:g} on a real one (SmolLM2, Qwen, Gemma: PEFT's usual LoRA "
                            "rate; 1e-2 garbles them)")
     warmup: int = field(0, "linear learning-rate warm-up over this many optimizer steps")
+    decay: str = field("constant", "the lr after the warm-up: constant (the peak), linear or cosine (down to 0 at the "
+                                   "run's last step along a line or a half cosine); a resumed run keeps the "
+                                   "checkpoint's", choices=DECAYS, metavar="|".join(DECAYS))
     clip: float = field(1.0, "global gradient-norm clip, once per step (0: off)")
     targets: str = field("q,k,v,o,gate,up,down", "comma-separated projections to adapt, any of q,k,v,o,gate,up,down "
                                                  "(q,v is the classic choice for large models)")
-    micro_batches: int = field(5, "samples per optimizer step, token-weighted (5: the whole pirate set per step; a "
-                                  "resumed run keeps the checkpoint's)", aliases=("--accum-steps",), metavar="N")
-    seq_max: int = field(256, "truncate samples to this many input tokens")
+    batch_size: int = field(5, "samples per optimizer step, token-weighted (5: the whole pirate set per step; a "
+                               "resumed run keeps the checkpoint's)", aliases=("--accum-steps",), metavar="N")
+    seq_max: int = field(256, "truncate samples to this many input tokens (with --pack: also the length of "
+                              "a window)")
+    pack: bool = field(False, "pack each step's samples into windows of up to --seq-max tokens (attention and "
+                              "positions restart at every sample: the same loss and gradients, fewer, larger "
+                              "products; a resumed run keeps the checkpoint's)")
     dropout: float = field(0.0, "LoRA dropout probability on the adapter input, in [0, 1)")
     optimizer: str = field("adamw", "optimizer of the adapters", choices=OPTIMIZERS)
     state_dtype: str = field("f32", "dtype of the AdamW/Lion moments", choices=("f32", "bf16"))
@@ -95,10 +107,13 @@ class FinetuneSpec(_ModelAndData):
     def validate(self):
         if not self.model:
             raise UserError("finetune: --model (a GGUF file) is required")
-        for name in ("steps", "micro_batches", "seq_max", "rank", "max_record_bytes"):
+        for name in ("batch_size", "seq_max", "rank", "max_record_bytes"):
             if getattr(self, name) < 1:
                 raise UserError(f"finetune: {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup", "checkpoint_every", "max_new_tokens"):
+        if self.steps and self.epochs:
+            raise UserError(f"finetune: --steps {self.steps} and --epochs {self.epochs:g} exclude each other: give one "
+                            "(--epochs E trains ceil(E x samples / --batch-size) steps)")
+        for name in ("steps", "epochs", "warmup", "checkpoint_every", "max_new_tokens"):
             if getattr(self, name) < 0:
                 raise UserError(f"finetune: {name} must be >= 0, got {getattr(self, name)}")
         if not self.lr >= 0:

@@ -580,10 +580,11 @@ class DecoderLM(Module):
     def _post_norm(self, x, norm):
         return x if norm is None else ops.rms_norm(x, norm, self.config.rms_eps)
 
-    def block(self, i: int, x: Tensor, positions, project=None) -> Tensor:
+    def block(self, i: int, x: Tensor, positions, project=None, segments=None) -> Tensor:
         """Decoder block i on x [batch, seq, hidden]. project(i, targets, h) -> the projections `targets`
         of layer i on their shared input h (default: the model's own seam); the LoRA trainer passes its
-        adapted products here, so training and fine-tuning run this one definition."""
+        adapted products here, so training and fine-tuning run this one definition. segments [seq]: packed
+        samples (ops.attention: a position attends only within its segment; positions restart per sample)."""
         c, blk, project = self.config, self.blocks[i], project or self._seam
         b, t = x.shape[0], x.shape[1]
         h = ops.rms_norm(x, blk.attn_norm, c.rms_eps)
@@ -594,7 +595,7 @@ class DecoderLM(Module):
         if self.family.qk_norm:
             q, k = ops.rms_norm(q, blk.attn.q_norm, c.rms_eps), ops.rms_norm(k, blk.attn.k_norm, c.rms_eps)
         q, k = self.rope(q, positions, i), self.rope(k, positions, i)
-        a = ops.attention(q, k, v, causal=True, scale=c.attn_scale or None, window=c.window(i))
+        a = ops.attention(q, k, v, causal=True, scale=c.attn_scale or None, window=c.window(i), segments=segments)
         x = x + self._post_norm(project(i, ("o",), ops.reshape(a, b, t, c.heads * c.head_dim))[0], blk.post_attn_norm)
         h = ops.rms_norm(x, blk.ffn_norm, c.rms_eps)
         m = project(i, ("down",), self._mlp_activation(*project(i, ("gate", "up"), h)))[0]

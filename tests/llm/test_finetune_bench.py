@@ -23,6 +23,13 @@ def test_bench_rows_on_the_tiny_fixture():
     assert all(r["ms"] > 0 and r["peak_rss_mb"] > 0 and r["supervised_tok_s"] > 0 for r in rows)
 
 
+def test_bench_pack_rows_time_one_per_micro_batch_and_packed():
+    rows = _rows("--threads", "0", "--no-torch", "--no-trainers", "--pack", "6")
+    assert [r["case"] for r in rows[1:]] == ["pack 6 short/one per micro-batch", "pack 6 short/packed"]
+    assert rows[2]["baselines"]["one_per_micro_batch"] == rows[1]["ms"] > 0 and rows[2]["tokens_s"] > 0
+    assert "6 micro-batches" in rows[1]["notes"] and "windows of 16" in rows[2]["notes"]
+
+
 @pytest.mark.parity
 @pytest.mark.needs("torch")
 @pytest.mark.parametrize("fixture", ["qwen3-mini-q8_0.gguf", "llama-mini-f32.gguf", "qwen2-mini-f32.gguf",

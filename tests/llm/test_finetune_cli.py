@@ -60,14 +60,74 @@ def test_the_job_computes_what_accumulation_windows_in_one_process_compute(model
     from pipeline.finetune.model import adapters_sha256
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
-    args = parser.parse_args(["--model", model_path, "--targets", "q,v", "--steps", "3", *COMMON,
-                              "--warmup", "2", "--clip", "0.5"])
+    flags = ["--steps", "3", *COMMON, "--warmup", "1", "--decay", "cosine", "--clip", "0.5"]
+    args = parser.parse_args(["--model", model_path, "--targets", "q,v", *flags])
     session, _ = command.build(args, log=lambda m: None)
     windows = [session.window()[0] for _ in range(3)]
-    rc, job_run, err = _run(capsys, "--model", model_path, "--steps", "3", *COMMON, "--warmup", "2", "--clip", "0.5")
+    assert session.optimizer.lr == pytest.approx(3e-3 * 0.5)  # step 2 of 3: half way down the cosine after warm-up
+    rc, job_run, err = _run(capsys, "--model", model_path, *flags)
     assert rc == 0, err
     assert job_run["adapters_sha256"] == adapters_sha256(session.trainer)
     assert job_run["initial_loss"] == windows[0] and job_run["final_loss"] == windows[-1]
+
+
+def test_epochs_batch_size_and_decay_resume_bit_identically(model_path, tmp_path, capsys):
+    """--epochs 2 of the 5 pirate pairs in batches of 3: ceil(10 / 3) = 4 steps (the last topped up from the
+    third epoch's order). Stopped at step 2 and resumed with other --batch-size / --decay flags, the run keeps the
+    checkpoint's and ends with the uninterrupted run's bits."""
+    flags = ("--shuffle", "--lr", "3e-3", "--warmup", "1", "--decay", "linear")
+    rc, full, err = _run(capsys, "--model", model_path, "--epochs", "2", "--batch-size", "3", *flags)
+    assert rc == 0, err
+    assert full["steps"] == 4 and "batch 3; 4 steps" in err
+    rc, half, _ = _run(capsys, "--model", model_path, "--steps", "2", "--batch-size", "3", *flags,
+                       "--save", str(tmp_path / "a"))
+    assert rc == 0 and half["adapters_sha256"] != full["adapters_sha256"]
+    state = json.loads((tmp_path / "a" / "trainer_state.json").read_text())
+    assert state["config"]["spec"]["batch_size"] == 3 and state["schedule"]["decay"] == "linear"
+    rc, resumed, err = _run(capsys, "--model", model_path, "--epochs", "2", "--batch-size", "2", "--shuffle",
+                            "--lr", "3e-3", "--warmup", "1", "--decay", "constant", "--resume", str(tmp_path / "a"))
+    assert rc == 0, err
+    assert "batch size 3" in err and "decay linear" in err
+    assert resumed["steps"] == 4 and resumed["adapters_sha256"] == full["adapters_sha256"]
+    assert resumed["final_loss"] == full["final_loss"]
+
+
+def test_pack_is_the_unpacked_run_within_float_tolerance_and_resumes_bit_identically(model_path, tmp_path, capsys):
+    """--pack: 3 samples of 64-75 tokens per step in windows of 160 (two samples in one, the third alone, and an
+    empty window: the bound on windows per step is 3, from the data alone): the same
+    step losses as one sample per micro-batch within float tolerance (dropout 0), and a packed run with dropout
+    stopped at step 2 and resumed (without --pack on the command line: the checkpoint's wins) ends with the bits
+    of the uninterrupted packed run."""
+    import math
+    flags = ("--batch-size", "3", "--seq-max", "160", "--shuffle", "--lr", "3e-3", "--steps", "3")
+    rc, plain, err = _run(capsys, "--model", model_path, *flags)
+    assert rc == 0, err
+    rc, pack, err = _run(capsys, "--model", model_path, *flags, "--pack")
+    assert rc == 0, err
+    assert "batch 3 packed" in err
+    assert pack["initial_loss"] == pytest.approx(plain["initial_loss"], rel=1e-5)
+    assert pack["final_loss"] == pytest.approx(plain["final_loss"], rel=1e-4)
+    from pipeline.finetune.job import Finetune
+    from pipeline.finetune.spec import FinetuneSpec
+    job = Finetune(FinetuneSpec(model=model_path, batch_size=3, seq_max=160, shuffle=True, pack=True, lr=3e-3))
+    assert job.micro_batches == 3 and [[len(s.inputs) for s in w] for w in job.windows(0)] == [[68, 72], [65]]
+    dropout = ("--dropout", "0.1", "--checkpoint-layers")
+    rc, full, _ = _run(capsys, "--model", model_path, *flags, "--pack", *dropout)
+    rc2, half, _ = _run(capsys, "--model", model_path, *flags[:-1], "2", "--pack", *dropout, "--save",
+                        str(tmp_path / "p"))
+    assert rc == rc2 == 0 and math.isfinite(full["final_loss"])
+    state = json.loads((tmp_path / "p" / "trainer_state.json").read_text())
+    assert state["config"]["spec"]["pack"] is True and state["accum_steps"] == 3  # windows a step can need
+    rc, resumed, err = _run(capsys, "--model", model_path, *flags, *dropout, "--resume", str(tmp_path / "p"))
+    assert rc == 0, err
+    assert resumed["adapters_sha256"] == full["adapters_sha256"] and resumed["final_loss"] == full["final_loss"]
+
+
+def test_steps_and_epochs_exclude_each_other(model_path, capsys):
+    rc, _, err = _run(capsys, "--model", model_path, "--steps", "3", "--epochs", "1")
+    assert rc == 2 and "--steps 3 and --epochs 1 exclude each other" in err
+    rc, _, err = _run(capsys, "--model", model_path, "--epochs", "-1")
+    assert rc == 2 and "epochs must be >= 0" in err
 
 
 def test_save_every_and_checkpoint_layers(model_path, tmp_path, capsys):

@@ -72,6 +72,17 @@ def test_stopped_and_resumed_on_the_runtime(reference, tmp_path):
     _no_segments_left(tmp_path / "b")
 
 
+def test_packed_on_two_trainers_equals_in_process(tmp_path):
+    """--pack (3 samples per step in windows of 160 tokens: a window of two, one of one, an empty one) on the
+    runtime: two trainers end with the in-process run's bits."""
+    flags = ("--steps", "3", "--pack", "--seq-max", "160", "--accum-steps", "3")
+    reference = _finetune(tmp_path / "a", *flags)
+    run = _finetune(tmp_path / "b", *flags, "--trainers", "2")
+    assert run["mode"] == "trainers 2"
+    _same_bits(run, reference)
+    _no_segments_left(tmp_path / "b")
+
+
 def test_monitor_attaches_to_a_running_finetune(tmp_path):
     """The monitor is started first and waits for the run (a tiny step takes milliseconds once warm: a monitor
     started after the run could miss it), then follows it to run_finished."""
@@ -97,7 +108,7 @@ def test_monitor_attaches_to_a_running_finetune(tmp_path):
 
 def test_the_procfile_starts_a_finetune_from_a_job_file(tmp_path):
     job_file = tmp_path / "finetune.toml"
-    job_file.write_text(f'model = "{MODEL}"\nsteps = 3\ntargets = "q,v"\nmicro_batches = 2\n')
+    job_file.write_text(f'model = "{MODEL}"\nsteps = 3\ntargets = "q,v"\nbatch_size = 2\n')
     honcho = os.path.join(os.path.dirname(sys.executable), "honcho")
     out = subprocess.run([honcho, "start", "-c", "trainer=1"], capture_output=True, text=True, timeout=600, cwd=ROOT,
                          env=_env(PYTHON=sys.executable, JOB="finetune", CONFIG=str(job_file),

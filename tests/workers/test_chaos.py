@@ -36,7 +36,7 @@ JOBS = {
            "kv_heads": 1, "head_dim": 16, "ffn": 64, "checkpoint_every": 4, "eval_every": 6, "val_batches": 2,
            "sample_tokens": 0},
     "finetune": {"model": os.path.join(ROOT, "tests", "fixtures", "qwen3-mini-q8_0.gguf"), "steps": 8,
-                 "micro_batches": 2, "targets": "q,v", "shuffle": True, "dropout": 0.1, "lr": 3e-3,
+                 "batch_size": 2, "targets": "q,v", "shuffle": True, "dropout": 0.1, "lr": 3e-3,
                  "checkpoint_every": 2, "max_new_tokens": 3},
 }
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "qwen3-mini-q8_0.gguf")

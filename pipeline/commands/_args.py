@@ -99,7 +99,8 @@ JOB_INPUT_FILES = {"model": "GGUF file", "tokenizer": "tokenizer.json"}
 
 def check_job_inputs(spec):
     """The input files a job spec names (--model, --data, --tokenizer), checked as InputFile flags are: a
-    FIFO, a device or a directory is named as such before the job opens it (or starts its workers)."""
+    FIFO, a device or a directory is named as such before the job opens it (or starts its workers); and its
+    --tensorboard DIR (check_tensorboard)."""
     from ..untrusted import not_a_regular_file
     fields = dict(JOB_INPUT_FILES, data="JSONL file")
     for name, what in fields.items():
@@ -112,6 +113,16 @@ def check_job_inputs(spec):
         problem = not_a_regular_file(path, what)
         if problem:
             raise UserError(f"--{name} {problem}")
+    check_tensorboard(spec)
+
+
+def check_tensorboard(spec):
+    """--tensorboard DIR is created and proven writable before the run starts: a run is refused (one line naming
+    the path) rather than trained without the curves it was asked for, or failed in its scheduler process."""
+    path = getattr(spec, "tensorboard", "")
+    if path:
+        from ..runtime.tensorboard import check_dir
+        check_dir(path)
 
 
 def default_run_dir(name: str, root: str = "runs") -> str:

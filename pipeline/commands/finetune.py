@@ -93,6 +93,8 @@ def _check_args(args):
         raise UserError(f"--inprocess runs every task in this process; it cannot have --trainers {args.trainers}")
     if args.load and args.resume and args.load != args.resume:
         raise UserError("--load is the older spelling of --resume: give one of them")
+    from ._args import check_tensorboard
+    check_tensorboard(args)
 
 
 def _resume_point(path, flag="--resume"):

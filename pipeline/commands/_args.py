@@ -145,23 +145,3 @@ def add_lora_arguments(parser):
     parser.add_argument("--lora-scale", action="append", type=float, metavar="S", default=None,
                         help="scale of the adapter's delta, as llama.cpp's --lora-scaled (default 1: the trained "
                              "delta alpha/rank * B A); one for all --lora, or one per --lora in order")
-
-
-def kernels_cached(root: str | None = None) -> bool:
-    """True when numba's cache for this source of pipeline/kernels/ holds compiled code (kernels/__init__.py names the
-    directory by a digest of the sources, so an edited or fresh checkout starts empty)."""
-    import pipeline.kernels  # noqa: F401  (sets NUMBA_CACHE_DIR to the digest-named directory)
-    root = os.environ.get("NUMBA_CACHE_DIR", "") if root is None else root
-    for _, _, files in os.walk(root) if root else ():
-        if any(f.endswith(".nbi") for f in files):
-            return True
-    return False
-
-
-def announce_compile(log) -> bool:
-    """Say that the first call compiles (a fresh clone's first `generate` spends most of a minute in numba, which
-    otherwise looks like a hang); True when it said so."""
-    if kernels_cached():
-        return False
-    log("compiling kernels for this CPU (first run only; the next runs load them from the cache)")
-    return True

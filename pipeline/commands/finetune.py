@@ -164,9 +164,6 @@ def run(args):
     pin_threads(args.threads)
     log = progress_log(args)
 
-    from ._args import announce_compile
-    announce_compile(log)
-
     if args.verify_grads:
         from ..finetune.session import verify_grads
         session, job = build(args, log)

@@ -584,6 +584,14 @@ RUNNERS = {Q8_0_PARTNER: NativeJob(_native_q8_0), Q8_1_PARTNER: NativeJob(_nativ
 _RUNNER = NativeJob(_native_job)
 
 
+# the formats each family runner dispatches (its last branch is its `else`): kept equal to the kernels' partners,
+# so a format added to pipeline/kernels/formats.py without its runner branch fails at import, not with wrong rows
+FAMILY_FORMATS = {Q8_0_PARTNER: (Q8_0, Q4_0, Q5_0, IQ4_NL), Q8_1_PARTNER: (Q4_1, Q5_1),
+                  Q8_K_PARTNER: (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS)}
+if {(int(q), p) for p, qs in FAMILY_FORMATS.items() for q in qs} != {(q, PARTNER[q]) for q in KERNELS}:
+    raise RuntimeError("qint: FAMILY_FORMATS and the runners' branches must cover every integer kernel's format")
+
+
 def runner_of(qtypes) -> NativeJob:
     """The runner of a product of these formats: its family's, or the mixed one."""
     families = {PARTNER[int(q)] for q in qtypes}

@@ -48,6 +48,11 @@ def _innermost_parser(parser, args):
         parser = subparsers[0].choices[chosen]
 
 
+# the commands whose first call on a fresh clone compiles numba kernels in this process: they say so on stderr
+# when numba compiles (pipeline/compile_notice.py), and nothing on a warm cache
+COMPILE_NOTICE = ("generate", "chat", "eval-logits", "eval", "finetune", "es-finetune")
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     try:
@@ -59,7 +64,11 @@ def main(argv=None) -> int:
         return done.code or 0
     try:
         check_input_files(chosen, args)
-        return int(args._run(args) or 0)
+        if args.command not in COMPILE_NOTICE:
+            return int(args._run(args) or 0)
+        from .compile_notice import compile_notice
+        with compile_notice():
+            return int(args._run(args) or 0)
     except FucinaError as e:
         print(f"fucina {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -99,7 +99,8 @@ JOB_INPUT_FILES = {"model": "GGUF file", "tokenizer": "tokenizer.json"}
 
 def check_job_inputs(spec):
     """The input files a job spec names (--model, --data, --tokenizer), checked as InputFile flags are: a
-    FIFO, a device or a directory is named as such before the job opens it (or starts its workers)."""
+    FIFO, a device or a directory is named as such before the job opens it (or starts its workers); and its
+    --tensorboard DIR (check_tensorboard)."""
     from ..untrusted import not_a_regular_file
     fields = dict(JOB_INPUT_FILES, data="JSONL file")
     for name, what in fields.items():
@@ -112,6 +113,16 @@ def check_job_inputs(spec):
         problem = not_a_regular_file(path, what)
         if problem:
             raise UserError(f"--{name} {problem}")
+    check_tensorboard(spec)
+
+
+def check_tensorboard(spec):
+    """--tensorboard DIR is created and proven writable before the run starts: a run is refused (one line naming
+    the path) rather than trained without the curves it was asked for, or failed in its scheduler process."""
+    path = getattr(spec, "tensorboard", "")
+    if path:
+        from ..runtime.tensorboard import check_dir
+        check_dir(path)
 
 
 def default_run_dir(name: str, root: str = "runs") -> str:
@@ -134,23 +145,3 @@ def add_lora_arguments(parser):
     parser.add_argument("--lora-scale", action="append", type=float, metavar="S", default=None,
                         help="scale of the adapter's delta, as llama.cpp's --lora-scaled (default 1: the trained "
                              "delta alpha/rank * B A); one for all --lora, or one per --lora in order")
-
-
-def kernels_cached(root: str | None = None) -> bool:
-    """True when numba's cache for this source of pipeline/kernels/ holds compiled code (kernels/__init__.py names the
-    directory by a digest of the sources, so an edited or fresh checkout starts empty)."""
-    import pipeline.kernels  # noqa: F401  (sets NUMBA_CACHE_DIR to the digest-named directory)
-    root = os.environ.get("NUMBA_CACHE_DIR", "") if root is None else root
-    for _, _, files in os.walk(root) if root else ():
-        if any(f.endswith(".nbi") for f in files):
-            return True
-    return False
-
-
-def announce_compile(log) -> bool:
-    """Say that the first call compiles (a fresh clone's first `generate` spends most of a minute in numba, which
-    otherwise looks like a hang); True when it said so."""
-    if kernels_cached():
-        return False
-    log("compiling kernels for this CPU (first run only; the next runs load them from the cache)")
-    return True

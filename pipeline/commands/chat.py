@@ -18,8 +18,6 @@ def run(args, stdin=None, stdout=None):
     from ..llm.generate import generate
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     apply_threads(args)
-    from ._args import announce_compile
-    announce_compile(lambda m: print(m, file=sys.stderr, flush=True))
     lm = load(args)
     tok = lm.require_tokenizer()
     sampling = sampling_from(args)

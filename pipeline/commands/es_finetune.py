@@ -108,6 +108,8 @@ def _check_args(args):
     if args.task == "countdown":
         check_difficulty(args.task_numbers, args.task_max_number)
     check_reward_args(args)
+    from ._args import check_tensorboard
+    check_tensorboard(args)
 
 
 def check_reward_args(args):
@@ -321,21 +323,39 @@ def _report_tie(log, es_run, run_config, it, stats):
 
 
 def _iterate_inprocess(args, log, es_run, run_config):
-    """Every member scored here, one iteration at a time; -> (reward means, reward stats) per iteration."""
+    """Every member scored here, one iteration at a time; -> (reward means, reward stats) per iteration. No
+    metrics.jsonl in here (no run directory): --tensorboard DIR gets each iteration's es/* scalars directly."""
     first, rewards, reward_stats = es_run.iteration, [], []
-    while es_run.iteration < args.iterations:
-        t0 = time.perf_counter()
-        stats = es_run.iteration_step()
-        dt = time.perf_counter() - t0
-        rewards.append(stats["reward_mean"])
-        reward_stats.append({k: stats[f"reward_{k}"] for k in ("mean", "std", "min", "max")})
-        it = es_run.iteration
-        log(_iteration_line(args, it, first, stats, dt, es_run.es.config.population))
-        _report_tie(log, es_run, run_config, it, stats)
-        if args.save_every and it % args.save_every == 0 and it < args.iterations:
-            from ..runtime.ckpt import checkpoint_dir
-            es_run.save(checkpoint_dir(args.save, it), run_config)
+    tb = None
+    if args.tensorboard and es_run.iteration < args.iterations:
+        from ..runtime.tensorboard import EventWriter
+        tb = EventWriter(args.tensorboard)
+    try:
+        while es_run.iteration < args.iterations:
+            _one_iteration(args, log, es_run, run_config, first, rewards, reward_stats, tb)
+    finally:
+        if tb is not None:
+            tb.close()
     return rewards, reward_stats
+
+
+def _one_iteration(args, log, es_run, run_config, first, rewards, reward_stats, tb):
+    t0 = time.perf_counter()
+    stats = es_run.iteration_step()
+    dt = time.perf_counter() - t0
+    if tb is not None:
+        from ..runtime.tensorboard import step_scalars
+        population = es_run.es.config.population
+        tb.scalars(es_run.iteration, step_scalars({"kind": "es_metrics", **stats, "step_ms": dt * 1e3,
+                                                   "evals_per_s": population / max(dt, 1e-9)}))
+    rewards.append(stats["reward_mean"])
+    reward_stats.append({k: stats[f"reward_{k}"] for k in ("mean", "std", "min", "max")})
+    it = es_run.iteration
+    log(_iteration_line(args, it, first, stats, dt, es_run.es.config.population))
+    _report_tie(log, es_run, run_config, it, stats)
+    if args.save_every and it % args.save_every == 0 and it < args.iterations:
+        from ..runtime.ckpt import checkpoint_dir
+        es_run.save(checkpoint_dir(args.save, it), run_config)
 
 
 def _iterate_on_runtime(args, log, es_run, run_config):

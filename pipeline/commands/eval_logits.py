@@ -42,8 +42,6 @@ def run(args):
     from ..llm.generate import LoadedModel
     from .generate import apply_threads
     apply_threads(args)
-    from ._args import announce_compile
-    announce_compile(lambda m: print(m, file=sys.stderr, flush=True))
     lm = LoadedModel(args.model, llama_numerics=args.llama_numerics, lora=args.lora, lora_scale=args.lora_scale,
                      log=lambda m: print(m, file=sys.stderr))
     if args.tokens is not None:

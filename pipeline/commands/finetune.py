@@ -94,6 +94,8 @@ def _check_args(args):
         raise UserError(f"--inprocess runs every task in this process; it cannot have --trainers {args.trainers}")
     if args.load and args.resume and args.load != args.resume:
         raise UserError("--load is the older spelling of --resume: give one of them")
+    from ._args import check_tensorboard
+    check_tensorboard(args)
 
 
 def _resume_point(path, flag="--resume"):
@@ -164,9 +166,6 @@ def run(args):
     _check_args(args)
     pin_threads(args.threads)
     log = progress_log(args)
-
-    from ._args import announce_compile
-    announce_compile(log)
 
     if args.verify_grads:
         from ..finetune.session import verify_grads

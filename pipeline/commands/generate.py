@@ -72,8 +72,6 @@ def run(args):
     if args.max_tokens < 1:
         raise UserError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     apply_threads(args)
-    from ._args import announce_compile
-    announce_compile(lambda m: print(m, file=sys.stderr, flush=True))
     lm = load(args)
     ids = lm.encode_prompt(args.prompt, chat=args.chat, system=args.system, enable_thinking=args.think)
     stream = lm.tokenizer.stream()

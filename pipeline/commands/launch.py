@@ -168,7 +168,7 @@ class _progress:
 
     def __init__(self, total, quiet, endpoint=None, key=None):
         self.total, self.quiet, self.endpoint, self.key = total, quiet, endpoint, key
-        self.stop = None
+        self.stop, self.peak = None, None
 
     def __enter__(self):
         if self.quiet:
@@ -177,6 +177,8 @@ class _progress:
         self.bar = Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
                             TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=False)
         self.task = self.bar.add_task("train", total=self.total, info="")
+        from ..runtime.peak import peak_gflops
+        self.peak = peak_gflops()  # cached per machine: measured (~0.3 s) the first time only
         self.bar.start()
         if self.endpoint:
             self._follow()
@@ -190,8 +192,13 @@ class _progress:
                 info += f"  {record.get('eval_name', 'eval')} {record['eval']:.4f}"
             self.bar.update(self.task, completed=record["step"], info=info)
             return
-        info = (f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  |g| {record['grad_norm']:.3f}  "
+        from ..runtime.peak import share_text
+        loss = "-" if record.get("loss") is None else f"{record['loss']:.4f}"  # every micro-batch skipped
+        info = (f"loss {loss}  lr {record['lr']:.2e}  |g| {record['grad_norm']:.3f}  "
                 f"{record.get('tokens_per_s', 0):.0f} tok/s")
+        share = share_text(record.get("gflop_per_s"), self.peak)
+        if share:
+            info += f" ({share})"
         if record.get("eval") is not None:
             info += f"  {record.get('eval_name') or 'eval'} {record['eval']:.4f}"
         self.bar.update(self.task, completed=record["step"], info=info)

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from ..errors import UserError
-from ..jobs.spec import field
+from ..jobs.spec import field, tensorboard_field
 from ..runtime.ckpt import checkpoint_dir, latest_checkpoint, params_sha256
 from ..runtime.metrics import MetricsLog, plot_run
 from .checkpoint import load_es_checkpoint, save_es_checkpoint
@@ -47,6 +47,7 @@ class ESSpiralsSpec:
     shaping: str = field("z_score", "fitness shaping", choices=("z_score", "centered_ranks"))
     noise: str = field("iid", "noise scheme", choices=("iid", "correlated"))
     save_every: int = field(0, "checkpoint every N iterations (0: only the final one)")
+    tensorboard: str = tensorboard_field()
 
 
 class ESJob:
@@ -132,7 +133,7 @@ class ESRun:
         self.start = self.trainer.iteration
         self.center = None
         os.makedirs(run_dir, exist_ok=True)
-        self.metrics = MetricsLog(run_dir)
+        self.metrics = MetricsLog(run_dir, getattr(job.spec, "tensorboard", ""))
         self.metrics.rewind(self.start)  # iterations replayed from the checkpoint are recorded once
         self.durations = []  # seconds per committed iteration
         self.begin()

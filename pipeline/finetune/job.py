@@ -178,6 +178,18 @@ class Finetune(Job):
     def tokens_per_row(self):
         return float(np.mean([len(s.inputs) for s in self.samples]))
 
+    def flops_per_token(self):
+        """A LoRA step's FLOPs per token: the frozen base's forward (2N) and the backward through it to the
+        inputs (2N; no weight gradients), 2N more with --checkpoint-layers (the recompute), plus 6 per adapter
+        parameter; N = the GGUF's matrix elements (token_embd counted only as a tied head)."""
+        gg = self.gguf
+        dims = {n: gg.tensor_dims(n) for n in gg.tensor_names}
+        matrices = [n for n, d in dims.items() if len(d) == 2]
+        tied = "output.weight" not in dims
+        base = sum(int(np.prod(dims[n])) for n in matrices if n != "token_embd.weight" or tied)
+        lora = sum(int(np.prod(shape)) for _, shape, _ in self.param_layout())
+        return (6.0 if self.spec.checkpoint_layers else 4.0) * base + 6.0 * lora
+
     def sample_of(self, i):
         """The dataset index of global micro-batch i in the Loader's order (pure in (data seed, i))."""
         n = len(self.samples)

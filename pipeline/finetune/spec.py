@@ -11,7 +11,7 @@ import dataclasses
 
 from ..errors import UserError
 from ..es.countdown import MAX_NUMBER, N_NUMBERS
-from ..jobs.spec import field, on_nonfinite_field
+from ..jobs.spec import field, on_nonfinite_field, tensorboard_field
 from ..llm import data as sft
 from .schedule import DECAYS
 
@@ -100,6 +100,7 @@ class FinetuneSpec(_ModelAndData):
     checkpoint_every: int = field(0, "also checkpoint every N optimizer steps, RUN_DIR/checkpoint-step-N (0: only "
                                      "the final step)", aliases=("--save-every",), metavar="N")
     on_nonfinite: str = on_nonfinite_field()
+    tensorboard: str = tensorboard_field()
     prompt: str = field("", "held prompt of the BEFORE/AFTER answers (empty: the first training instruction)")
     max_new_tokens: int = field(48, "length of the BEFORE/AFTER greedy answers (tokens; bytes on a byte-level "
                                     "model)")
@@ -196,6 +197,7 @@ class ESFinetuneSpec(_ModelAndData):
                           "the flags; empty: a fresh run)", metavar="DIR")
     save_every: int = field(0, "also checkpoint every N iterations, checkpoint-step-N (0: only the final one)",
                             metavar="N")
+    tensorboard: str = tensorboard_field()
 
     def validate(self):
         if not self.model:

@@ -64,6 +64,13 @@ class Job:
     def tokens_per_row(self):
         return 1
 
+    def flops_per_token(self):
+        """Estimated training FLOPs per token (row) of a step, for the progress line's share of the machine's peak
+        and the `gflop_per_s` of metrics.jsonl: the 6N rule (forward 2N, backward 2N for the inputs and 2N for the
+        weights), N = every matrix parameter (a tied embedding counted once, as the head; attention's own
+        products, a few percent at these sequence lengths, left out). None: no estimate."""
+        return 6.0 * sum(int(np.prod(shape)) for _, shape, _ in self.param_layout() if len(shape) == 2)
+
     def param_layout(self):
         if getattr(self, "_layout", None) is None:
             self._layout = [(n, a.shape, a.dtype) for n, a in self.init_params()]

@@ -31,7 +31,7 @@ from .base import Job, bind_module, zero_copy_grads
 from .corpus import corpus_bytes, corpus_digest
 from .lm_export import VOCAB_SIZE, write_model_gguf
 from .recipes import adamw, muon_adamw
-from .spec import field, on_nonfinite_field
+from .spec import field, on_nonfinite_field, tensorboard_field
 
 
 @dataclasses.dataclass
@@ -63,6 +63,7 @@ class LMSpec:
     gguf_dtype: str = field("F32", "model.gguf tensor type: F32 or F16", choices=("F32", "F16"))
     seed: int = field(0, "seed for init, data order and held-out windows")
     on_nonfinite: str = on_nonfinite_field()
+    tensorboard: str = tensorboard_field()
 
     def validate(self):
         from ..errors import UserError

@@ -41,7 +41,7 @@ from ..optim import context_at, warmup_hold_linear_cooldown
 from .base import Job, bind_module, zero_copy_grads
 from .lm_export import write_model_gguf
 from .recipes import adamw, is_hidden_matrix, muon_adamw
-from .spec import field, on_nonfinite_field
+from .spec import field, on_nonfinite_field, tensorboard_field
 
 # preset -> (layers, width, heads, seq, batch_tokens); head width 64 (tiny: 32), ffn ~ 8/3 width
 PRESETS = {"tiny": (2, 64, 2, 64, 1024), "d4": (4, 256, 4, 256, 8192), "d6": (6, 384, 6, 512, 16384),
@@ -96,6 +96,7 @@ class PretrainSpec:
     cache_dir: str = field("runs/cache", "where trained tokenizers and token streams are cached")
     seed: int = field(0, "seed for init and data order")
     on_nonfinite: str = on_nonfinite_field()
+    tensorboard: str = tensorboard_field()
 
     def validate(self):
         if self.steps < 1 and self.tokens < 1:

@@ -27,7 +27,7 @@ from ..optim import warmup_hold_linear_cooldown
 from .base import Job, bind_module, zero_copy_grads
 from .lm_export import write_model_gguf
 from .recipes import adamw, muon_adamw
-from .spec import field, on_nonfinite_field
+from .spec import field, on_nonfinite_field, tensorboard_field
 
 
 @dataclasses.dataclass
@@ -50,6 +50,7 @@ class SFTSpec:
     checkpoint_every: int = field(50, "checkpoint cadence in steps (the final step is always saved)")
     seed: int = field(0, "seed for the sample order")
     on_nonfinite: str = on_nonfinite_field()
+    tensorboard: str = tensorboard_field()
 
     def validate(self):
         if not self.model or not self.data:

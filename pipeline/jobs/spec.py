@@ -33,6 +33,13 @@ def on_nonfinite_field():
                  "good checkpoint stays latest), or skip that micro-batch and report it", choices=NONFINITE_POLICIES)
 
 
+def tensorboard_field():
+    """The `tensorboard` field of every job that writes metrics.jsonl (runtime/metrics.MetricsLog)."""
+    return field("", "also write the step records (training loss, validation loss, lr, tokens/s) as TensorBoard "
+                 "scalars to an event file in DIR, created if missing (`tensorboard --logdir DIR`; no TensorBoard "
+                 "install needed to write it); empty: off", metavar="DIR")
+
+
 def add_flags(parser: argparse.ArgumentParser, spec_cls):
     """One flag per spec field (`fucina launch JOB`); defaults are None so we can tell 'not given'."""
     parser.add_argument("--config", metavar="FILE.toml", help="TOML file of job fields (flags override it)")

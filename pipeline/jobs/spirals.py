@@ -22,7 +22,7 @@ from ..models.spirals import SpiralsMLP, accuracy, make_spirals
 from ..optim import warmup_hold_linear_cooldown
 from .base import Job, bind_module, zero_copy_grads
 from .recipes import adamw
-from .spec import field, on_nonfinite_field
+from .spec import field, on_nonfinite_field, tensorboard_field
 
 
 @dataclasses.dataclass
@@ -42,6 +42,7 @@ class SpiralsSpec:
     eval_every: int = field(100, "accuracy on the full set every N steps (0: off)")
     seed: int = field(0, "seed for init, data and shuffles")
     on_nonfinite: str = on_nonfinite_field()
+    tensorboard: str = tensorboard_field()
 
     def validate(self):
         from ..errors import UserError

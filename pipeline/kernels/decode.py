@@ -97,34 +97,37 @@ def _residual(x, y, post_norm, post, eps):
 @njit(cache=True, nogil=True)
 def layer(x, eps, attn_norm, ffn_norm, q_norm, k_norm, normed, post_attn_norm, post_ffn_norm, post, gelu, cos,
           sin, interleaved, heads, kv_heads, head_dim, kc, vc, pos, scale, window, templates, needs, rows, lut,
-          cells, n, runner, ticks, hold):
+          cells, n, runners, ticks, hold):
     """x f32 [1, hidden] of the token at position pos -> the layer's output [1, hidden], keys and values written
     to kc[pos], vc[pos] (f32 [capacity, kv_heads, head_dim]). templates: the qkv, o, gate+up and down product
-    job templates; needs[i] the product's qint USE_* bits and rows[i] its total output rows. post: RMSNorm each
+    job templates; needs[i] the product's qint USE_* bits, rows[i] its total output rows and runners[i] the
+    address of its qint runner (its formats' family). post: RMSNorm each
     branch's output before its residual (Gemma 3); gelu: the tanh GELU gate instead of SwiGLU."""
     h = np.empty_like(x)
     rms_rows(x, attn_norm, eps, h)
-    qkv = _product(templates[0], needs[0], rows[0], h, lut, cells, n, runner, ticks, hold)
+    qkv = _product(templates[0], needs[0], rows[0], h, lut, cells, n, runners[0], ticks, hold)
     nq, nkv = heads * head_dim, kv_heads * head_dim
     q = qkv[:nq].reshape(1, heads, head_dim)
     k = qkv[nq:nq + nkv].reshape(1, kv_heads, head_dim)
     qr, kr = np.empty_like(q), np.empty_like(k)
     norm_rope_heads(q, q_norm, eps, cos, sin, qr, normed, interleaved)
     norm_rope_heads(k, k_norm, eps, cos, sin, kr, normed, interleaved)
-    kc[pos] = kr[0]
-    vc[pos] = qkv[nq + nkv:nq + 2 * nkv].reshape(kv_heads, head_dim)
+    for kh in range(kv_heads):  # element loops, not kc[pos] = kr[0]: an array assigned into a slice makes numba
+        for ki in range(head_dim):  # compile its shape-mismatch message (str, join: seconds of a cold first call)
+            kc[pos, kh, ki] = kr[0, kh, ki]
+            vc[pos, kh, ki] = qkv[nq + nkv + kh * head_dim + ki]
     a = np.empty((1, nq), np.float32)
     _attend_cached(qr, kc[:pos + 1], vc[:pos + 1], pos, scale, window, a, 0, heads)
-    o = _product(templates[1], needs[1], rows[1], a, lut, cells, n, runner, ticks, hold)
+    o = _product(templates[1], needs[1], rows[1], a, lut, cells, n, runners[1], ticks, hold)
     x = _residual(x, o.reshape(1, -1), post_attn_norm, post, eps)
     rms_rows(x, ffn_norm, eps, h)
-    gu = _product(templates[2], needs[2], rows[2], h, lut, cells, n, runner, ticks, hold)
+    gu = _product(templates[2], needs[2], rows[2], h, lut, cells, n, runners[2], ticks, hold)
     ffn = rows[2] // 2
     s = np.empty(ffn, np.float32)
     if gelu:
         gelu_tanh_mul_rows(gu[:ffn], gu[ffn:], s)
     else:
         _swiglu_range(gu[:ffn], gu[ffn:], s)
-    down = _product(templates[3], needs[3], rows[3], s.reshape(1, ffn), lut, cells, n, runner,
+    down = _product(templates[3], needs[3], rows[3], s.reshape(1, ffn), lut, cells, n, runners[3],
                     ticks, hold)
     return _residual(x, down.reshape(1, -1), post_ffn_norm, post, eps)

@@ -376,10 +376,9 @@ _LENGTH, _NEXT, _PIECES, _WEIGHTS, _M, _N, _LUT, _Q80, _D80, _Q8K, _D8K, _SUMS, 
 _HEADER, _WEIGHT, _PIECE = 16, 5, 3  # slots: header, per weight (qtype, raw, rows, row bytes, out), per piece
 
 
-@njit(cache=True, nogil=True)
-def _run_pieces(job):
-    """Take the job's pieces from its counter (job[_NEXT]) until none are left; a piece is rows r0..r1 of
-    one weight, computed by that weight's kernel as a serial call would."""
+@njit(cache=True, nogil=True, inline="always")
+def _views(job):
+    """The activation views of a job block: (m, lut, q80, d80, q8k, d8k, sums, s81, bsums)."""
     m, n = job[_M], job[_N]
     lut = carray(f32_pointer(job[_LUT]), 65536)
     q80, d80 = carray(i8_pointer(job[_Q80]), (m, n)), carray(f32_pointer(job[_D80]), (m, n // 32))
@@ -387,16 +386,90 @@ def _run_pieces(job):
     sums = carray(i32_pointer(job[_SUMS]), (m, n // 32))
     s81 = carray(f32_pointer(job[_S81]), (m, n // 32))
     bsums = carray(i32_pointer(job[_BSUMS]), (m, n // 16))
+    return m, lut, q80, d80, q8k, d8k, sums, s81, bsums
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _piece(job, i, m):
+    """Piece i of the job: (qtype, the weight's raw rows, its output view, r0, r1)."""
     pieces = _HEADER + _WEIGHT * job[_WEIGHTS]
+    w, r0, r1 = job[pieces + _PIECE * i], job[pieces + _PIECE * i + 1], job[pieces + _PIECE * i + 2]
+    e = _HEADER + _WEIGHT * w
+    qtype, rows = job[e], job[e + 2]
+    raw = carray(u8_pointer(job[e + 1]), (rows, job[e + 3]))
+    out = carray(f32_pointer(job[e + 4]), (m, rows))
+    return qtype, raw, out, r0, r1
+
+
+# The runners: each takes the job's pieces from its counter (job[_NEXT]) until none are left; a piece is rows
+# r0..r1 of one weight, computed by that weight's kernel as a serial call would. One runner per partner family
+# (the formats whose activations are quantized alike) and one for a product that mixes families: numba compiles
+# every kernel a runner can call, so a model's first product compiles only its own family's kernels (a Q4_1
+# model 2 of the 12, not all of them). A group of weights that share an input (q/k/v, gate/up) has one row
+# width, so llama.cpp's fallbacks for rows that are no multiple of 256 keep it in one family.
+@njit(cache=True, nogil=True)
+def _run_q8_0_family(job):
+    m, lut, q80, d80, q8k, d8k, sums, s81, bsums = _views(job)
     while True:
         i = atomic_add(job, _NEXT, 1)
         if i >= job[_PIECES]:
             return
-        w, r0, r1 = job[pieces + _PIECE * i], job[pieces + _PIECE * i + 1], job[pieces + _PIECE * i + 2]
-        e = _HEADER + _WEIGHT * w
-        qtype, rows = job[e], job[e + 2]
-        raw = carray(u8_pointer(job[e + 1]), (rows, job[e + 3]))
-        out = carray(f32_pointer(job[e + 4]), (m, rows))
+        qtype, raw, out, r0, r1 = _piece(job, i, m)
+        if qtype == Q8_0:
+            _mm_q8_0(raw, q80, d80, sums, out, lut, r0, r1)
+        elif qtype == Q4_0:
+            _mm_q4_0(raw, q80, d80, sums, out, lut, r0, r1)
+        elif qtype == Q5_0:
+            _mm_q5_0(raw, q80, d80, sums, out, lut, r0, r1)
+        else:
+            _mm_iq4_nl(raw, q80, d80, sums, out, lut, r0, r1)
+
+
+@njit(cache=True, nogil=True)
+def _run_q8_1_family(job):
+    m, lut, q80, d80, q8k, d8k, sums, s81, bsums = _views(job)
+    while True:
+        i = atomic_add(job, _NEXT, 1)
+        if i >= job[_PIECES]:
+            return
+        qtype, raw, out, r0, r1 = _piece(job, i, m)
+        if qtype == Q4_1:
+            _mm_q4_1(raw, q80, d80, s81, out, lut, r0, r1)
+        else:
+            _mm_q5_1(raw, q80, d80, s81, out, lut, r0, r1)
+
+
+@njit(cache=True, nogil=True)
+def _run_q8_k_family(job):
+    m, lut, q80, d80, q8k, d8k, sums, s81, bsums = _views(job)
+    while True:
+        i = atomic_add(job, _NEXT, 1)
+        if i >= job[_PIECES]:
+            return
+        qtype, raw, out, r0, r1 = _piece(job, i, m)
+        if qtype == Q4_K:
+            _mm_q4_k(raw, q8k, d8k, sums, out, lut, r0, r1)
+        elif qtype == Q5_K:
+            _mm_q5_k(raw, q8k, d8k, sums, out, lut, r0, r1)
+        elif qtype == Q6_K:
+            _mm_q6_k(raw, q8k, d8k, bsums, out, lut, r0, r1)
+        elif qtype == Q3_K:
+            _mm_q3_k(raw, q8k, d8k, sums, out, lut, r0, r1)
+        elif qtype == Q2_K:
+            _mm_q2_k(raw, q8k, d8k, bsums, out, lut, r0, r1)
+        else:
+            _mm_iq4_xs(raw, q8k, d8k, sums, out, lut, r0, r1)
+
+
+@njit(cache=True, nogil=True)
+def _run_pieces(job):
+    """Any mix of formats (every kernel: the one runner that compiles all twelve)."""
+    m, lut, q80, d80, q8k, d8k, sums, s81, bsums = _views(job)
+    while True:
+        i = atomic_add(job, _NEXT, 1)
+        if i >= job[_PIECES]:
+            return
+        qtype, raw, out, r0, r1 = _piece(job, i, m)
         if qtype == Q8_0:
             _mm_q8_0(raw, q80, d80, sums, out, lut, r0, r1)
         elif qtype == Q4_0:
@@ -424,26 +497,26 @@ def _run_pieces(job):
 
 
 @njit(cache=True)
-def _template(qtypes, raws, offsets, parts):
-    """The job block of a product of `raws` (weight entries and piece grid) with its per-call slots empty: each
-    weight's rows cut into at most `parts` pieces of whole ROW_CHUNKs; an entry's out slot holds the weight's
-    first row in the flat output until `_fill` turns it into an address."""
-    steps = np.empty(len(raws), np.int64)
+def _template(qtypes, addresses, rows, row_bytes, offsets, parts):
+    """The job block of a product of the weights (ggml types, raw data addresses, rows, row bytes; int64 arrays,
+    not a tuple of raw arrays: one compiled signature for groups of 1, 2 or 3 weights) with its per-call slots
+    empty: each weight's rows cut into at most `parts` pieces of whole ROW_CHUNKs; an entry's out slot holds the
+    weight's first row in the flat output until `_fill` turns it into an address."""
+    n_weights = len(qtypes)
+    steps = np.empty(n_weights, np.int64)
     n_pieces = 0
-    for w in range(len(raws)):
-        rows = raws[w].shape[0]
-        steps[w] = -(-rows // max(1, min(parts, rows // ROW_CHUNK)))
-        n_pieces += -(-rows // steps[w])
-    job = np.zeros(_HEADER + _WEIGHT * len(raws) + _PIECE * n_pieces, np.int64)
-    job[_LENGTH], job[_PIECES], job[_WEIGHTS] = len(job), n_pieces, len(raws)
-    p = _HEADER + _WEIGHT * len(raws)
-    for w in range(len(raws)):
-        raw = raws[w]
+    for w in range(n_weights):
+        steps[w] = -(-rows[w] // max(1, min(parts, rows[w] // ROW_CHUNK)))
+        n_pieces += -(-rows[w] // steps[w])
+    job = np.zeros(_HEADER + _WEIGHT * n_weights + _PIECE * n_pieces, np.int64)
+    job[_LENGTH], job[_PIECES], job[_WEIGHTS] = len(job), n_pieces, n_weights
+    p = _HEADER + _WEIGHT * n_weights
+    for w in range(n_weights):
         e = _HEADER + _WEIGHT * w
-        job[e], job[e + 1], job[e + 2], job[e + 3], job[e + 4] = (qtypes[w], raw.ctypes.data, raw.shape[0],
-                                                                   raw.shape[1], offsets[w])
-        for r0 in range(0, raw.shape[0], steps[w]):
-            job[p], job[p + 1], job[p + 2] = w, r0, min(raw.shape[0], r0 + steps[w])
+        job[e], job[e + 1], job[e + 2], job[e + 3], job[e + 4] = qtypes[w], addresses[w], rows[w], row_bytes[w], \
+            offsets[w]
+        for r0 in range(0, rows[w], steps[w]):
+            job[p], job[p + 1], job[p + 2] = w, r0, min(rows[w], r0 + steps[w])
             p += _PIECE
     return job
 
@@ -484,11 +557,45 @@ def _fill(template, x, arrays, lut, flat, needs):
     return job, job.ctypes.data
 
 
+@njit(inline="always")
+def _job(address):
+    return carray(i64_pointer(address), carray(i64_pointer(address), _HEADER)[_LENGTH])
+
+
+def _native_q8_0(address):
+    _run_q8_0_family(_job(address))
+
+
+def _native_q8_1(address):
+    _run_q8_1_family(_job(address))
+
+
+def _native_q8_k(address):
+    _run_q8_k_family(_job(address))
+
+
 def _native_job(address):
-    _run_pieces(carray(i64_pointer(address), carray(i64_pointer(address), _HEADER)[_LENGTH]))
+    _run_pieces(_job(address))
 
 
-_RUNNER = NativeJob(_native_job)  # what the pool's threads call with a product's job block
+# what the pool's threads call with a product's job block: a runner per partner family, and any mix
+RUNNERS = {Q8_0_PARTNER: NativeJob(_native_q8_0), Q8_1_PARTNER: NativeJob(_native_q8_1),
+           Q8_K_PARTNER: NativeJob(_native_q8_k)}
+_RUNNER = NativeJob(_native_job)
+
+
+# the formats each family runner dispatches (its last branch is its `else`): kept equal to the kernels' partners,
+# so a format added to pipeline/kernels/formats.py without its runner branch fails at import, not with wrong rows
+FAMILY_FORMATS = {Q8_0_PARTNER: (Q8_0, Q4_0, Q5_0, IQ4_NL), Q8_1_PARTNER: (Q4_1, Q5_1),
+                  Q8_K_PARTNER: (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS)}
+if {(int(q), p) for p, qs in FAMILY_FORMATS.items() for q in qs} != {(q, PARTNER[q]) for q in KERNELS}:
+    raise RuntimeError("qint: FAMILY_FORMATS and the runners' branches must cover every integer kernel's format")
+
+
+def runner_of(qtypes) -> NativeJob:
+    """The runner of a product of these formats: its family's, or the mixed one."""
+    families = {PARTNER[int(q)] for q in qtypes}
+    return RUNNERS[families.pop()] if len(families) == 1 else _RUNNER
 
 
 _EMPTY_JOB = np.zeros(_HEADER, np.int64)
@@ -499,7 +606,7 @@ _EMPTY_JOB_ADDRESS = _EMPTY_JOB.ctypes.data
 def empty_dispatch(threads: int):
     """A product with no pieces on `threads` threads: the fixed cost of a decode product's hand-off
     (`fucina bench llm`'s machine/dispatch row)."""
-    run_native(_RUNNER.address, _EMPTY_JOB_ADDRESS, threads)
+    run_native(RUNNERS[Q8_1_PARTNER].address, _EMPTY_JOB_ADDRESS, threads)  # the runner of fewest kernels
 
 
 class Product:
@@ -524,6 +631,7 @@ class Product:
         for qtype in self.qtypes:
             self.needs |= NEEDS[qtype]
         self._templates = {}  # pieces per weight -> the job template
+        self.runner = runner_of(self.qtypes)  # compiled (or loaded) on first use: its family's kernels only
 
     def template(self, threads: int) -> np.ndarray:
         """The job block laid out for `threads` threads (pieces per weight: 1 on one thread, else
@@ -531,7 +639,10 @@ class Product:
         parts = 1 if threads == 1 else threads * MATVEC_PIECES_PER_THREAD
         template = self._templates.get(parts)
         if template is None:
-            template = self._templates[parts] = _template(self.qtypes, self.raws, self.offsets[:-1], parts)
+            i64 = lambda values: np.array(values, np.int64)  # noqa: E731
+            template = self._templates[parts] = _template(
+                i64(self.qtypes), i64([raw.ctypes.data for raw in self.raws]), i64([raw.shape[0] for raw in self.raws]),
+                i64([raw.shape[1] for raw in self.raws]), i64(self.offsets[:-1]), parts)
         return template
 
     def __call__(self, x: np.ndarray) -> list:
@@ -543,7 +654,7 @@ class Product:
         flat = np.empty(x.shape[0] * int(self.offsets[-1]), np.float32)
         arrays = scratch(x.shape[0], x.shape[1], self.needs)
         job, address = _fill(template, x, arrays, HALF_TO_FLOAT, flat, self.needs)
-        run_native(_RUNNER.address, address, min(threads, int(job[_PIECES])))
+        run_native(self.runner.address, address, min(threads, int(job[_PIECES])))
         m = x.shape[0]
         return [flat[m * o:m * (o + r)].reshape(m, r) for o, r in zip(self.offsets, self.rows)]
 

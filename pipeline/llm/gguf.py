@@ -215,6 +215,10 @@ class GGUFFile:
     def has(self, name: str) -> bool:
         return name in self._tensors
 
+    def tensor_dims(self, name: str) -> list[int]:
+        """The tensor's ggml dims (ne[0] first), without mapping it."""
+        return list(self._tensors[name][0])
+
     def tensor_type(self, name: str) -> str:
         return GGMLQuantizationType(self._tensors[name][1]).name  # the parse refused unknown type ids
 

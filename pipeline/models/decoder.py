@@ -401,7 +401,7 @@ class KVCache:
 class _DecodeLayer:
     """One layer's constant arguments of pipeline/kernels/decode.layer."""
 
-    def __init__(self, blk, templates, needs, rows):
+    def __init__(self, blk, templates, needs, rows, runners):
         f32 = lambda a: np.ascontiguousarray(a, np.float32)
         self.attn_norm, self.ffn_norm = f32(blk.attn_norm.data), f32(blk.ffn_norm.data)
         self.normed = blk.attn.q_norm is not None
@@ -412,16 +412,15 @@ class _DecodeLayer:
         data = lambda norm: f32(norm.data if isinstance(norm, Tensor) else norm)
         self.post_attn_norm, self.post_ffn_norm = ((data(blk.post_attn_norm), data(blk.post_ffn_norm)) if self.post
                                                    else (self.attn_norm, self.ffn_norm))  # unread
-        self.templates, self.needs, self.rows = templates, needs, rows
+        self.templates, self.needs, self.rows, self.runners = templates, needs, rows, runners
 
 
 class _DecodePlan:
     """Model._decode_plan's result: the layers' arguments for one thread count, and the weights they were laid
     out from (projection, weight, raw), checked by identity before each use."""
 
-    def __init__(self, threads, layers, used, ropes, scale, runner):
-        self.threads, self.layers, self.used, self.ropes, self.scale, self.runner = (threads, layers, used, ropes,
-                                                                                      scale, runner)
+    def __init__(self, threads, layers, used, ropes, scale):
+        self.threads, self.layers, self.used, self.ropes, self.scale = threads, layers, used, ropes, scale
 
     def current(self, model) -> bool:
         i = 0
@@ -678,7 +677,7 @@ class DecoderLM(Module):
                                  lp.post_attn_norm, lp.post_ffn_norm, lp.post, gelu, cos, sin,
                                  interleaved, c.heads, c.kv_heads, c.head_dim, cache.k[li], cache.v[li], p0,
                                  plan.scale, c.window(li), lp.templates, lp.needs, lp.rows, HALF_TO_FLOAT, cells,
-                                 n, plan.runner, ticks, hold)
+                                 n, lp.runners, ticks, hold)
         cache.length = p0 + 1
         x = _rms(x.reshape(1, 1, c.hidden), self.out_norm.data, c.rms_eps)
         return _infer_rows([self.output], x)[0][:, 0]
@@ -687,7 +686,6 @@ class DecoderLM(Module):
         """The per-layer arguments of pipeline/kernels/decode.layer for `threads` threads, kept on the model while its
         projections hold the same weights and raw arrays; None when a layer is not what it covers."""
         from pipeline.autograd.tensor import grad_enabled
-        from pipeline.kernels.qint import _RUNNER
         plan = self.__dict__.get("_decode")
         if grad_enabled() or self.llama_numerics:
             return None  # llama.cpp's f32 arithmetic (parity runs, pipeline/kernels/ggml_f32.py) is the general path's
@@ -707,10 +705,11 @@ class DecoderLM(Module):
             products = [integer_product(g) for g in groups]
             layers.append(_DecodeLayer(blk, tuple(pr.template(threads) for pr in products),
                                        np.array([pr.needs for pr in products], np.int64),
-                                       np.array([pr.offsets[-1] for pr in products], np.int64)))
+                                       np.array([pr.offsets[-1] for pr in products], np.int64),
+                                       np.array([pr.runner.address for pr in products], np.int64)))
         c = self.config
         plan = _DecodePlan(threads, layers, used, sorted({c.layer_rope(li) for li in range(c.layers)}),
-                           np.float32(c.head_dim ** -0.5 if not c.attn_scale else c.attn_scale), _RUNNER.address)
+                           np.float32(c.head_dim ** -0.5 if not c.attn_scale else c.attn_scale))
         self.__dict__["_decode"] = plan
         return plan
 

@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from . import ckpt
-from .metrics import MetricsLog
+from .metrics import MetricsLog, gflop_rate
 from .roles import (LoaderLogic, NonFiniteError, OptimizerLogic, TrainerLogic, checkpoint_dir, checkpoint_due,
                     eval_due, first_nonfinite, nonfinite_message, trainer_state)
 
@@ -32,7 +32,7 @@ def run_inprocess(job, run_dir, resume=None, log=print, on_step=None):
     trainer, loader = TrainerLogic(job, params), LoaderLogic(job)
     batch = _buffers(job.batch_layout())
     slots = [_buffers(job.param_layout()) for _ in range(job.micro_batches)]
-    metrics = MetricsLog(run_dir)
+    metrics = MetricsLog(run_dir, getattr(job.spec, "tensorboard", ""))
     metrics.rewind(start)  # a resume into the same run dir records the replayed steps once
     metrics.write({"kind": "event", "event": "run_started", "detail": {"mode": "inprocess", "start_step": start}})
     loss, t_run = None, time.perf_counter()
@@ -59,9 +59,13 @@ def run_inprocess(job, run_dir, resume=None, log=print, on_step=None):
             done = step + 1
             if len(skip) == job.micro_batches:
                 loss = None
+            step_s = time.perf_counter() - t0
+            tokens_per_s = job.rows_per_step() * job.tokens_per_row() / max(step_s, 1e-9)
             record = {"kind": "metrics", "step": done, "loss": loss, **info, **({"skipped": skip} if skip else {}),
-                      "step_ms": (time.perf_counter() - t0) * 1e3,
-                      "tokens_per_s": job.rows_per_step() * job.tokens_per_row() / max(time.perf_counter() - t0, 1e-9)}
+                      "step_ms": step_s * 1e3, "tokens_per_s": tokens_per_s}
+            gflops = gflop_rate(job, tokens_per_s)
+            if gflops is not None:
+                record["gflop_per_s"] = gflops
             if eval_due(job, done):
                 record["eval"], record["eval_name"] = optimizer.evaluate(), job.eval_name
             optimizer.after_step(done, run_dir)

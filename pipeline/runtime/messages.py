@@ -142,7 +142,8 @@ OPTIONAL: dict[str, dict] = {
     "ready": {"resume": STR, "stop": BOOL},      # stop: the checkpoint resumed is of a run that stopped early
     "shutdown": {"replace": BOOL,       # a supervisor should start a fresh process
                  "unused": BOOL},       # this run has no use for the role (a Procfile worker stands by)
-    "metrics": {"total": INT, "eval": OPT_NUM, "eval_name": STR, "skipped": INTS},
+    "metrics": {"total": INT, "eval": OPT_NUM, "eval_name": STR, "skipped": INTS,
+                "gflop_per_s": NUM},    # the step's estimated GFLOP/s (job.flops_per_token)
     "es_metrics": {"total": INT, "eval": OPT_NUM, "eval_name": STR},
 }
 

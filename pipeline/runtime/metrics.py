@@ -27,18 +27,38 @@ def peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def gflop_rate(job, tokens_per_s):
+    """The step's estimated GFLOP/s (job.flops_per_token() x tokens/s; computed once per job), or None."""
+    per_token = getattr(job, "_flops_per_token", False)
+    if per_token is False:
+        estimate = getattr(job, "flops_per_token", None)
+        per_token = job._flops_per_token = estimate() if estimate else None
+    return None if per_token is None else per_token * tokens_per_s / 1e9
+
+
 STEP_KINDS = ("metrics", "es_metrics")  # the records a step (or ES iteration) writes once
 
 
 class MetricsLog:
-    """Appends to RUN_DIR/metrics.jsonl (line-buffered: a crash cuts at most the last line)."""
+    """Appends to RUN_DIR/metrics.jsonl (line-buffered: a crash cuts at most the last line), and with
+    `tensorboard` = a directory (a job spec's `tensorboard` field, `--tensorboard DIR`) writes every step record's
+    scalars to a TensorBoard event file there too (runtime/tensorboard.py): the one place step records are
+    written, so every job that has metrics.jsonl (finetune, pretrain, lm, es-*) gets the curves."""
 
-    def __init__(self, run_dir):
+    def __init__(self, run_dir, tensorboard: str = ""):
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.tb = None
+        if tensorboard:
+            from .tensorboard import EventWriter
+            self.tb = EventWriter(tensorboard)
         self.fh = open(self.path, "a", buffering=1)
 
     def write(self, record: dict):
-        self.fh.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+        now = time.time()
+        self.fh.write(json.dumps({"time": round(now, 3), **record}) + "\n")
+        if self.tb is not None and record.get("kind") in STEP_KINDS and isinstance(record.get("step"), int):
+            from .tensorboard import step_scalars
+            self.tb.scalars(record["step"], step_scalars(record), now)
 
     def rewind(self, step: int):
         """Drop the step records after `step`, the step the run (re)starts from, before it writes again.
@@ -85,6 +105,8 @@ class MetricsLog:
 
     def close(self):
         self.fh.close()
+        if self.tb is not None:
+            self.tb.close()
 
 
 def read_metrics(run_dir):

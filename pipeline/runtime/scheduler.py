@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from ..errors import FucinaError
 from ..jobs.spec import to_dict
 from . import ckpt
-from .metrics import MetricsLog, plot_run
+from .metrics import MetricsLog, gflop_rate, plot_run
 from .ckpt import checkpoint_dir
 from .roles import checkpoint_due, first_nonfinite, nonfinite_message
 from .remote import FrameError, SegmentViews, chunk_sizes, from_frames, np_nbytes, to_frames
@@ -112,7 +112,7 @@ class Scheduler:
         self.pub = Publisher(endpoints.events, self.server.ctx, key)
         self.liveness = Liveness(liveness_s)
         self.role_wait_s = role_wait_s
-        self.metrics = MetricsLog(run_dir)
+        self.metrics = MetricsLog(run_dir, getattr(job.spec, "tensorboard", ""))
         self.peers: dict[str, Peer] = {}          # worker id -> a peer that holds its role
         self.by_identity: dict[bytes, Peer] = {}  # ROUTER identity -> peer (holding or queued)
         self.queued: dict[str, list[Peer]] = {r: [] for r in SINGLETONS}  # waiting for the incumbent to die
@@ -424,9 +424,12 @@ class Scheduler:
         self.last_step_t = now
         loss = self.losses[done]
         skipped = sorted(k for k, v in self.grads.items() if v[0] == "skipped")
-        record = {"loss": loss, "lr": msg["lr"], "grad_norm": msg["grad_norm"],
-                  "tokens_per_s": self.job.rows_per_step() * self.job.tokens_per_row() / max(step_s, 1e-9),
+        tokens_per_s = self.job.rows_per_step() * self.job.tokens_per_row() / max(step_s, 1e-9)
+        record = {"loss": loss, "lr": msg["lr"], "grad_norm": msg["grad_norm"], "tokens_per_s": tokens_per_s,
                   "step_ms": step_s * 1e3, "roles": {k: round(v, 3) for k, v in self.role_ms.items()}}
+        gflops = gflop_rate(self.job, tokens_per_s)
+        if gflops is not None:
+            record["gflop_per_s"] = gflops
         if "eval" in msg:
             record["eval"], record["eval_name"] = msg["eval"], self.job.eval_name
         if skipped:

@@ -284,3 +284,16 @@ def test_a_replica_resumed_from_a_checkpoint_takes_its_es_settings(tmp_path, cap
     assert (run.es.config.sigma, run.batch, run.search, run.iteration) == (0.02, 2, "ab", 1)
     with pytest.raises(UserError, match="field 'population' is 6"):
         ESFinetuneJob(build(ESFinetuneSpec, {"model": MODEL, "load": str(tmp_path / "c"), "population": 6})).make_task()
+
+
+def test_tensorboard_gets_each_in_process_iteration(tmp_path, capsys):
+    import glob
+
+    from pipeline.runtime.tensorboard import read_events
+    rc, s, _ = _run(capsys, "--iterations", "2", "--tensorboard", str(tmp_path / "tb"))
+    assert rc == 0
+    (path,) = glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
+    events = read_events(path)[1:]
+    assert [e["step"] for e in events] == [1, 2]
+    assert [e["scalars"]["es/reward_mean"] for e in events] == pytest.approx(s["reward_means"], rel=1e-6)
+    assert "es/evals_per_s" in events[0]["scalars"]

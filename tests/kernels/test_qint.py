@@ -440,3 +440,18 @@ def test_a_kept_product_gives_the_one_off_bits_and_follows_its_weights():
     renewed = integer_product(weights)
     assert renewed is not product
     np.testing.assert_array_equal(renewed(x)[1], qint.matmul_t_many([(int(QT.Q8_0), weights[1].raw)], x)[0])
+
+
+@pytest.mark.parametrize("group", [(QT.Q4_K, QT.Q6_K), (QT.Q5_0, QT.Q8_0), (QT.Q4_1, QT.Q8_0, QT.IQ4_XS)],
+                         ids=lambda g: "+".join(q.name for q in g))
+def test_a_product_runs_on_its_familys_runner_with_each_weights_bits(group):
+    """A product compiles and runs only its formats' family runner (the mixed one across families), and each
+    weight's rows are the bits of that weight's product alone."""
+    families = {qint.PARTNER[int(q)] for q in group}
+    want = qint.RUNNERS[families.pop()] if len(families) == 1 else qint._RUNNER
+    raws = [random_blocks(q, 33, 512, seed=7 + i) for i, q in enumerate(group)]
+    x = np.random.default_rng(8).standard_normal((2, 512)).astype(np.float32)
+    product = qint.Product([(int(q), r) for q, r in zip(group, raws)], 512)
+    assert product.runner is want
+    for (q, r), got in zip(zip(group, raws), product(x)):
+        np.testing.assert_array_equal(got.view(np.uint32), qint.matmul_t_many([(int(q), r)], x)[0].view(np.uint32))

@@ -180,3 +180,26 @@ def test_bad_inputs_are_one_line_errors(model_path, tmp_path, capsys):
     assert _run(capsys, "--model", model_path, "--steps", "1", "--save", str(tmp_path / "d"))[0] == 0
     rc, _, err = _run(capsys, "--model", model_path, "--steps", "1", "--save", str(tmp_path / "d"))
     assert rc == 2 and "already holds checkpoints" in err and "--resume" in err
+
+
+def test_tensorboard_dir_gets_the_step_records(model_path, tmp_path, capsys):
+    """--tensorboard DIR: one event file with each step's loss/lr/tokens/s as metrics.jsonl has them; an
+    unwritable DIR is refused before the model is loaded."""
+    import glob
+
+    import numpy as np
+
+    from pipeline.runtime.metrics import read_metrics
+    from pipeline.runtime.tensorboard import read_events
+    rc, s, _ = _run(capsys, "--model", model_path, "--steps", "2", "--save", str(tmp_path / "r"),
+                    "--tensorboard", str(tmp_path / "tb"))
+    assert rc == 0
+    (path,) = glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
+    events = read_events(path)[1:]
+    records = [r for r in read_metrics(s["run_dir"]) if r["kind"] == "metrics"]
+    assert [e["step"] for e in events] == [1, 2]
+    assert [e["scalars"]["train/loss"] for e in events] == [float(np.float32(r["loss"])) for r in records]
+    assert all({"train/lr", "train/tokens_per_s", "train/gflop_per_s"} <= set(e["scalars"]) for e in events)
+    (tmp_path / "file").write_text("x")
+    rc, _, err = _run(capsys, "--model", model_path, "--tensorboard", str(tmp_path / "file" / "tb"))
+    assert rc == 2 and f"--tensorboard {tmp_path}/file/tb: cannot write there" in err

@@ -1,4 +1,4 @@
-"""llama.cpp's float32 operations as its CPU backend computes them on an x86 AVX2 + FMA build (llama-numerics).
+"""llama.cpp's float32 operations as its CPU backend computes them on this x86 host's build (llama-numerics).
 
 Why: `llama_numerics=True` rounds the activations of every matrix product as ggml-cpu does, and the integer dot
 products then give llama.cpp's bits exactly. That is not enough on trained weights: each Q8 rounding absorbs a
@@ -7,20 +7,22 @@ float32 difference only until one value sits on the other side of a rounding mid
 sum, RoPE's angles, the attention scores, softmax's exp, the order of the weighted sum of values, SiLU's exp)
 flip a few roundings at nearly every position, each moving the logits by percents. So this module reproduces
 those f32 parts operation for operation (ggml-cpu/ops.cpp, vec.cpp/vec.h, llamafile/sgemm.cpp of llama.cpp as
-vendored by llama-cpp-python 0.3.36, AVX2 + FMA paths, no AVX-512):
+vendored by llama-cpp-python 0.3.36). llama.cpp compiles for the host (GGML_NATIVE), so its f32 paths differ by
+ISA: `AVX512` (the host has AVX-512 F + DQ, as a native build of llama.cpp then does) picks the AVX-512 paths
+(16-lane vectors, _mm512_reduce_add_ps, v_expf by scalef), else the AVX2 + FMA ones. The AVX2 forms:
 
 - `rms_rows`: ggml_compute_forward_rms_norm_f32: the squares (f32 products) summed in float64 in order, the
   mean rounded to f32, scale = 1/sqrtf(mean + eps), y = x * scale * w.
 - `rope_tables`: ggml_rope_cache_init: theta_scale = powf(base, -2/n_dims), the angle of pair i at position p
   built by i f32 multiplications of (float)p by theta_scale, then (/ freq_factor) * freq_scale, cosf and sinf
   (glibc's; numba's float32 math.cos/sin call them).
-- `expf8`: ggml_v_expf (vec.h, AVX2), one lane of it.
-- `swiglu_rows`: ggml_vec_swiglu_f32: x / (1 + v_expf(-x)) * g in groups of 8, the tail with libm's expf.
+- `expf8`: ggml_v_expf (vec.h, AVX2), one lane of it (`expf16`: the AVX-512 one; `expf`: the host's).
+- `swiglu_rows`: ggml_vec_swiglu_f32: x / (1 + v_expf(-x)) * g in groups of 8 (16), the tail with libm's expf.
 - `attend`: the non-flash-attention graph with an F32 KV cache (llama-graph.cpp build_attn_mha): scores by
-  ggml_vec_dot_f32 (four 8-lane FMA accumulators, its reduction order) times the softmax scale, the softmax of
-  ggml_compute_forward_soft_max_f32 (v_expf over aligned groups of 8 cells, each group's f32 sum added in float64,
-  one f32 reciprocal), and the weighted sum of the values as mul_mat(v_trans, kq) computes it: llamafile's
-  tinyBLAS for a batch of >= 2 tokens (one 8-lane FMA accumulator over the cells, `hsum`), ggml_vec_dot_f32
+  ggml_vec_dot_f32 (four 8 (16)-lane FMA accumulators, its reduction order) times the softmax scale, the softmax
+  of ggml_compute_forward_soft_max_f32 (v_expf over aligned groups of 8 (16) cells, each group's f32 sum added in
+  float64, one f32 reciprocal), and the weighted sum of the values as mul_mat(v_trans, kq) computes it: llamafile's
+  tinyBLAS for a batch of >= 2 tokens (one 8 (16)-lane FMA accumulator over the cells, `hsum`), ggml_vec_dot_f32
   for a single token (llamafile_sgemm refuses n < 2).
 
 The KV cells are the positions (a fresh llama.cpp cache fills cell p with position p, and its padded n_kv is a
@@ -29,6 +31,7 @@ fastmath: the bits are fixed); it is the parity mode's path, not the fast one.
 """
 import math
 
+import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -68,6 +71,11 @@ _C5, _C4, _C3, _C2, _C1 = (_HEX("0x1.0e4020p-7"), _HEX("0x1.573e2ep-5"), _HEX("0
 _ONE_BITS = np.int32(0x3F800000)
 ONE = np.float32(1.0)
 ZERO = np.float32(0.0)
+_HOST = llvm.get_host_cpu_features()
+AVX512 = bool(_HOST.get("avx512f") and _HOST.get("avx512dq"))  # what a native llama.cpp build on this host runs
+LANES = 16 if AVX512 else 8  # ggml's f32 vector: softmax's and swiglu's groups, tinyBLAS's accumulator
+STEP = 4 * LANES  # ggml_vec_dot_f32's four accumulators
+TAIL_RUN = 8 if AVX512 else 4  # GCC's vectorized leftovers of vec_dot_f32 (products rounded, added in order)
 
 
 @njit(cache=True, inline="always")
@@ -92,15 +100,53 @@ def expf8(x):
     return _f32_mul(fma(s2, j, s2), s1)
 
 
+@njit(cache=True, inline="always")
+def expf16(x):
+    """One lane of ggml_v_expf (vec.h, AVX-512 F + DQ): the same reduction, the polynomial ending in
+    fma(c1, b, 1), then scalef (j 2^n, one rounding, subnormals included); |n| > 192 gives 0 (n <= 0) or inf."""
+    z = fma(x, _LOG2E, _R)
+    n = z - _R
+    if abs(n) > np.float32(192.0):  # -inf: n = -inf, 0
+        return ZERO if n <= ZERO else np.float32(np.inf)
+    b = fma(-n, _LN2_LO, fma(-n, _LN2_HI, x))
+    u = _f32_mul(b, b)
+    j = fma(fma(fma(_C5, b, _C4), u, fma(_C3, b, _C2)), u, fma(_C1, b, ONE))
+    return np.float32(np.float64(j) * 2.0 ** np.float64(n))  # exact in f64, rounded once to f32
+
+
+@njit(cache=True, inline="always")
+def expf(x):
+    """One lane of the ggml_v_expf this host's llama.cpp build runs."""
+    return expf16(x) if AVX512 else expf8(x)
+
+
+@njit(cache=True, inline="always")
+def _hsum16(v, c0):
+    """_mm512_reduce_add_ps (GCC) of v[c0:c0+16]: high + low halves, then again to 4 lanes, (l0+l2) + (l1+l3)."""
+    t0 = (v[c0 + 8] + v[c0]) + (v[c0 + 12] + v[c0 + 4])
+    t1 = (v[c0 + 9] + v[c0 + 1]) + (v[c0 + 13] + v[c0 + 5])
+    t2 = (v[c0 + 10] + v[c0 + 2]) + (v[c0 + 14] + v[c0 + 6])
+    t3 = (v[c0 + 11] + v[c0 + 3]) + (v[c0 + 15] + v[c0 + 7])
+    return (t0 + t2) + (t1 + t3)
+
+
+@njit(cache=True, inline="always")
+def group_sum(v, c0):
+    """The f32 sum of one vector of v from c0 as this host's ggml reduces it (LANES values)."""
+    if AVX512:
+        return _hsum16(v, c0)
+    return _hsum8(v[c0], v[c0 + 1], v[c0 + 2], v[c0 + 3], v[c0 + 4], v[c0 + 5], v[c0 + 6], v[c0 + 7])
+
+
 @njit(cache=True, nogil=True)
 def swiglu_rows(g, u, out):
     """out = silu(g) * u over flat f32 arrays as ggml_vec_swiglu_f32: v_silu (x / (1 + v_expf(0 - x))) for
-    the groups of 8 from the start, ggml_silu_f32 (libm expf) for the tail."""
+    the groups of LANES from the start, ggml_silu_f32 (libm expf) for the tail."""
     n = g.shape[0]
-    body = n - n % 8
+    body = n - n % LANES
     for i in range(body):
         x = g[i]
-        out[i] = _f32_mul(x / (ONE + expf8(ZERO - x)), u[i])
+        out[i] = _f32_mul(x / (ONE + expf(ZERO - x)), u[i])
     for i in range(body, n):
         x = g[i]
         out[i] = _f32_mul(x / (ONE + math.exp(-x)), u[i])
@@ -176,28 +222,46 @@ def norm_rope_heads(x, w, eps, cos, sin, out, normed, interleaved):
 
 @njit(cache=True, inline="always")
 def _vec_dot(x, y, n, acc):
-    """ggml_vec_dot_f32 (AVX2 + FMA): four 8-lane accumulators over 32-element steps, reduced as
-    (a0 + a2) + (a1 + a3), the halves added, then two hadds; the leftovers added in order."""
-    acc[:] = ZERO
-    body = n & ~31
-    for i in range(0, body, 32):
-        for j in range(32):
+    """ggml_vec_dot_f32: four LANES-wide FMA accumulators over STEP-element steps (acc: STEP lanes), reduced
+    as this host's GGML_F32_VEC_REDUCE does, then the leftovers added in order."""
+    acc[:STEP] = ZERO
+    body = n & ~(STEP - 1)
+    for i in range(0, body, STEP):
+        for j in range(STEP):
             acc[j] = fma(x[i + j], y[i + j], acc[j])
-    return _tail(x, y, body, n, _reduce32(acc))
+    return _tail(x, y, body, n, _reduce(acc))
 
 
 @njit(cache=True, inline="always")
 def _tail(x, y, i0, n, total):
     """vec_dot_f32's leftovers `sumf += x[i]*y[i]` as GCC compiled them (-O3 -march=native, contraction on):
-    runs of 8, then of 4, with the products rounded and added in order, then up to 3 fused."""
-    i = i0
-    while i + 8 <= n or (i + 4 <= n):
-        for j in range(i, i + (8 if i + 8 <= n else 4)):
-            total += _f32_mul(x[j], y[j])
-        i += 8 if i + 8 <= n else 4
-    for j in range(i, n):
+    vectorized products (rounded) added in order up to the last multiple of TAIL_RUN (4 on AVX2, 8 on
+    AVX-512), the rest fused."""
+    fused = i0 + (n - i0) // TAIL_RUN * TAIL_RUN
+    for j in range(i0, fused):
+        total += _f32_mul(x[j], y[j])
+    for j in range(fused, n):
         total = fma(x[j], y[j], total)
     return total
+
+
+@njit(cache=True, inline="always")
+def _reduce(acc):
+    """GGML_F32_VEC_REDUCE of sum[0..3] (acc[LANES j + lane]): x0+x2, x1+x3, x0+x1, then the host's
+    horizontal sum (AVX2: low + high half, two hadds; AVX-512: _mm512_reduce_add_ps)."""
+    if AVX512:
+        t0 = (_lane(acc, 8) + _lane(acc, 0)) + (_lane(acc, 12) + _lane(acc, 4))
+        t1 = (_lane(acc, 9) + _lane(acc, 1)) + (_lane(acc, 13) + _lane(acc, 5))
+        t2 = (_lane(acc, 10) + _lane(acc, 2)) + (_lane(acc, 14) + _lane(acc, 6))
+        t3 = (_lane(acc, 11) + _lane(acc, 3)) + (_lane(acc, 15) + _lane(acc, 7))
+        return (t0 + t2) + (t1 + t3)  # _hsum16's order
+    return _reduce32(acc)
+
+
+@njit(cache=True, inline="always")
+def _lane(acc, i):
+    """Lane i of the AVX-512 GGML_F32_VEC_REDUCE's x0 = (x0 + x2) + (x1 + x3) (acc[16j + lane])."""
+    return (acc[i] + acc[32 + i]) + (acc[16 + i] + acc[48 + i])
 
 
 @njit(cache=True, inline="always")
@@ -227,8 +291,8 @@ def _attend(q, k, v, pos0, scale, window, out, h0, h1):
     g = n_h // k.shape[1]
     n_cells = pos0 + t
     scores = np.empty(n_cells + 8, np.float32)
-    acc = np.zeros(32, np.float32)
-    lanes = np.zeros((32, d), np.float32)
+    acc = np.zeros(STEP, np.float32)
+    lanes = np.zeros((STEP, d), np.float32)
     single = t == 1
     for p in range(t):
         last = pos0 + p
@@ -242,37 +306,37 @@ def _attend(q, k, v, pos0, scale, window, out, h0, h1):
                 scores[c] = s
                 big = max(big, s)
             total = 0.0
-            g_first, g_last = first - first % 8, last - last % 8
-            for c in range(g_first, g_last + 8):  # masked cells (outside first..last) give v_expf(-inf) = 0
-                scores[c] = expf8(scores[c] - big) if first <= c <= last else ZERO
-            for c0 in range(g_first, g_last + 1, 8):
-                s8 = scores[c0:c0 + 8]
-                total += np.float64(_hsum8(s8[0], s8[1], s8[2], s8[3], s8[4], s8[5], s8[6], s8[7]))
+            g_first, g_last = first - first % LANES, last - last % LANES
+            for c in range(g_first, g_last + LANES):  # masked cells (outside first..last) give v_expf(-inf) = 0
+                scores[c] = expf(scores[c] - big) if first <= c <= last else ZERO
+            for c0 in range(g_first, g_last + 1, LANES):
+                total += np.float64(group_sum(scores, c0))
             inv = np.float32(1.0 / total)
             lanes[:] = ZERO
             if single:  # mul_mat(v_trans, kq) with one token: ggml_vec_dot_f32 over the cells
                 for c in range(first, last + 1):
                     w = _f32_mul(scores[c], inv)
-                    lane = lanes[c % 32]
+                    lane = lanes[c % STEP]
                     vc = v[c, kv]
                     for i in range(d):
                         lane[i] = fma(vc[i], w, lane[i])
                 o = out[p, h * d:(h + 1) * d]
                 for i in range(d):
-                    for j in range(32):
+                    for j in range(STEP):
                         acc[j] = lanes[j, i]
-                    o[i] = _reduce32(acc)
-            else:  # llamafile tinyBLAS: one 8-lane accumulator over the cells, then hsum
+                    o[i] = _reduce(acc)
+            else:  # llamafile tinyBLAS: one LANES-wide accumulator over the cells, then hsum
                 for c in range(first, last + 1):
                     w = _f32_mul(scores[c], inv)
-                    lane = lanes[c % 8]
+                    lane = lanes[c % LANES]
                     vc = v[c, kv]
                     for i in range(d):
                         lane[i] = fma(vc[i], w, lane[i])
                 o = out[p, h * d:(h + 1) * d]
                 for i in range(d):
-                    o[i] = _hsum8(lanes[0, i], lanes[1, i], lanes[2, i], lanes[3, i], lanes[4, i], lanes[5, i],
-                                  lanes[6, i], lanes[7, i])
+                    for j in range(LANES):
+                        acc[j] = lanes[j, i]
+                    o[i] = group_sum(acc, 0)
 
 
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: float, window: int = 0) -> np.ndarray:

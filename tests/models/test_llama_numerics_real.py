@@ -39,20 +39,22 @@ def _p(a):
 
 @njit(cache=True)
 def _dot(x, y):
-    return ggml_f32._vec_dot(x, y, x.shape[0], np.zeros(32, np.float32))
+    return ggml_f32._vec_dot(x, y, x.shape[0], np.zeros(ggml_f32.STEP, np.float32))
 
 
 @njit(cache=True)
 def _softmax(x, big, y):
     total = 0.0
     for c in range(x.shape[0]):
-        y[c] = ggml_f32.expf8(x[c] - big)
-    for c in range(0, x.shape[0], 8):
-        total += np.float64(ggml_f32._hsum8(y[c], y[c + 1], y[c + 2], y[c + 3], y[c + 4], y[c + 5], y[c + 6], y[c + 7]))
+        y[c] = ggml_f32.expf(x[c] - big)
+    for c in range(0, x.shape[0], ggml_f32.LANES):
+        total += np.float64(ggml_f32.group_sum(y, c))
     return total
 
 
 def test_vec_dot_f32_softmax_and_swiglu_give_ggml_bits(ggml):
+    """On this host's llama.cpp build: AVX-512 (F + DQ) hosts run ggml's 16-lane paths, others the AVX2 ones
+    (ggml_f32.AVX512 picks the model; a native llama-cpp-python build follows the host)."""
     rng = np.random.default_rng(0)
     for n in list(range(1, 70)) + [128, 256, 576, 1000]:  # the leftovers' runs of 8, 4 and fused tail included
         x, y = (rng.standard_normal((2, n)) * rng.choice([1e-3, 1.0, 30.0])).astype(np.float32)
@@ -61,7 +63,7 @@ def test_vec_dot_f32_softmax_and_swiglu_give_ggml_bits(ggml):
                               ctypes.c_size_t(0), ctypes.c_int(1))
         assert np.float32(s.value).view(np.uint32) == np.float32(_dot(x, y)).view(np.uint32), n
     x = np.concatenate([np.linspace(-200, 100, 200_000), [-np.inf, 0.0, -0.0, 88.7, -87.3, -103.0]]).astype(np.float32)
-    x = x[: x.size - x.size % 8]  # v_expf over its whole range, special paths included (ggml's softmax, max 0)
+    x = x[: x.size - x.size % 16]  # v_expf over its whole range, special paths included (ggml's softmax, max 0)
     for scores in (x, np.where(rng.random(1024) < 0.3, -np.inf, rng.standard_normal(1024) * 20).astype(np.float32)):
         big = np.float32(scores.max())
         want, got = np.empty_like(scores), np.empty_like(scores)

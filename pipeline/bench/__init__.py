@@ -14,6 +14,8 @@ import platform
 import statistics
 import time
 
+from ..runtime.peak import cpu_model
+
 
 def median_ms(fn, repeat=5, warmup=1):
     """Median wall time of fn() in milliseconds over `repeat` runs after `warmup`."""
@@ -41,20 +43,9 @@ def timed(fn, repeat=5, warmup=1):
     return statistics.median(walls), statistics.median(cpus)
 
 
-def _cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine(threads=None):
     info = {
-        "cpu": _cpu_name(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "threads": threads if threads is not None else int(os.environ.get("NUMBA_NUM_THREADS", os.cpu_count() or 1)),
         "python": platform.python_version(),

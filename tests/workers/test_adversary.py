@@ -25,9 +25,10 @@ from pipeline.runtime import messages, security, transport
 
 M = int(LM[LM.index("--micro-batches") + 1])
 STEPS = LM.index("--steps") + 1
-# long enough for several rounds of attack after the start (~3 s here): at 30 steps a fast machine once ended the
-# run (0.55 s after its start) before the stranger's singleton hellos were queued: nothing queued, a failure
-ADVERSARY_LM = [*LM[:STEPS], "150", *LM[STEPS + 1:]]
+# long enough for several rounds of attack after the start: at 30 steps a fast machine once ended the run 0.55 s
+# after its start, and at 150 a Zen 5 host (2026-12-04, 2 xdist workers) ended it 2.4 s after its start, each time
+# before the stranger's singleton hellos were queued: nothing queued, a failure. 400 steps: ~6 s there
+ADVERSARY_LM = [*LM[:STEPS], "400", *LM[STEPS + 1:]]
 
 
 def _run_json(run_dir):

@@ -101,7 +101,7 @@ def layer(x, eps, attn_norm, ffn_norm, q_norm, k_norm, normed, post_attn_norm, p
     """x f32 [1, hidden] of the token at position pos -> the layer's output [1, hidden], keys and values written
     to kc[pos], vc[pos] (f32 [capacity, kv_heads, head_dim]). templates: the qkv, o, gate+up and down product
     job templates; needs[i] the product's qint USE_* bits, rows[i] its total output rows and runners[i] the
-    address of its qint runner (its formats' family). post: RMSNorm each
+    address of its qint runner (`qint.runner_of` its formats). post: RMSNorm each
     branch's output before its residual (Gemma 3); gelu: the tanh GELU gate instead of SwiGLU."""
     h = np.empty_like(x)
     rms_rows(x, attn_norm, eps, h)

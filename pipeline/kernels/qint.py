@@ -402,98 +402,49 @@ def _piece(job, i, m):
 
 
 # The runners: each takes the job's pieces from its counter (job[_NEXT]) until none are left; a piece is rows
-# r0..r1 of one weight, computed by that weight's kernel as a serial call would. One runner per partner family
-# (the formats whose activations are quantized alike) and one for a product that mixes families: numba compiles
-# every kernel a runner can call, so a model's first product compiles only its own family's kernels (a Q4_1
-# model 2 of the 12, not all of them). A group of weights that share an input (q/k/v, gate/up) has one row
-# width, so llama.cpp's fallbacks for rows that are no multiple of 256 keep it in one family.
-@njit(cache=True, nogil=True)
-def _run_q8_0_family(job):
-    m, lut, q80, d80, q8k, d8k, sums, s81, bsums = _views(job)
-    while True:
-        i = atomic_add(job, _NEXT, 1)
-        if i >= job[_PIECES]:
-            return
-        qtype, raw, out, r0, r1 = _piece(job, i, m)
-        if qtype == Q8_0:
-            _mm_q8_0(raw, q80, d80, sums, out, lut, r0, r1)
-        elif qtype == Q4_0:
-            _mm_q4_0(raw, q80, d80, sums, out, lut, r0, r1)
-        elif qtype == Q5_0:
-            _mm_q5_0(raw, q80, d80, sums, out, lut, r0, r1)
-        else:
-            _mm_iq4_nl(raw, q80, d80, sums, out, lut, r0, r1)
+# r0..r1 of one weight, computed by that weight's kernel as a serial call would. A runner is made for the set of
+# formats of one product (at most three: a group of weights sharing an input is q/k/v, gate/up or one weight),
+# and its dispatch names them as closure constants a, b, c: numba prunes a branch whose condition is made of
+# constants before it types the body, so a product's first call compiles only its own formats' kernels (a Q4_1
+# model's layers 1 of the 12, its Q8_0 head another), and each set is its own cache entry (numba keys a cached
+# closure by its cell values). One branch per format, written once.
 
 
-@njit(cache=True, nogil=True)
-def _run_q8_1_family(job):
-    m, lut, q80, d80, q8k, d8k, sums, s81, bsums = _views(job)
-    while True:
-        i = atomic_add(job, _NEXT, 1)
-        if i >= job[_PIECES]:
-            return
-        qtype, raw, out, r0, r1 = _piece(job, i, m)
-        if qtype == Q4_1:
-            _mm_q4_1(raw, q80, d80, s81, out, lut, r0, r1)
-        else:
-            _mm_q5_1(raw, q80, d80, s81, out, lut, r0, r1)
-
-
-@njit(cache=True, nogil=True)
-def _run_q8_k_family(job):
-    m, lut, q80, d80, q8k, d8k, sums, s81, bsums = _views(job)
-    while True:
-        i = atomic_add(job, _NEXT, 1)
-        if i >= job[_PIECES]:
-            return
-        qtype, raw, out, r0, r1 = _piece(job, i, m)
-        if qtype == Q4_K:
-            _mm_q4_k(raw, q8k, d8k, sums, out, lut, r0, r1)
-        elif qtype == Q5_K:
-            _mm_q5_k(raw, q8k, d8k, sums, out, lut, r0, r1)
-        elif qtype == Q6_K:
-            _mm_q6_k(raw, q8k, d8k, bsums, out, lut, r0, r1)
-        elif qtype == Q3_K:
-            _mm_q3_k(raw, q8k, d8k, sums, out, lut, r0, r1)
-        elif qtype == Q2_K:
-            _mm_q2_k(raw, q8k, d8k, bsums, out, lut, r0, r1)
-        else:
-            _mm_iq4_xs(raw, q8k, d8k, sums, out, lut, r0, r1)
-
-
-@njit(cache=True, nogil=True)
-def _run_pieces(job):
-    """Any mix of formats (every kernel: the one runner that compiles all twelve)."""
-    m, lut, q80, d80, q8k, d8k, sums, s81, bsums = _views(job)
-    while True:
-        i = atomic_add(job, _NEXT, 1)
-        if i >= job[_PIECES]:
-            return
-        qtype, raw, out, r0, r1 = _piece(job, i, m)
-        if qtype == Q8_0:
-            _mm_q8_0(raw, q80, d80, sums, out, lut, r0, r1)
-        elif qtype == Q4_0:
-            _mm_q4_0(raw, q80, d80, sums, out, lut, r0, r1)
-        elif qtype == Q5_0:
-            _mm_q5_0(raw, q80, d80, sums, out, lut, r0, r1)
-        elif qtype == IQ4_NL:
-            _mm_iq4_nl(raw, q80, d80, sums, out, lut, r0, r1)
-        elif qtype == Q4_1:
-            _mm_q4_1(raw, q80, d80, s81, out, lut, r0, r1)
-        elif qtype == Q5_1:
-            _mm_q5_1(raw, q80, d80, s81, out, lut, r0, r1)
-        elif qtype == Q4_K:
-            _mm_q4_k(raw, q8k, d8k, sums, out, lut, r0, r1)
-        elif qtype == Q5_K:
-            _mm_q5_k(raw, q8k, d8k, sums, out, lut, r0, r1)
-        elif qtype == Q6_K:
-            _mm_q6_k(raw, q8k, d8k, bsums, out, lut, r0, r1)
-        elif qtype == Q3_K:
-            _mm_q3_k(raw, q8k, d8k, sums, out, lut, r0, r1)
-        elif qtype == Q2_K:
-            _mm_q2_k(raw, q8k, d8k, bsums, out, lut, r0, r1)
-        else:
-            _mm_iq4_xs(raw, q8k, d8k, sums, out, lut, r0, r1)
+def _runner(a, b, c):
+    """The job runner `run(address)` of a product whose pieces are all of formats a, b or c."""
+    def run(address):
+        job = _job(address)
+        m, lut, q80, d80, q8k, d8k, sums, s81, bsums = _views(job)
+        while True:
+            i = atomic_add(job, _NEXT, 1)
+            if i >= job[_PIECES]:
+                return
+            qt, raw, out, r0, r1 = _piece(job, i, m)
+            if (a == Q8_0 or b == Q8_0 or c == Q8_0) and qt == Q8_0:
+                _mm_q8_0(raw, q80, d80, sums, out, lut, r0, r1)
+            elif (a == Q4_0 or b == Q4_0 or c == Q4_0) and qt == Q4_0:
+                _mm_q4_0(raw, q80, d80, sums, out, lut, r0, r1)
+            elif (a == Q5_0 or b == Q5_0 or c == Q5_0) and qt == Q5_0:
+                _mm_q5_0(raw, q80, d80, sums, out, lut, r0, r1)
+            elif (a == IQ4_NL or b == IQ4_NL or c == IQ4_NL) and qt == IQ4_NL:
+                _mm_iq4_nl(raw, q80, d80, sums, out, lut, r0, r1)
+            elif (a == Q4_1 or b == Q4_1 or c == Q4_1) and qt == Q4_1:
+                _mm_q4_1(raw, q80, d80, s81, out, lut, r0, r1)
+            elif (a == Q5_1 or b == Q5_1 or c == Q5_1) and qt == Q5_1:
+                _mm_q5_1(raw, q80, d80, s81, out, lut, r0, r1)
+            elif (a == Q4_K or b == Q4_K or c == Q4_K) and qt == Q4_K:
+                _mm_q4_k(raw, q8k, d8k, sums, out, lut, r0, r1)
+            elif (a == Q5_K or b == Q5_K or c == Q5_K) and qt == Q5_K:
+                _mm_q5_k(raw, q8k, d8k, sums, out, lut, r0, r1)
+            elif (a == Q6_K or b == Q6_K or c == Q6_K) and qt == Q6_K:
+                _mm_q6_k(raw, q8k, d8k, bsums, out, lut, r0, r1)
+            elif (a == Q3_K or b == Q3_K or c == Q3_K) and qt == Q3_K:
+                _mm_q3_k(raw, q8k, d8k, sums, out, lut, r0, r1)
+            elif (a == Q2_K or b == Q2_K or c == Q2_K) and qt == Q2_K:
+                _mm_q2_k(raw, q8k, d8k, bsums, out, lut, r0, r1)
+            elif (a == IQ4_XS or b == IQ4_XS or c == IQ4_XS) and qt == IQ4_XS:
+                _mm_iq4_xs(raw, q8k, d8k, sums, out, lut, r0, r1)
+    return run
 
 
 @njit(cache=True)
@@ -562,40 +513,22 @@ def _job(address):
     return carray(i64_pointer(address), carray(i64_pointer(address), _HEADER)[_LENGTH])
 
 
-def _native_q8_0(address):
-    _run_q8_0_family(_job(address))
-
-
-def _native_q8_1(address):
-    _run_q8_1_family(_job(address))
-
-
-def _native_q8_k(address):
-    _run_q8_k_family(_job(address))
-
-
-def _native_job(address):
-    _run_pieces(_job(address))
-
-
-# what the pool's threads call with a product's job block: a runner per partner family, and any mix
-RUNNERS = {Q8_0_PARTNER: NativeJob(_native_q8_0), Q8_1_PARTNER: NativeJob(_native_q8_1),
-           Q8_K_PARTNER: NativeJob(_native_q8_k)}
-_RUNNER = NativeJob(_native_job)
-
-
-# the formats each family runner dispatches (its last branch is its `else`): kept equal to the kernels' partners,
-# so a format added to pipeline/kernels/formats.py without its runner branch fails at import, not with wrong rows
-FAMILY_FORMATS = {Q8_0_PARTNER: (Q8_0, Q4_0, Q5_0, IQ4_NL), Q8_1_PARTNER: (Q4_1, Q5_1),
-                  Q8_K_PARTNER: (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS)}
-if {(int(q), p) for p, qs in FAMILY_FORMATS.items() for q in qs} != {(q, PARTNER[q]) for q in KERNELS}:
-    raise RuntimeError("qint: FAMILY_FORMATS and the runners' branches must cover every integer kernel's format")
+_CALLED = {name for code in _runner.__code__.co_consts if hasattr(code, "co_names") for name in code.co_names}
+if {kernel.__name__ for kernel in KERNELS.values()} - _CALLED:  # a format added without its runner branch
+    raise RuntimeError("qint: the runner must have a branch for every integer kernel's format")
+_RUNNERS = {}  # sorted formats, padded to three -> its NativeJob (what the pool's threads call with a job block)
 
 
 def runner_of(qtypes) -> NativeJob:
-    """The runner of a product of these formats: its family's, or the mixed one."""
-    families = {PARTNER[int(q)] for q in qtypes}
-    return RUNNERS[families.pop()] if len(families) == 1 else _RUNNER
+    """The runner of a product of these formats (compiled, or loaded from the cache, on first use)."""
+    formats = sorted({int(q) for q in qtypes})
+    if not 1 <= len(formats) <= 3:
+        raise ValueError(f"qint: a product runs one to three formats, got {formats}")
+    key = tuple(formats + formats[-1:] * (3 - len(formats)))
+    runner = _RUNNERS.get(key)
+    if runner is None:
+        runner = _RUNNERS[key] = NativeJob(_runner(*key))
+    return runner
 
 
 _EMPTY_JOB = np.zeros(_HEADER, np.int64)
@@ -606,7 +539,7 @@ _EMPTY_JOB_ADDRESS = _EMPTY_JOB.ctypes.data
 def empty_dispatch(threads: int):
     """A product with no pieces on `threads` threads: the fixed cost of a decode product's hand-off
     (`fucina bench llm`'s machine/dispatch row)."""
-    run_native(RUNNERS[Q8_1_PARTNER].address, _EMPTY_JOB_ADDRESS, threads)  # the runner of fewest kernels
+    run_native(runner_of([Q4_1]).address, _EMPTY_JOB_ADDRESS, threads)
 
 
 class Product:
@@ -631,7 +564,7 @@ class Product:
         for qtype in self.qtypes:
             self.needs |= NEEDS[qtype]
         self._templates = {}  # pieces per weight -> the job template
-        self.runner = runner_of(self.qtypes)  # compiled (or loaded) on first use: its family's kernels only
+        self.runner = runner_of(self.qtypes)  # compiled (or loaded) on first use: its formats' kernels only
 
     def template(self, threads: int) -> np.ndarray:
         """The job block laid out for `threads` threads (pieces per weight: 1 on one thread, else

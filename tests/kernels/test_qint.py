@@ -450,14 +450,47 @@ def test_a_kept_product_gives_the_one_off_bits_and_follows_its_weights():
 
 @pytest.mark.parametrize("group", [(QT.Q4_K, QT.Q6_K), (QT.Q5_0, QT.Q8_0), (QT.Q4_1, QT.Q8_0, QT.IQ4_XS)],
                          ids=lambda g: "+".join(q.name for q in g))
-def test_a_product_runs_on_its_familys_runner_with_each_weights_bits(group):
-    """A product compiles and runs only its formats' family runner (the mixed one across families), and each
-    weight's rows are the bits of that weight's product alone."""
-    families = {qint.PARTNER[int(q)] for q in group}
-    want = qint.RUNNERS[families.pop()] if len(families) == 1 else qint._RUNNER
+def test_a_product_runs_on_its_formats_runner_with_each_weights_bits(group):
+    """A product runs on the runner of its set of formats (one per set, whatever the order), and each weight's
+    rows are the bits of that weight's product alone."""
+    want = qint.runner_of(sorted(group, reverse=True))
+    assert qint.runner_of(group) is want and qint.runner_of(group[:1]) is not want
     raws = [random_blocks(q, 33, 512, seed=7 + i) for i, q in enumerate(group)]
     x = np.random.default_rng(8).standard_normal((2, 512)).astype(np.float32)
     product = qint.Product([(int(q), r) for q, r in zip(group, raws)], 512)
     assert product.runner is want
     for (q, r), got in zip(zip(group, raws), product(x)):
         np.testing.assert_array_equal(got.view(np.uint32), qint.matmul_t_many([(int(q), r)], x)[0].view(np.uint32))
+
+
+_COMPILED_KERNELS = """
+import numpy as np
+from numba.core import event
+names = []
+class Listen(event.Listener):
+    def on_start(self, ev):
+        names.append(ev.data["dispatcher"].py_func.__name__)
+    def on_end(self, ev):
+        pass
+from pipeline.kernels import qint
+from pipeline.kernels.formats import Q4_1, Q8_0
+from gguf import GGMLQuantizationType as QT, quants
+w = np.random.default_rng(1).standard_normal((8, 256)).astype(np.float32)
+raws = [quants.quantize(w, QT.Q4_1), quants.quantize(w, QT.Q8_0)]
+event.register("numba:compile", Listen())
+qint.matmul_t_many([(Q4_1, raws[0])], np.ones((1, 256), np.float32))
+qint.matmul_t_many([(Q4_1, raws[0]), (Q8_0, raws[1])], np.ones((1, 256), np.float32))
+print(" ".join(sorted({n for n in names if n.startswith("_mm_")})))
+"""
+
+
+def test_a_product_compiles_only_its_own_formats_kernels(tmp_path):
+    """The first product of a Q4_1 weight, then of Q4_1 + Q8_0, compiles those two row kernels and no other of
+    the twelve (an empty numba cache, in a fresh process: what a fresh clone's first `generate` pays)."""
+    import os
+    import subprocess
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", _COMPILED_KERNELS], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["_mm_q4_1", "_mm_q8_0"]

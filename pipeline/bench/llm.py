@@ -5,6 +5,11 @@ tokens, per-token decode after a 64-token prompt), not kernel micro-timings.
 llama.cpp (llama-cpp-python, when installed) runs the same file with the same
 thread count in a subprocess, so its memory does not pollute our peak RSS and a
 crash in it cannot take the benchmark down. Its KV cache is f32 like ours.
+The accuracy row measures what the speed costs: the mean per-position KL(exact || tested) over a fixed English
+text (token ids when the file has no tokenizer), where "exact" is the quantized model's own function, every tensor
+dequantized to F32 (llama.cpp running that F32 copy when installed, else Fucina), for Fucina's default mode (the
+whole text as one prompt, and fed one token at a time: the decode products), its --llama-numerics mode and llama.cpp
+on the file with its default KV cache (f16), both ways too.
 Per-kernel rows then time one decode matvec and 64- and 256-row prefill products per
 weight format and shape of the file, as GB/s of weight bytes and GFLOP/s beside
 the machine's measured memory bandwidth and f32 BLAS peak, the output head's decode product, and the
@@ -39,6 +44,10 @@ def add_arguments(parser):
                              "matmuls (default 1); the tiles always run BLAS on one thread per Fucina thread "
                              "(docs/models.md, 'Threads')")
     parser.add_argument("--no-llama", action="store_true", help="skip the llama.cpp baseline")
+    parser.add_argument("--no-accuracy", action="store_true",
+                        help="skip the accuracy row (mean per-position KL of the next-token distributions to the "
+                             "exact forward of the quantized model: every tensor dequantized to F32; writes that "
+                             "F32 copy to a temporary directory, 4 bytes per weight)")
     parser.add_argument("--no-kernels", action="store_true",
                         help="skip the per-kernel rows (decode matvec and prefill GEMM per weight format and shape, "
                              "beside the measured memory bandwidth and f32 BLAS peak)")
@@ -83,6 +92,60 @@ def _ours(path, threads, decode_tokens, repeat, blas_threads=1):
                              if isinstance(w, FrozenWeight)) / 2 ** 20
         res["rss_before_mb"] = rss0
     return res
+
+
+ACCURACY_TEXT = ("The old lighthouse keeper climbed the stairs every evening at dusk. He wound the clockwork, "
+                 "trimmed the wick and watched the ships pass the rocks below. In winter the storms came from the "
+                 "north, and the waves rose higher than the harbour wall; in summer the sea was calm and blue.")
+
+
+def _accuracy_ids(path, vocab):
+    from ..llm.generate import LoadedModel
+    tokenizer = LoadedModel(path).tokenizer
+    return _prompt(64, vocab) if tokenizer is None else np.asarray(tokenizer.encode(ACCURACY_TEXT), np.int64)
+
+
+def _log_softmax(logits) -> np.ndarray:
+    z = np.asarray(logits, np.float64)
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def mean_kl(ref_logits, logits) -> float:
+    """Mean over positions of KL(softmax(ref) || softmax(logits)), nats."""
+    lp, lq = _log_softmax(ref_logits), _log_softmax(logits)
+    return float((np.exp(lp) * (lp - lq)).sum(-1).mean())
+
+
+def _accuracy(path, threads, use_llama):
+    """{name: mean KL to the exact forward} (module docstring) and the reference's name."""
+    import tempfile
+    from ..llm.gguf_write import write_dequantized
+    from ..models.registry import load_model
+    from ..threads import pin_threads
+    pin_threads(threads)
+    with tempfile.TemporaryDirectory(prefix="fucina-bench-f32-") as tmp:
+        exact_path = os.path.join(tmp, "exact-f32.gguf")
+        write_dequantized(path, exact_path)
+        default = load_model(path)
+        ids = _accuracy_ids(path, default.config.vocab_size)
+        got = {"fucina": default.infer(ids, all_logits=True)}
+        cache = default.new_cache(len(ids))  # one token at a time: the decode products' own arithmetic
+        got["fucina decode"] = np.stack([default.infer(ids[i:i + 1], cache) for i in range(len(ids))])
+        del default, cache
+        got["fucina --llama-numerics"] = load_model(path, llama_numerics=True).infer(ids, all_logits=True)
+        exact = load_model(exact_path).infer(ids, all_logits=True)
+        ref, ref_name = exact, "Fucina on the F32 copy"
+        if use_llama:
+            theirs = {}
+            for name, file in (("llama.cpp", path), ("exact", exact_path)):
+                theirs[name], why = _llama_logits(file, threads, ids, os.path.join(tmp, f"{name}.npy"))
+                if theirs[name] is None:
+                    return {"error": why}, None
+            ref, ref_name = theirs["exact"][0], "llama.cpp on the F32 copy"
+            got["llama.cpp"], got["llama.cpp decode"] = theirs["llama.cpp"]
+            got["fucina on the F32 copy"] = exact
+    return {name: mean_kl(ref, logits) for name, logits in got.items()} | {"positions": len(ids)}, ref_name
 
 
 def _machine_limits(threads, repeat):
@@ -210,6 +273,40 @@ def _llama_worker(path, threads, decode_tokens, repeat, quantized):
     print(json.dumps(res))
 
 
+def _llama_logits_worker(path, threads, ids, out):
+    """Runs in a subprocess: every position's logits of `ids` by llama.cpp (its default KV cache) into `out`,
+    [2, positions, vocab]: the ids as one prompt, then fed one at a time."""
+    import llama_cpp
+    import llama_cpp.llama as ll
+    orig = ll.llama_cpp.llama_model_default_params
+
+    def params():  # as _llama_worker: no extra buffer types (AMX) for block formats
+        p = orig()
+        p.use_extra_bufts = False
+        return p
+
+    ll.llama_cpp.llama_model_default_params = params
+    llm = llama_cpp.Llama(model_path=path, n_ctx=512, n_batch=512, n_ubatch=512, n_threads=threads,
+                          n_threads_batch=threads, logits_all=True, verbose=False)
+    llm.eval([int(i) for i in ids])
+    prompt = np.asarray(llm.scores[:len(ids)], np.float32)
+    llm.reset()
+    for i in ids:  # one token at a time: its decode arithmetic
+        llm.eval([int(i)])
+    np.save(out, np.stack([prompt, np.asarray(llm.scores[:len(ids)], np.float32)]), allow_pickle=False)
+
+
+def _llama_logits(path, threads, ids, out):
+    code = (f"from pipeline.bench.llm import _llama_logits_worker; "
+            f"_llama_logits_worker({str(path)!r}, {threads}, {[int(i) for i in ids]!r}, {str(out)!r})")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS=str(threads)),
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    if proc.returncode != 0:
+        return None, f"llama.cpp logits failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
+    return np.load(out, allow_pickle=False), None
+
+
 def _llama(path, threads, decode_tokens, repeat, quantized):
     code = (f"from pipeline.bench.llm import _llama_worker; "
             f"_llama_worker({str(path)!r}, {threads}, {decode_tokens}, {repeat}, {quantized})")
@@ -219,6 +316,20 @@ def _llama(path, threads, decode_tokens, repeat, quantized):
     if proc.returncode != 0:
         return None, f"llama.cpp baseline failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1]), None
+
+
+def _accuracy_row(args, use_llama):
+    t0 = time.perf_counter()
+    kl, ref = _accuracy(args.model, args.threads, use_llama)
+    row = {"case": f"{os.path.basename(args.model)}/kl_exact", "ms": (time.perf_counter() - t0) * 1e3,
+           "baselines": {}, "kl": kl, "reference": ref}
+    if "error" in kl:
+        row["notes"] = kl["error"]
+        return row
+    row["notes"] = (f"ms: the measurement; mean per-position KL to the exact forward ({ref}, "
+                    f"{kl['positions']} positions): "
+                    + ", ".join(f"{name} {value:.3g}" for name, value in kl.items() if name != "positions"))
+    return row
 
 
 def run(args):
@@ -263,6 +374,8 @@ def run(args):
         mem["llama_peak_rss_mb"] = theirs["peak_rss_mb"]
         mem["notes"] += f"; llama.cpp peak RSS {theirs['peak_rss_mb']:.0f} MB"
     rows.append(mem)
+    if not args.no_accuracy:
+        rows.append(_accuracy_row(args, theirs is not None))
     if not args.no_kernels:
         rows += _kernel_rows(args.model, args.threads, args.repeat)
     return rows

@@ -102,27 +102,17 @@ ACCURACY_TEXT = ("The old lighthouse keeper climbed the stairs every evening at 
                  "north, and the waves rose higher than the harbour wall; in summer the sea was calm and blue.")
 
 
-def _accuracy_ids(path, vocab):
-    from ..llm.generate import LoadedModel
-    tokenizer = LoadedModel(path).tokenizer
-    return _prompt(64, vocab) if tokenizer is None else np.asarray(tokenizer.encode(ACCURACY_TEXT), np.int64)
-
-
-def _log_softmax(logits) -> np.ndarray:
-    z = np.asarray(logits, np.float64)
-    z = z - z.max(-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(-1, keepdims=True))
-
-
 def mean_kl(ref_logits, logits) -> float:
     """Mean over positions of KL(softmax(ref) || softmax(logits)), nats."""
-    lp, lq = _log_softmax(ref_logits), _log_softmax(logits)
+    from ..llm.export import log_softmax
+    lp, lq = log_softmax(ref_logits), log_softmax(logits)
     return float((np.exp(lp) * (lp - lq)).sum(-1).mean())
 
 
 def _accuracy(path, threads, use_llama):
     """{name: mean KL to the exact forward} (module docstring) and the reference's name."""
     import tempfile
+    from ..llm.generate import LoadedModel
     from ..llm.gguf_write import write_dequantized
     from ..models.registry import load_model
     from ..threads import pin_threads
@@ -130,12 +120,14 @@ def _accuracy(path, threads, use_llama):
     with tempfile.TemporaryDirectory(prefix="fucina-bench-f32-") as tmp:
         exact_path = os.path.join(tmp, "exact-f32.gguf")
         write_dequantized(path, exact_path)
-        default = load_model(path)
-        ids = _accuracy_ids(path, default.config.vocab_size)
+        loaded = LoadedModel(path)
+        default, tokenizer = loaded.model, loaded.tokenizer
+        ids = _prompt(64, default.config.vocab_size) if tokenizer is None else \
+            np.asarray(tokenizer.encode(ACCURACY_TEXT), np.int64)
         got = {"fucina": default.infer(ids, all_logits=True)}
         cache = default.new_cache(len(ids))  # one token at a time: the decode products' own arithmetic
         got["fucina decode"] = np.stack([default.infer(ids[i:i + 1], cache) for i in range(len(ids))])
-        del default, cache
+        del loaded, default, cache
         got["fucina --llama-numerics"] = load_model(path, llama_numerics=True).infer(ids, all_logits=True)
         exact = load_model(exact_path).infer(ids, all_logits=True)
         ref, ref_name = exact, "Fucina on the F32 copy"
@@ -243,23 +235,30 @@ def _has_amx() -> bool:
         return False
 
 
-def _llama_worker(path, threads, decode_tokens, repeat, quantized, defaults=False):
-    """Runs in a subprocess: prints llama.cpp's timings as JSON. defaults: as its users run it (repacked "extra
-    buffer" CPU kernels, f16 KV cache); else the fixed layout Fucina's parity mode mirrors (plain CPU buffers for
-    block formats, f32 KV cache)."""
+def _open_llama(path, threads, extra_bufts, **kw):
+    """llama_cpp.Llama on `path` with the repacked "extra buffer" CPU kernels on or off (llama-cpp-python has no
+    argument for it: its default model params are patched)."""
     import llama_cpp
     import llama_cpp.llama as ll
     orig = ll.llama_cpp.llama_model_default_params
 
-    def params():  # llama.cpp's AMX int8 path dies with SIGILL on some VMs: block formats run without it there
+    def params():
         p = orig()
-        p.use_extra_bufts = not quantized or (defaults and not _has_amx())
+        p.use_extra_bufts = extra_bufts
         return p
 
     ll.llama_cpp.llama_model_default_params = params
-    cache = {} if defaults else {"type_k": 0, "type_v": 0}
-    llm = llama_cpp.Llama(model_path=path, n_ctx=512, n_batch=512, n_ubatch=512, n_threads=threads,
-                          n_threads_batch=threads, verbose=False, **cache)
+    return llama_cpp.Llama(model_path=path, n_ctx=512, n_batch=512, n_ubatch=512, n_threads=threads,
+                           n_threads_batch=threads, verbose=False, **kw)
+
+
+def _llama_worker(path, threads, decode_tokens, repeat, quantized, defaults=False):
+    """Runs in a subprocess: prints llama.cpp's timings as JSON. defaults: as its users run it (repacked "extra
+    buffer" CPU kernels, f16 KV cache); else the fixed layout Fucina's parity mode mirrors (plain CPU buffers for
+    block formats, f32 KV cache). llama.cpp's AMX int8 path dies with SIGILL on some VMs: where the CPU has AMX,
+    block formats run without the extra buffers either way."""
+    llm = _open_llama(path, threads, not quantized or (defaults and not _has_amx()),
+                      **({} if defaults else {"type_k": 0, "type_v": 0}))
     vocab = llm.n_vocab()
     res = {}
     for n in (64, 256):
@@ -289,19 +288,8 @@ def _llama_worker(path, threads, decode_tokens, repeat, quantized, defaults=Fals
 
 def _llama_logits_worker(path, threads, ids, out):
     """Runs in a subprocess: every position's logits of `ids` by llama.cpp (its default KV cache) into `out`,
-    [2, positions, vocab]: the ids as one prompt, then fed one at a time."""
-    import llama_cpp
-    import llama_cpp.llama as ll
-    orig = ll.llama_cpp.llama_model_default_params
-
-    def params():  # as _llama_worker: no extra buffer types (AMX) for block formats
-        p = orig()
-        p.use_extra_bufts = False
-        return p
-
-    ll.llama_cpp.llama_model_default_params = params
-    llm = llama_cpp.Llama(model_path=path, n_ctx=512, n_batch=512, n_ubatch=512, n_threads=threads,
-                          n_threads_batch=threads, logits_all=True, verbose=False)
+    [2, positions, vocab]: the ids as one prompt, then fed one at a time. No extra buffers (AMX: _llama_worker)."""
+    llm = _open_llama(path, threads, False, logits_all=True)
     llm.eval([int(i) for i in ids])
     prompt = np.asarray(llm.scores[:len(ids)], np.float32)
     llm.reset()
@@ -310,26 +298,27 @@ def _llama_logits_worker(path, threads, ids, out):
     np.save(out, np.stack([prompt, np.asarray(llm.scores[:len(ids)], np.float32)]), allow_pickle=False)
 
 
-def _llama_logits(path, threads, ids, out):
-    code = (f"from pipeline.bench.llm import _llama_logits_worker; "
-            f"_llama_logits_worker({str(path)!r}, {threads}, {[int(i) for i in ids]!r}, {str(out)!r})")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=dict(os.environ, OMP_NUM_THREADS=str(threads)),
+def _in_subprocess(call, threads):
+    """(stdout, None) of `python -c "from pipeline.bench.llm import ...; call"`, or (None, why) if it failed."""
+    name = call.split("(", 1)[0]
+    proc = subprocess.run([sys.executable, "-c", f"from pipeline.bench.llm import {name}; {call}"],
+                          capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS=str(threads)),
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     if proc.returncode != 0:
-        return None, f"llama.cpp logits failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
-    return np.load(out, allow_pickle=False), None
+        return None, f"llama.cpp failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
+    return proc.stdout, None
+
+
+def _llama_logits(path, threads, ids, out):
+    _, why = _in_subprocess(f"_llama_logits_worker({str(path)!r}, {threads}, {[int(i) for i in ids]!r}, "
+                            f"{str(out)!r})", threads)
+    return (None, why) if why else (np.load(out, allow_pickle=False), None)
 
 
 def _llama(path, threads, decode_tokens, repeat, quantized, defaults=False):
-    code = (f"from pipeline.bench.llm import _llama_worker; "
-            f"_llama_worker({str(path)!r}, {threads}, {decode_tokens}, {repeat}, {quantized}, {defaults})")
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    if proc.returncode != 0:
-        return None, f"llama.cpp baseline failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1]), None
+    out, why = _in_subprocess(f"_llama_worker({str(path)!r}, {threads}, {decode_tokens}, {repeat}, {quantized}, "
+                              f"{defaults})", threads)
+    return (None, why) if why else (json.loads(out.strip().splitlines()[-1]), None)
 
 
 def _accuracy_row(args, use_llama):
@@ -362,7 +351,9 @@ def run(args):
         theirs, why = _llama(args.model, args.threads, args.decode_tokens, args.repeat, quantized, defaults=True)
         fixed, why_fixed = _llama(args.model, args.threads, args.decode_tokens, args.repeat, quantized)
         if theirs is None:  # the defaults failed (their kernels on this VM): the fixed layout is still a baseline
-            theirs, fixed, why = fixed, None, f"{why}; shown: the fixed layout"
+            theirs, fixed, why = fixed, None, f"llama.cpp's defaults: {why}; shown: the fixed layout"
+        elif fixed is None:
+            why = f"llama.cpp fixed: {why_fixed}"
     elif args.no_llama:
         why = "--no-llama"
     rows = []
@@ -380,8 +371,8 @@ def run(args):
         if fixed:
             row["baselines"]["llama.cpp fixed"] = fixed[case]
             note += f"; llama.cpp fixed (no repack, f32 KV) {tokens * 1e3 / fixed[case]:.1f} tok/s"
-        elif why:
-            note += f"; no baseline: {why}"
+        if why:
+            note += f"; {why}" if theirs else f"; no baseline: {why}"
         if case == "decode":
             note = f"per token after a 64-token prompt; {note}"
         row["notes"] = note

@@ -286,7 +286,7 @@ def merge_cost(base_path, adapters: Adapters, alpha: float, merged_path, prompts
                 ids = ref.encode_prompt(text, chat=True)
             except UserError:
                 ids = ref.encode_prompt(text)
-        lp, lq = (_log_softmax(m.model.infer(np.asarray(ids), all_logits=True)) for m in (ref, merged))
+        lp, lq = (log_softmax(m.model.infer(np.asarray(ids), all_logits=True)) for m in (ref, merged))
         kls.extend((np.exp(lp) * (lp - lq)).sum(-1).tolist())
         agree += int((lp.argmax(-1) == lq.argmax(-1)).sum())
         n += len(ids)
@@ -294,7 +294,7 @@ def merge_cost(base_path, adapters: Adapters, alpha: float, merged_path, prompts
             "positions": n, "prompts": len(prompts)}
 
 
-def _log_softmax(logits) -> np.ndarray:
+def log_softmax(logits) -> np.ndarray:
     z = np.asarray(logits, np.float64)
     z = z - z.max(-1, keepdims=True)
     return z - np.log(np.exp(z).sum(-1, keepdims=True))

@@ -34,7 +34,7 @@ from pipeline.runtime.ckpt import latest_checkpoint, read_state
 from pipeline.train.state_dict import atomic_write_bytes, read_safetensors, save_state_dict
 from pipeline.untrusted import brief
 
-from .gguf_write import DENSE, GGUFTensor, encode, read_gguf, write_gguf
+from .gguf_write import DENSE, GGUFTensor, dense_values, encode, read_gguf, write_gguf
 
 ADAPTER_FILE = "adapters.safetensors"
 _NAME = re.compile(r"^layers\.(\d{1,9})\.([a-z]+)\.lora_([ab])$")  # bounded: int() refuses 4300+ digits
@@ -187,14 +187,6 @@ def _match(adapters: Adapters, base, base_path) -> dict[str, AdapterPair]:
 ENCODABLE = (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)
 
 
-def _dense_values(t: GGUFTensor) -> np.ndarray:
-    """float32 [out, in] of a stored tensor of any type Fucina reads (quantized blocks dequantized)."""
-    if t.qtype in DENSE:
-        return t.dense()
-    from pipeline.kernels import dequant
-    return np.asarray(dequant.dequantize_rows(int(t.qtype), t.data, t.shape[-1]), np.float32).reshape(t.shape)
-
-
 def _merge_plan(base, dtype):
     """{tensor name: output type} for a --dequantize merge: each tensor keeps its stored type, or with --dtype
     every matrix weight takes the target (llama-quantize's mix for q4_k_m / q5_k_m) where its rows fit."""
@@ -251,7 +243,7 @@ def merge(base_path, adapters: Adapters, alpha: float, out_path, dequantize: boo
     for t in base.tensors:
         p, new = matched.get(t.name), plan[t.name]
         if p is not None or new != t.qtype:
-            values = _dense_values(t)
+            values = dense_values(t)
             if p is not None:
                 values = values + (p.b @ p.a) * np.float32(alpha / p.rank)
             t = GGUFTensor(t.name, new, t.shape, encode(values, new))

@@ -313,20 +313,23 @@ def transcode(src, dst, dtype: str, log=None) -> list[tuple[str, str, str, str]]
     return rows
 
 
+def dense_values(t: GGUFTensor) -> np.ndarray:
+    """float32 copy of a stored tensor of any type Fucina reads (quantized blocks dequantized), numpy-order shape."""
+    if t.qtype in DENSE:
+        return t.dense()
+    from pipeline.kernels import dequant
+    rows = t.data.reshape(-1, t.data.shape[-1])
+    return np.asarray(dequant.dequantize_rows(int(t.qtype), rows, t.shape[-1]), np.float32).reshape(t.shape)
+
+
 def write_dequantized(src, dst) -> int:
     """`src` re-emitted to `dst` with every quantized tensor dequantized to F32 (dense tensors verbatim): the
     exact forward of the quantized model, whatever runs it (`fucina bench llm`'s accuracy reference). -> the
     number of tensors dequantized."""
-    from pipeline.kernels import dequant
     contents = read_gguf(src)
-    out, n = [], 0
-    for t in contents.tensors:
-        if t.qtype not in DENSE:
-            rows = t.data.reshape(-1, t.data.shape[-1])
-            values = np.asarray(dequant.dequantize_rows(int(t.qtype), rows, t.shape[-1]), np.float32)
-            t, n = GGUFTensor(t.name, QT.F32, t.shape, encode(values.reshape(t.shape), QT.F32)), n + 1
-        out.append(t)
+    out = [t if t.qtype in DENSE else GGUFTensor(t.name, QT.F32, t.shape, encode(dense_values(t), QT.F32))
+           for t in contents.tensors]
     metadata = dict(contents.metadata)
     set_value(metadata, "general.file_type", int(LlamaFileType.ALL_F32), GGUFValueType.UINT32)
     write_gguf(dst, metadata, out, contents.alignment)
-    return n
+    return sum(t.qtype not in DENSE for t in contents.tensors)

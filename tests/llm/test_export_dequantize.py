@@ -12,8 +12,8 @@ from test_export_fixtures import write_tiny_qwen3
 from test_lora_serve import ALPHA, RANK, make_run
 
 from pipeline.cli import main as fucina
-from pipeline.llm.export import _dense_values, load_adapters
-from pipeline.llm.gguf_write import encode, is_matrix_weight, read_gguf, transcode
+from pipeline.llm.export import load_adapters
+from pipeline.llm.gguf_write import dense_values, encode, is_matrix_weight, read_gguf, transcode
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_the_merged_file_keeps_its_mix_and_only_merged_weights_change(bases, run
         assert u.qtype == t.qtype and u.shape == t.shape
         if t.name in pairs:
             p = pairs[t.name]
-            want = encode(_dense_values(t) + (p.b @ p.a) * np.float32(ALPHA / RANK), t.qtype)
+            want = encode(dense_values(t) + (p.b @ p.a) * np.float32(ALPHA / RANK), t.qtype)
             assert np.array_equal(u.data, want)  # dequantize -> merge in f32 -> the byte-exact encoder
             assert not np.array_equal(u.data, t.data)
         else:

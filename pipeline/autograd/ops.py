@@ -205,7 +205,6 @@ def where(cond, a, b):
     return Tensor.make(out, (a, b), lambda g: (np.where(cond, g, 0), np.where(cond, 0, g)), "where")
 
 
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 def gelu(a, approximate="none"):
@@ -214,11 +213,9 @@ def gelu(a, approximate="none"):
     a = as_tensor(a)
     x = a.data
     x64 = x.astype(np.float64)
-    if approximate == "tanh":
-        inner = _SQRT_2_OVER_PI * (x64 + 0.044715 * x64 ** 3)
-        t = np.tanh(inner)
-        out64 = 0.5 * x64 * (1.0 + t)
-        dydx = 0.5 * (1.0 + t) + 0.5 * x64 * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x64 ** 2)
+    if approximate == "tanh":  # as x sigmoid(2 inner), one vectorized float64 pass (kernels.nn.gelu_tanh)
+        from pipeline.kernels.nn import gelu_tanh
+        out64, dydx = gelu_tanh(x64)
     elif approximate == "none":
         from pipeline.kernels.nn import erf
         cdf = 0.5 * (1.0 + erf(x64 * _INV_SQRT_2))

@@ -11,14 +11,12 @@ its bits equal the general path's for any thread count (tests/models/test_decode
 common shape is covered (one row, one token, integer-dot frozen weights without biases, SwiGLU or the tanh
 GELU outside llama.cpp's f16-table numerics, post-norms or none); anything else takes the general path.
 """
-import math
-
 import numpy as np
 from numba import njit
 
 from . import handoff
 from .attention import _attend_cached
-from .nn import _swiglu_range
+from .nn import _swiglu_range, gelu_tanh_mul_range
 from .qint import _fill, scratch
 
 
@@ -55,19 +53,6 @@ def norm_rope_heads(x, w, eps, cos, sin, out, normed, interleaved):
                     a, b = a * inv * w[i1], b * inv * w[i2]
                 out[p, h, i1] = a * cos[p, 0, i] - b * sin[p, 0, i]
                 out[p, h, i2] = b * cos[p, 0, i] + a * sin[p, 0, i]
-
-
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-
-
-@njit(cache=True, nogil=True)
-def gelu_tanh_mul_rows(g, u, out):
-    """out = float32(gelu_tanh(float64(g))) * u elementwise over flat f32 arrays: the tanh GELU's float64 formula
-    (autograd ops.gelu's), rounded to f32, then the f32 product."""
-    for i in range(g.shape[0]):
-        x = np.float64(g[i])
-        gelu = 0.5 * x * (1.0 + math.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x ** 3.0)))
-        out[i] = np.float32(gelu) * u[i]
 
 
 @njit(cache=True, nogil=True)
@@ -125,7 +110,7 @@ def layer(x, eps, attn_norm, ffn_norm, q_norm, k_norm, normed, post_attn_norm, p
     ffn = rows[2] // 2
     s = np.empty(ffn, np.float32)
     if gelu:
-        gelu_tanh_mul_rows(gu[:ffn], gu[ffn:], s)
+        gelu_tanh_mul_range(gu[:ffn], gu[ffn:], s)
     else:
         _swiglu_range(gu[:ffn], gu[ffn:], s)
     down = _product(templates[3], needs[3], rows[3], s.reshape(1, ffn), lut, cells, n, runners[3],

@@ -41,7 +41,7 @@ from typing import Callable
 
 import numpy as np
 
-from pipeline.kernels import attention, decode, ggml_f32, handoff, rng, workpool
+from pipeline.kernels import attention, decode, ggml_f32, handoff, nn, rng, workpool
 from pipeline.kernels.dequant import HALF_TO_FLOAT
 from pipeline.kernels.decode import norm_rope_heads as _norm_rope_heads, rms_rows as _rms_rows
 from pipeline.kernels.nn import swiglu as swiglu_f32  # the training path's kernel: the same bits in inference
@@ -923,14 +923,14 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale=None, 
 
 
 def _gelu_tanh_mul(g: np.ndarray, u: np.ndarray, f16_table: bool = False) -> np.ndarray:
-    """gelu_tanh(g) * u with the bits of the training path (ops.gelu's float64 formula rounded to f32,
+    """gelu_tanh(g) * u with the bits of the training path (ops.gelu's float64 x sigmoid(2y) rounded to f32,
     then the f32 product). f16_table: as ggml's CPU geglu (GGML_GELU_FP16) instead: g rounded to f16,
     its f32 GELU rounded to f16 (the lookup table), 0 below -10 and the identity above 10; its two f16
     roundings (2^-11 relative each) are most of llama.cpp's distance from the exact GELU."""
-    if not f16_table:  # one numba pass (pipeline/kernels/decode.gelu_tanh_mul_rows: the decode layer's bits too)
+    if not f16_table:  # one numba pass (kernels.nn.gelu_tanh_mul_range: the decode layer's bits too)
         g, u = (np.ascontiguousarray(a, np.float32) for a in (g, u))
         out = np.empty_like(g)
-        decode.gelu_tanh_mul_rows(g.reshape(-1), u.reshape(-1), out.reshape(-1))
+        nn.gelu_tanh_mul_range(g.reshape(-1), u.reshape(-1), out.reshape(-1))
         return out
     x = np.asarray(g, np.float32)
     h = x.astype(np.float16).astype(np.float32)

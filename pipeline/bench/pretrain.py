@@ -10,7 +10,10 @@ is that subprocess's peak before torch is imported: ours alone. Then, for a shap
 (d6), the `--trainers K` row: a real `fucina pretrain --trainers K --threads 1` run (the job on the
 runtime: scheduler, optimizer role and K trainer processes), ms = the median of its steps after the first
 two (numba compiles), against torch's step at K threads (the total of the K trainers); its peak_rss_mb is
-the largest sum of resident sets of that run's processes, sampled every 0.2 s. Run it on a quiet machine:
+the largest sum of resident sets of that run's processes, sampled every 0.2 s. Each in-process row also
+gives tokens/s and the step's GEMM rate (step_flops: the step's GEMM FLOPs over its time) as a share of the
+f32 GEMM peak measured in the same subprocess (gemm_peak: the step's own tiled GEMM on a large product), so a
+row says how far the step is from the machine's limit, not only from torch. Run it on a quiet machine:
 the default sizes take seconds to minutes per step.
 """
 from __future__ import annotations
@@ -139,6 +142,33 @@ def _torch(shape, batch_tokens, micro, ids, threads):
     return step
 
 
+def step_flops(shape, batch_tokens):
+    """(GEMM FLOPs of the forward and backward, of Muon's Newton-Schulz) in one step of `shape`: every linear
+    layer and the head at 6 FLOPs per weight per token (forward, input and weight gradients), attention's
+    scores and mix over the whole square the per-head products compute (x3 for their backward), and five
+    Newton-Schulz iterations per hidden matrix (X X^T, A A, B X: 4 m^2 n + 2 m^3 with m <= n its sides)."""
+    layers, hidden, heads, kv, hd, ffn, vocab, seq, _, _ = shape
+    mats = [(heads * hd, hidden), (kv * hd, hidden), (kv * hd, hidden), (hidden, heads * hd),
+            (ffn, hidden), (ffn, hidden), (hidden, ffn)]
+    per_token = layers * (sum(2 * o * i for o, i in mats) + 2 * 2 * seq * hd * heads) + 2 * hidden * vocab
+    muon = 0
+    for o, i in mats:
+        m, n = min(o, i), max(o, i)
+        muon += layers * 5 * (4 * m * m * n + 2 * m ** 3)
+    return 3 * per_token * batch_tokens, muon
+
+
+def gemm_peak(repeat=3):
+    """GFLOP/s of the training step's own f32 GEMM (pipeline.kernels.nn.matmul_nn's tiles on the pinned
+    threads, BLAS single-threaded per tile) on a 2048 x 1024 x 1024 product: what a step's share is read
+    against."""
+    from ..kernels.nn import matmul_nn
+    a = np.random.default_rng(0).standard_normal((2048, 1024)).astype(np.float32)
+    b = np.random.default_rng(1).standard_normal((1024, 1024)).astype(np.float32)
+    matmul_nn(a, b)
+    return 2 * 2048 * 1024 * 1024 / min(timed(lambda: matmul_nn(a, b), repeat)[0] for _ in range(2)) / 1e6
+
+
 def _measure(name, args):
     """The in-process row of shape `name` at args.threads[0] threads, in this process (the --row subprocess)."""
     from ..threads import pin_threads
@@ -152,10 +182,17 @@ def _measure(name, args):
     rss = peak_rss_mb()  # before torch is imported: ours alone
     theirs = None if args.no_torch else _torch(shape, batch_tokens, args.micro_batches, ids, threads)
     torch_ms = timed(theirs, repeat=args.steps)[0] if theirs else None
+    model_flops, muon_flops = step_flops(shape, batch_tokens)
+    peak = gemm_peak()
+    gflops = (model_flops + muon_flops) / ms / 1e6
     return {"case": f"{name} step ({batch_tokens} tokens), {threads} thread(s)", "ms": ms, "cpu_ms": cpu,
             "tokens_per_s": batch_tokens / ms * 1e3, "baselines": {"torch_eager": torch_ms} if torch_ms else {},
-            "peak_rss_mb": rss, "threads": threads,
-            "notes": f"in-process, {threads} thread(s), {args.micro_batches} micro-batches"}
+            "peak_rss_mb": rss, "threads": threads, "step_gflop": (model_flops + muon_flops) / 1e9,
+            "gflops": gflops, "gemm_peak_gflops": peak,
+            "notes": f"in-process, {threads} thread(s), {args.micro_batches} micro-batches; "
+                     f"{batch_tokens / ms * 1e3:,.0f} tok/s; {(model_flops + muon_flops) / 1e9:.1f} GFLOP of GEMMs "
+                     f"({muon_flops / 1e9:.1f} of them Muon's) at {gflops:.0f} GFLOP/s = {100 * gflops / peak:.0f}% "
+                     f"of the {peak:.0f} GFLOP/s f32 GEMM peak measured here"}
 
 
 def _batch_tokens(name, args):

@@ -18,10 +18,29 @@ def test_bench_pretrain_reports_ms_and_tokens_per_s(capsys):
     (row,) = _bench(capsys, "--row", "--shapes", "lm", "--threads", "1", "--no-torch")
     assert row["case"] == "lm step (256 tokens), 1 thread(s)" and row["ms"] > 0 and row["baselines"] == {}
     assert row["tokens_per_s"] == pytest.approx(256 / row["ms"] * 1e3) and row["peak_rss_mb"] > 0
+    assert row["gflops"] == pytest.approx(row["step_gflop"] / row["ms"] * 1e3) and row["gemm_peak_gflops"] > 0
+    assert f"of the {row['gemm_peak_gflops']:.0f} GFLOP/s f32 GEMM peak measured here" in row["notes"]
     assert main(["bench", "pretrain", "--shapes", "d99", "--no-torch"]) == 2
     assert "unknown shape 'd99'" in capsys.readouterr().err
     assert main(["bench", "pretrain", "--threads", "1,0"]) == 2
     assert "expected thread counts >= 1" in capsys.readouterr().err
+
+
+def test_step_flops_counts_every_weight_of_the_model():
+    """The linear part of the count is 6 FLOPs per token for every matrix the model holds (head included,
+    the embedding lookup not), checked against the parameters of the model the bench builds."""
+    from pipeline.bench.pretrain import SHAPES, step_flops
+    from pipeline.models.qwen3 import Qwen3, Qwen3Config
+    for name in ("lm", "tiny"):
+        layers, hidden, heads, kv, hd, ffn, vocab, seq, _, tied = shape = SHAPES[name]
+        model = Qwen3.init_random(Qwen3Config(vocab_size=vocab, hidden=hidden, layers=layers, heads=heads,
+                                              kv_heads=kv, head_dim=hd, ffn=ffn, context_length=seq,
+                                              tied_output=tied), seed=0)
+        weights = sum(p.data.size for n, p in model.named_parameters() if p.data.ndim == 2 and "embed" not in n)
+        weights += hidden * vocab if tied else 0  # the tied head multiplies by the embedding
+        attention = layers * 2 * 2 * seq * hd * heads
+        model_flops, muon_flops = step_flops(shape, 1000)
+        assert model_flops == 3 * 1000 * (2 * weights + attention) and muon_flops > 0
 
 
 @pytest.mark.slow

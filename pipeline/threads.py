@@ -60,7 +60,26 @@ def pin_threads(n: int):
     threadpool_limits(n, user_api="openmp")
     import numba
     numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    reuse_freed_memory()
     return n
+
+
+def reuse_freed_memory() -> bool:
+    """glibc malloc: serve allocations below 1 GiB from the heap and never trim it, so a step's large
+    temporaries (logits, activations, their gradients: 10-100 MB each, every step) reuse freed pages instead
+    of a fresh mmap whose every page faults again. glibc maps blocks above 32 MB afresh each time, and on
+    these VMs a page fault costs ~9 us: the CE backward's 64 MB output measured 9 ms from reused pages and
+    72-155 ms from new ones; a d6 step takes 3-7% less CPU. Peak RSS is what it was (the same blocks at the
+    same time); the freed memory stays with the process until it exits. -> whether glibc took the setting
+    (False elsewhere: other C libraries keep their own policy)."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    return bool(mallopt(m_mmap_threshold, 1 << 30)) and bool(mallopt(m_trim_threshold, (1 << 31) - 1))
 
 
 def _pinned(n) -> bool:

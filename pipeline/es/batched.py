@@ -9,7 +9,8 @@ bit-identity: OpenBLAS's per-row results depend on how many rows a call has
 (measured: x[:n] @ W.T differs from the first n rows of x @ W.T at every shape
 we tried), so one GEMM over all k x T rows would give different bits from
 scoring a member alone. Then each member's LoRA delta
-scale * (x_m @ A_m.T) @ B_m.T is added to its own rows. Everything else is per
+scale * (x_m @ A_m.T) @ B_m.T is added to its own rows, all members' deltas in two
+stacked np.matmul calls (llm.lora.lora_forward_stacked: per entry the 2-D product's BLAS call). Everything else is per
 row or per batch entry, so a member's reward has the same bits as scoring it
 alone with its perturbation applied in place (tested bitwise for several batch
 splits and worker counts). What the batch saves: the dequantization of every
@@ -33,7 +34,7 @@ from ..autograd.tensor import Tensor, no_grad
 from ..errors import UserError
 from ..finetune.model import adapted_linears
 from ..llm.generate import greedy_rows
-from ..llm.lora import lora_forward
+from ..llm.lora import lora_forward_stacked
 from ..llm.quants import FrozenWeight, matmul_t_groups
 
 
@@ -83,8 +84,7 @@ def member_nll_rewards(trainer, stacked: dict, samples) -> list[float]:
                 for t, y in zip(targets, ys):
                     if t in factors[i]:
                         a, b, scale = factors[i][t]
-                        for m in range(k):
-                            y[m] += lora_forward(x3[m], a[m], b[m], scale)[0]  # the bits of the trainer's y + d
+                        y += lora_forward_stacked(x3, a, b, scale)  # member m: the bits of the trainer's y + d
                 return [Tensor(y) for y in ys]
 
             h = trainer.embedded(tokens, rows=k)
@@ -104,12 +104,18 @@ def member_generations(trainer, stacked: dict, k: int, prompts, max_new_tokens: 
     factors = member_factors(trainer, stacked, k)
     n_prompts = len(prompts)
 
+    every_row = list(range(k * n_prompts))
+
     def adapt(rows, layer, target, x3, y3):
         if target in factors[layer]:
             a, b, scale = factors[layer][target]
-            for j, r in enumerate(rows):
-                m = r // n_prompts
-                y3[j] += lora_forward(x3[j], a[m], b[m], scale)[0]  # the bits of the trainer's y + d
+            if rows == every_row:  # members' rows in order: broadcast each member's factors over its prompts
+                shape = (k, n_prompts) + x3.shape[1:]
+                d = lora_forward_stacked(x3.reshape(shape), a[:, None], b[:, None], scale).reshape(y3.shape)
+            else:  # a subset (rows stopped, or prompts of another length): each row's member's factors
+                members = np.asarray(rows) // n_prompts
+                d = lora_forward_stacked(x3, a[members], b[members], scale)
+            y3 += d  # row j: the bits of lora_forward(x3[j], a[m], b[m]) added to its product, as alone
 
     with no_grad():
         rows = greedy_rows(trainer.model, [p for _ in range(k) for p in prompts], max_new_tokens, stop_ids, adapt)

@@ -158,3 +158,26 @@ def test_lock_step_decoding_is_the_one_by_one_bits(model, search):
     for m in range(k):
         assert np.array_equal(batched[m], _member_view(trainer, rows, m).infer(prompts[0]))
     assert not np.array_equal(batched[0], batched[1])  # the members differ, so equal bits are no coincidence
+
+
+@pytest.mark.parametrize("rows, t, n_in, n_out, rank", [(6, 1, 64, 48, 4), (4, 7, 96, 32, 8), (3, 51, 576, 192, 8)])
+def test_stacked_lora_deltas_are_each_members_own_bits(rows, t, n_in, n_out, rank):
+    """lora_forward_stacked (every member's delta in two np.matmul calls) against one lora_forward per entry, for
+    factors that are views of one flat row per member (ESTrainer.split), broadcast or gathered."""
+    from pipeline.llm.lora import lora_forward, lora_forward_stacked
+    gen = np.random.default_rng(rows * t)
+    x3 = gen.standard_normal((rows, t, n_in), dtype=np.float32)
+    flat = gen.standard_normal((rows, 3 + rank * n_in + n_out * rank), dtype=np.float32)
+    a = flat[:, 3:3 + rank * n_in].reshape(rows, rank, n_in)
+    b = flat[:, 3 + rank * n_in:].reshape(rows, n_out, rank)
+    scale = np.float32(16 / rank)
+    pick = np.array([rows - 1] + list(range(rows - 1)))
+    cases = [(a, b, range(rows)), (a[pick], b[pick], pick),
+             (np.broadcast_to(a[1], a.shape), np.broadcast_to(b[1], b.shape), [1] * rows)]
+    for fa, fb, members in cases:
+        got = lora_forward_stacked(x3, fa, fb, scale)
+        want = np.stack([lora_forward(x3[j], a[m], b[m], scale)[0] for j, m in enumerate(members)])
+        assert np.array_equal(got, want)
+    grouped = lora_forward_stacked(x3.reshape(1, rows, t, n_in), a[None, :1], b[None, :1], scale)[0]
+    assert np.array_equal(grouped, np.stack([lora_forward(x3[j], a[0], b[0], scale)[0] for j in range(rows)]))
+    assert not np.array_equal(got, want[::-1])  # the rows differ, so the equalities are no coincidence

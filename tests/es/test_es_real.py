@@ -31,3 +31,30 @@ def test_real_model_eval_solves_some_and_workers_agree(tmp_path, capsys):
     assert main(argv + ["--workers", "2"]) == 0
     two = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert two["rewards"] == one["rewards"]
+
+
+def test_real_model_batched_nll_rewards_are_the_one_by_one_bits():
+    """On the real SmolLM2 (a head big enough for the shared, tiled head products; the fixtures' are not):
+    batched NLL rewards equal scoring each member alone in place, bitwise, for two member splits."""
+    import numpy as np
+    from pipeline.es import ESConfig
+    from pipeline.finetune.build import open_text
+    from pipeline.finetune.es import ESFinetune
+    from pipeline.finetune.model import LoraModel, batch_loss
+    from pipeline.llm import data as sft
+    text = open_text(MODEL)
+    samples = sft.encode_all(text.encoder, text.template, sft.PIRATE_PAIRS[:2])
+    trainer = LoraModel.from_gguf(MODEL, targets=("q", "v"), rank=4, seed=2)
+    cfg = ESConfig(sigma=0.05, alpha=0.05, population=4, antithetic=True, seed=3, restore_mode="snapshot")
+    run = ESFinetune(trainer, samples, sft.Loader(2), cfg, batch=2, member_batch=2)
+    run.iteration_step()  # B off zero
+    es = run.es
+    one_by_one = []
+    for m in range(4):
+        es.perturb(m)
+        one_by_one.append(-batch_loss(trainer, samples))
+        es.restore(m)
+    rows = es.split(es.materialize_members(range(4)))
+    for split in (1, 3):
+        assert run.scorer.score_members(trainer, rows, [0, 1], split) == one_by_one, split
+    assert len(set(one_by_one)) == 4 and np.isfinite(one_by_one).all()

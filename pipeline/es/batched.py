@@ -37,9 +37,7 @@ from ..finetune.model import adapted_linears
 from ..llm.generate import greedy_rows
 from ..llm.lora import lora_forward_stacked
 from ..llm.quants import FrozenWeight, matmul_t_groups
-from ..kernels.blas import gemm
-from ..kernels.nn import TILED_MIN_FLOPS, _tile_width, matmul_nt
-from ..kernels.workpool import run_tiles
+from ..kernels.nn import matmul_nt_each
 
 
 def member_factors(trainer, stacked: dict, k: int) -> list:
@@ -70,27 +68,6 @@ def frozen_products(ws, x3: np.ndarray) -> list:
     return [np.concatenate([p[j] for p in per_member]) for j in range(len(ws))]
 
 
-def head_logits(xs: list, w: np.ndarray) -> list:
-    """[matmul_nt(x, w) for x in xs] (kernels/nn.py), each of its tiles of w multiplied by every x in turn.
-
-    The same BLAS call per member and tile as matmul_nt makes for that member alone, so the same bits; but a tile
-    of the head (3072 x hidden floats) is streamed from memory once for all k members and then read from cache:
-    the head is the model's largest matrix and a member has only its few supervised rows to multiply it by."""
-    m_rows, n = xs[0].shape[0], w.shape[0]
-    if any(x.shape != xs[0].shape for x in xs) or 2 * m_rows * n * w.shape[1] < TILED_MIN_FLOPS:
-        return [matmul_nt(x, w) for x in xs]  # matmul_nt's one-call case: nothing to share
-    width = _tile_width(n)
-    outs = [np.empty((m_rows, n), np.float32) for _ in xs]
-
-    def tile(i):
-        r0, r1 = i * width, min(n, (i + 1) * width)
-        for x, out in zip(xs, outs):
-            gemm(x, w[r0:r1].T, out[:, r0:r1])
-
-    run_tiles(-(-n // width), tile)
-    return outs
-
-
 def member_head_sums(trainer, hs: list, labels) -> list[float]:
     """[float(trainer.head_loss(Tensor(h), labels, "sum")) for h in hs], the bits of each call, with the head's
     products shared through head_loss's own steps (linear_cross_entropy in no-grad: only the supervised rows
@@ -102,7 +79,7 @@ def member_head_sums(trainer, hs: list, labels) -> list[float]:
         return [float(trainer.head_loss(Tensor(h), labels, "sum").item()) for h in hs]
     xs = [np.ascontiguousarray(h.reshape(-1, w.shape[1])[rows]) for h in hs]
     return [float(cross_entropy(Tensor(logits), flat[rows], trainer.ignore_index, "sum").item())
-            for logits in head_logits(xs, w)]
+            for logits in matmul_nt_each(xs, w)]
 
 
 def member_nll_rewards(trainer, stacked: dict, samples) -> list[float]:

@@ -528,6 +528,26 @@ def matmul_nt(a, b):
     return out
 
 
+def matmul_nt_each(xs: list, b):
+    """[matmul_nt(x, b) for x in xs], each tile of b multiplied by every x in turn: the same BLAS call per x and
+    tile as matmul_nt makes for x alone, so the same bits, but a tile of b is streamed from memory once for all
+    xs and then read from cache (the ES members' rows against the output head, the model's largest matrix)."""
+    m_rows, n = xs[0].shape[0], b.shape[0]
+    if any(x.shape != xs[0].shape for x in xs) or 2 * m_rows * n * b.shape[1] < TILED_MIN_FLOPS:
+        return [matmul_nt(x, b) for x in xs]  # matmul_nt's one-call case: nothing to share
+    xs = [_check_gemm("matmul_nt_each", x, b, 1, 1) for x in xs]
+    width = _tile_width(n)
+    outs = [np.empty((m_rows, n), np.float32) for _ in xs]
+
+    def tile(i):
+        r0, r1 = i * width, min(n, (i + 1) * width)
+        for x, out in zip(xs, outs):
+            gemm(x, b[r0:r1].T, out[:, r0:r1])
+
+    run_tiles(-(-n // width), tile)
+    return outs
+
+
 def matmul_nn(a, b):
     """a [M, K] @ b for b [K, N] (float32) -> [M, N]: tiles over b's columns."""
     a = _check_gemm("matmul_nn", a, b, 1, 0)

@@ -184,17 +184,17 @@ def test_stacked_lora_deltas_are_each_members_own_bits(rows, t, n_in, n_out, ran
 
 
 def test_shared_head_tiles_are_matmul_nt_bits_per_member():
-    """head_logits on a head big enough for matmul_nt's tiled branch (the fixtures' heads are not): each member's
+    """matmul_nt_each on a head big enough for matmul_nt's tiled branch (the fixtures' heads are not): each member's
     logits are matmul_nt's for that member alone; below the tiled size it is matmul_nt itself."""
-    from pipeline.es.batched import head_logits
-    from pipeline.kernels.nn import TILED_MIN_FLOPS, matmul_nt
+    from pipeline.kernels.nn import TILED_MIN_FLOPS, matmul_nt, matmul_nt_each
     gen = np.random.default_rng(7)
     w = gen.standard_normal((12000, 576), dtype=np.float32)
     xs = [gen.standard_normal((14, 576), dtype=np.float32) for _ in range(3)]
     assert 2 * 14 * w.shape[0] * w.shape[1] >= TILED_MIN_FLOPS
-    got = head_logits(xs, w)
+    got = matmul_nt_each(xs, w)
     for x, logits in zip(xs, got):
         assert np.array_equal(logits, matmul_nt(x, w))
     assert not np.array_equal(got[0], got[1])
     small = [x[:2, :64] for x in xs]
-    assert all(np.array_equal(g, matmul_nt(x, w[:300, :64])) for g, x in zip(head_logits(small, w[:300, :64]), small))
+    narrow = w[:300, :64]
+    assert all(np.array_equal(g, matmul_nt(x, narrow)) for g, x in zip(matmul_nt_each(small, narrow), small))

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import math
 import os
 import threading
 import time
@@ -48,7 +47,7 @@ from ..jobs.spec import to_dict
 from . import ckpt
 from .metrics import MetricsLog, gflop_rate, plot_run
 from .ckpt import checkpoint_dir
-from .roles import checkpoint_due, first_nonfinite, nonfinite_message
+from .roles import checkpoint_due, first_nonfinite, nonfinite_message, usable
 from .remote import FrameError, SegmentViews, chunk_sizes, from_frames, np_nbytes, to_frames
 from .shm import Registry, run_prefix
 from .transport import LIVENESS_S, Liveness, Publisher, RouterSocket, ServerContext, process_exited
@@ -367,7 +366,7 @@ class Scheduler:
                 self.grads.pop(msg["k"], None)  # re-queue
             return
         k = msg["k"]
-        bad = msg.get("nonfinite") or (None if math.isfinite(msg["loss"]) else "loss")
+        bad = msg.get("nonfinite") or (None if usable(msg["loss"]) else "loss")
         if peer.remote and bad is None:
             try:
                 from_frames(self.router.buffers, self.grad_slot(k))

@@ -110,6 +110,7 @@ class Scheduler:
         self.router = RouterSocket(endpoints.control, self.server.ctx, key, *self.buffer_limits())
         self.pub = Publisher(endpoints.events, self.server.ctx, key)
         self.liveness = Liveness(liveness_s)
+        self.incarnation = os.urandom(8).hex()  # in every heartbeat echo: a worker of a previous scheduler leaves
         self.role_wait_s = role_wait_s
         self.metrics = MetricsLog(run_dir, getattr(job.spec, "tensorboard", ""))
         self.peers: dict[str, Peer] = {}          # worker id -> a peer that holds its role
@@ -230,7 +231,7 @@ class Scheduler:
             token = msg.get("token", "").encode()  # compare_digest refuses non-ASCII str: compare bytes
             if peer is not None and hmac.compare_digest(peer.token.encode(), token):
                 self.liveness.beat(peer.id)
-            self.router.send(identity, "heartbeat", worker="scheduler")
+            self.router.send(identity, "heartbeat", worker="scheduler", incarnation=self.incarnation)
             return
         if kind == "hello":
             self.hello(identity, msg)

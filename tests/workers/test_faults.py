@@ -213,3 +213,25 @@ def test_a_killed_scheduler_is_restarted_from_the_checkpoint_and_the_run_ends_on
     assert [r["step"] for r in got] == list(range(1, 61))
     assert [[r.get(k) for k in ("loss", "lr", "grad_norm", "eval")] for r in got] == \
         [[r.get(k) for k in ("loss", "lr", "grad_norm", "eval")] for r in want]
+
+
+@pytest.mark.slow
+def test_a_killed_pretrain_scheduler_is_restarted_and_the_run_ends_on_the_inprocess_bits(tmp_path):
+    """Issue 32's third job: `launch pretrain --trainers 2` with its scheduler SIGKILLed after step 3
+    (checkpoint 2 committed) resumes from checkpoint-step-2 and ends on the in-process digest."""
+    from pretrain_helpers import small_documents, write_jsonl
+    spec = {"preset": "tiny", "data": write_jsonl(tmp_path / "docs.jsonl", small_documents()), "vocab_size": 320,
+            "seq": 256, "batch_tokens": 512, "micro_batches": 2, "steps": 6, "warmup": 1, "checkpoint_every": 2,
+            "eval_every": 2, "val_windows": 2, "sample_tokens": 4, "sample_every": 2, "prompts": "The |def ",
+            "cache_dir": str(tmp_path / "cache")}
+    pin_threads(1)
+    job = get_job("pretrain")
+    reference = run_inprocess(job(build(job.Spec, spec)), str(tmp_path / "ref"), log=lambda m: None)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in spec.items()]
+    out = launch("pretrain", tmp_path / "run", "--trainers", "2", *flags, timeout=900,
+                 FUCINA_FAULT="scheduler:step:3")
+    assert out["scheduler_restarts"] == 1
+    assert out["params_sha256"] == reference["params_sha256"]
+    with open(tmp_path / "run" / "workers.log", errors="replace") as fh:
+        said = fh.read()
+    assert said.split("restarting it", 1)[1].split("\n", 1)[0].endswith("checkpoint-step-2")

@@ -28,7 +28,7 @@ strings and ints are passed to the actors.
 """
 from __future__ import annotations
 
-from ..errors import UserError
+from ..errors import FucinaError, UserError
 
 
 def install_hint(extra: str = "ray", root: str | None = None) -> str:
@@ -129,7 +129,11 @@ class RayWorkers:
     def restart(self, timeout_s: float = 30.0):
         """The scheduler was restarted: end every actor's worker and start a fresh one, which joins the new
         scheduler (its hello waits in ZeroMQ until the new scheduler binds the port)."""
-        self.ray.get([actor.stop.remote() for actor in self.actors], timeout=timeout_s)
+        try:
+            self.ray.get([actor.stop.remote() for actor in self.actors], timeout=timeout_s)
+        except self.ray.exceptions.GetTimeoutError:
+            raise FucinaError(f"launch --ray: the Ray workers did not stop within {timeout_s:.0f} s for the "
+                              "scheduler's restart (is the cluster reachable?)") from None
         self.ray.wait(list(self.runs.values()), timeout=timeout_s, num_returns=len(self.runs))
         self.runs = {a: a.run.remote(self.command, self.key_text, self.env) for a in self.actors}
 

@@ -163,9 +163,9 @@ class Supervisor:
     def restart_scheduler(self, code):
         """The scheduler died of a signal: stop every local worker (their state is the scheduler's plan's),
         clear the run's segments, start a scheduler resuming from the latest committed checkpoint (or where
-        the run began) under the same run id, keys and endpoints, then the workers again, which join it.
-        Resuming is bit-exact, so the run ends on the bits of an uninterrupted one. Remote workers (another
-        host, Ray) notice the silence and exit for their supervisor to start fresh ones."""
+        the run began) under the same run id, keys and endpoints, then the workers again, which join it
+        (Ray-placed ones: RayWorkers.restart). Resuming is bit-exact, so the run ends on the bits of an
+        uninterrupted one. Workers started elsewhere by hand are the operator's to restart (docs/cluster.md)."""
         from . import ckpt
         self.scheduler_restarts += 1
         resume = ckpt.latest_checkpoint(self.run_dir) or self.resume
@@ -182,6 +182,8 @@ class Supervisor:
         self.commands["scheduler"] = cmd + (["--resume", resume] if resume else [])
         for name in self.commands:
             self.spawn(name)
+        if self.ray_workers is not None:
+            self.ray_workers.restart()
 
     def stop_children(self, grace_s=5.0, exclude=()):
         """SIGTERM every live child (but `exclude`), wait up to grace_s, then SIGKILL the rest."""

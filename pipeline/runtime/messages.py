@@ -134,7 +134,8 @@ KINDS: dict[str, dict] = {
 }
 OPTIONAL: dict[str, dict] = {
     "hello": {"remote": BOOL},          # a trainer that cannot map this host's shared memory (remote.py)
-    "heartbeat": {"token": STR},        # a worker's: the token of its hello (the scheduler's echo has none)
+    "heartbeat": {"token": STR,         # a worker's: the token of its hello (the scheduler's echo has none)
+                  "incarnation": STR},  # the scheduler's echo: which scheduler process answered (a restart)
     "grad_done": {"stale": BOOL,        # the trainer refused: its parameters are of another version
                   "nonfinite": STR},    # 'loss' or the tensor whose gradient held a NaN/inf (nothing written)
     "step": {"skip": INTS},             # micro-batches left out (non-finite, --on-nonfinite skip)

@@ -15,7 +15,11 @@ local worker). An actor process that dies is restarted by Ray
 (`max_restarts`) and its pending `run` re-submitted (`max_task_retries`);
 its worker child dies with it (PR_SET_PDEATHSIG), and the scheduler re-runs
 the lost task exactly as for a local worker (ES: the lost members, and the
-new member gets a state transfer) - the bits do not change.
+new member gets a state transfer) - the bits do not change. When the
+scheduler itself dies and the launcher restarts it, `restart()` stops every
+actor's worker (SIGTERM, then SIGKILL) and starts a fresh one that joins the
+new scheduler: an old worker would otherwise hear the new scheduler's
+heartbeats on the same port and idle forever, unknown to it.
 
 The key travels to the actors as the text of worker.key through Ray's own
 channels (each actor writes it to a private 0600 file for its worker):
@@ -24,7 +28,7 @@ strings and ints are passed to the actors.
 """
 from __future__ import annotations
 
-from ..errors import UserError
+from ..errors import FucinaError, UserError
 
 
 def install_hint(extra: str = "ray", root: str | None = None) -> str:
@@ -55,7 +59,11 @@ def _die_with_parent():
 
 
 class WorkerActor:
-    """One worker placed by Ray (decorated with ray.remote in RayWorkers)."""
+    """One worker placed by Ray (decorated with ray.remote in RayWorkers). Two threads (max_concurrency=2), so
+    `stop` reaches the worker while `run` waits for it."""
+
+    def __init__(self):
+        self.proc = None
 
     def run(self, command: list, key_text: str, env: dict) -> int:
         import os
@@ -67,10 +75,24 @@ class WorkerActor:
         with os.fdopen(fd, "w") as fh:
             fh.write(key_text)
         try:
-            return subprocess.call([*command, "--key", path], env=env, preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen([*command, "--key", path], env=env, preexec_fn=_die_with_parent)
+            return self.proc.wait()
         finally:
             os.unlink(path)
             os.rmdir(keydir)
+
+    def stop(self, grace_s: float = 5.0) -> int | None:
+        """End the running worker (SIGTERM: it unwinds and says bye; SIGKILL after grace_s); -> its exit code."""
+        import subprocess
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return None if proc is None else proc.returncode
+        proc.terminate()
+        try:
+            return proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
 
     def pid(self) -> int:
         import os
@@ -89,8 +111,8 @@ class RayWorkers:
         with open(key_path) as fh:
             self.key_text = fh.read()
         self.command, self.env = command, env
-        actor = ray.remote(num_cpus=1, max_restarts=-1, max_task_retries=-1, scheduling_strategy="SPREAD")(
-            WorkerActor)
+        actor = ray.remote(num_cpus=1, max_restarts=-1, max_task_retries=-1, max_concurrency=2,
+                           scheduling_strategy="SPREAD")(WorkerActor)
         self.actors = [actor.remote() for _ in range(n)]
         self.runs = {a: a.run.remote(self.command, self.key_text, self.env) for a in self.actors}
 
@@ -103,6 +125,17 @@ class RayWorkers:
                 self.runs[actor] = actor.run.remote(self.command, self.key_text, self.env)
                 again += 1
         return again
+
+    def restart(self, timeout_s: float = 30.0):
+        """The scheduler was restarted: end every actor's worker and start a fresh one, which joins the new
+        scheduler (its hello waits in ZeroMQ until the new scheduler binds the port)."""
+        try:
+            self.ray.get([actor.stop.remote() for actor in self.actors], timeout=timeout_s)
+        except self.ray.exceptions.GetTimeoutError:
+            raise FucinaError(f"launch --ray: the Ray workers did not stop within {timeout_s:.0f} s for the "
+                              "scheduler's restart (is the cluster reachable?)") from None
+        self.ray.wait(list(self.runs.values()), timeout=timeout_s, num_returns=len(self.runs))
+        self.runs = {a: a.run.remote(self.command, self.key_text, self.env) for a in self.actors}
 
     def close(self):
         for actor in self.actors:

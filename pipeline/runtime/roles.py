@@ -11,7 +11,6 @@ starts only after all its micro-batch gradients are in).
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
@@ -44,17 +43,27 @@ class TrainerLogic:
 
 
 class NonFiniteError(FucinaError):
-    """A NaN or inf reached a loss or a gradient: it is never applied to the parameters."""
+    """A NaN or inf (or |x| >= 2^64) reached a loss or a gradient: it is never applied to the parameters."""
+
+
+# A value of magnitude >= 2^64 squares to inf in float32 (a second moment, a norm's sum of squares): as unusable
+# as an inf, and out of reach of an honest loss or gradient. It counts as non-finite (a remote trainer's 1e30).
+OVERFLOW = 2.0 ** 64
+
+
+def usable(x: float) -> bool:
+    """Finite and of magnitude below OVERFLOW (a NaN compares False)."""
+    return -OVERFLOW < x < OVERFLOW
 
 
 def first_nonfinite(loss, grads: dict) -> str | None:
-    """'loss', the name of the first gradient holding a NaN/inf, or None when all is finite.
+    """'loss', the name of the first gradient holding a NaN/inf (or a value past OVERFLOW), or None.
 
     min/max propagate NaN and reach +-inf without a temporary the size of the tensor."""
-    if not math.isfinite(loss):
+    if not usable(loss):
         return "loss"
     for name, g in grads.items():
-        if g.size and not (math.isfinite(float(np.min(g))) and math.isfinite(float(np.max(g)))):
+        if g.size and not (usable(float(np.min(g))) and usable(float(np.max(g)))):
             return name
     return None
 
@@ -62,7 +71,7 @@ def first_nonfinite(loss, grads: dict) -> str | None:
 def nonfinite_message(step, k, worker, tensor, run_dir) -> str:
     """The one line a run stopped by a non-finite value ends with (`step`: the parameters' version)."""
     latest = ckpt.latest_checkpoint(run_dir)
-    return (f"optimizer step {step + 1}, micro-batch {k}: {worker} computed a non-finite (NaN or inf) "
+    return (f"optimizer step {step + 1}, micro-batch {k}: {worker} computed a non-finite (NaN, inf or |x| >= 2^64) "
             f"{'loss' if tensor == 'loss' else 'gradient of ' + tensor}; nothing was applied, the latest checkpoint "
             f"is {latest or 'none (the run had not saved one)'}; --on-nonfinite skip leaves such micro-batches out")
 

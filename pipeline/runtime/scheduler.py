@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import math
 import os
 import threading
 import time
@@ -48,7 +47,7 @@ from ..jobs.spec import to_dict
 from . import ckpt
 from .metrics import MetricsLog, gflop_rate, plot_run
 from .ckpt import checkpoint_dir
-from .roles import checkpoint_due, first_nonfinite, nonfinite_message
+from .roles import checkpoint_due, first_nonfinite, nonfinite_message, usable
 from .remote import FrameError, SegmentViews, chunk_sizes, from_frames, np_nbytes, to_frames
 from .shm import Registry, run_prefix
 from .transport import LIVENESS_S, Liveness, Publisher, RouterSocket, ServerContext, process_exited
@@ -111,6 +110,7 @@ class Scheduler:
         self.router = RouterSocket(endpoints.control, self.server.ctx, key, *self.buffer_limits())
         self.pub = Publisher(endpoints.events, self.server.ctx, key)
         self.liveness = Liveness(liveness_s)
+        self.incarnation = os.urandom(8).hex()  # in every heartbeat echo: a worker of a previous scheduler leaves
         self.role_wait_s = role_wait_s
         self.metrics = MetricsLog(run_dir, getattr(job.spec, "tensorboard", ""))
         self.peers: dict[str, Peer] = {}          # worker id -> a peer that holds its role
@@ -231,7 +231,7 @@ class Scheduler:
             token = msg.get("token", "").encode()  # compare_digest refuses non-ASCII str: compare bytes
             if peer is not None and hmac.compare_digest(peer.token.encode(), token):
                 self.liveness.beat(peer.id)
-            self.router.send(identity, "heartbeat", worker="scheduler")
+            self.router.send(identity, "heartbeat", worker="scheduler", incarnation=self.incarnation)
             return
         if kind == "hello":
             self.hello(identity, msg)
@@ -367,7 +367,7 @@ class Scheduler:
                 self.grads.pop(msg["k"], None)  # re-queue
             return
         k = msg["k"]
-        bad = msg.get("nonfinite") or (None if math.isfinite(msg["loss"]) else "loss")
+        bad = msg.get("nonfinite") or (None if usable(msg["loss"]) else "loss")
         if peer.remote and bad is None:
             try:
                 from_frames(self.router.buffers, self.grad_slot(k))

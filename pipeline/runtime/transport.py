@@ -267,6 +267,10 @@ class HeartbeatThread(threading.Thread):
     A worker that was itself paused gives the scheduler a fresh `timeout_s`
     on waking: if the scheduler declared it lost meanwhile, its shutdown
     (replace) arrives, and the worker exits for a supervisor to replace it.
+    An echo from another scheduler process than the first one heard (a
+    restarted scheduler on the same endpoint, which never welcomed this
+    worker and would leave it idle) ends the worker the same way, `replaced`
+    set, so it exits 75 and its supervisor starts one that joins afresh.
     """
 
     def __init__(self, endpoint: str, worker: str, token: str, key=None, timeout_s: float = LIVENESS_S,
@@ -276,11 +280,12 @@ class HeartbeatThread(threading.Thread):
         self.timeout_s, self.interval_s = timeout_s, interval_s
         self._stop = threading.Event()
         self.lost = False
+        self.replaced = False
 
     def run(self):
         ctx = zmq.Context.instance()
         sock = DealerSocket(self.endpoint, ctx, self.key)
-        last_heard = None
+        last_heard = incarnation = None
         try:
             while not self._stop.is_set():
                 beat_started = time.monotonic()
@@ -290,6 +295,13 @@ class HeartbeatThread(threading.Thread):
                     msg = sock.recv(int(left * 1000) + 1)
                     if msg:
                         last_heard = time.monotonic()
+                        incarnation = incarnation or msg.get("incarnation")
+                        if msg.get("incarnation") not in (None, incarnation) and not self._stop.is_set():
+                            self.replaced = True
+                            log.warning("%s: the scheduler was restarted; exiting for a fresh worker to join it",
+                                        self.worker)
+                            os.kill(os.getpid(), signal.SIGTERM)
+                            return
                 if last_heard is not None and time.monotonic() - beat_started > self.timeout_s / 2:
                     last_heard = time.monotonic()  # we were paused (SIGSTOP, a frozen VM): the silence was ours
                 silent = last_heard is not None and time.monotonic() - last_heard > self.timeout_s

@@ -125,7 +125,8 @@ class Worker:
             if isinstance(e.code, str):
                 print(e.code, file=sys.stderr)
                 return 1
-            return EXIT_REPLACED if e.code == EXIT_REPLACED else 0
+            replaced = e.code == EXIT_REPLACED or (heartbeat is not None and heartbeat.replaced)
+            return EXIT_REPLACED if replaced else 0
         except KeyboardInterrupt:
             return 0
         finally:

@@ -18,9 +18,13 @@ def test_first_nonfinite_names_the_loss_or_the_first_bad_tensor():
     ok = {"a": np.ones(3, np.float32), "b": np.zeros((2, 2), np.float32), "empty": np.zeros(0, np.float32)}
     assert first_nonfinite(1.5, ok) is None
     assert first_nonfinite(float("nan"), ok) == "loss"
-    for bad in (np.nan, np.inf, -np.inf):
+    for bad in (np.nan, np.inf, -np.inf, 1e30, -1e30, 2.0 ** 64):  # |x| >= 2^64 squares to inf in float32
         poisoned = {**ok, "b": np.array([[0, 1], [bad, 2]], np.float32)}
         assert first_nonfinite(0.0, poisoned) == "b"
+    assert first_nonfinite(1e30, ok) == "loss"
+    below = float(np.nextafter(np.float32(2.0 ** 64), np.float32(0)))  # the largest float32 whose square is finite
+    assert np.isfinite(np.float32(below) * np.float32(below))
+    assert first_nonfinite(below, {"b": np.array([-below, below], np.float32)}) is None
 
 
 def _spirals(**over):
@@ -60,7 +64,7 @@ def test_inprocess_stops_at_a_nan_naming_step_micro_batch_and_tensor_and_keeps_t
     with pytest.raises(NonFiniteError) as e:
         run_inprocess(job, str(tmp_path), log=lambda m: None)
     said = str(e.value)
-    assert "optimizer step 2, micro-batch 2: inprocess computed a non-finite (NaN or inf) loss" in said
+    assert "optimizer step 2, micro-batch 2: inprocess computed a non-finite (NaN, inf or |x| >= 2^64) loss" in said
     assert said.endswith("--on-nonfinite skip leaves such micro-batches out") and "checkpoint-step-1" in said
     assert sorted(p.name for p in tmp_path.glob("checkpoint-step-*")) == ["checkpoint-step-1"]
 
@@ -125,7 +129,8 @@ def _tasks(fakes):
     return {who: fakes[who].take("grad", wait_s=0.3) for who in ("r1", "r2")}
 
 
-def test_a_remote_nan_is_rechecked_elsewhere_and_a_peer_that_keeps_sending_them_is_evicted(remote_rig):  # noqa: F811 - the imported fixture
+@pytest.mark.parametrize("value", [np.nan, 1e30])  # 1e30: finite, but its square overflows the optimizer's float32
+def test_a_remote_nan_is_rechecked_elsewhere_and_a_peer_that_keeps_sending_them_is_evicted(remote_rig, value):  # noqa: F811, E501
     sched, fakes, job, segs = remote_rig
     _start(sched, fakes, segs)
     names = [n for n, _, _ in job.param_layout()]
@@ -137,7 +142,7 @@ def test_a_remote_nan_is_rechecked_elsewhere_and_a_peer_that_keeps_sending_them_
                 if who == "r1":  # NaN frames, a finite loss: the scheduler finds it in what it copied
                     nan_sent += 1
                     fakes[who].sock.send("grad_done", 0, gen=0, k=t["k"], loss=1.0, rows=2, ms=1.0,
-                                         buffers=_grads(job, np.nan), worker=who)
+                                         buffers=_grads(job, value), worker=who)
                 else:
                     fakes[who].sock.send("grad_done", 0, gen=0, k=t["k"], loss=1.0, rows=2, ms=1.0,
                                          buffers=_grads(job, 0.5), worker=who)

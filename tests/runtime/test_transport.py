@@ -79,7 +79,7 @@ WORKER = textwrap.dedent("""
     try:
         time.sleep(30)
     except SystemExit:
-        print("lost" if hb.lost else "other", flush=True)
+        print("lost" if hb.lost else "replaced" if hb.replaced else "other", flush=True)
         raise
 """)
 
@@ -136,5 +136,26 @@ def test_a_paused_worker_does_not_mistake_its_own_pause_for_a_dead_scheduler(tmp
         assert out.strip() == b"lost"
     finally:
         p.send_signal(signal.SIGCONT)
+        if p.poll() is None:
+            p.kill()
+
+
+def test_a_worker_leaves_when_another_scheduler_process_answers_its_heartbeats(tmp_path):
+    """A restarted scheduler on the same endpoint never welcomed the old worker: an echo from another scheduler
+    incarnation than the first ends it (replaced: it exits 75 for a supervisor), instead of idling unknown."""
+    ep = transport.ipc_endpoints(str(tmp_path))
+    router = transport.RouterSocket(ep.control)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    p = subprocess.Popen([sys.executable, "-c", WORKER, ep.control], stdout=subprocess.PIPE, cwd=root)
+    try:
+        echoed, t_end = 0, time.time() + 30
+        while p.poll() is None and time.time() < t_end:
+            got = router.recv(50)
+            if got and got[1] and got[1]["kind"] == "heartbeat":  # 5 echoes of one scheduler, then of another
+                router.send(got[0], "heartbeat", worker="scheduler", incarnation="first" if echoed < 5 else "second")
+                echoed += 1
+        out, _ = p.communicate(timeout=20)
+        assert out.strip() == b"replaced" and echoed >= 6  # the second scheduler's first echo ends it
+    finally:
         if p.poll() is None:
             p.kill()

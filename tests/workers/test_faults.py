@@ -213,3 +213,47 @@ def test_a_killed_scheduler_is_restarted_from_the_checkpoint_and_the_run_ends_on
     assert [r["step"] for r in got] == list(range(1, 61))
     assert [[r.get(k) for k in ("loss", "lr", "grad_norm", "eval")] for r in got] == \
         [[r.get(k) for k in ("loss", "lr", "grad_norm", "eval")] for r in want]
+
+
+@pytest.mark.slow
+def test_a_killed_pretrain_scheduler_is_restarted_and_the_run_ends_on_the_inprocess_bits(tmp_path):
+    """Issue 32's third job: `launch pretrain --trainers 2` with its scheduler SIGKILLed after step 5 resumes
+    from a committed checkpoint (2 or 4: a checkpoint's write may still be in flight at the kill) and ends on
+    the in-process digest."""
+    from pretrain_helpers import small_documents, write_jsonl
+    spec = {"preset": "tiny", "data": write_jsonl(tmp_path / "docs.jsonl", small_documents()), "vocab_size": 320,
+            "seq": 256, "batch_tokens": 512, "micro_batches": 2, "steps": 6, "warmup": 1, "checkpoint_every": 2,
+            "eval_every": 2, "val_windows": 2, "sample_tokens": 4, "sample_every": 2, "prompts": "The |def ",
+            "cache_dir": str(tmp_path / "cache")}
+    pin_threads(1)
+    job = get_job("pretrain")
+    reference = run_inprocess(job(build(job.Spec, spec)), str(tmp_path / "ref"), log=lambda m: None)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in spec.items()]
+    out = launch("pretrain", tmp_path / "run", "--trainers", "2", *flags, timeout=900,
+                 FUCINA_FAULT="scheduler:step:5")
+    assert out["scheduler_restarts"] == 1
+    assert out["params_sha256"] == reference["params_sha256"]
+    with open(tmp_path / "run" / "workers.log", errors="replace") as fh:
+        said = fh.read()
+    assert re.search(r"restarting it .* from \S+/checkpoint-step-[24]\n", said)
+
+
+@pytest.mark.slow
+def test_a_killed_finetune_scheduler_with_two_trainers_is_restarted_and_ends_on_the_inprocess_bits(tmp_path):
+    """Issue 32: `finetune --trainers 2` with its scheduler SIGKILLed after step 5 resumes from a committed
+    checkpoint (2 or 4) and ends on the in-process digest."""
+    fixture = os.path.join(ROOT, "tests", "fixtures", "qwen3-mini-q8_0.gguf")
+
+    def finetune(run_dir, *flags, **extra_env):
+        out = subprocess.run([sys.executable, "-m", "pipeline.cli", "finetune", "--model", fixture, "--steps", "6",
+                              "--batch-size", "2", "--targets", "q,v", "--checkpoint-every", "2", "--max-new-tokens",
+                              "3", "--save", str(run_dir), "--json", *flags], capture_output=True, text=True,
+                             timeout=900, env=env(**extra_env), cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    reference = finetune(tmp_path / "ref", "--inprocess")
+    out = finetune(tmp_path / "run", "--trainers", "2", FUCINA_FAULT="scheduler:step:5")
+    assert out["params_sha256"] == reference["params_sha256"]
+    with open(tmp_path / "run" / "workers.log", errors="replace") as fh:
+        said = fh.read()
+    assert re.search(r"restarting it .* from \S+/checkpoint-step-[24]\n", said)

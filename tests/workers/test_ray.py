@@ -164,3 +164,71 @@ def test_ray_placed_es_members_killed_once_give_the_inprocess_bits(tmp_path, ray
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _kill_the_scheduler(run_dir):
+    """SIGKILL the run's scheduler (pids.json, kept by the launcher) -> its pid."""
+    pid = wait_for(lambda: _read_json(os.path.join(run_dir, "pids.json")).get("scheduler"), timeout=60)
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def _read_json(path):
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or being replaced
+        return {}
+
+
+SCHED_SPEC = {**SPEC, "steps": 400}  # the kill lands after the first step record; a restart takes a few s
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+def test_a_killed_scheduler_of_a_ray_run_restarts_and_its_ray_trainers_rejoin(tmp_path, ray_head):
+    pin_threads(1)
+    job_cls = get_job("spirals")
+    reference = run_inprocess(job_cls(build(job_cls.Spec, SCHED_SPEC)), str(tmp_path / "ref"), log=lambda m: None)
+    run_dir = tmp_path / "run"
+    flags = [*FLAGS[:STEPS], "400", *FLAGS[STEPS + 1:]]
+    proc = subprocess.Popen(launch_cmd("spirals", run_dir, "--ray", ray_head, "--trainers", "2", *flags),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT)
+    try:
+        wait_for(lambda: first_metric(str(run_dir)), timeout=400)
+        _kill_the_scheduler(str(run_dir))
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        summary = json.loads(out.strip().splitlines()[-1])
+        assert summary["scheduler_restarts"] == 1
+        assert summary["params_sha256"] == reference["params_sha256"]
+        joined = [e for e in events(str(run_dir), "worker_joined") if e["detail"].get("remote")]
+        assert len(joined) == 4  # two Ray trainers before the kill, two fresh ones joined the new scheduler
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+def test_a_killed_scheduler_of_a_ray_es_run_restarts_and_its_ray_members_rejoin(tmp_path, ray_head):
+    ref = subprocess.run(_es_spirals(tmp_path / "ref", "--inprocess"), capture_output=True, text=True, env=env(),
+                         cwd=ROOT, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(_es_spirals(run_dir, "--ray", ray_head, "--members", "2", "--liveness", "5"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT)
+    try:
+        wait_for(lambda: _es_iterations(str(run_dir)) >= 2, timeout=400)
+        _kill_the_scheduler(str(run_dir))
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        result, reference = json.loads(out.strip().splitlines()[-1]), json.loads(ref.stdout.strip().splitlines()[-1])
+        assert result["sha256"] == reference["sha256"]
+        joined = [e for e in events(str(run_dir), "worker_joined") if e["detail"]["role"] == "es_member"]
+        assert len(joined) == 4  # two members before the kill, two fresh ones joined the new scheduler
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

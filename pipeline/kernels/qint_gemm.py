@@ -33,10 +33,12 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .dequant import HALF_TO_FLOAT, ROW_CHUNK, _check, _half
-from .formats import GEOMETRY, Q4_K, Q5_K, Q6_K, kernels
-from .qblocks import (AVX2, _F32, _I32, _I64, _IR, _V8I, _V16I, _V16S, _VB, _k4_scale_bytes, _lane_sums,
-                      _pair_products, _pair_scales16, _q6_k_weights, _scale16, _target_has, _x86, o_arg, q6_k_offset)
-from .qint import PARTNER, _bsums, _mm_q4_k, _mm_q5_k, _mm_q6_k, quantize_activations
+from .formats import GEOMETRY, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, Q8_K_PARTNER, kernels
+from .qblocks import (AVX2, _F32, _I32, _I64, _IR, _V8I, _V16I, _V16S, _VB, _high_bits, _k4_scale_bytes, _lane_sums,
+                      _nibbles, _pair_products, _pair_scales16, _q6_k_weights, _scale16, _target_has, _x86, o_arg,
+                      q6_k_offset)
+from .qint import (PARTNER, _bsums, _mm_q4_0, _mm_q4_1, _mm_q4_k, _mm_q5_0, _mm_q5_1, _mm_q5_k, _mm_q6_k, _mm_q8_0,
+                   quantize_activations)
 from .workpool import run_dynamic
 
 # activation rows per inner kernel: 4 i32 totals + weight + scale + temporaries fit AVX2's 16 ymm registers;
@@ -256,6 +258,69 @@ def idot_q6_k_rows(typingctx, acc, b, o, q, qo, q_stride, dt, dto, wd, bsums, so
     return types.void(acc, b, o, q, qo, q_stride, dt, dto, wd, bsums, so, s_stride), codegen
 
 
+# The 32-element block formats (Q8_0, Q4_0, Q5_0 against Q8_0 activations; Q4_1, Q5_1 against Q8_1): one block
+# of 32 weights unpacked once (the row kernels' idot_* unpacking, qblocks) and multiplied into ROWS rows. Per row
+# the i32 lanes of llama.cpp's mul_sum_i8_pairs / mul_sum_us8_pairs (with VNNI one vpdpbusd: the same exact
+# 4-element sums, |w| <= 128 and |x| <= 127), then the row kernels' one fma per block by d_w * d_x; Q4_1/Q5_1's
+# mins are their summs chain, fma(m, s_x, summs), ROWS rows in one vector. Same bits as qint._rows_scaled /
+# _rows_q8_1 (and so llama.cpp's vec_dot) for any grouping of the rows.
+#   Argument layout: 0 acc f32 [ROWS * 8]   1 b uint8   2 o   3 q int8   4 qo   5 q_stride   6 dt f32 [blocks, rows]
+#   7 dto   8 wd   9 accm f32 [ROWS]   10 st f32 (Q8_1's block sums transposed, as dt)   11 wm (the block's min)
+W32 = {  # format -> (its weights as <32 x i8> from the block at b[o:], unsigned 0..31)
+    Q8_0: (lambda h: h.vload(1, o_arg(h), _VB, 2), False),
+    Q4_0: (lambda h: h.b.sub(_nibbles(h, 2), h.bytes_const(8)), False),
+    Q5_0: (lambda h: h.b.sub(h.b.or_(_nibbles(h, 6), _high_bits(h, 2)), h.bytes_const(16)), False),
+    Q4_1: (lambda h: _nibbles(h, 4), True),
+    Q5_1: (lambda h: h.b.or_(_nibbles(h, 8), _high_bits(h, 4)), True),
+}
+
+
+def _b32_lanes(h, w, x, w_unsigned):
+    """<8 x i32> lane k = sum of w * x over elements 4k..4k+3 (qblocks._lane_sums with unit scales)."""
+    if not VNNI:
+        return _lane_sums(h, w, x, w_unsigned=w_unsigned)
+    if not w_unsigned:  # |w| . (x * sign(w)), as _pair_products
+        x = _x86(h, "llvm.x86.avx2.psign.b", _VB, x, w)
+        w = h.b.select(h.b.icmp_signed("<", w, h.bytes_const(0)), h.b.sub(h.bytes_const(0), w), w)
+    return _x86(h, "llvm.x86.avx512.vpdpbusd.256", _V8I, ir.Constant(_V8I, [0] * 8), h.b.bitcast(w, _V8I),
+                h.b.bitcast(x, _V8I))
+
+
+def _b32_block_rows(kind):
+    def codegen(context, builder, signature, args):
+        h = _IR(context, builder, signature, args)
+        w_of_block, w_unsigned = W32[kind]
+        w, scales = w_of_block(h), _row_scales(h, 8)
+        if VNNI and not w_unsigned:  # |w| once per block; each row takes its x * sign(w)
+            sign, w_unsigned = w, True
+            w = h.b.select(h.b.icmp_signed("<", w, h.bytes_const(0)), h.b.sub(h.bytes_const(0), w), w)
+        else:
+            sign = None
+        for r in range(ROWS):
+            x = h.vload(3, _row_offset(h, 4, 5, r), _VB)
+            if sign is not None:
+                x = _x86(h, "llvm.x86.avx2.psign.b", _VB, x, sign)
+            _fma_at(h, 0, 8 * r, h.b.extract_element(scales, ir.Constant(_I32, r)), _b32_lanes(h, w, x, w_unsigned))
+        if kind in (Q4_1, Q5_1):
+            vf = ir.VectorType(_F32, ROWS)
+            st = h.b.load(h.b.bitcast(h.b.gep(h.ptrs[10], [h.ptrs[7]]), vf.as_pointer()), align=4)
+            p = h.b.bitcast(h.ptrs[9], vf.as_pointer())
+            fn = cgutils.get_or_insert_function(h.b.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{ROWS}f32")
+            h.b.store(h.b.call(fn, [h.splat(h.ptrs[11], vf), st, h.b.load(p, align=4)]), p, align=4)
+        return context.get_dummy_value()
+    return codegen
+
+
+def _b32_intrinsic(kind):
+    @intrinsic
+    def block_rows(typingctx, acc, b, o, q, qo, q_stride, dt, dto, wd, accm, st, wm):
+        return types.void(acc, b, o, q, qo, q_stride, dt, dto, wd, accm, st, wm), _b32_block_rows(kind)
+    return block_rows
+
+
+idot_q8_0_rows, idot_q4_0_rows, idot_q5_0_rows, idot_q4_1_rows, idot_q5_1_rows = map(_b32_intrinsic, W32)
+
+
 def _add_picked(h, u, v, first, second):
     """shuffle(u, v, first) + shuffle(u, v, second) for two <8 x f32> (lane-wise adds: any lane order, exact)."""
     pick = lambda idx: h.b.shuffle_vector(u, v, ir.Constant(_V8I, list(idx)))
@@ -364,6 +429,55 @@ def _gemm_q6_k(raw, q, qp, d, dt, sums, sums16, bsums, out, lut, r0, r1):
         _mm_q6_k(raw, q[groups:], d[groups:], bsums[groups:], out[groups:], lut, r0, r1)
 
 
+@njit(inline="always")
+def _gemm_32(block_rows, finish, row_kernel, raw, q, d, dt, s, st, out, lut, r0, r1, geometry):
+    """out[:, r0:r1] for a 32-element block format against Q8_0/Q8_1 activations q/d (s, st: Q8_1's block
+    sums, st transposed): groups of ROWS rows through block_rows, the tail through qint's row kernel."""
+    block, size, d_at, m_at = geometry
+    m, n = q.shape
+    nb, groups = n // block, m // ROWS * ROWS
+    acc, accm = np.empty(ROWS * 8, np.float32), np.empty(ROWS, np.float32)
+    for i in range(0, groups, ROWS):
+        for r in range(r0, r1):
+            b = raw[r]
+            acc[:] = 0.0
+            accm[:] = 0.0
+            for blk in range(nb):
+                o = blk * size
+                wm = _half(lut, b, o + m_at) if m_at >= 0 else np.float32(0.0)
+                block_rows(acc, b, o, q, i * n + blk * block, n, dt, blk * m + i, _half(lut, b, o + d_at), accm,
+                           st, wm)
+            finish(acc, accm, out, i * out.shape[1] + r, out.shape[1])
+    if groups < m:
+        row_kernel(raw, q[groups:], d[groups:], s[groups:], out[groups:], lut, r0, r1)
+
+
+# finish_q6_k adds nothing to the lanes' hsum (Q8_0, Q4_0, Q5_0); finish_q5_k adds one f32 per row (the summs)
+@njit(cache=True, nogil=True)
+def _gemm_q8_0(raw, q, d, dt, s, st, out, lut, r0, r1):
+    _gemm_32(idot_q8_0_rows, finish_q6_k, _mm_q8_0, raw, q, d, dt, s, st, out, lut, r0, r1, GEOMETRY[Q8_0])
+
+
+@njit(cache=True, nogil=True)
+def _gemm_q4_0(raw, q, d, dt, s, st, out, lut, r0, r1):
+    _gemm_32(idot_q4_0_rows, finish_q6_k, _mm_q4_0, raw, q, d, dt, s, st, out, lut, r0, r1, GEOMETRY[Q4_0])
+
+
+@njit(cache=True, nogil=True)
+def _gemm_q5_0(raw, q, d, dt, s, st, out, lut, r0, r1):
+    _gemm_32(idot_q5_0_rows, finish_q6_k, _mm_q5_0, raw, q, d, dt, s, st, out, lut, r0, r1, GEOMETRY[Q5_0])
+
+
+@njit(cache=True, nogil=True)
+def _gemm_q4_1(raw, q, d, dt, s, st, out, lut, r0, r1):
+    _gemm_32(idot_q4_1_rows, finish_q5_k, _mm_q4_1, raw, q, d, dt, s, st, out, lut, r0, r1, GEOMETRY[Q4_1])
+
+
+@njit(cache=True, nogil=True)
+def _gemm_q5_1(raw, q, d, dt, s, st, out, lut, r0, r1):
+    _gemm_32(idot_q5_1_rows, finish_q5_k, _mm_q5_1, raw, q, d, dt, s, st, out, lut, r0, r1, GEOMETRY[Q5_1])
+
+
 KERNELS = kernels("gemm", globals())  # qtype -> its blocked GEMM, by the pipeline/kernels/formats.py row
 
 
@@ -382,23 +496,30 @@ def matmul_t_many(weights, x: np.ndarray) -> list:
         if int(qtype) not in KERNELS:
             raise ValueError(f"qint_gemm: no blocked integer kernel for ggml type {qtype}")
         _check(qtype, raw, x.shape[1])
-    q, d, sums = quantize_activations(PARTNER[Q4_K], x)
-    dt, sums16 = np.ascontiguousarray(d.T), sums.astype(np.int16)  # |a 32-element sum| <= 32 * 128: exact
-    bsums = np.empty((x.shape[0], x.shape[1] // 16), np.int32)  # Q6_K's offset reads the 16-element sums
-    if any(int(qtype) == Q6_K for qtype, _ in weights):
-        _bsums(q, bsums)
-    qp = pair_order(q) if VNNI else q
+    acts = {}  # partner -> the activation arrays its kernels take after raw
+    for partner in sorted({PARTNER[int(qtype)] for qtype, _ in weights}):
+        q, d, extra = quantize_activations(partner, x)
+        dt = np.ascontiguousarray(d.T)  # a block's rows side by side
+        if partner != Q8_K_PARTNER:
+            s = extra if extra is not None else np.zeros((x.shape[0], 1), np.float32)
+            acts[partner] = (q, d, dt, s, np.ascontiguousarray(s.T) if extra is not None else s)
+            continue
+        sums16 = extra.astype(np.int16)  # |a 32-element sum| <= 32 * 128: exact
+        bsums = np.empty((x.shape[0], x.shape[1] // 16), np.int32)  # Q6_K's offset reads the 16-element sums
+        if any(int(qtype) == Q6_K for qtype, _ in weights):
+            _bsums(q, bsums)
+        acts[partner] = (q, pair_order(q) if VNNI else q, d, dt, extra, sums16, bsums)
     outs, pieces = [], []
     for qtype, raw in weights:
         raw = np.ascontiguousarray(raw)
         out = np.empty((x.shape[0], raw.shape[0]), np.float32)
-        pieces += [(KERNELS[int(qtype)], raw, out, r0, min(raw.shape[0], r0 + PIECE_ROWS))
+        pieces += [(KERNELS[int(qtype)], raw, acts[PARTNER[int(qtype)]], out, r0, min(raw.shape[0], r0 + PIECE_ROWS))
                    for r0 in range(0, raw.shape[0], PIECE_ROWS)]
         outs.append(out)
 
     def piece(i):
-        kernel, raw, out, r0, r1 = pieces[i]
-        kernel(raw, q, qp, d, dt, sums, sums16, bsums, out, HALF_TO_FLOAT, r0, r1)
+        kernel, raw, args, out, r0, r1 = pieces[i]
+        kernel(raw, *args, out, HALF_TO_FLOAT, r0, r1)
 
     run_dynamic(len(pieces), piece)
     return outs

@@ -137,7 +137,8 @@ class FrozenWeight:
         supports, gemm_supports, tile_supports, grad_enabled = _INTEGER or _integer_kernels()
         if not supports(self.format.qtype):
             return False
-        fast = (rows <= self.INTEGER_MAX_ROWS or gemm_supports(self.format.qtype)
+        fast = (rows <= self.INTEGER_MAX_ROWS
+                or (gemm_supports(self.format.qtype) and not _formats.BY_QTYPE[self.format.qtype].f32_prompt)
                 or (self.tiled and rows >= self.TILE_MIN_ROWS and tile_supports(self.format.qtype)))
         return self.llama_numerics or (self.integer_dot and fast and not grad_enabled())
 

@@ -17,9 +17,10 @@ the same 256-bit code runs 8 rows, not 4: EVEX gives it 32 vector registers (mea
 AVX512-VNNI: 8 rows 52 GMAC/s per core against 45 for 4; 512-bit vectors gave no gain there, whose integer
 multiplies issue on one port at 512 bits and two at 256); with VNNI a sub-block's scale product and lane add
 are one vpdpwssd, and Q4_K/Q5_K take a pair of sub-blocks' unscaled dots by vpdpbusd (_k_totals_pairs). A
-group's ROWS output sums are finished as vectors, eight rows at a time (_finish). Only the Q8_K formats (Q4_K,
-Q5_K, Q6_K) have a blocked kernel; the others keep the row kernels
-(see FrozenWeight.uses_integer_dot for where each pays).
+group's ROWS output sums are finished as vectors, eight rows at a time (_finish). The 32-element block formats
+(Q8_0, Q4_0, Q5_0, Q4_1, Q5_1) have their own loop (W32, below: the block loop inside one call, two rows per
+512-bit vpdpbusd with AVX512-VNNI); IQ4_NL, Q2_K, Q3_K and IQ4_XS keep the row kernels (or qtile's tiles; see
+FrozenWeight.uses_integer_dot for where each pays).
 Pieces are whole ROW_CHUNKs of weight rows on a grid fixed by the shapes, each
 element computed by the same serial code whatever thread takes it: bitwise
 independent of the thread count.
@@ -538,9 +539,9 @@ def supports(qtype: int) -> bool:
 
 
 def matmul_t_many(weights, x: np.ndarray) -> list:
-    """[x @ W.T for (qtype, raw) in weights] (Q4_K/Q5_K/Q6_K), x f32 [m, n] quantized to Q8_K once; the same
-    bits as pipeline/kernels/qint.matmul_t_many. Every weight's rows are cut into pieces of PIECE_ROWS (a grid fixed by
-    its shape) that the threads take dynamically."""
+    """[x @ W.T for (qtype, raw) in weights] (the formats of KERNELS), x f32 [m, n] quantized once per partner
+    (Q8_0, Q8_1, Q8_K); the same bits as pipeline/kernels/qint.matmul_t_many. Every weight's rows are cut into
+    pieces of PIECE_ROWS (a grid fixed by its shape) that the threads take dynamically."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2:
         raise ValueError(f"qint_gemm: x must be [m, n_cols], got shape {x.shape}")

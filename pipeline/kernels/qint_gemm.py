@@ -17,9 +17,10 @@ the same 256-bit code runs 8 rows, not 4: EVEX gives it 32 vector registers (mea
 AVX512-VNNI: 8 rows 52 GMAC/s per core against 45 for 4; 512-bit vectors gave no gain there, whose integer
 multiplies issue on one port at 512 bits and two at 256); with VNNI a sub-block's scale product and lane add
 are one vpdpwssd, and Q4_K/Q5_K take a pair of sub-blocks' unscaled dots by vpdpbusd (_k_totals_pairs). A
-group's ROWS output sums are finished as vectors, eight rows at a time (_finish). Only the Q8_K formats (Q4_K,
-Q5_K, Q6_K) have a blocked kernel; the others keep the row kernels
-(see FrozenWeight.uses_integer_dot for where each pays).
+group's ROWS output sums are finished as vectors, eight rows at a time (_finish). The 32-element block formats
+(Q8_0, Q4_0, Q5_0, Q4_1, Q5_1) have their own loop (W32, below: the block loop inside one call, two rows per
+512-bit vpdpbusd with AVX512-VNNI); IQ4_NL, Q2_K, Q3_K and IQ4_XS keep the row kernels (or qtile's tiles; see
+FrozenWeight.uses_integer_dot for where each pays).
 Pieces are whole ROW_CHUNKs of weight rows on a grid fixed by the shapes, each
 element computed by the same serial code whatever thread takes it: bitwise
 independent of the thread count.
@@ -33,10 +34,12 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .dequant import HALF_TO_FLOAT, ROW_CHUNK, _check, _half
-from .formats import GEOMETRY, Q4_K, Q5_K, Q6_K, kernels
-from .qblocks import (AVX2, _F32, _I32, _I64, _IR, _V8I, _V16I, _V16S, _VB, _k4_scale_bytes, _lane_sums,
-                      _pair_products, _pair_scales16, _q6_k_weights, _scale16, _target_has, _x86, o_arg, q6_k_offset)
-from .qint import PARTNER, _bsums, _mm_q4_k, _mm_q5_k, _mm_q6_k, quantize_activations
+from .formats import GEOMETRY, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, Q8_K_PARTNER, kernels
+from .qblocks import (AVX2, _F32, _I32, _I64, _IR, _V8I, _V16I, _V16S, _VB, _high_bits, _k4_scale_bytes, _lane_sums,
+                      _nibbles, _pair_products, _pair_scales16, _q6_k_weights, _scale16, _target_has, _x86, o_arg,
+                      q6_k_offset)
+from .qint import (PARTNER, _bsums, _mm_q4_0, _mm_q4_1, _mm_q4_k, _mm_q5_0, _mm_q5_1, _mm_q5_k, _mm_q6_k, _mm_q8_0,
+                   quantize_activations)
 from .workpool import run_dynamic
 
 # activation rows per inner kernel: 4 i32 totals + weight + scale + temporaries fit AVX2's 16 ymm registers;
@@ -256,6 +259,126 @@ def idot_q6_k_rows(typingctx, acc, b, o, q, qo, q_stride, dt, dto, wd, bsums, so
     return types.void(acc, b, o, q, qo, q_stride, dt, dto, wd, bsums, so, s_stride), codegen
 
 
+# The 32-element block formats (Q8_0, Q4_0, Q5_0 against Q8_0 activations; Q4_1, Q5_1 against Q8_1): one weight
+# row's blocks against ROWS activation rows in one call, the block loop inside (cgutils.for_range) so the rows'
+# accumulators stay in registers. Per block the weights are unpacked once as unsigned bytes u = w + offset (the
+# row kernels' qblocks readers), and per row the lanes of llama.cpp's mul_sum_i8_pairs / mul_sum_us8_pairs,
+# lane k = sum of w * x over elements 4k..4k+3, then the row kernels' one fma by d_w * d_x; Q4_1/Q5_1's mins are
+# their summs chain, fma(m, s_x, summs), ROWS rows in one vector. With AVX512-VNNI two rows take one 512-bit
+# vpdpbusd of u against their x, started from -offset * (their 4-element sums of x) (exact in i32: the same
+# integers as the signed products); elsewhere the row kernels' 256-bit lanes. Same bits as qint._rows_scaled /
+# _rows_q8_1 (and so llama.cpp's vec_dot) for any grouping of the rows.
+W32 = {  # format -> (its weights as unsigned <32 x i8> u from the block at b[o:], the offset: w = u - offset)
+    Q8_0: (lambda h: h.b.xor(h.vload(1, o_arg(h), _VB, 2), h.bytes_const(-128)), 128),
+    Q4_0: (lambda h: _nibbles(h, 2), 8),
+    Q5_0: (lambda h: h.b.or_(_nibbles(h, 6), _high_bits(h, 2)), 16),
+    Q4_1: (lambda h: _nibbles(h, 4), 0),
+    Q5_1: (lambda h: h.b.or_(_nibbles(h, 8), _high_bits(h, 4)), 0),
+}
+WIDE = _EVEX_VNNI and _target_has("avx512bw") and ROWS % 2 == 0  # two rows per 512-bit vpdpbusd
+_V64B, _V16F = ir.VectorType(ir.IntType(8), 64), ir.VectorType(_F32, 16)
+
+
+def group_layout(q):
+    """The int8 activations [m, n] of each whole group of ROWS rows interleaved by block, [groups, n / 32, ROWS,
+    32] flat (a block's ROWS rows side by side), and the negated 4-element sums of x, [groups, n / 32, ROWS, 8]
+    int32, from which a kernel starts the lanes of offset weights."""
+    m, n = q.shape
+    g = m // ROWS
+    blocks = q[:g * ROWS].reshape(g, ROWS, n // 32, 32).transpose(0, 2, 1, 3)
+    neg = -blocks.reshape(g, n // 32, ROWS, 8, 4).sum(-1, dtype=np.int32)
+    return np.ascontiguousarray(blocks).reshape(-1), np.ascontiguousarray(neg).reshape(-1)
+
+
+def _b32_lanes(h, w, x, w_unsigned):
+    """<8 x i32> lane k = sum of w * x over elements 4k..4k+3 (qblocks._lane_sums with unit scales)."""
+    if not VNNI:
+        return _lane_sums(h, w, x, w_unsigned=w_unsigned)
+    if not w_unsigned:  # |w| . (x * sign(w)), as _pair_products
+        x = _x86(h, "llvm.x86.avx2.psign.b", _VB, x, w)
+        w = h.b.select(h.b.icmp_signed("<", w, h.bytes_const(0)), h.b.sub(h.bytes_const(0), w), w)
+    return _x86(h, "llvm.x86.avx512.vpdpbusd.256", _V8I, ir.Constant(_V8I, [0] * 8), h.b.bitcast(w, _V8I),
+                h.b.bitcast(x, _V8I))
+
+
+#   Argument layout: 0 acc f32 [ROWS * 8]   1 b uint8 (the weight row)   2 o (0)   3 qg int8 (group_layout)
+#   4 qo (this group's start)   5 ns int32 (group_layout's sums)   6 so   7 dt f32 [blocks, rows]   8 dto (row 0's
+#   at block 0)   9 dt_stride   10 nb (blocks)   11 lut (fp16 -> f32)   12 accm f32 [ROWS]   13 st f32 (Q8_1's
+#   block sums transposed, as dt)
+def _b32_row_group(kind):
+    """codegen of one weight row of a W32 format x one group of ROWS activation rows, over all its blocks."""
+    w_of_block, offset = W32[kind]
+    _, size, d_at, m_at = GEOMETRY[kind]
+    shift = offset.bit_length() - 1  # offsets are powers of two
+
+    def codegen(context, builder, signature, args):
+        h = _IR(context, builder, signature, args)
+        b = h.b
+        width = 16 if WIDE else 8  # f32 lanes per accumulator: two rows or one
+        vf, vr, vi = ir.VectorType(_F32, width), ir.VectorType(_F32, ROWS), ir.VectorType(_I32, width)
+        fma = cgutils.get_or_insert_function(b.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{width}f32")
+        fma_r = cgutils.get_or_insert_function(b.module, ir.FunctionType(vr, [vr] * 3), f"llvm.fma.v{ROWS}f32")
+        vptr = lambda arg, at, vt: b.bitcast(b.gep(h.ptrs[arg], [at]), vt.as_pointer())
+        const = lambda v: ir.Constant(_I64, v)
+        per = width // 8  # rows per accumulator
+        accs = []
+        for a in range(ROWS // per):
+            slot = cgutils.alloca_once(b, vf)
+            b.store(b.load(vptr(0, const(width * a), vf), align=4), slot)
+            accs.append(slot)
+        mins = cgutils.alloca_once(b, vr)
+        b.store(b.load(vptr(12, const(0), vr), align=4), mins)
+
+        def half(at):  # the fp16 at b[o + at] through the lookup table (arg 11), as dequant._half
+            bits = b.load(b.bitcast(b.gep(h.ptrs[1], [b.add(h.ptrs[2], const(at))]), ir.IntType(16).as_pointer()),
+                          align=1)
+            return b.load(b.gep(h.ptrs[11], [b.zext(bits, _I64)]))
+
+        o_start = h.ptrs[2]
+        with cgutils.for_range(b, h.ptrs[10]) as loop:
+            k = loop.index
+            h.ptrs[2] = b.add(o_start, b.mul(k, const(size)))  # the block the W32 readers see
+            qo, so = b.add(h.ptrs[4], b.mul(k, const(ROWS * 32))), b.add(h.ptrs[6], b.mul(k, const(ROWS * 8)))
+            dto = b.add(h.ptrs[8], b.mul(k, h.ptrs[9]))
+            u = w_of_block(h)
+            scales = b.fmul(b.load(vptr(7, dto, vr), align=4), h.splat(half(d_at), vr))
+            if WIDE:
+                u2 = b.bitcast(b.shuffle_vector(u, u, ir.Constant(ir.VectorType(_I32, 64), list(range(32)) * 2)), vi)
+            else:
+                w = b.sub(u, h.bytes_const(offset)) if offset else u
+            for a in range(ROWS // per):
+                if WIDE:
+                    x = b.bitcast(h.vload(3, qo, _V64B, 64 * a), vi)
+                    start = (b.shl(h.vload(5, so, vi, 16 * a), ir.Constant(vi, [shift] * 16)) if offset
+                             else ir.Constant(vi, [0] * 16))
+                    lanes = _x86(h, "llvm.x86.avx512.vpdpbusd.512", vi, start, u2, x)
+                    scale = _pick(h, scales, [2 * a] * 8 + [2 * a + 1] * 8)
+                else:
+                    lanes = _b32_lanes(h, w, h.vload(3, qo, _VB, 32 * a), offset == 0)
+                    scale = h.splat(b.extract_element(scales, ir.Constant(_I32, a)), vf)
+                b.store(b.call(fma, [scale, b.sitofp(lanes, vf), b.load(accs[a])]), accs[a])
+            if m_at >= 0:  # Q8_1's mins: summs = fma(m, s_x, summs), ROWS rows at once
+                b.store(b.call(fma_r, [h.splat(half(m_at), vr), b.load(vptr(13, dto, vr), align=4), b.load(mins)]),
+                        mins)
+            h.ptrs[2] = o_start
+        for a in range(ROWS // per):
+            b.store(b.load(accs[a]), vptr(0, const(width * a), vf), align=4)
+        b.store(b.load(mins), vptr(12, const(0), vr), align=4)
+        return context.get_dummy_value()
+    return codegen
+
+
+def _b32_intrinsic(kind):
+    @intrinsic
+    def row_group(typingctx, acc, b, o, qg, qo, ns, so, dt, dto, dt_stride, nb, lut, accm, st):
+        return (types.void(acc, b, o, qg, qo, ns, so, dt, dto, dt_stride, nb, lut, accm, st),
+                _b32_row_group(kind))
+    return row_group
+
+
+rows_q8_0, rows_q4_0, rows_q5_0, rows_q4_1, rows_q5_1 = map(_b32_intrinsic, W32)
+
+
 def _add_picked(h, u, v, first, second):
     """shuffle(u, v, first) + shuffle(u, v, second) for two <8 x f32> (lane-wise adds: any lane order, exact)."""
     pick = lambda idx: h.b.shuffle_vector(u, v, ir.Constant(_V8I, list(idx)))
@@ -364,6 +487,50 @@ def _gemm_q6_k(raw, q, qp, d, dt, sums, sums16, bsums, out, lut, r0, r1):
         _mm_q6_k(raw, q[groups:], d[groups:], bsums[groups:], out[groups:], lut, r0, r1)
 
 
+@njit(inline="always")
+def _gemm_32(row_group, finish, row_kernel, raw, q, d, qg, ns, dt, s, st, out, lut, r0, r1, geometry):
+    """out[:, r0:r1] for a 32-element block format against Q8_0/Q8_1 activations q/d (qg, ns: group_layout's;
+    s, st: Q8_1's block sums, st transposed): groups of ROWS rows through row_group, the tail through qint's
+    row kernel."""
+    m, n = q.shape
+    nb, groups = n // geometry[0], m // ROWS * ROWS
+    acc, accm = np.empty(ROWS * 8, np.float32), np.empty(ROWS, np.float32)
+    for i in range(0, groups, ROWS):
+        for r in range(r0, r1):
+            acc[:] = 0.0
+            accm[:] = 0.0
+            row_group(acc, raw[r], 0, qg, i * n, ns, i * (n // 4), dt, i, m, nb, lut, accm, st)
+            finish(acc, accm, out, i * out.shape[1] + r, out.shape[1])
+    if groups < m:
+        row_kernel(raw, q[groups:], d[groups:], s[groups:], out[groups:], lut, r0, r1)
+
+
+# finish_q6_k adds nothing to the lanes' hsum (Q8_0, Q4_0, Q5_0); finish_q5_k adds one f32 per row (the summs)
+@njit(cache=True, nogil=True)
+def _gemm_q8_0(raw, q, d, qg, ns, dt, s, st, out, lut, r0, r1):
+    _gemm_32(rows_q8_0, finish_q6_k, _mm_q8_0, raw, q, d, qg, ns, dt, s, st, out, lut, r0, r1, GEOMETRY[Q8_0])
+
+
+@njit(cache=True, nogil=True)
+def _gemm_q4_0(raw, q, d, qg, ns, dt, s, st, out, lut, r0, r1):
+    _gemm_32(rows_q4_0, finish_q6_k, _mm_q4_0, raw, q, d, qg, ns, dt, s, st, out, lut, r0, r1, GEOMETRY[Q4_0])
+
+
+@njit(cache=True, nogil=True)
+def _gemm_q5_0(raw, q, d, qg, ns, dt, s, st, out, lut, r0, r1):
+    _gemm_32(rows_q5_0, finish_q6_k, _mm_q5_0, raw, q, d, qg, ns, dt, s, st, out, lut, r0, r1, GEOMETRY[Q5_0])
+
+
+@njit(cache=True, nogil=True)
+def _gemm_q4_1(raw, q, d, qg, ns, dt, s, st, out, lut, r0, r1):
+    _gemm_32(rows_q4_1, finish_q5_k, _mm_q4_1, raw, q, d, qg, ns, dt, s, st, out, lut, r0, r1, GEOMETRY[Q4_1])
+
+
+@njit(cache=True, nogil=True)
+def _gemm_q5_1(raw, q, d, qg, ns, dt, s, st, out, lut, r0, r1):
+    _gemm_32(rows_q5_1, finish_q5_k, _mm_q5_1, raw, q, d, qg, ns, dt, s, st, out, lut, r0, r1, GEOMETRY[Q5_1])
+
+
 KERNELS = kernels("gemm", globals())  # qtype -> its blocked GEMM, by the pipeline/kernels/formats.py row
 
 
@@ -372,9 +539,9 @@ def supports(qtype: int) -> bool:
 
 
 def matmul_t_many(weights, x: np.ndarray) -> list:
-    """[x @ W.T for (qtype, raw) in weights] (Q4_K/Q5_K/Q6_K), x f32 [m, n] quantized to Q8_K once; the same
-    bits as pipeline/kernels/qint.matmul_t_many. Every weight's rows are cut into pieces of PIECE_ROWS (a grid fixed by
-    its shape) that the threads take dynamically."""
+    """[x @ W.T for (qtype, raw) in weights] (the formats of KERNELS), x f32 [m, n] quantized once per partner
+    (Q8_0, Q8_1, Q8_K); the same bits as pipeline/kernels/qint.matmul_t_many. Every weight's rows are cut into
+    pieces of PIECE_ROWS (a grid fixed by its shape) that the threads take dynamically."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2:
         raise ValueError(f"qint_gemm: x must be [m, n_cols], got shape {x.shape}")
@@ -382,23 +549,30 @@ def matmul_t_many(weights, x: np.ndarray) -> list:
         if int(qtype) not in KERNELS:
             raise ValueError(f"qint_gemm: no blocked integer kernel for ggml type {qtype}")
         _check(qtype, raw, x.shape[1])
-    q, d, sums = quantize_activations(PARTNER[Q4_K], x)
-    dt, sums16 = np.ascontiguousarray(d.T), sums.astype(np.int16)  # |a 32-element sum| <= 32 * 128: exact
-    bsums = np.empty((x.shape[0], x.shape[1] // 16), np.int32)  # Q6_K's offset reads the 16-element sums
-    if any(int(qtype) == Q6_K for qtype, _ in weights):
-        _bsums(q, bsums)
-    qp = pair_order(q) if VNNI else q
+    acts = {}  # partner -> the activation arrays its kernels take after raw
+    for partner in sorted({PARTNER[int(qtype)] for qtype, _ in weights}):
+        q, d, extra = quantize_activations(partner, x)
+        dt = np.ascontiguousarray(d.T)  # a block's rows side by side
+        if partner != Q8_K_PARTNER:
+            s = extra if extra is not None else np.zeros((x.shape[0], 1), np.float32)
+            acts[partner] = (q, d, *group_layout(q), dt, s, np.ascontiguousarray(s.T) if extra is not None else s)
+            continue
+        sums16 = extra.astype(np.int16)  # |a 32-element sum| <= 32 * 128: exact
+        bsums = np.empty((x.shape[0], x.shape[1] // 16), np.int32)  # Q6_K's offset reads the 16-element sums
+        if any(int(qtype) == Q6_K for qtype, _ in weights):
+            _bsums(q, bsums)
+        acts[partner] = (q, pair_order(q) if VNNI else q, d, dt, extra, sums16, bsums)
     outs, pieces = [], []
     for qtype, raw in weights:
         raw = np.ascontiguousarray(raw)
         out = np.empty((x.shape[0], raw.shape[0]), np.float32)
-        pieces += [(KERNELS[int(qtype)], raw, out, r0, min(raw.shape[0], r0 + PIECE_ROWS))
+        pieces += [(KERNELS[int(qtype)], raw, acts[PARTNER[int(qtype)]], out, r0, min(raw.shape[0], r0 + PIECE_ROWS))
                    for r0 in range(0, raw.shape[0], PIECE_ROWS)]
         outs.append(out)
 
     def piece(i):
-        kernel, raw, out, r0, r1 = pieces[i]
-        kernel(raw, q, qp, d, dt, sums, sums16, bsums, out, HALF_TO_FLOAT, r0, r1)
+        kernel, raw, args, out, r0, r1 = pieces[i]
+        kernel(raw, *args, out, HALF_TO_FLOAT, r0, r1)
 
     run_dynamic(len(pieces), piece)
     return outs

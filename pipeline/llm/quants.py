@@ -81,8 +81,9 @@ class FrozenWeight:
     bit), and any number of rows (prefill) through Q4_K/Q5_K/Q6_K: from
     TILE_MIN_ROWS rows the tiled GEMM (pipeline/kernels/qtile.py, tiles packed at first use and kept; `tiled = False`
     turns it off; Q2_K, Q3_K and IQ4_XS too), fewer rows the register-blocked GEMM (pipeline/kernels/qint_gemm.py),
-    both measured faster than the tiled f32 GEMM; the other formats' prefill stays on the tiled f32 GEMM. A forward with
-    gradients on keeps f32 activations (the training contract). `llama_numerics` (parity runs) takes the
+    both measured faster than the tiled f32 GEMM; through Q8_0/Q4_0/Q5_0 the register-blocked GEMM; the other
+    formats' prefill (f32_prompt in pipeline/kernels/formats.py, or no blocked GEMM) stays on the tiled f32 GEMM.
+    A forward with gradients on keeps f32 activations (the training contract). `llama_numerics` (parity runs) takes the
     integer path for every block format at any row count.
     """
 
@@ -137,7 +138,8 @@ class FrozenWeight:
         supports, gemm_supports, tile_supports, grad_enabled = _INTEGER or _integer_kernels()
         if not supports(self.format.qtype):
             return False
-        fast = (rows <= self.INTEGER_MAX_ROWS or gemm_supports(self.format.qtype)
+        fast = (rows <= self.INTEGER_MAX_ROWS
+                or (gemm_supports(self.format.qtype) and not _formats.BY_QTYPE[self.format.qtype].f32_prompt)
                 or (self.tiled and rows >= self.TILE_MIN_ROWS and tile_supports(self.format.qtype)))
         return self.llama_numerics or (self.integer_dot and fast and not grad_enabled())
 

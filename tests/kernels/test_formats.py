@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from pipeline.kernels import dequant, formats, qdot, qint, qint_gemm, qtile, quantize
-from pipeline.kernels.formats import FORMATS, PARTNER_BLOCK, Q8_K_PARTNER
+from pipeline.kernels.formats import FORMATS, PARTNER_BLOCK
 
 ROWS = 3
 
@@ -52,7 +52,8 @@ def test_every_dispatch_table_is_the_tables():
     assert set(qdot.MATVEC) == has("dot")
     assert set(qint.KERNELS) == has("idot") == set(qint.PARTNER) == set(qint.NEEDS)
     assert set(qint_gemm.KERNELS) == has("gemm")
-    assert all(formats.BY_QTYPE[q].partner == Q8_K_PARTNER for q in qint_gemm.KERNELS)
+    assert all(formats.BY_QTYPE[q].partner for q in qint_gemm.KERNELS)  # a blocked GEMM has row kernels beside it
+    assert all(f.gemm for f in FORMATS if f.f32_prompt)  # f32_prompt only says where the default mode skips one
     assert set(qtile.KINDS) == {f.qtype for f in FORMATS if f.tile_kind >= 0}
     assert set(quantize.BLOCK) == {f.quantize for f in FORMATS if f.quantize}
     assert all(qint.supports(f.qtype) == bool(f.partner) for f in FORMATS)

@@ -67,20 +67,24 @@ def _row(qtype, name, block, block_bytes, layout, d_at=-1, dmin_at=-1, partner="
                   f32_prompt)
 
 
-# f32_prompt on Q4_1/Q5_1: the real SmolLM2 Q4_1's prompt is exact on f32 activations (KL 0 to the dequantized
-# model) and 2.9e-3 on Q8_1 ones (llama.cpp: 3.0e-3) for 2-11% less CPU (docs/BENCHMARKS.md, 2026-12-07)
+# f32_prompt on the 32-element formats: their blocked GEMM serves --llama-numerics; the default mode's prompts stay
+# on f32 activations. Measured 2026-12-07 (docs/BENCHMARKS.md): the real SmolLM2 Q4_1's prompt is exact there (KL 0
+# to the dequantized model, 2.9e-3 on Q8_1 ones; llama.cpp 3.0e-3) for 2-11% more CPU; Gemma 3's Q5_0/Q8_0 prompt
+# KL 3.5e-3 vs 4.6e-3 on Q8_0 ones (llama.cpp 5.4e-3) for a gain inside the noise (Qwen3-0.6B-shaped Q8_0: 17% at
+# 64 rows). f32 prompts also keep a no-grad forward (fine-tune evaluation, ES's lock-step members) on the training
+# forward's arithmetic, as tests/es and tests/llm expect on the Q8_0 fixture.
 FORMATS = (
     _row(0, "F32", 1, 4, "f32", kernels=False),
     _row(1, "F16", 1, 2, "f16 (its tile kernels take 32-column groups)"),
     _row(30, "BF16", 1, 2, "bf16: the high halves of f32s (32-column groups)"),
     _row(8, "Q8_0", 32, 34, "d fp16 | qs int8[32]; x = d * q", 0, partner=Q8_0_PARTNER, gemm=True,
-         quantize=True),
+         quantize=True, f32_prompt=True),
     _row(2, "Q4_0", 32, 18, "d fp16 | qs u8[16] nibbles (values j, j + 16); x = d * (q - 8)", 0, partner=Q8_0_PARTNER,
-         gemm=True, quantize=True),
+         gemm=True, quantize=True, f32_prompt=True),
     _row(3, "Q4_1", 32, 20, "d fp16 | m fp16 | qs u8[16]; x = d * q + m", 0, 2, partner=Q8_1_PARTNER,
          gemm=True, quantize=True, f32_prompt=True),
     _row(6, "Q5_0", 32, 22, "d fp16 | qh u32 (bit 4 of q) | qs u8[16]; x = d * (q - 16)", 0,
-         partner=Q8_0_PARTNER, gemm=True, quantize=True),
+         partner=Q8_0_PARTNER, gemm=True, quantize=True, f32_prompt=True),
     _row(7, "Q5_1", 32, 24, "d fp16 | m fp16 | qh u32 | qs u8[16]; x = d * q + m", 0, 2, partner=Q8_1_PARTNER,
          gemm=True, quantize=True, f32_prompt=True),
     _row(10, "Q2_K", 256, 84, "scales u8[16] (4-bit scale | 4-bit min) | qs u8[64] | d fp16 | dmin fp16", 80, 82,

@@ -327,9 +327,7 @@ def test_frozen_weight_takes_the_integer_path_only_without_gradients():
         np.testing.assert_array_equal(fw.matmul_t(many), np.repeat(integer, 3, axis=0))
         np.testing.assert_array_equal(matmul_t_many([fw, fw], many)[0], np.repeat(integer, 3, axis=0))
         q8 = FrozenWeight(FORMATS[QT.Q8_0], random_blocks(QT.Q8_0, 48, 256, seed=9), (48, 256), "q8")
-        q41 = FrozenWeight(FORMATS[QT.Q4_1], random_blocks(QT.Q4_1, 48, 256, seed=9), (48, 256), "q41")
-        assert q8.uses_integer_dot(4) and q8.uses_integer_dot(9)  # Q8_0's blocked GEMM
-        assert q41.uses_integer_dot(4) and not q41.uses_integer_dot(9)  # f32_prompt: the f32 GEMM for a prompt
+        assert q8.uses_integer_dot(4) and not q8.uses_integer_dot(9)  # f32_prompt: the f32 GEMM for a prompt
         fw.integer_dot = False
         np.testing.assert_array_equal(fw.matmul_t(many), qgemm.matmul_t(int(QT.Q4_K), raw, many, (48, 256)))
         fw.llama_numerics = True  # vec_dot's bits below 8 rows, llama.cpp's tiled AVX2 GEMM's from 8 (9 here)

@@ -100,15 +100,15 @@ def test_bad_input_is_refused():
 @pytest.mark.parametrize("n", [1, 3, 6, 16])
 def test_groups_in_one_integer_call_equal_group_by_group(n):
     """quants.matmul_t_groups stacks the groups' rows into one integer call (ES members, lock-step decode):
-    bitwise the per-group calls, for decode-sized and prefill-sized groups (16: Q4_K's tiles), K-quants, Q8_0
-    (its blocked GEMM) and Q4_1 (integer for decode rows, the f32 tiles for prompts: its f32_prompt row)."""
+    bitwise the per-group calls, for decode-sized and prefill-sized groups (16: Q4_K's tiles), K-quants, and
+    Q8_0 / Q4_1 (integer for decode rows, the f32 tiles for prompts: their f32_prompt rows)."""
     from pipeline.autograd import no_grad
     from pipeline.llm.quants import FORMATS, FrozenWeight, matmul_t_groups, matmul_t_many
     for qt in (QT.Q4_K, QT.Q8_0, QT.Q4_1):
         weights = [FrozenWeight(FORMATS[qt], random_blocks(qt, rows, 256, seed=rows), (rows, 256)) for rows in (24, 40)]
         x3 = np.random.default_rng(n).standard_normal((5, n, 256)).astype(np.float32)
         with no_grad():
-            assert all(w.uses_integer_dot(n) for w in weights) == (qt != QT.Q4_1 or n <= 4)
+            assert all(w.uses_integer_dot(n) for w in weights) == (qt == QT.Q4_K or n <= 4)
             got = matmul_t_groups(weights, x3)
             for j in range(len(x3)):
                 for y, want in zip(got, matmul_t_many(weights, x3[j])):

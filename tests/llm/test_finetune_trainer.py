@@ -133,10 +133,9 @@ def test_zero_b_is_the_base_and_frozen_base_gets_no_gradient():
         assert (np.abs(p.grad).sum() == 0) == n.endswith("lora_a"), n
 
 
-def test_quantized_base_trains_and_stays_untouched(monkeypatch):
+def test_quantized_base_trains_and_stays_untouched():
     from gguf import GGMLQuantizationType as QT, quantize
     from pipeline.llm.quants import FORMATS, FrozenWeight
-    monkeypatch.setattr(FrozenWeight, "integer_dot", False)  # eval on f32 activations (a Q8_0 prompt: integer)
     cfg = Qwen3Config(vocab_size=64, hidden=64, layers=1, heads=2, kv_heads=1, head_dim=32, ffn=64)
     model = random_model(cfg, seed=4)
     blk = model.blocks[0]

@@ -194,13 +194,13 @@ class _progress:
             return
         from ..runtime.peak import share_text
         loss = "-" if record.get("loss") is None else f"{record['loss']:.4f}"  # every micro-batch skipped
-        info = (f"loss {loss}  lr {record['lr']:.2e}  |g| {record['grad_norm']:.3f}  "
-                f"{record.get('tokens_per_s', 0):.0f} tok/s")
+        info = f"loss {loss}  "
+        if record.get("eval") is not None:  # beside the loss: a narrow terminal cuts the line's end, never these
+            info += f"{record.get('eval_name') or 'eval'} {record['eval']:.4f}  "
+        info += f"lr {record['lr']:.2e}  |g| {record['grad_norm']:.3f}  {record.get('tokens_per_s', 0):.0f} tok/s"
         share = share_text(record.get("gflop_per_s"), self.peak)
         if share:
             info += f" ({share})"
-        if record.get("eval") is not None:
-            info += f"  {record.get('eval_name') or 'eval'} {record['eval']:.4f}"
         self.bar.update(self.task, completed=record["step"], info=info)
 
     @staticmethod

@@ -22,6 +22,7 @@ import os
 import numpy as np
 
 from pipeline.kernels import rng
+from pipeline.kernels.workpool import single_thread_blas
 
 from ..autograd.losses import cross_entropy
 from ..autograd.tensor import no_grad
@@ -129,10 +130,11 @@ class LM(Job):
     # --- compute --------------------------------------------------------------------
     def micro_grad(self, model, batch, grads):
         tokens = batch["tokens"]
-        logits = model(tokens[:, :-1])
         scale = np.float32(1.0 / (self.spec.batch * self.spec.seq))
-        loss = cross_entropy(logits, tokens[:, 1:], reduction="sum") * scale
-        loss.backward()
+        with single_thread_blas():  # one threadpoolctl round trip per micro-batch, not one per op
+            logits = model(tokens[:, :-1])
+            loss = cross_entropy(logits, tokens[:, 1:], reduction="sum") * scale
+            loss.backward()
         zero_copy_grads(model, grads)
         return float(loss.data), len(tokens)
 

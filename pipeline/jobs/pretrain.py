@@ -32,6 +32,7 @@ import ml_dtypes
 import numpy as np
 
 from pipeline.kernels import rng
+from pipeline.kernels.workpool import single_thread_blas
 
 from ..autograd.losses import cross_entropy
 from ..autograd.tensor import no_grad
@@ -224,7 +225,7 @@ class Pretrain(Job):
         t = int(batch["window"][0])
         rows = self.micro_tokens() // t
         tokens = batch["tokens"][: rows * (t + 1)].reshape(rows, t + 1)
-        with bf16_hidden_matrices(model, self.spec.bf16):
+        with single_thread_blas(), bf16_hidden_matrices(model, self.spec.bf16):  # one threadpoolctl trip, not per op
             logits = model(tokens[:, :-1])
             loss = cross_entropy(logits, tokens[:, 1:], reduction="sum") * np.float32(1.0 / self.batch_tokens)
             loss.backward()

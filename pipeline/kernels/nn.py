@@ -160,13 +160,19 @@ def rms_norm_backward(g, x, w, rstd, need_weight_grad=True):
         _rms_norm_bwd(g, x, w, rstd, gx, partial)
     else:
         _split_chunks(nchunks, x.size, lambda c0, c1: _rms_norm_bwd_span(g, x, w, rstd, gx, partial, c0, c1))
-    gw = None
-    if need_weight_grad:
-        gw = np.zeros(x.shape[1], np.float64)
-        for c in range(nchunks):  # serial, chunk order
-            gw += partial[c]
-        gw = gw.astype(np.float32)
+    gw = _sum_chunks(partial).astype(np.float32) if need_weight_grad else None
     return gx.astype(np.float32, copy=False), gw
+
+
+@njit(cache=True, nogil=True)
+def _sum_chunks(partial):
+    """partial [nchunks, D] float64 summed over the chunks serially in chunk order: the bits of a Python loop
+    `gw += partial[c]`, without its ~1.5 us per chunk (64 chunks for the lm shape's q/k norms)."""
+    gw = np.zeros(partial.shape[1], np.float64)
+    for c in range(partial.shape[0]):
+        for j in range(partial.shape[1]):
+            gw[j] += partial[c, j]
+    return gw
 
 
 # --- dropout -------------------------------------------------------------------------
@@ -491,6 +497,7 @@ def rope_rotate(x, cos, sin):
 # thread count (the same scheme as pipeline/kernels/qgemm.py for quantized weights).
 TILED_MIN_FLOPS = 1 << 27  # below ~0.1 GFLOP one call on the calling thread is cheaper
 N_TILES = 16               # tiles per product: enough to balance 2-4 threads
+NN_TILE = 512              # matmul_nn: tile width along the cut side (measured within ~5% of one BLAS call)
 
 
 def _tile_width(n, unit=256):
@@ -548,19 +555,33 @@ def matmul_nt_each(xs: list, b):
     return outs
 
 
+def _even_width(side, unit=64):
+    """Tile width along a product's longer output side: ~NN_TILE wide pieces, at least 2 (a second core takes
+    one) and at most N_TILES, each a multiple of unit; from the side alone."""
+    tiles = min(N_TILES, max(2, side // NN_TILE))
+    return -(-side // (tiles * unit)) * unit
+
+
 def matmul_nn(a, b):
-    """a [M, K] @ b for b [K, N] (float32) -> [M, N]: tiles over b's columns."""
+    """a [M, K] @ b for b [K, N] (float32) -> [M, N]: tiles across the longer output side (a's rows when
+    M >= N, b's columns otherwise), ~NN_TILE wide and even: a tile repacks the operand it does not cut, and a
+    ragged 256 + 128 cut of a 384-wide side cost 5-12% on one core (docs/BENCHMARKS.md, 2026-12-07)."""
     a = _check_gemm("matmul_nn", a, b, 1, 0)
     m, n = a.shape[0], b.shape[1]
     if 2 * m * n * a.shape[1] < TILED_MIN_FLOPS:
         with single_thread_blas():
             return a @ b
-    width = _tile_width(n)
     out = np.empty((m, n), np.float32)
+    rows = m >= n
+    side = m if rows else n
+    width = _even_width(side)
 
     def tile(i):
-        c0, c1 = i * width, min(n, (i + 1) * width)
-        gemm(a, b[:, c0:c1], out[:, c0:c1])
+        e0, e1 = i * width, min(side, (i + 1) * width)
+        if rows:
+            gemm(a[e0:e1], b, out[e0:e1])
+        else:
+            gemm(a, b[:, e0:e1], out[:, e0:e1])
 
-    run_tiles(-(-n // width), tile)
+    run_tiles(-(-side // width), tile)
     return out

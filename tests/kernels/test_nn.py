@@ -67,6 +67,20 @@ def test_rms_norm_thread_count_bitwise(big):
         np.testing.assert_array_equal(a, b)
 
 
+def test_rms_norm_weight_grad_sums_chunks_in_order(big):
+    """The weight gradient's per-chunk partials are summed in chunk order in float64: the bits of the plain loop."""
+    x, w = big
+    g = np.random.default_rng(2).standard_normal(x.shape).astype(np.float32)
+    _, rstd = nn.rms_norm_forward(x, w, 1e-6)
+    _, gw = nn.rms_norm_backward(g, x, w, rstd)
+    partial = np.empty((-(-x.shape[0] // nn.ROW_CHUNK), x.shape[1]), np.float64)
+    nn._rms_norm_bwd(g, x, w, rstd, np.empty_like(x), partial)
+    loop = np.zeros(x.shape[1], np.float64)
+    for row in partial:
+        loop += row
+    np.testing.assert_array_equal(gw, loop.astype(np.float32))
+
+
 def test_dropout_matches_rng_reference():
     x = np.random.default_rng(3).standard_normal((400, 300)).astype(np.float32)
     out = nn.dropout_apply(99, x, 0.1)
@@ -244,7 +258,8 @@ def test_tiled_gemms_match_numpy(gemm_case):
 def test_tiled_gemms_thread_count_bitwise(gemm_case):
     a, b = gemm_case
     g = a @ b.T
-    run = lambda: (nn.matmul_nt(a, b), nn.matmul_nn(g, b))
+    assert g.T.shape[0] > a.shape[1] and g.shape[0] < b.shape[1]  # matmul_nn cuts a's rows, then b's columns
+    run = lambda: (nn.matmul_nt(a, b), nn.matmul_nn(g, b), nn.matmul_nn(g.T, a))
     for x, y in zip(with_threads(1, run), with_threads(2, run)):
         np.testing.assert_array_equal(x, y)
 

@@ -1,0 +1,26 @@
+"""qgemm.matmul_t_groups' shared call: one BLAS call per tile over every ES member's rows gives each member the
+bits of its own call (where shared_call's probe says so), so batched members keep the same-bits contract."""
+import numpy as np
+import pytest
+
+from pipeline.kernels import qgemm
+
+
+@pytest.mark.parametrize("shape,groups,n", [((576, 576), 8, 51), ((192, 576), 4, 51), ((96, 64), 3, 5),
+                                            ((576, 1536), 2, 300)])
+def test_groups_equal_each_group_alone(shape, groups, n):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal(shape, dtype=np.float32)
+    x3 = rng.standard_normal((groups, n, shape[1]), dtype=np.float32)
+    got = qgemm.matmul_t_groups([(qgemm.F32, w, shape)], x3)[0]
+    for j in range(groups):
+        np.testing.assert_array_equal(got[j], qgemm.matmul_t_many([(qgemm.F32, w, shape)], x3[j])[0])
+
+
+def test_the_shared_call_is_taken_on_smollm2_shapes():
+    """The SmolLM2-135M tile shapes with ~51 rows per member take the shared call (what the speed-up needs);
+    a tiny product stays one call per group (OpenBLAS's small-matrix kernels sum differently)."""
+    rows = qgemm.row_tile((576, 576))
+    assert qgemm.shared_call(True, rows, 576, 51, 8)
+    assert not qgemm.shared_call(True, 16, 64, 3, 4)
+    assert not qgemm.shared_call(True, rows, 576, 51, 1)

@@ -49,28 +49,35 @@ class LowRankES(ESTrainer):
                                 f"{getattr(arr, 'dtype', type(arr).__name__)} {getattr(arr, 'shape', ())}")
         return super().add_param(param, name)
 
-    def _raw(self, keys_row, slot_index):
-        """(A [out, r], B [in, r]) float32 of one draw's stream key for one slot."""
-        out_dim, in_dim = self._slots[slot_index].shape
+    def _draws(self, keys) -> list:
+        """Per draw (a row of stream keys), per slot (A [out, r], B [in, r]) float32: every draw's factors of
+        every slot in ONE noise pass (es_noise.materialize of 0 + 1 * eps: the stream values themselves)."""
         r = self.rank
-        eps = es_noise.gaussian_fill_fast(int(keys_row[slot_index]), np.empty((out_dim + in_dim) * r, np.float32))
-        return eps[:out_dim * r].reshape(out_dim, r), eps[out_dim * r:].reshape(in_dim, r)
+        sizes = np.array([(o + i) * r for o, i in (s.shape for s in self._slots)], np.int64)
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        eps = np.empty((len(keys), int(sizes.sum())), np.float32)
+        es_noise.materialize(keys, np.ones(len(keys), np.float32), np.zeros(eps.shape[1], np.float32), offsets,
+                             sizes, eps)
+        out = []
+        for row in eps:
+            per = []
+            for slot, off in zip(self._slots, offsets):
+                o, i = slot.shape
+                per.append((row[off:off + o * r].reshape(o, r), row[off + o * r:off + (o + i) * r].reshape(i, r)))
+            out.append(per)
+        return out
 
     def member_factors(self, members) -> dict:
         """{slot name: (bt [k, r, in], a [k, out, r])} of members: member j's term in its rows is
         (x @ bt[j].T) @ a[j].T, a carrying sign * f32(sigma / sqrt(r))."""
         members = [int(m) for m in members]
         keys, scales = self._keys(members)
+        draws = self._draws(keys)
         scale = np.float32(self.config.sigma / np.sqrt(self.rank))
         factors = {}
         for s, slot in enumerate(self._slots):
-            out_dim, in_dim = slot.shape
-            bt = np.empty((len(members), self.rank, in_dim), np.float32)
-            a = np.empty((len(members), out_dim, self.rank), np.float32)
-            for j, sign in enumerate(scales):
-                a_raw, b_raw = self._raw(keys[j], s)
-                bt[j] = b_raw.T
-                a[j] = a_raw * (scale if sign > 0 else -scale)
+            bt = np.stack([draws[j][s][1].T for j in range(len(members))])
+            a = np.stack([draws[j][s][0] * (scale if sign > 0 else -scale) for j, sign in enumerate(scales)])
             factors[slot.name] = (bt, a)
         return factors
 
@@ -79,8 +86,7 @@ class LowRankES(ESTrainer):
         compare the batched term with; perturb/restore use it)."""
         keys, scales = self._keys([member])
         out = {}
-        for s, slot in enumerate(self._slots):
-            a_raw, b_raw = self._raw(keys[0], s)
+        for slot, (a_raw, b_raw) in zip(self._slots, self._draws(keys)[0]):
             out[slot.name] = (a_raw @ b_raw.T) * np.float32(scales[0] / np.sqrt(self.rank))
         return out
 
@@ -101,13 +107,14 @@ class LowRankES(ESTrainer):
         keys = es_streams.draw_keys(cfg.seed, self.iteration, range(len(coeffs)), len(self._slots), cfg.noise)
         c = (coeffs / np.sqrt(self.rank)).astype(np.float32)
         sq = 0.0
+        draws = self._draws(keys)
         with single_thread_blas():
             for s, slot in enumerate(self._slots):
                 out_dim, in_dim = slot.shape
                 a_all = np.empty((out_dim, len(c) * self.rank), np.float32)
                 b_all = np.empty((in_dim, len(c) * self.rank), np.float32)
                 for d in range(len(c)):
-                    a_raw, b_raw = self._raw(keys[d], s)
+                    a_raw, b_raw = draws[d][s]
                     a_all[:, d * self.rank:(d + 1) * self.rank] = a_raw * c[d]
                     b_all[:, d * self.rank:(d + 1) * self.rank] = b_raw
                 delta = np.float32(cfg.alpha) * ((a_all @ b_all.T) / np.float32(cfg.population))

@@ -194,8 +194,8 @@ class ESFinetuneSpec(_ModelAndData):
     anchor_lambda: float = field(0.0, "anchored decay strength lambda (shrink = alpha*lambda)")
     seq_max: int = field(256, "truncate samples to this many input tokens")
     member_batch: int = field(0, "score K members per pass as one batch through the frozen weights (any reward: "
-                                 "generation rewards decode in lock-step; LoRA search; the same bits as one at a "
-                                 "time); 0 = one member at a time", metavar="K")
+                                 "generation rewards decode in lock-step; LoRA or lowrank search; the same bits as "
+                                 "one at a time); 0 = one member at a time", metavar="K")
     max_new_tokens: int = field(48, "greedy tokens generated per answer: the BEFORE/AFTER answers and every "
                                     "generation reward")
     load: str = field("", "resume from a checkpoint (adapters, iteration, loader position; its ES settings win over "

@@ -141,10 +141,12 @@ def matmul_t_groups(weights, x3: np.ndarray) -> list:
     dequantized ONCE for all groups, with every group's bits those of matmul_t_many's call for it alone.
     What the groups share is the dequantization and the streaming of W (ES members scoring the same rows,
     rows decoding in lock-step), and, where `shared_call` finds that BLAS gives each group's rows the same
-    bits inside one call over all groups (its general GEMM path), the call itself: one GEMM per tile at the
-    plain forward's efficiency instead of one per group (~51-row calls ran at ~105 against ~128 GFLOP/s)."""
+    bits inside one call over all groups (its general GEMM path), the call itself, in the layout
+    matmul_t_many picks for that many rows: one GEMM per tile at the plain forward's efficiency instead of one
+    per group (~51-row calls ran at ~105 against ~128 GFLOP/s)."""
     groups, n, n_in = x3.shape
     transposed = n < TRANSPOSE_BELOW_ROWS
+    every_transposed = groups * n < TRANSPOSE_BELOW_ROWS
     tiles, outs = [], []
     for qtype, raw, shape in weights:
         if shape[1] != n_in:
@@ -155,9 +157,9 @@ def matmul_t_groups(weights, x3: np.ndarray) -> list:
         rows = row_tile(shape)
         tiles += [(qtype, raw, r0, min(shape[0], r0 + rows), out) for r0 in range(0, shape[0], rows)]
         outs.append(out)
-    shared = {r: shared_call(transposed, r, n_in, n, groups) for r in {r1 - r0 for _, _, r0, r1, _ in tiles}}
+    shared = {r: shared_call(r, n_in, n, groups) for r in {r1 - r0 for _, _, r0, r1, _ in tiles}}
     flat = np.ascontiguousarray(x3, dtype=np.float32).reshape(groups * n, n_in)
-    xt = np.ascontiguousarray(flat.T) if transposed and any(shared.values()) else None
+    xt = np.ascontiguousarray(flat.T) if every_transposed and any(shared.values()) else None
     xs = [] if all(shared.values()) else [np.ascontiguousarray(x3[j].T if transposed else x3[j], dtype=np.float32)
                                           for j in range(groups)]
 
@@ -165,7 +167,7 @@ def matmul_t_groups(weights, x3: np.ndarray) -> list:
         qtype, raw, r0, r1, out = tiles[i]
         w = _tile_rows(qtype, raw, r0, r1, n_in)
         if shared[r1 - r0]:  # one call over every group's rows: each group's bits, as alone (probed)
-            if transposed:
+            if every_transposed:
                 prod = gemm(w, xt, _buffer((r1 - r0) * groups * n, "product").reshape(r1 - r0, -1))
                 out[:, :, r0:r1] = prod.reshape(r1 - r0, groups, n).transpose(1, 2, 0)
             else:
@@ -181,19 +183,27 @@ def matmul_t_groups(weights, x3: np.ndarray) -> list:
     return outs
 
 
-_SHARED = {}  # (transposed, tile rows, n_in, rows per group, groups) -> shared_call's answer
+_SHARED = {}  # (tile rows, n_in, rows per group, groups) -> shared_call's answer
 
 
-def shared_call(transposed: bool, rows: int, n_in: int, n: int, groups: int) -> bool:
-    """Whether ONE BLAS call over `groups` groups of n rows gives every group's rows the bits of the group's
-    own call (matmul_t_groups' tile shapes, W tile [rows, n_in]); probed once per shape on random operands.
+def _product(w, x):
+    """x @ w.T in matmul_t_many's layout for len(x) rows (W @ x.T below TRANSPOSE_BELOW_ROWS), one BLAS call."""
+    if len(x) < TRANSPOSE_BELOW_ROWS:
+        return gemm(w, np.ascontiguousarray(x.T), np.empty((len(w), len(x)), np.float32)).T
+    return gemm(x, w.T, np.empty((len(x), len(w)), np.float32))
 
-    Why a probe and not a rule: OpenBLAS computes each output element the same way wherever its row sits on
-    its general GEMM path, but small products (measured: M*N*K below ~0.6-1e6 on SkylakeX kernels) and single
-    rows take other kernels with other summation orders. Which path a call takes depends on the shapes (and
-    the library), never on the values, so one comparison per shape decides it for every operand of that
-    shape, on whatever BLAS is loaded; a mismatch keeps one call per group."""
-    key = (transposed, rows, n_in, n, groups)
+
+def shared_call(rows: int, n_in: int, n: int, groups: int) -> bool:
+    """Whether ONE BLAS call over `groups` groups of n rows (in matmul_t_many's layout for groups * n rows) gives
+    every group's rows the bits of the group's own call (its layout for n rows), for a W tile [rows, n_in];
+    probed once per shape on random operands.
+
+    Why a probe and not a rule: OpenBLAS computes each output element the same way wherever its row sits, and
+    in either operand order, on its general GEMM path, but small products (measured: M*N*K below ~0.6-1e6 on
+    its SkylakeX kernels) and single rows take other kernels with other summation orders. Which path a call
+    takes depends on the shapes (and the library), never on the values, so one comparison per shape decides
+    it for every operand of that shape, on whatever BLAS is loaded; a mismatch keeps one call per group."""
+    key = (rows, n_in, n, groups)
     if groups < 2:
         return False
     if key not in _SHARED:
@@ -202,17 +212,9 @@ def shared_call(transposed: bool, rows: int, n_in: int, n: int, groups: int) -> 
         w = rng.standard_normal((rows, n_in), dtype=np.float32)
         x = rng.standard_normal((groups * n, n_in), dtype=np.float32)
         with single_thread_blas():
-            if transposed:
-                every = gemm(w, np.ascontiguousarray(x.T), np.empty((rows, groups * n), np.float32))
-                alone = [gemm(w, np.ascontiguousarray(x[j * n:(j + 1) * n].T), np.empty((rows, n), np.float32))
-                         for j in range(groups)]
-                same = all(np.array_equal(every[:, j * n:(j + 1) * n], a) for j, a in enumerate(alone))
-            else:
-                every = gemm(x, w.T, np.empty((groups * n, rows), np.float32))
-                same = all(np.array_equal(every[j * n:(j + 1) * n], gemm(x[j * n:(j + 1) * n], w.T,
-                                                                         np.empty((n, rows), np.float32)))
-                           for j in range(groups))
-        _SHARED[key] = same
+            every = _product(w, x)
+            _SHARED[key] = all(np.array_equal(every[j * n:(j + 1) * n], _product(w, x[j * n:(j + 1) * n]))
+                               for j in range(groups))
     return _SHARED[key]
 
 

@@ -7,7 +7,7 @@ from pipeline.kernels import qgemm
 
 
 @pytest.mark.parametrize("shape,groups,n", [((576, 576), 8, 51), ((192, 576), 4, 51), ((96, 64), 3, 5),
-                                            ((576, 1536), 2, 300)])
+                                            ((576, 1536), 2, 300), ((1536, 576), 16, 30)])
 def test_groups_equal_each_group_alone(shape, groups, n):
     rng = np.random.default_rng(1)
     w = rng.standard_normal(shape, dtype=np.float32)
@@ -21,6 +21,7 @@ def test_the_shared_call_is_taken_on_smollm2_shapes():
     """The SmolLM2-135M tile shapes with ~51 rows per member take the shared call (what the speed-up needs);
     a tiny product stays one call per group (OpenBLAS's small-matrix kernels sum differently)."""
     rows = qgemm.row_tile((576, 576))
-    assert qgemm.shared_call(True, rows, 576, 51, 8)
-    assert not qgemm.shared_call(True, 16, 64, 3, 4)
-    assert not qgemm.shared_call(True, rows, 576, 51, 1)
+    assert qgemm.shared_call(rows, 576, 51, 8)  # one x @ W.T call over 408 rows, each member's W @ x.T bits
+    assert qgemm.shared_call(rows, 576, 51, 4)  # 204 rows: one W @ x.T call
+    assert not qgemm.shared_call(16, 64, 3, 4)
+    assert not qgemm.shared_call(rows, 576, 51, 1)

@@ -2,20 +2,19 @@
 
 Member m's rows carry m's adapters. Each frozen weight is read (and, quantized,
 dequantized) ONCE per pass for all k members (pipeline/llm/quants.py's
-matmul_t_groups): every tile, once dequantized, is multiplied by each member's
-rows with exactly the BLAS call the member alone would have made, and the
-fused decode matvec computes every row alone anyway. That is the price of
-bit-identity: OpenBLAS's per-row results depend on how many rows a call has
-(measured: x[:n] @ W.T differs from the first n rows of x @ W.T at every shape
-we tried), so one GEMM over all k x T rows would give different bits from
-scoring a member alone. Then each member's LoRA delta
+matmul_t_groups): every tile, once dequantized, is multiplied by all members'
+rows in one BLAS call where a once-per-shape probe shows BLAS gives each
+member's rows the bits of its own call (OpenBLAS's general GEMM path), else by
+each member's rows with exactly the call the member alone would have made (its
+small-matrix kernels sum in another order); the fused decode matvec computes
+every row alone anyway. Then each member's LoRA delta
 scale * (x_m @ A_m.T) @ B_m.T is added to its own rows, all members' deltas in two
 stacked np.matmul calls (llm.lora.lora_forward_stacked: per entry the 2-D product's BLAS call). Everything else is per
 row or per batch entry, so a member's reward has the same bits as scoring it
 alone with its perturbation applied in place (tested bitwise for several batch
 splits and worker counts). What the batch saves: the dequantization of every
-tile (k times -> once), the weight streaming from memory, and the per-call
-Python and graph overhead.
+tile (k times -> once), the weight streaming from memory, the per-member BLAS
+calls where the probe allows, and the per-call Python and graph overhead.
 
 Two rewards, two forwards, one definition of the model each:
   * NLL (teacher-forced): the LoraModel's own forward (`LoraModel.block`, its

@@ -183,7 +183,7 @@ def matmul_t_groups(weights, x3: np.ndarray) -> list:
     return outs
 
 
-_SHARED = {}  # (tile rows, n_in, rows per group, groups) -> shared_call's answer
+_SHARED = {}  # (tile rows, n_in, rows per group, groups, layout) -> shared_call's answer
 
 
 def _product(w, x):
@@ -193,17 +193,23 @@ def _product(w, x):
     return gemm(x, w.T, np.empty((len(x), len(w)), np.float32))
 
 
-def shared_call(rows: int, n_in: int, n: int, groups: int) -> bool:
-    """Whether ONE BLAS call over `groups` groups of n rows (in matmul_t_many's layout for groups * n rows) gives
-    every group's rows the bits of the group's own call (its layout for n rows), for a W tile [rows, n_in];
-    probed once per shape on random operands.
+_LAYOUTS = {"matmul_t_many": _product,  # this module's tiles
+            "x_wt": lambda w, x: gemm(x, w.T, np.empty((len(x), len(w)), np.float32))}  # kernels.nn.matmul_nt's
+
+
+def shared_call(rows: int, n_in: int, n: int, groups: int, layout: str = "matmul_t_many") -> bool:
+    """Whether ONE BLAS call over `groups` groups of n rows (in `layout`'s form for groups * n rows) gives every
+    group's rows the bits of the group's own call (its form for n rows), for a W tile [rows, n_in]; probed
+    once per shape on random operands. Layouts: matmul_t_many's (W @ x.T below TRANSPOSE_BELOW_ROWS rows,
+    else x @ W.T) and x_wt (always x @ W.T, kernels.nn.matmul_nt's tiles).
 
     Why a probe and not a rule: OpenBLAS computes each output element the same way wherever its row sits, and
     in either operand order, on its general GEMM path, but small products (measured: M*N*K below ~0.6-1e6 on
     its SkylakeX kernels) and single rows take other kernels with other summation orders. Which path a call
     takes depends on the shapes (and the library), never on the values, so one comparison per shape decides
     it for every operand of that shape, on whatever BLAS is loaded; a mismatch keeps one call per group."""
-    key = (rows, n_in, n, groups)
+    key = (rows, n_in, n, groups, layout)
+    product = _LAYOUTS[layout]
     if groups < 2:
         return False
     if key not in _SHARED:
@@ -212,8 +218,8 @@ def shared_call(rows: int, n_in: int, n: int, groups: int) -> bool:
         w = rng.standard_normal((rows, n_in), dtype=np.float32)
         x = rng.standard_normal((groups * n, n_in), dtype=np.float32)
         with single_thread_blas():
-            every = _product(w, x)
-            _SHARED[key] = all(np.array_equal(every[j * n:(j + 1) * n], _product(w, x[j * n:(j + 1) * n]))
+            every = product(w, x)
+            _SHARED[key] = all(np.array_equal(every[j * n:(j + 1) * n], product(w, x[j * n:(j + 1) * n]))
                                for j in range(groups))
     return _SHARED[key]
 

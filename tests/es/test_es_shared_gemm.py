@@ -25,3 +25,16 @@ def test_the_shared_call_is_taken_on_smollm2_shapes():
     assert qgemm.shared_call(rows, 576, 51, 4)  # 204 rows: one W @ x.T call
     assert not qgemm.shared_call(16, 64, 3, 4)
     assert not qgemm.shared_call(rows, 576, 51, 1)
+
+
+def test_head_rows_of_every_member_in_one_call_keep_each_members_bits():
+    """kernels.nn.matmul_nt_each on SmolLM2's head shape (49152 x 576) with 25 rows per member: the shared
+    call is taken (the probe) and each member's logits are matmul_nt's for that member alone."""
+    from pipeline.kernels.nn import _tile_width, matmul_nt, matmul_nt_each
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((49152, 576), dtype=np.float32)
+    xs = [rng.standard_normal((25, 576), dtype=np.float32) for _ in range(6)]
+    assert qgemm.shared_call(_tile_width(49152), 576, 25, 6, "x_wt")
+    got = matmul_nt_each(xs, w)
+    for x, logits in zip(xs, got):
+        np.testing.assert_array_equal(logits, matmul_nt(x, w))

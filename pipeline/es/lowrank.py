@@ -117,9 +117,12 @@ class LowRankES(ESTrainer):
                     a_raw, b_raw = draws[d][s]
                     a_all[:, d * self.rank:(d + 1) * self.rank] = a_raw * c[d]
                     b_all[:, d * self.rank:(d + 1) * self.rank] = b_raw
-                delta = np.float32(cfg.alpha) * ((a_all @ b_all.T) / np.float32(cfg.population))
+                delta = a_all @ b_all.T  # then alpha * (that / population) in place: no full-size temporaries
+                delta /= np.float32(cfg.population)
+                delta *= np.float32(cfg.alpha)
                 np.add(slot.array, delta, out=slot.array)
-                sq += float(np.sum(delta.astype(np.float64) ** 2))
+                flat = delta.reshape(-1)
+                sq += float(np.dot(flat, flat))
         if cfg.anchor_decay is not None:
             self._anchor_decay()
         self.iteration += 1

@@ -38,11 +38,20 @@ Cases (ms; ratio = baseline_ms / ms, above 1 means the case is faster):
                         and the plain lock-step decode of the same rows (all
                         members x prompts in one infer_rows pass per token, no
                         adapters)
+  es-finetune/{nll,generate}-lowrank-wN
+                        the same iteration with --search lowrank (EGGROLL, rank
+                        1, --dequantize, sigma 1e-3): every projection matrix
+                        perturbed by a rank-1 product, x.W shared by all
+                        members; baselines: the plain batched forward / decode
+                        of the same rows through the same (dequantized f32)
+                        weights
 Use --cases finetune --finetune-model <the Qwen3-0.6B-shaped Q4_K file of
 tools/make_qwen3_06b_shaped.py> for the issue's figures; the default model is
 the tiny Q8_0 test fixture (a smoke run, not a measurement).
 """
 from __future__ import annotations
+
+import argparse
 
 import numpy as np
 
@@ -79,6 +88,10 @@ def add_arguments(p):
     p.add_argument("--member-batch", type=int, default=8, help="members per batched pass (default 8)")
     p.add_argument("--finetune-workers", default="0,1,2",
                    help="comma-separated member-process counts for the batched rows (default 0,1,2)")
+    p.add_argument("--finetune-searches", default="ab,lowrank",
+                   help="comma-separated ES searches for the es-finetune rows: ab (LoRA), lowrank (EGGROLL)")
+    p.add_argument("--finetune-one-at-a-time", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the iteration one member at a time (the slow baseline; default on)")
     p.add_argument("--finetune-new-tokens", type=int, default=16, help="greedy tokens per generation reward")
     p.add_argument("--values", type=int, default=1 << 22, help="gaussians per noise fill (default 4M)")
     p.add_argument("--iterations", type=int, default=40, help="ES iterations timed per es-spirals case (default 40)")
@@ -105,7 +118,11 @@ def _spirals_ms(workers, iterations, population):
     return result["median_ms_per_iteration"]
 
 
-def _finetune_run(model, args, member_batch=0, reward="nll", plain=False):
+LOWRANK = dict(search="lowrank", dequantize=True, noise_rank=1, sigma=1e-3, alpha=5e-4)  # the EGGROLL rows' run
+
+
+def _finetune_build(model, args, member_batch=0, reward="nll", search="ab"):
+    """(the ES run, tokens per member, model file name) of one es-finetune bench case."""
     from pathlib import Path
     from ..es import ESConfig
     from ..finetune.build import open_text, scorer_of
@@ -118,16 +135,32 @@ def _finetune_run(model, args, member_batch=0, reward="nll", plain=False):
     kwargs = dict(targets=("q", "v"), rank=8, seed=42)
     trainer = LoraModel.from_gguf(model, **kwargs)
     scorer = scorer_of(reward, samples, sft.PIRATE_PAIRS, text, None, args.finetune_new_tokens, 10.0, model)
-    cfg = ESConfig(sigma=0.05, alpha=0.05, population=args.finetune_population, antithetic=True, seed=1,
-                   restore_mode="snapshot")
+    low = search == "lowrank"
+    cfg = ESConfig(sigma=LOWRANK["sigma"] if low else 0.05, alpha=LOWRANK["alpha"] if low else 0.05,
+                   population=args.finetune_population, antithetic=True, seed=1, restore_mode="snapshot")
     run = ESFinetune(trainer, samples, sft.Loader(len(samples)), cfg, batch=args.finetune_batch, scorer=scorer,
-                     member_batch=member_batch)
-    ms = median_ms(run.iteration_step, repeat=args.repeat)
+                     member_batch=member_batch, search=search, dequantize=low, noise_rank=LOWRANK["noise_rank"])
     tokens = sum(len(samples[i % len(samples)].inputs) for i in range(args.finetune_batch))
-    return ms, tokens, Path(model).name, _plain_forward_ms(run, reward, args) if plain else None
+    return run, tokens, Path(model).name
 
 
-def _finetune_runtime_ms(model, args, member_batch, workers, reward):
+def _interleaved(fns, repeat):
+    """[(median wall ms, median process-CPU ms)] per fn, the fns called in turn `repeat` times after one warm-up
+    call each: a change of the machine's load hits every fn alike, so their ratio holds on a shared machine."""
+    import time
+    for fn in fns:
+        fn()
+    wall, cpu = [[] for _ in fns], [[] for _ in fns]
+    for _ in range(repeat):
+        for i, fn in enumerate(fns):
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            wall[i].append((time.perf_counter() - t0) * 1e3)
+            cpu[i].append((time.process_time() - c0) * 1e3)
+    return [(float(np.median(w)), float(np.median(c))) for w, c in zip(wall, cpu)]
+
+
+def _finetune_runtime_ms(model, args, member_batch, workers, reward, search="ab"):
     """Median ms per iteration of the es-finetune job on the runtime with `workers` es_members.
 
     The same flags as _finetune_run's in-process iteration; the first
@@ -139,15 +172,16 @@ def _finetune_runtime_ms(model, args, member_batch, workers, reward):
     from ..runtime.metrics import read_metrics
     spec = to_dict(build(ESFinetuneSpec, dict(
         model=str(_model_path(model)), population=args.finetune_population, batch=args.finetune_batch, reward=reward,
-        member_batch=member_batch, es_seed=1, max_new_tokens=args.finetune_new_tokens, iterations=args.repeat + 1)))
+        member_batch=member_batch, es_seed=1, max_new_tokens=args.finetune_new_tokens, iterations=args.repeat + 1,
+        **(LOWRANK if search == "lowrank" else {}))))
     with tempfile.TemporaryDirectory(prefix="fucina-bench-es-") as run_dir:
         Supervisor("es-finetune", spec, run_dir, trainers=workers, liveness=60.0, quiet=True).run()
         step_ms = [r["step_ms"] for r in read_metrics(run_dir) if r.get("kind") == "es_metrics"][1:]
     return float(np.median(step_ms))
 
 
-def _plain_forward_ms(run, reward, args):
-    """ms of the plain batched forward of an iteration's rows (the population x batch, no adapters)."""
+def _plain_forward(run, reward, args):
+    """The plain batched forward of an iteration's rows (the population x batch, no adapters)."""
     from ..autograd.tensor import Tensor, no_grad
     from ..llm.generate import greedy_rows
     from ..llm.quants import matmul_t_many
@@ -155,8 +189,7 @@ def _plain_forward_ms(run, reward, args):
     idx = [i % len(run.scorer) for i in range(args.finetune_batch)]
     if reward != "nll":
         prompts = [run.scorer.items[i].prompt_ids for i in idx] * pop
-        return median_ms(lambda: greedy_rows(trainer.model, prompts, args.finetune_new_tokens,
-                                             run.scorer.stop_ids), repeat=args.repeat)
+        return lambda: greedy_rows(trainer.model, prompts, args.finetune_new_tokens, run.scorer.stop_ids)
 
     def project(i, targets, x):  # one product per weight over every member's rows
         ws = [trainer.frozen(i, t) for t in targets]
@@ -175,32 +208,47 @@ def _plain_forward_ms(run, reward, args):
                 h = trainer.final_norm(Tensor(h.data.reshape(-1, trainer.config.hidden)))
                 trainer.head_loss(h, np.tile(np.asarray(s.labels), pop), "sum")
 
-    return median_ms(forward, repeat=args.repeat)
+    return forward
 
 
 def finetune_rows(args):
-    """The es-finetune rows: NLL and a generation reward, one member at a time vs batched vs plain."""
+    """The es-finetune rows: NLL and a generation reward, batched (interleaved with the plain batched forward of the
+    same rows, wall and CPU) vs one member at a time, in-process and on N es_members, per search."""
     pop = args.finetune_population
     rows = []
     per_s = lambda ms: pop / ms * 1e3
-    for reward, label in (("nll", "nll"), ("rule:length=1,400", "generate")):
-        one_ms, tokens, name, plain_ms = _finetune_run(args.finetune_model, args, reward=reward, plain=True)
-        if reward != "nll":
-            tokens = args.finetune_batch * args.finetune_new_tokens  # at most: a row may stop early
-        for workers in (int(w) for w in args.finetune_workers.split(",")):
-            if workers:
-                ms = _finetune_runtime_ms(args.finetune_model, args, args.member_batch, workers, reward)
-            else:
-                ms = _finetune_run(args.finetune_model, args, args.member_batch, reward)[0]
-            rows.append({"case": f"es-finetune/{label}-batched-w{workers}", "ms": ms,
-                         "baselines": {"one_at_a_time": one_ms, "plain_batched_forward": plain_ms},
-                         "notes": f"{name}, {reward}, population {pop} x {args.finetune_batch} samples"
-                                  f"{'' if reward == 'nll' else f', <= {args.finetune_new_tokens} new tokens'}, "
-                                  f"member batch {args.member_batch}: {per_s(ms):.2f} member-evals/s "
-                                  f"({per_s(ms) * tokens:.0f} tokens/s) vs one at a time {per_s(one_ms):.2f} "
-                                  f"({per_s(one_ms) * tokens:.0f} tokens/s); {plain_ms / ms:.2f} of the plain "
-                                  f"batched forward's throughput (which takes {plain_ms:.0f} ms; the iteration "
-                                  f"also draws the noise and updates)"})
+    for search in args.finetune_searches.split(","):
+        for reward, label in (("nll", "nll"), ("rule:length=1,400", "generate")):
+            one_ms = None
+            if args.finetune_one_at_a_time:
+                one_ms = median_ms(_finetune_build(args.finetune_model, args, 0, reward, search)[0].iteration_step,
+                                   repeat=args.repeat)
+            run, tokens, name = _finetune_build(args.finetune_model, args, args.member_batch, reward, search)
+            (es_ms, es_cpu), (plain_ms, plain_cpu) = _interleaved(
+                [run.iteration_step, _plain_forward(run, reward, args)], args.repeat)
+            if reward != "nll":
+                tokens = args.finetune_batch * args.finetune_new_tokens  # at most: a row may stop early
+            kind = "batched" if search == "ab" else search
+            for workers in (int(w) for w in args.finetune_workers.split(",")):
+                if workers:
+                    ms = _finetune_runtime_ms(args.finetune_model, args, args.member_batch, workers, reward, search)
+                    how = "wall, the runtime's median iteration against the plain forward's interleaved median"
+                else:
+                    ms = es_ms
+                    how = (f"interleaved with it; in CPU time {plain_cpu / es_cpu:.2f} ({es_cpu:.0f} vs "
+                           f"{plain_cpu:.0f} ms)")
+                one = "" if one_ms is None else (f" vs one at a time {per_s(one_ms):.2f} "
+                                                 f"({per_s(one_ms) * tokens:.0f} tokens/s)")
+                rows.append({"case": f"es-finetune/{label}-{kind}-w{workers}", "ms": ms,
+                             "baselines": {**({} if one_ms is None else {"one_at_a_time": one_ms}),
+                                           "plain_batched_forward": plain_ms},
+                             "notes": f"{name}, {reward}, search {search}, population {pop} x {args.finetune_batch} "
+                                      f"samples"
+                                      f"{'' if reward == 'nll' else f', <= {args.finetune_new_tokens} new tokens'}, "
+                                      f"member batch {args.member_batch}: {per_s(ms):.2f} member-evals/s "
+                                      f"({per_s(ms) * tokens:.0f} tokens/s){one}; {plain_ms / ms:.2f} of the plain "
+                                      f"batched forward's throughput ({plain_ms:.0f} ms; {how}; the iteration also "
+                                      f"draws the noise and updates)"})
     return rows
 
 

@@ -25,7 +25,8 @@ DESCRIPTION = (HELP + ". With no --data it trains the built-in five-pair pirate 
                "scores the same batch; the reward is the negative mean cross-entropy. ES needs many more "
                "forward passes than backprop needs steps: expect a measurable loss drop, not a converged style.")
 
-SEARCHED = {"ab": "A and B", "b": "B only", "full": "every dense weight matrix"}
+SEARCHED = {"ab": "A and B", "b": "B only", "full": "every dense weight matrix",
+            "lowrank": "every projection matrix by low-rank products"}
 # ES defaults when the flags are not given (a resume takes the checkpoint's values instead)
 ES_DEFAULTS = {"sigma": 0.05, "alpha": 0.05, "population": 16, "antithetic": True, "shaping": "z_score",
                "noise": "iid", "anchor_decay": None, "anchor_lambda": 0.0, "batch": 5, "search": "ab"}
@@ -37,16 +38,15 @@ def add_arguments(p):
     overrides = {
         "model": dict(required=True, type=InputFile("GGUF file")), "data": dict(type=InputFile("JSONL file")),
         "reward": dict(action="append", metavar="SPEC[@W]", help=_reward_help()),
-        "search": dict(choices=("ab", "b", "full"), help="what ES perturbs: ab = LoRA A and B (default), b = only B "
-                       "(A stays at its random init), full = every dense (F32/F16/BF16) weight matrix of the model, "
-                       "in place (in this process only)"),
+        "search": dict(choices=("ab", "b", "full", "lowrank"), help="what ES perturbs: ab = LoRA A and B "
+                       "(default), b = only B (A stays at its random init), full = every dense (F32/F16/BF16) weight "
+                       "matrix of the model, in place (in this process only), lowrank = every projection matrix by "
+                       "rank --noise-rank products sigma * A B^T / sqrt(r), all members in one batched forward "
+                       "(EGGROLL; F32 or --dequantize weights; docs/es_finetune.md)"),
         "anchor_decay": dict(choices=("l1", "l2"))}
     # ES_DEFAULTS' flags and --es-seed stay None when not given: a resume takes the checkpoint's values instead
     unset = ("data", "es_seed", "reward", *ES_DEFAULTS)
     add_field_flags(p, ESFinetuneSpec, dest="{}", defaults=True, unset=unset, overrides=overrides)
-    p.add_argument("--dequantize", action="store_true",
-                   help="with --search full on a quantized GGUF: perturb a dequantized f32 copy of each quantized "
-                        "matrix (4 bytes per weight in memory) instead of refusing")
     p.add_argument("--eval-samples", type=int, default=32,
                    help="initial/final loss is measured on the first N training samples (unperturbed adapters)")
     p.add_argument("--save", metavar="DIR", help="write the final checkpoint directory here (--save-every: also "

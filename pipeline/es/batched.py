@@ -2,20 +2,19 @@
 
 Member m's rows carry m's adapters. Each frozen weight is read (and, quantized,
 dequantized) ONCE per pass for all k members (pipeline/llm/quants.py's
-matmul_t_groups): every tile, once dequantized, is multiplied by each member's
-rows with exactly the BLAS call the member alone would have made, and the
-fused decode matvec computes every row alone anyway. That is the price of
-bit-identity: OpenBLAS's per-row results depend on how many rows a call has
-(measured: x[:n] @ W.T differs from the first n rows of x @ W.T at every shape
-we tried), so one GEMM over all k x T rows would give different bits from
-scoring a member alone. Then each member's LoRA delta
+matmul_t_groups): every tile, once dequantized, is multiplied by all members'
+rows in one BLAS call where a once-per-shape probe shows BLAS gives each
+member's rows the bits of its own call (OpenBLAS's general GEMM path), else by
+each member's rows with exactly the call the member alone would have made (its
+small-matrix kernels sum in another order); the fused decode matvec computes
+every row alone anyway. Then each member's LoRA delta
 scale * (x_m @ A_m.T) @ B_m.T is added to its own rows, all members' deltas in two
 stacked np.matmul calls (llm.lora.lora_forward_stacked: per entry the 2-D product's BLAS call). Everything else is per
 row or per batch entry, so a member's reward has the same bits as scoring it
 alone with its perturbation applied in place (tested bitwise for several batch
 splits and worker counts). What the batch saves: the dequantization of every
-tile (k times -> once), the weight streaming from memory, and the per-call
-Python and graph overhead.
+tile (k times -> once), the weight streaming from memory, the per-member BLAS
+calls where the probe allows, and the per-call Python and graph overhead.
 
 Two rewards, two forwards, one definition of the model each:
   * NLL (teacher-forced): the LoraModel's own forward (`LoraModel.block`, its
@@ -33,24 +32,33 @@ import numpy as np
 from ..autograd.losses import cross_entropy
 from ..autograd.tensor import Tensor, no_grad
 from ..errors import UserError
-from ..finetune.model import adapted_linears
+from ..finetune.model import TARGETS, adapted_linears
 from ..llm.generate import greedy_rows
 from ..llm.lora import lora_forward_stacked
 from ..llm.quants import FrozenWeight, matmul_t_groups
 from ..kernels.nn import matmul_nt_each
 
 
+NOISE_IN, NOISE_OUT = "noise_bt", "noise_a"  # stacked names of --search lowrank's factors (pipeline/es/lowrank.py)
+
+
 def member_factors(trainer, stacked: dict, k: int) -> list:
-    """Per layer {target: (A [k, r, in], B [k, out, r], scale)}: searched factors from `stacked`, the rest the
-    trainer's own (live) arrays broadcast to the k members."""
+    """Per layer {target: [(a [k, r, in], b [k, out, r], scale), ...]}, the terms lora_forward_stacked adds to a
+    member's rows: the LoRA adapter (searched factors from `stacked`, else the trainer's own live arrays broadcast
+    to the k members), then, with --search lowrank, the member's low-rank noise term
+    (`layers.<i>.<t>.noise_bt` / `.noise_a`, sign and sigma / sqrt(r) carried by noise_a)."""
     factors = []
     for i, layer in enumerate(trainer.layers):
         per = {}
         for t, ad in layer.items():
             a = stacked.get(f"layers.{i}.{t}.lora_a")
             b = stacked.get(f"layers.{i}.{t}.lora_b")
-            per[t] = (np.broadcast_to(ad.lora_a.data, (k,) + ad.lora_a.shape) if a is None else a,
-                      np.broadcast_to(ad.lora_b.data, (k,) + ad.lora_b.shape) if b is None else b, ad.scale)
+            per[t] = [(np.broadcast_to(ad.lora_a.data, (k,) + ad.lora_a.shape) if a is None else a,
+                       np.broadcast_to(ad.lora_b.data, (k,) + ad.lora_b.shape) if b is None else b, ad.scale)]
+        for t in TARGETS:
+            bt = stacked.get(f"layers.{i}.{t}.{NOISE_IN}")
+            if bt is not None:
+                per.setdefault(t, []).append((bt, stacked[f"layers.{i}.{t}.{NOISE_OUT}"], 1.0))
         factors.append(per)
     return factors
 
@@ -98,8 +106,7 @@ def member_nll_rewards(trainer, stacked: dict, samples) -> list[float]:
                 x3 = np.ascontiguousarray(x.data, dtype=np.float32).reshape(k, n, -1)
                 ys = frozen_products([trainer.frozen(i, t) for t in targets], x3)
                 for t, y in zip(targets, ys):
-                    if t in factors[i]:
-                        a, b, scale = factors[i][t]
+                    for a, b, scale in factors[i].get(t, ()):
                         y += lora_forward_stacked(x3, a, b, scale)  # member m: the bits of the trainer's y + d
                 return [Tensor(y) for y in ys]
 
@@ -124,8 +131,7 @@ def member_generations(trainer, stacked: dict, k: int, prompts, max_new_tokens: 
     every_row = list(range(k * n_prompts))
 
     def adapt(rows, layer, target, x3, y3):
-        if target in factors[layer]:
-            a, b, scale = factors[layer][target]
+        for a, b, scale in factors[layer].get(target, ()):
             if rows == every_row:  # members' rows in order: broadcast each member's factors over its prompts
                 shape = (k, n_prompts) + x3.shape[1:]
                 d = lora_forward_stacked(x3.reshape(shape), a[:, None], b[:, None], scale).reshape(y3.shape)

@@ -25,14 +25,14 @@ from ..errors import UserError
 from ..llm.quants import FORMATS, QT, FrozenWeight
 
 
-def writable_dense_weights(trainer, dequantize: bool = False, source: str = "the model") -> dict:
+def writable_dense_weights(trainer, dequantize: bool = False, source: str = "the model", search: str = "full") -> dict:
     """{GGUF name: writable array} for every matrix of trainer.model, installed in place (see above)."""
     weights = {name: w for name, w in trainer.model.named_weights().items() if len(getattr(w, "shape", ())) == 2}
     quantized = [(n, w) for n, w in weights.items() if isinstance(w, FrozenWeight) and w.format.quantized]
     if quantized and not dequantize:
         name, w = quantized[0]
         more = f" (and {len(quantized) - 1} more quantized)" if len(quantized) > 1 else ""
-        raise UserError(f"{source}: --search full perturbs dense (F32/F16/BF16) weights in place, but tensor "
+        raise UserError(f"{source}: --search {search} perturbs dense (F32/F16/BF16) weights in place, but tensor "
                         f"{name!r} is {w.format.name}{more}; "
                         "pass --dequantize to perturb an f32 copy of every quantized matrix (4 bytes per weight "
                         "in memory), or search LoRA adapters (--search ab)")

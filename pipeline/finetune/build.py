@@ -97,9 +97,10 @@ def eval_model(model, lora_dir=None, source="the model"):
     carrying the adapters of `lora_dir` (a finetune / es-finetune checkpoint or run directory: its latest
     committed checkpoint), or, with none, zero adapters (B = 0: the base model's answers).
 
-    An es-finetune `--search full` checkpoint (model.safetensors: the searched matrices under their GGUF names)
-    is loaded into private writable copies of those matrices instead (pipeline/es/full.py). A directory that is
-    not a checkpoint, a corrupt one, or adapters of another model are one UserError naming the directory."""
+    An es-finetune `--search full` or `lowrank` checkpoint (model.safetensors: the searched matrices under their
+    GGUF names) is loaded into private writable copies of those matrices instead (pipeline/es/full.py).
+    A directory that is not a checkpoint, a corrupt one, or adapters of another model are one UserError
+    naming the directory."""
     from ..models.registry import load_model
     from .model import LoraModel
     arch = getattr(model, "architecture", None)  # an open GGUF names it; a loaded model is taken as given
@@ -110,10 +111,14 @@ def eval_model(model, lora_dir=None, source="the model"):
     from ..runtime.ckpt import load_checkpoint, read_state, resolve, tensors_of
     ckpt = Path(resolve(lora_dir))
     state = read_state(ckpt)
-    if state.config.get("es_search") == "full":
+    if state.config.get("es_search") in ("full", "lowrank"):
         from ..es.full import writable_dense_weights
         trainer = LoraModel(model, targets=("q",), rank=1, seed=0)
-        load_checkpoint(ckpt, model=tensors_of(writable_dense_weights(trainer, dequantize=True, source=source)))
+        dense = writable_dense_weights(trainer, dequantize=True, source=source)
+        if state.config["es_search"] == "lowrank":  # it searched the projection matrices only
+            from ..es.lowrank import projection_slots
+            dense = {name: dense[name] for name in projection_slots(trainer).values()}
+        load_checkpoint(ckpt, model=tensors_of(dense))
         return trainer
     from ..llm.export import load_adapters, resolve_alpha
     adapters = load_adapters(ckpt)
@@ -159,21 +164,22 @@ class ESParts:
 
 def build_es(spec, log=lambda m: None, search: str | None = None, dequantize: bool = False) -> ESParts:
     """The ES run of an ESFinetuneSpec (its ES settings resolved; with `load`, the checkpoint's ES settings, batch,
-    search and adapter seed win over the spec's, and the checkpoint is loaded). `search` "full" / `dequantize` are
-    the in-process command's (the spec's search is a job's, ab or b)."""
+    search and adapter seed win over the spec's, and the checkpoint is loaded). `search` "full" is
+    the in-process command's (the spec's search is a job's: ab, b or lowrank)."""
     from ..es import ESConfig
     from ..runtime.ckpt import read_state
     from .es import ESFinetune, es_run_from_state
     from .model import lora_config
 
     state = read_state(spec.load) if spec.load else None
-    lora_seed, batch = spec.seed, spec.batch
+    lora_seed, batch, noise_rank = spec.seed, spec.batch, spec.noise_rank
     settings = dict(sigma=spec.sigma, alpha=spec.alpha, population=spec.population, seed=spec.es_seed,
                     noise=spec.noise, antithetic=spec.antithetic, shaping=spec.shaping, restore_mode="snapshot",
                     anchor_decay=spec.anchor_decay or None, anchor_lambda=spec.anchor_lambda)
     if state is not None:  # the checkpoint's ES settings win over the spec's, as on the command line
         settings, batch, stored_search = es_run_from_state(state.config, f"{spec.load}/trainer_state.json")
         search = search or stored_search
+        noise_rank = state.config.get("es_noise_rank", noise_rank)
         if isinstance(state.seeds.get("lora"), int):
             lora_seed = state.seeds["lora"]  # the adapter init (and so the AWD anchor) must be the checkpoint's
     search = search or spec.search
@@ -188,7 +194,8 @@ def build_es(spec, log=lambda m: None, search: str | None = None, dequantize: bo
         log(f"resume: the checkpoint was trained with --reward {state.config['reward']}; this run scores {reward}")
     scorer = scorer_of(reward, samples, records, text, tasks, spec.max_new_tokens, spec.reward_timeout, spec.model)
     run = ESFinetune(model, samples, loader, es_config, batch=batch, search=search, scorer=scorer,
-                     dequantize=dequantize, model_source=str(spec.model), member_batch=spec.member_batch)
+                     dequantize=dequantize or spec.dequantize, model_source=str(spec.model),
+                     member_batch=spec.member_batch, noise_rank=noise_rank)
     if state is not None:
         stored_order = state.config.get("order")
         if stored_order is not None and stored_order != loader.order:

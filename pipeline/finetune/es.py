@@ -26,7 +26,8 @@ useful direction with less noise. The unsearched factors are still saved.
 
 Rewards other than -CE (exact match, rules, Countdown, a user's function over
 the greedy answer) are scorers from pipeline/es/rewards.py; `search="full"`
-perturbs the model's dense matrices instead (pipeline/es/full.py);
+perturbs the model's dense matrices instead (pipeline/es/full.py), `search="lowrank"` every projection matrix
+by rank-`noise_rank` products scored in one batched forward (pipeline/es/lowrank.py, EGGROLL);
 `member_batch` scores members k at a time as one batch (pipeline/es/batched.py).
 
 Trade-off: in one process members run sequentially (the LLM-scale shape: one
@@ -55,7 +56,7 @@ from ..runtime.ckpt import load_checkpoint, read_state, save_checkpoint, tensors
 from ..train.trainer_state import TrainerState
 from .spec import ESFinetuneSpec
 
-SEARCHES = ("ab", "b", "full")
+SEARCHES = ("ab", "b", "full", "lowrank")
 REWARD_FILES_ENV = "FUCINA_REWARD_FILES"  # os.pathsep-separated reward files a member may import
 NOISE_CACHE_BYTES = 256 << 20  # most memory an iteration's cached noise draws may take (ESTrainer.cache_noise)
 
@@ -64,10 +65,11 @@ class ESFinetune:
     """ES over a LoraModel's adapters: one `iteration_step()` = one ES update from one loader batch."""
 
     def __init__(self, trainer, samples, loader, es_config: ESConfig, batch=5, search="ab", scorer=None,
-                 dequantize=False, model_source="the model", member_batch=0):
+                 dequantize=False, model_source="the model", member_batch=0, noise_rank=1):
         """scorer: what a member's reward is (pipeline/es/rewards.py); default -mean CE of `samples`.
         search "full": every dense matrix of the model instead of the adapters (pipeline/es/full.py);
         dequantize: let it perturb an f32 copy of quantized matrices instead of refusing them.
+        search "lowrank": every projection matrix by rank-noise_rank products (pipeline/es/lowrank.py).
         member_batch: score members k at a time as one batch (pipeline/es/batched.py; same bits), 0 = one by one."""
         if search not in SEARCHES:
             raise UserError(f"search must be one of {SEARCHES}, got {search!r}")
@@ -84,11 +86,22 @@ class ESFinetune:
         if self.member_batch and search == "full":
             raise UserError("--member-batch batches members' LoRA adapters; --search full scores members one "
                             "at a time")
-        self.es = ESTrainer(es_config)
-        if search == "full":
+        self._noise_names = {}  # lowrank: {GGUF name: "layers.<i>.<target>"}, the batched forward's factor names
+        if search == "lowrank":
+            from ..es.lowrank import LowRankES
+            self.es = LowRankES(es_config, rank=noise_rank)
+        else:
+            self.es = ESTrainer(es_config)
+        if search in ("full", "lowrank"):
             from ..es.full import writable_dense_weights
-            for name, arr in writable_dense_weights(trainer, dequantize, model_source).items():
-                self.es.add_param(arr, name)
+            from ..es.lowrank import projection_slots
+            dense = writable_dense_weights(trainer, dequantize, model_source, search)
+            if search == "full":
+                for name, arr in dense.items():
+                    self.es.add_param(arr, name)
+            for (i, t), name in projection_slots(trainer).items() if search == "lowrank" else ():
+                self.es.add_param(dense[name], name)
+                self._noise_names[name] = f"layers.{i}.{t}"
         for name, p in trainer.named_parameters():
             if search == "ab" or (search == "b" and name.endswith(".lora_b")):
                 self.es.add_param(p, name)
@@ -98,7 +111,8 @@ class ESFinetune:
         # only the draws this process did not score (same bits; on Qwen3-0.6B's q,v adapters a full regeneration
         # is ~1 s per iteration on one thread), within a memory bound
         draws = es_config.population // 2 if es_config.antithetic else es_config.population
-        self.es.cache_noise = bool(self.member_batch) and draws * self.es.dim * 4 <= NOISE_CACHE_BYTES
+        self.es.cache_noise = (search != "lowrank" and bool(self.member_batch)
+                               and draws * self.es.dim * 4 <= NOISE_CACHE_BYTES)
 
     @property
     def iteration(self) -> int:
@@ -122,6 +136,13 @@ class ESFinetune:
         leaves, so either way, and for any cut of the population, the same bits.
         """
         members = list(members)
+        if self.search == "lowrank" and members:  # always the batched forward: one member alone is k = 1
+            from ..es.batched import NOISE_IN, NOISE_OUT
+            rows = {}
+            for name, (bt, a) in self.es.member_factors(members).items():
+                rows[f"{self._noise_names[name]}.{NOISE_IN}"] = bt
+                rows[f"{self._noise_names[name]}.{NOISE_OUT}"] = a
+            return [float(r) for r in self.scorer.score_members(self.trainer, rows, idx, self.member_batch or 1)]
         if self.member_batch and members:
             rows = self.es.split(self.es.materialize_members(members))
             return [float(r) for r in self.scorer.score_members(self.trainer, rows, idx, self.member_batch)]
@@ -145,7 +166,7 @@ class ESFinetune:
 
     def save(self, directory, run_config: dict):
         """adapters.safetensors (every adapter, searched or not) + trainer_state.json, the sentinel last."""
-        if self.search == "full":  # the searched matrices under their GGUF names, dtypes kept
+        if self.search in ("full", "lowrank"):  # the searched matrices under their GGUF names, dtypes kept
             return save_checkpoint(directory, self.state(run_config), model=self._full_tensors())
         return save_checkpoint(directory, self.state(run_config), model=self.trainer, adapters=True)
 
@@ -167,7 +188,7 @@ class ESFinetune:
         stored = state.config
         check_resume_config(stored, self.trainer, source)
         ours = {**self.es.state_fields(), "es_search": self.search, "es_batch": self.batch}
-        for name in STRUCTURAL + ("es_search", "es_batch"):
+        for name in STRUCTURAL + ("es_search", "es_batch") + (("es_noise_rank",) if self.search == "lowrank" else ()):
             if name not in stored:
                 raise ConfigMismatchError(f"{source}: field 'config.{name}' is missing; not an es-finetune checkpoint")
             if stored[name] != ours[name]:
@@ -177,7 +198,7 @@ class ESFinetune:
             raise ConfigMismatchError(f"{source}: field 'seeds.lora' is {state.seeds.get('lora')!r} in the checkpoint, "
                                       f"{self.trainer.seed!r} in this run (the adapter init and the anchor depend on "
                                       "it)")
-        load_checkpoint(directory, model=self._full_tensors() if self.search == "full" else self.trainer)
+        load_checkpoint(directory, model=self._full_tensors() if self.search in ("full", "lowrank") else self.trainer)
         self.es.iteration = state.step
         self.loader = Loader.from_state(self.loader.n, self.loader.order, state.loader)
         return state

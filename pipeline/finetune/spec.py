@@ -179,8 +179,13 @@ class ESFinetuneSpec(_ModelAndData):
     reward_timeout: float = field(10.0, "seconds one call of a PATH.py:FUNC reward may take before the run stops "
                                         "with an error naming it (0: no limit); its printed output is captured, at "
                                         "most 4096 characters per call passed on to stderr", metavar="S")
-    search: str = field("ab", "what ES perturbs: ab = LoRA A and B, b = only B (A stays at its random init)",
-                        choices=("ab", "b"))
+    search: str = field("ab", "what ES perturbs: ab = LoRA A and B, b = only B (A stays at its random init), "
+                              "lowrank = every projection matrix by rank --noise-rank products sigma * A B^T / "
+                              "sqrt(r), members in one batched forward (EGGROLL; dense or --dequantize weights)",
+                        choices=("ab", "b", "lowrank"))
+    noise_rank: int = field(1, "--search lowrank: the rank r of each member's perturbation of a matrix", metavar="R")
+    dequantize: bool = field(False, "with --search full or lowrank on a quantized GGUF: perturb a dequantized f32 "
+                                    "copy of each quantized matrix (4 bytes per weight in memory) instead of refusing")
     rank: int = field(8, "LoRA rank r")
     lora_alpha: float = field(16.0, "LoRA alpha (the delta is scaled by lora-alpha/rank)")
     targets: str = field("q,v", "comma-separated projections to adapt, any of q,k,v,o,gate,up,down")
@@ -189,8 +194,8 @@ class ESFinetuneSpec(_ModelAndData):
     anchor_lambda: float = field(0.0, "anchored decay strength lambda (shrink = alpha*lambda)")
     seq_max: int = field(256, "truncate samples to this many input tokens")
     member_batch: int = field(0, "score K members per pass as one batch through the frozen weights (any reward: "
-                                 "generation rewards decode in lock-step; LoRA search; the same bits as one at a "
-                                 "time); 0 = one member at a time", metavar="K")
+                                 "generation rewards decode in lock-step; LoRA or lowrank search; the same bits as "
+                                 "one at a time); 0 = one member at a time", metavar="K")
     max_new_tokens: int = field(48, "greedy tokens generated per answer: the BEFORE/AFTER answers and every "
                                     "generation reward")
     load: str = field("", "resume from a checkpoint (adapters, iteration, loader position; its ES settings win over "
@@ -204,7 +209,7 @@ class ESFinetuneSpec(_ModelAndData):
             raise UserError("es-finetune: field 'model' (a GGUF file) is required")
         if self.task and self.data:
             raise UserError("es-finetune: fields 'task' and 'data' exclude each other (a task brings its prompts)")
-        lows = {"iterations": 0, "population": 1, "batch": 1, "task_size": 1, "rank": 1, "seq_max": 1,
+        lows = {"iterations": 0, "population": 1, "batch": 1, "task_size": 1, "rank": 1, "noise_rank": 1, "seq_max": 1,
                 "member_batch": 0, "max_new_tokens": 0, "save_every": 0, "max_record_bytes": 1}
         for name, low in lows.items():
             if getattr(self, name) < low:

@@ -147,8 +147,7 @@ def test_lock_step_decoding_is_the_one_by_one_bits(model, search):
     factors = member_factors(trainer, rows, k)  # and the logits themselves, bit for bit
 
     def adapt(layer, target, x3, y3):
-        if target in factors[layer]:
-            a, b, scale = factors[layer][target]
+        for a, b, scale in factors[layer].get(target, ()):
             for m in range(k):
                 y3[m] += lora_forward(x3[m], a[m], b[m], scale)[0]
 

@@ -59,6 +59,7 @@ def test_bench_es_finetune_rows_smoke(capsys):
     assert rc == 0, out.err
     import json
     rows = {r["case"]: r for r in json.loads(out.out)["results"]}
-    assert set(rows) == {"es-finetune/nll-batched-w0", "es-finetune/generate-batched-w0"}
+    assert set(rows) == {"es-finetune/nll-batched-w0", "es-finetune/generate-batched-w0",
+                         "es-finetune/nll-lowrank-w0", "es-finetune/generate-lowrank-w0"}
     assert all(r["ms"] > 0 and r["baselines"]["one_at_a_time"] > 0 and r["baselines"]["plain_batched_forward"] > 0
                for r in rows.values())

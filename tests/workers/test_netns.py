@@ -75,7 +75,9 @@ def test_a_trainer_across_a_veth_pair_killed_and_restarted_gives_the_inprocess_b
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     server_key, client_key = security.create_run_keys(str(run_dir))
-    port, run_id = free_port_pair("127.0.0.1"), f"netns{os.getpid()}"
+    # a hex run id like every run's: test_faults' leak check, running beside this test under xdist, reads
+    # fucina-<hex>-... segments as another run's (a "netns<pid>" id failed it once in CI)
+    port, run_id = free_port_pair("127.0.0.1"), f"{os.getpid():08x}"
     endpoint = f"tcp://{addr_s}:{port}"
     py = [sys.executable, "-m"]
     log = open(run_dir / "test.log", "ab")

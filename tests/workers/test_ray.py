@@ -1,6 +1,7 @@
 """Ray places the workers: `fucina launch --ray ADDRESS` (trainers) and `fucina es-spirals --ray ADDRESS`
 (es_members) on a local head give the in-process bits, also after an actor is SIGKILLed mid-run (Ray
 restarts it, the scheduler re-runs its task)."""
+import contextlib
 import json
 import os
 import shutil
@@ -137,33 +138,49 @@ def _es_iterations(run_dir):
         return sum('"kind": "es_metrics"' in line for line in fh)
 
 
-@pytest.mark.slow
-def test_ray_placed_es_members_killed_once_give_the_inprocess_bits(tmp_path, ray_head):
+@contextlib.contextmanager
+def _es_ray_run(tmp_path, ray_head):
+    """es-spirals in-process (the reference), then on 2 Ray-placed members until its second iteration: yields
+    (the reference's summary, run_dir, the launcher's Popen), which is killed on the way out if still running."""
     ref = subprocess.run(_es_spirals(tmp_path / "ref", "--inprocess"), capture_output=True, text=True, env=env(),
                          cwd=ROOT, timeout=600)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    run_dir = tmp_path / "run"
+    run_dir = str(tmp_path / "run")
     proc = subprocess.Popen(_es_spirals(run_dir, "--ray", ray_head, "--members", "2", "--liveness", "5"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT)
     try:
-        wait_for(lambda: _es_iterations(str(run_dir)) >= 2, timeout=400)
-        joined = [e for e in events(str(run_dir), "worker_joined") if e["detail"]["role"] == "es_member"]
-        assert len(joined) == 2
-        os.kill(_parent(joined[0]["detail"]["pid"]), signal.SIGKILL)  # the member's parent: its Ray actor
-        out, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err[-3000:]
-        result, reference = json.loads(out.strip().splitlines()[-1]), json.loads(ref.stdout.strip().splitlines()[-1])
-        assert result["sha256"] == reference["sha256"]
-        killed = joined[0]["detail"]["worker"]
-        lost = [e for e in events(str(run_dir), "worker_lost") if e["detail"]["worker"] == killed]
-        assert lost and lost[0]["step"] < ES_ITERATIONS  # the kill landed mid-run
-        rejoined = [e for e in events(str(run_dir), "worker_joined") if e["detail"]["role"] == "es_member"]
-        transfers = {e["detail"]["worker"] for e in events(str(run_dir), "state_transfer")}
-        assert len(rejoined) == 3 and rejoined[2]["detail"]["worker"] in transfers  # restarted, given the state
+        wait_for(lambda: _es_iterations(run_dir) >= 2, timeout=400)
+        yield json.loads(ref.stdout.strip().splitlines()[-1]), run_dir, proc
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _es_members_joined(run_dir):
+    return [e for e in events(run_dir, "worker_joined") if e["detail"]["role"] == "es_member"]
+
+
+def _ends_on(proc, reference):
+    """The launcher exits 0 with the reference's parameter sha256."""
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert json.loads(out.strip().splitlines()[-1])["sha256"] == reference["sha256"]
+
+
+@pytest.mark.slow
+def test_ray_placed_es_members_killed_once_give_the_inprocess_bits(tmp_path, ray_head):
+    with _es_ray_run(tmp_path, ray_head) as (reference, run_dir, proc):
+        joined = _es_members_joined(run_dir)
+        assert len(joined) == 2
+        os.kill(_parent(joined[0]["detail"]["pid"]), signal.SIGKILL)  # the member's parent: its Ray actor
+        _ends_on(proc, reference)
+        killed = joined[0]["detail"]["worker"]
+        lost = [e for e in events(run_dir, "worker_lost") if e["detail"]["worker"] == killed]
+        assert lost and lost[0]["step"] < ES_ITERATIONS  # the kill landed mid-run
+        rejoined = _es_members_joined(run_dir)
+        transfers = {e["detail"]["worker"] for e in events(run_dir, "state_transfer")}
+        assert len(rejoined) == 3 and rejoined[2]["detail"]["worker"] in transfers  # restarted, given the state
 
 
 def _kill_the_scheduler(run_dir):
@@ -213,22 +230,7 @@ def test_a_killed_scheduler_of_a_ray_run_restarts_and_its_ray_trainers_rejoin(tm
 @pytest.mark.slow
 @pytest.mark.parity
 def test_a_killed_scheduler_of_a_ray_es_run_restarts_and_its_ray_members_rejoin(tmp_path, ray_head):
-    ref = subprocess.run(_es_spirals(tmp_path / "ref", "--inprocess"), capture_output=True, text=True, env=env(),
-                         cwd=ROOT, timeout=600)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    run_dir = tmp_path / "run"
-    proc = subprocess.Popen(_es_spirals(run_dir, "--ray", ray_head, "--members", "2", "--liveness", "5"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT)
-    try:
-        wait_for(lambda: _es_iterations(str(run_dir)) >= 2, timeout=400)
-        _kill_the_scheduler(str(run_dir))
-        out, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err[-3000:]
-        result, reference = json.loads(out.strip().splitlines()[-1]), json.loads(ref.stdout.strip().splitlines()[-1])
-        assert result["sha256"] == reference["sha256"]
-        joined = [e for e in events(str(run_dir), "worker_joined") if e["detail"]["role"] == "es_member"]
-        assert len(joined) == 4  # two members before the kill, two fresh ones joined the new scheduler
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    with _es_ray_run(tmp_path, ray_head) as (reference, run_dir, proc):
+        _kill_the_scheduler(run_dir)
+        _ends_on(proc, reference)
+        assert len(_es_members_joined(run_dir)) == 4  # two members before the kill, two fresh ones joined the new one

@@ -9,6 +9,7 @@ es_member, answers for members it was not assigned, then goes silent. A peer wit
 sends a hello too and is never heard. The runs must end with the same
 params_sha256 as in-process.
 """
+import contextlib
 import json
 import os
 import subprocess
@@ -46,6 +47,7 @@ class PipelineStranger(threading.Thread):
         self.run_dir, self.stop, self.error = run_dir, threading.Event(), None
         self.ids: dict[str, set] = {}
         self.singleton_hellos = 0  # sent, once the run had started (a failure's message says how many)
+        self.trace = {}  # first time (monotonic) each stage was reached: a failure's message shows where it stalled
 
     def run(self):
         try:
@@ -63,29 +65,39 @@ class PipelineStranger(threading.Thread):
         keyless = ctx.socket(zmq.DEALER)
         keyless.setsockopt(zmq.LINGER, 0)
         keyless.connect(control)
+        # a full send queue raises zmq.Again instead of blocking: a stranger stuck in send() attacks nothing
+        # (a .ci/run once saw no hello after the start) and outlives the run (join's 30 s, every time)
+        for sock in (forger.sock, keyless):
+            sock.setsockopt(zmq.SNDTIMEO, 0)
         hellos, step, last_hello, n = [], 0, 0.0, 0
+        self.trace.setdefault("connected", time.monotonic())
         try:
             while not self.stop.is_set():
+                self.trace.setdefault("loop", time.monotonic())
                 while (msg := listen.recv(0)) is not None:
                     if msg["kind"] == "metrics":
                         step = msg["step"]
                     elif msg["event"] == "worker_joined":
                         self.ids.setdefault(msg["detail"]["role"], set()).add(msg["detail"]["worker"])
                 self.learn_ids_from_pids()
-                forger.sock.send(b"\xc1 garbage")
-                forger.sock.send(b"\x81\xa4kind\x91\x01")
-                self.forge(forger, rid, step)
-                keyless.send(messages.pack("hello", role="optimizer", worker="no-key", pid=1, token="t"))
                 # singleton hellos on fresh connections, once the real roles hold theirs (before that, a
                 # key holder that says hello first simply is the run's loader: the key is the admission)
                 if time.monotonic() - last_hello > 2 and self.run_started():
                     last_hello = time.monotonic()
+                    self.trace.setdefault("hellos", last_hello)
                     for role in ("optimizer", "loader", "checkpointer"):
                         n += 1
                         s = transport.DealerSocket(control, ctx, key)
                         s.send("hello", role=role, worker=f"stranger-{n}", pid=os.getpid(), token="t")
                         hellos.append(s)
                         self.singleton_hellos += 1
+                with contextlib.suppress(zmq.Again):  # the scheduler not reading (starting, busy, gone): skip
+                    forger.sock.send(b"\xc1 garbage")
+                    forger.sock.send(b"\x81\xa4kind\x91\x01")
+                    self.forge(forger, rid, step)
+                with contextlib.suppress(zmq.Again):  # never admitted: its queue fills and stays full
+                    keyless.send(messages.pack("hello", role="optimizer", worker="no-key", pid=1, token="t"))
+                self.trace.setdefault("forged", time.monotonic())
                 time.sleep(0.1)  # a steady stream, not a flood: steering is under test here, not load
         finally:
             for s in [listen, forger, *hellos]:
@@ -140,11 +152,14 @@ def test_a_stranger_with_the_key_cannot_steer_a_tcp_lm_run(tmp_path):
     run_dir = tmp_path / "tcp"
     stranger = PipelineStranger(str(run_dir))
     stranger.start()
+    t0 = time.monotonic()
     try:
         out = launch("lm", run_dir, "--trainers", "2", "--port", str(free_port_pair()), *ADVERSARY_LM, timeout=600)
     finally:
+        t_end = time.monotonic()
         stranger.stop.set()
         stranger.join(30)
+    assert not stranger.is_alive(), "the stranger outlived the run by 30 s: stuck in a socket call"
     assert stranger.error is None, stranger.error
     assert stranger.ids.get("trainer"), "the stranger never learned a worker id: it attacked nothing"
     disruptions = events(run_dir, "worker_lost") + events(run_dir, "run_restarting")
@@ -154,7 +169,8 @@ def test_a_stranger_with_the_key_cannot_steer_a_tcp_lm_run(tmp_path):
     queued = {e["detail"]["worker"] for e in events(run_dir, "worker_queued")}
     assert not any(w.startswith("stranger") or w == "no-key" for w in joined), joined
     assert queued and all(w.startswith("stranger") for w in queued) and "no-key" not in queued, \
-        (f"queued {queued}; the stranger sent {stranger.singleton_hellos} singleton hellos after the start; "
+        (f"queued {queued}; the stranger sent {stranger.singleton_hellos} singleton hellos after the start; launch "
+         f"took {t_end - t0:.1f} s, the stranger reached {({k: round(v - t0, 2) for k, v in stranger.trace.items()})}; "
          f"events: {sorted({e.get('event') for e in events(run_dir, None)} - {None})}")
     with open(run_dir / "workers.log") as fh:
         log = fh.read()
@@ -177,6 +193,8 @@ def _es_stranger(run_dir, stop, said):
     keyless = ctx.socket(zmq.DEALER)
     keyless.setsockopt(zmq.LINGER, 0)
     keyless.connect(control)
+    for sock in (forger.sock, keyless):  # never blocked in send(): see PipelineStranger
+        sock.setsockopt(zmq.SNDTIMEO, 0)
     keyless.send(messages.pack("hello", role="es_member", worker="no-key", pid=1, token="t"))
     joiner.send("hello", role="es_member", worker="stranger-b", pid=os.getpid(), token="t")
     try:
@@ -186,14 +204,16 @@ def _es_stranger(run_dir, stop, said):
                     ids = [f"es_member-{pid}" for name, pid in json.load(fh).items() if name != "scheduler"]
             except (OSError, ValueError):
                 ids = []
-            for it in range(10):
-                forger.sock.send(b"\xc1 garbage")
-                forger.sock.send(b"\x81\xa4kind\x91\x01")
-                forger.sock.send(msgpack.packb({"kind": "es_rewards", "v": 1, "step": it, "seq": 0, "worker": "x",
-                                                "members": ["x"], "rewards": [1], "ms": 0}))
-                for wid in ids:
-                    forger.send("es_rewards", it, worker=wid, members=list(range(24)), rewards=[9.0] * 24, ms=0.0)
-                    forger.send("failed", it, worker=wid, error="forged")
+            with contextlib.suppress(zmq.Again):
+                for it in range(10):
+                    forger.sock.send(b"\xc1 garbage")
+                    forger.sock.send(b"\x81\xa4kind\x91\x01")
+                    forger.sock.send(msgpack.packb({"kind": "es_rewards", "v": 1, "step": it, "seq": 0, "worker": "x",
+                                                    "members": ["x"], "rewards": [1], "ms": 0}))
+                    for wid in ids:
+                        forger.send("es_rewards", it, worker=wid, members=list(range(24)), rewards=[9.0] * 24,
+                                    ms=0.0)
+                        forger.send("failed", it, worker=wid, error="forged")
             msg = joiner.recv(50) if joiner is not None else None
             if msg is not None:
                 said.append(msg["kind"])

@@ -2,9 +2,12 @@
 
 Trade-off: the cases are whole-model work a user feels (prefill of 64 and 256
 tokens, per-token decode after a 64-token prompt), not kernel micro-timings.
+Each side runs them in a fresh subprocess of its own, and its peak RSS is that
+process's VmHWM: Fucina's imports what `fucina generate` imports and holds what it
+holds (model, tokenizer, chat template), llama.cpp's is Python with numpy and
+llama_cpp imported; a crash in llama.cpp cannot take the benchmark down.
 llama.cpp (llama-cpp-python, when installed) runs the same file with the same
-thread count in a subprocess, so its memory does not pollute our peak RSS and a
-crash in it cannot take the benchmark down, twice: `llama.cpp` as its users run it
+thread count, twice: `llama.cpp` as its users run it
 (its defaults: repacked CPU buffers, except block formats where the CPU has AMX,
 whose int8 path dies on some VMs; f16 KV cache) and `llama.cpp fixed`, the layout
 the parity mode mirrors (plain CPU buffers for block formats, f32 KV cache like ours).
@@ -61,18 +64,23 @@ def _prompt(n, vocab):
 
 
 def _ours(path, threads, decode_tokens, repeat, blas_threads=1):
+    """Runs in a fresh subprocess (_ours_worker), as llama.cpp's side does: the process imports what `fucina
+    generate` imports (the command line's modules), holds what it holds (model, tokenizer, chat template:
+    LoadedModel) and nothing of the bench's, so its peak RSS is a user's and the two figures compare alike."""
     from threadpoolctl import threadpool_limits
+    from .. import cli
+    from ..llm.generate import LoadedModel
     from ..llm.quants import FrozenWeight
-    from ..models.registry import load_model
     from ..threads import pin_threads
+    cli.build_parser()  # every command module, as `fucina generate` imports them
     pin_threads(threads)
     with threadpool_limits(blas_threads, user_api="blas"):
         rss0 = peak_rss_mb()
         t0 = time.perf_counter()
-        model = load_model(path)
+        model = LoadedModel(path, log=lambda m: None).model
         load_ms = (time.perf_counter() - t0) * 1e3
         vocab = model.config.vocab_size
-        res = {"load_ms": load_ms, "weight_mb": model.weight_bytes / 2 ** 20}
+        res = {"load_ms": load_ms, "weight_mb": model.weight_bytes / 2 ** 20, "load_rss_mb": peak_rss_mb()}
         for n in (64, 256):
             ids = _prompt(n, vocab)
             res[f"prefill{n}"], res[f"prefill{n}_cpu"] = timed(lambda: model.infer(ids, model.new_cache(n)), repeat)
@@ -95,6 +103,11 @@ def _ours(path, threads, decode_tokens, repeat, blas_threads=1):
                              if isinstance(w, FrozenWeight)) / 2 ** 20
         res["rss_before_mb"] = rss0
     return res
+
+
+def _ours_worker(path, threads, decode_tokens, repeat, blas_threads):
+    """Runs in a subprocess: prints _ours's figures as JSON."""
+    print(json.dumps(_ours(path, threads, decode_tokens, repeat, blas_threads)))
 
 
 ACCURACY_TEXT = ("The old lighthouse keeper climbed the stairs every evening at dusk. He wound the clockwork, "
@@ -257,6 +270,8 @@ def _llama_worker(path, threads, decode_tokens, repeat, quantized, defaults=Fals
     buffer" CPU kernels, f16 KV cache); else the fixed layout Fucina's parity mode mirrors (plain CPU buffers for
     block formats, f32 KV cache). llama.cpp's AMX int8 path dies with SIGILL on some VMs: where the CPU has AMX,
     block formats run without the extra buffers either way."""
+    import llama_cpp  # noqa: F401  (its libraries: the interpreter's share, before any model)
+    rss0 = peak_rss_mb()
     llm = _open_llama(path, threads, not quantized or (defaults and not _has_amx()),
                       **({} if defaults else {"type_k": 0, "type_v": 0}))
     vocab = llm.n_vocab()
@@ -282,7 +297,7 @@ def _llama_worker(path, threads, decode_tokens, repeat, quantized, defaults=Fals
     decode()
     runs = [decode() for _ in range(repeat)]
     res["decode"], res["decode_cpu"] = (float(np.median([r[k] for r in runs])) for k in (0, 1))
-    res["peak_rss_mb"] = peak_rss_mb()
+    res["peak_rss_mb"], res["rss_before_mb"] = peak_rss_mb(), rss0
     print(json.dumps(res))
 
 
@@ -298,14 +313,16 @@ def _llama_logits_worker(path, threads, ids, out):
     np.save(out, np.stack([prompt, np.asarray(llm.scores[:len(ids)], np.float32)]), allow_pickle=False)
 
 
-def _in_subprocess(call, threads):
-    """(stdout, None) of `python -c "from pipeline.bench.llm import ...; call"`, or (None, why) if it failed."""
+def _in_subprocess(call, threads, who="llama.cpp"):
+    """(stdout, None) of `python -c "from pipeline.bench.llm import ...; call"`, or (None, why) if it failed.
+    llama.cpp's side gets OMP_NUM_THREADS = threads; Fucina's (who="Fucina") the environment as it is."""
     name = call.split("(", 1)[0]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads)) if who == "llama.cpp" else None
     proc = subprocess.run([sys.executable, "-c", f"from pipeline.bench.llm import {name}; {call}"],
-                          capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS=str(threads)),
+                          capture_output=True, text=True, env=env,
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     if proc.returncode != 0:
-        return None, f"llama.cpp failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
+        return None, f"{who} failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
     return proc.stdout, None
 
 
@@ -345,7 +362,11 @@ def run(args):
         raise UserError(f"bench llm times both sides at one thread count: --threads must be >= 1, got {args.threads}")
     gg = GGUFFile(args.model)
     quantized = any(gg.tensor_type(n) not in ("F32", "F16", "BF16") for n in gg.tensor_names)
-    ours = _ours(args.model, args.threads, args.decode_tokens, args.repeat, args.blas_threads)
+    out, why = _in_subprocess(f"_ours_worker({str(args.model)!r}, {args.threads}, {args.decode_tokens}, "
+                              f"{args.repeat}, {args.blas_threads})", args.threads, who="Fucina")
+    if why:
+        raise RuntimeError(why)
+    ours = json.loads(out.strip().splitlines()[-1])
     theirs, fixed, why = None, None, "llama-cpp-python not installed"
     if not args.no_llama and importlib.util.find_spec("llama_cpp") is not None:
         theirs, why = _llama(args.model, args.threads, args.decode_tokens, args.repeat, quantized, defaults=True)
@@ -379,11 +400,16 @@ def run(args):
         rows.append(row)
     mem = {"case": f"{os.path.basename(args.model)}/peak_rss", "ms": ours["load_ms"], "baselines": {},
            "peak_rss_mb": ours["peak_rss_mb"], "weight_mb": ours["weight_mb"], "tile_mb": ours["tile_mb"],
-           "notes": f"load ms; peak RSS {ours['peak_rss_mb']:.0f} MB (weights {ours['weight_mb']:.0f} MB, "
-                    f"mmapped pages count once touched; prompt tiles {ours['tile_mb']:.0f} MB)"}
+           "import_rss_mb": ours["rss_before_mb"], "load_rss_mb": ours["load_rss_mb"],
+           "notes": f"load ms; peak RSS {ours['peak_rss_mb']:.0f} MB (after the command's imports "
+                    f"{ours['rss_before_mb']:.0f}, after loading model + tokenizer {ours['load_rss_mb']:.0f}; "
+                    f"weights {ours['weight_mb']:.0f} MB, mmapped pages count once touched; prompt tiles "
+                    f"{ours['tile_mb']:.0f} MB)"}
     if theirs:
         mem["llama_peak_rss_mb"] = theirs["peak_rss_mb"]
-        mem["notes"] += f"; llama.cpp peak RSS {theirs['peak_rss_mb']:.0f} MB"
+        mem["llama_import_rss_mb"] = theirs.get("rss_before_mb")
+        mem["notes"] += (f"; llama.cpp peak RSS {theirs['peak_rss_mb']:.0f} MB (after importing llama_cpp "
+                         f"{theirs['rss_before_mb']:.0f}); each side's VmHWM in its own fresh process")
     rows.append(mem)
     if not args.no_accuracy:
         rows.append(_accuracy_row(args, theirs is not None))

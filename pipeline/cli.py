@@ -16,21 +16,35 @@ from .commands._args import HelpFormatter, check_input_files
 from .errors import FucinaError
 
 
-def _command_modules():
+def _command_modules(only=None):
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
-        if info.name.startswith("_"):
+        if info.name.startswith("_") or (only is not None and info.name != only):
             continue
         yield importlib.import_module(f"{commands.__name__}.{info.name}")
 
 
-def build_parser():
+def _chosen_module(argv):
+    """The command module `argv` names (its first word, `es-finetune` -> es_finetune), or None: a run then
+    imports that command's module alone, not every command's (their imports - the ES trainer, ZeroMQ, ml_dtypes -
+    cost `fucina generate` a second and several MB); --help, --version and unknown words get the full parser."""
+    words = sys.argv[1:] if argv is None else list(argv)
+    if not words or words[0].startswith("-"):
+        return None
+    name = words[0].replace("-", "_")
+    if name.startswith("_") or name not in {info.name for info in pkgutil.iter_modules(commands.__path__)}:
+        return None
+    return name if importlib.import_module(f"{commands.__name__}.{name}").NAME == words[0] else None
+
+
+def build_parser(only=None):
+    """The `fucina` parser: every command, or (only: a command module's name) that command alone."""
     parser = argparse.ArgumentParser(
         prog="fucina",
         description="Fucina: CPU-first training — autograd, optimizers, GGUF fine-tuning, ES, multiprocess pipeline.",
     )
     parser.add_argument("--version", action="version", version=f"fucina {importlib.metadata.version('fucina')}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for mod in _command_modules():
+    for mod in _command_modules(only):
         p = sub.add_parser(mod.NAME, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP),
                            formatter_class=HelpFormatter)
         mod.add_arguments(p)
@@ -54,7 +68,7 @@ COMPILE_NOTICE = ("generate", "chat", "eval-logits", "eval", "finetune", "es-fin
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
+    parser = build_parser(_chosen_module(argv))
     try:
         args, unknown = parser.parse_known_args(argv)
         chosen = _innermost_parser(parser, args)

@@ -71,7 +71,7 @@ def test_the_commands_run_under_the_notice(monkeypatch, capsys):
         return x - 1
 
     build = cli.build_parser  # a command's run is bound at parse time: give eval-logits one that compiles
-    monkeypatch.setattr(cli, "build_parser", lambda: _with_run(build(), "eval-logits", lambda args: fresh(1)))
+    monkeypatch.setattr(cli, "build_parser", lambda *a: _with_run(build(*a), "eval-logits", lambda args: fresh(1)))
     assert main(["eval-logits", "--model", __file__, "--tokens", "1"]) == 0
     err = capsys.readouterr().err
     assert cn.MESSAGE in err and "compiled 1 kernel(s)" in err

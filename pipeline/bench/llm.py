@@ -72,7 +72,7 @@ def _ours(path, threads, decode_tokens, repeat, blas_threads=1):
     from ..llm.generate import LoadedModel
     from ..llm.quants import FrozenWeight
     from ..threads import pin_threads
-    cli.build_parser()  # every command module, as `fucina generate` imports them
+    cli.build_parser("generate")  # what `fucina generate` imports (pipeline/cli.py: its own command module)
     pin_threads(threads)
     with threadpool_limits(blas_threads, user_api="blas"):
         rss0 = peak_rss_mb()

@@ -73,10 +73,8 @@ def llama_cpp_token_types(md: dict, tokens: list[str], types: list[int]) -> tupl
     Where several tokens carry texts of one detected id, llama.cpp takes the first in its hash map's order;
     we take the lowest id (it matters only when that token was not CONTROL already)."""
     types = list(types)
-    ids = {}
-    for i, text in enumerate(tokens):
-        ids.setdefault(text, []).append(i)
-    last_id = {text: found[-1] for text, found in ids.items()}   # llama.cpp's text -> id keeps the last one
+    # llama.cpp's text -> id keeps the last one (a dict, not a list per text: 262k lists were 25 MB at load)
+    last_id = {text: i for i, text in enumerate(tokens)}
     for key, texts in _DETECTED_BY_TEXT.items():
         if key in md or _DEPRECATED_KEYS.get(key) in md:
             continue

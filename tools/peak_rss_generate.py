@@ -38,8 +38,9 @@ for _ in range(int(sys.argv[4])):
     tok = int(llm.scores[llm.n_tokens - 1].argmax())
     llm.eval([tok])
 """
-_IMPORTS = {"fucina": "import pipeline.cli as c; c.build_parser(getattr(c, '_chosen_module', lambda a: None)"
-                      "(['generate'])); import pipeline.llm.generate, pipeline.models.decoder",
+_IMPORTS = {"fucina": "import pipeline.cli as c; m = getattr(c, '_chosen_module', None); "  # older trees: every command
+                      "c.build_parser(m(['generate'])) if m else c.build_parser(); "
+                      "import pipeline.llm.generate, pipeline.models.decoder",
             "llama.cpp": "import numpy, llama_cpp"}
 
 

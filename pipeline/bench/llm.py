@@ -71,6 +71,7 @@ def _ours(path, threads, decode_tokens, repeat, blas_threads=1):
     from .. import cli
     from ..llm.generate import LoadedModel
     from ..llm.quants import FrozenWeight
+    from ..models import decoder  # noqa: F401  (the kernels' modules: imported before the load, as generate does)
     from ..threads import pin_threads
     cli.build_parser("generate")  # what `fucina generate` imports (pipeline/cli.py: its own command module)
     pin_threads(threads)

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +36,10 @@ GGUF_MAGIC = b"GGUF"
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
        7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
-U32, STRING, ARRAY, U64 = 4, 8, 9, 10
+U32, F32, STRING, ARRAY, U64 = 4, 6, 8, 9, 10
+# f32 metadata arrays of at least this many values (a vocabulary's tokenizer.ggml.scores) are kept as one
+# array.array("f"): indexing gives the same Python floats tolist() would, without 262k float objects (8 MB)
+COMPACT_F32 = 1024
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_ELEMENTS = 2**63 - 1  # a tensor's elements must fit ggml's int64 ne, its bytes numpy's intp
@@ -92,6 +97,11 @@ class _Cursor:
                 raise _Malformed(f"{field}: array of unknown value type {etype}")
             itemsize = np.dtype(_NP[etype]).itemsize
             count = self.count(f"{field} count", itemsize)
+            if etype == F32 and count >= COMPACT_F32:  # SentencePiece scores: 4 bytes each, not a 32-byte float
+                values = array("f", bytes(self.take(count * itemsize, field)))
+                if sys.byteorder != "little":
+                    values.byteswap()
+                return values
             return np.frombuffer(self.take(count * itemsize, field), _NP[etype]).tolist()
         if vtype not in _SCALARS:
             raise _Malformed(f"{field}: unknown value type {vtype}")
@@ -254,8 +264,8 @@ _KINDS = {  # what metadata_of checks: a GGUF's values are typed by the file, so
     "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
     "strings": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     "integers": lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
-    "numbers": lambda v: isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                                     for x in v),
+    "numbers": lambda v: (isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                      for x in v)) or (isinstance(v, array) and v.typecode == "f"),
 }
 
 

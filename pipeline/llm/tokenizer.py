@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import codecs
 import heapq
+from array import array
 from functools import cached_property
 
 from ..errors import GGUFError, UserError
@@ -151,7 +152,9 @@ class Tokenizer:
             self._hf = None   # built on the first encode (seconds for a large vocabulary)
         else:
             self.pre, self._pre = None, None
-            self.scores = list(scores) if scores is not None else [0.0] * len(self.tokens)
+            # a GGUF's scores come as one f32 array (pipeline/llm/gguf.py COMPACT_F32), kept as they are
+            self.scores = (scores if isinstance(scores, array) else list(scores)) if scores is not None \
+                else [0.0] * len(self.tokens)
             self._byte_ids = {}
             # every two-character substring of a token: no merge can join characters whose pair is not here
             self._spm_pairs = {text[k:k + 2] for text in self.tokens for k in range(len(text) - 1)}

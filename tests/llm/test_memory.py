@@ -129,3 +129,29 @@ def test_a_prompt_and_decode_hold_one_resident_form_of_the_weights(tmp_path):
     assert grew > size // 2, (grew, size)
     assert grew < size + got["tiles"] + allowance, (f"grew {grew / 2**20:.1f} MB; file {size / 2**20:.1f}, "
                                                    f"tiles {got['tiles'] / 2**20:.1f}")
+
+
+def test_a_vocabulary_s_scores_are_one_f32_array_with_the_file_s_values(tmp_path):
+    """Gemma's 262k SentencePiece scores were 262k Python floats in the metadata (8 MB): now one array.array('f')
+    (pipeline/llm/gguf.py COMPACT_F32) that the tokenizer keeps as it is; short arrays stay lists."""
+    from array import array
+
+    import gguf
+    from pipeline.llm.gguf import COMPACT_F32, GGUFFile, metadata_of
+    from pipeline.llm.tokenizer import Tokenizer
+    values = np.random.default_rng(0).standard_normal(COMPACT_F32 + 5).astype(np.float32)
+    w = gguf.GGUFWriter(str(tmp_path / "v.gguf"), arch="llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list([f"<0x{i:02X}>" for i in range(256)] + [f"t{i}" for i in range(len(values) - 256)])
+    w.add_token_scores(values.tolist())
+    w.add_array("short.scores", [0.5, 0.25])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    gg = GGUFFile(tmp_path / "v.gguf")
+    scores = gg.metadata["tokenizer.ggml.scores"]
+    assert isinstance(scores, array) and scores.typecode == "f" and list(scores) == values.tolist()
+    assert metadata_of(gg, "tokenizer.ggml.scores", "numbers") is scores
+    assert gg.metadata["short.scores"] == [0.5, 0.25]
+    assert Tokenizer.from_gguf(gg).scores is scores

@@ -365,8 +365,8 @@ def run(args):
     quantized = any(gg.tensor_type(n) not in ("F32", "F16", "BF16") for n in gg.tensor_names)
     out, why = _in_subprocess(f"_ours_worker({str(args.model)!r}, {args.threads}, {args.decode_tokens}, "
                               f"{args.repeat}, {args.blas_threads})", args.threads, who="Fucina")
-    if why:
-        raise RuntimeError(why)
+    if why:  # the file loads in this process (GGUFFile above) but not as a model there: one error line
+        raise UserError(f"{args.model}: {why}")
     ours = json.loads(out.strip().splitlines()[-1])
     theirs, fixed, why = None, None, "llama-cpp-python not installed"
     if not args.no_llama and importlib.util.find_spec("llama_cpp") is not None:

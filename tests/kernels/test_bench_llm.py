@@ -19,6 +19,8 @@ def test_bench_llm_reports_kernel_rows_beside_the_machine_limits():
     cases = [r["case"] for r in rows]
     assert cases[:4] == [f"qwen3-mini-q8_0.gguf/{c}" for c in ("prefill64", "prefill256", "decode", "peak_rss")]
     assert rows[3]["tile_mb"] == 0  # Q8_0: no prompt tiles
+    mem = rows[3]  # measured in a fresh process (imports, then the load, then the cases): each figure the next's floor
+    assert 0 < mem["import_rss_mb"] <= mem["load_rss_mb"] <= mem["peak_rss_mb"], mem
     accuracy = rows[4]  # KL to the exact forward (the F32 copy; no llama.cpp here, so Fucina runs it)
     assert accuracy["case"] == "qwen3-mini-q8_0.gguf/kl_exact" and accuracy["reference"] == "Fucina on the F32 copy"
     kl = accuracy["kl"]

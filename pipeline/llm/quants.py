@@ -138,9 +138,9 @@ class FrozenWeight:
         supports, gemm_supports, tile_supports, grad_enabled = _INTEGER or _integer_kernels()
         if not supports(self.format.qtype):
             return False
-        fast = (rows <= self.INTEGER_MAX_ROWS
-                or (gemm_supports(self.format.qtype) and not _formats.BY_QTYPE[self.format.qtype].f32_prompt)
-                or (self.tiled and rows >= self.TILE_MIN_ROWS and tile_supports(self.format.qtype)))
+        fast = rows <= self.INTEGER_MAX_ROWS or (not _formats.BY_QTYPE[self.format.qtype].f32_prompt and (
+            gemm_supports(self.format.qtype) or (self.tiled and rows >= self.TILE_MIN_ROWS
+                                                 and tile_supports(self.format.qtype))))
         return self.llama_numerics or (self.integer_dot and fast and not grad_enabled())
 
     def matmul_t(self, x):
@@ -215,8 +215,9 @@ def integer_matmul_t_many(weights: list, x2, group_rows: int | None = None) -> l
     from pipeline.kernels import qint_gemm, qtile
     n = x2.shape[0] if group_rows is None else group_rows
     # llama numerics: llama.cpp's tiled AVX2 arithmetic from GGML_TILED_MIN_ROWS rows, decided per weight
-    tiled = [qtile.supports(w.format.qtype) and (n >= GGML_TILED_MIN_ROWS if w.llama_numerics else
-                                                 w.tiled and n >= w.TILE_MIN_ROWS) for w in weights]
+    tiled = [qtile.supports(w.format.qtype, True) and n >= GGML_TILED_MIN_ROWS if w.llama_numerics else
+             qtile.supports(w.format.qtype) and w.tiled and n >= w.TILE_MIN_ROWS
+             and not _formats.BY_QTYPE[w.format.qtype].f32_prompt for w in weights]
     rest = [w for w, t in zip(weights, tiled) if not t]
     ys = {}
     for ggml in (False, True):

@@ -1,5 +1,6 @@
-"""The tiled K-quant GEMM (pipeline/kernels/qtile.py): bitwise its numpy model (int64 block totals, long-double
-FMAs), for any row grouping, tile cut and thread count; close to llama.cpp's vec_dot arithmetic (qint_gemm.py)."""
+"""The tiled integer GEMM (pipeline/kernels/qtile.py), K-quant and 32-element kinds: bitwise its numpy model (int64
+block totals, long-double FMAs), for any row grouping, tile cut and thread count; close to llama.cpp's vec_dot
+arithmetic (qint_gemm.py) and to the dequantized product."""
 import sys
 from pathlib import Path
 
@@ -13,10 +14,11 @@ from pipeline.threads import numba_threads
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "llm"))
 from test_gguf_dequant import random_blocks  # noqa: E402
-from test_qint import block_integers, fma32, ref_quantize_q8_k  # noqa: E402
+from test_qint import block_integers, fma32, ref_quantize_q8_0, ref_quantize_q8_k  # noqa: E402
 
 
 FORMATS = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q3_K, QT.IQ4_XS, QT.Q2_K]  # Q3_K, IQ4_XS: in Q6_K's layout
+B32 = [QT.Q8_0, QT.Q4_0, QT.Q5_0]  # the 32-element kinds, against Q8_0 activations
 
 
 def tiled_model(qt, raw, x):
@@ -40,6 +42,24 @@ def tiled_model(qt, raw, x):
             for b in range(blocks):
                 accm = fma32((yd[i, b] * dmin[:, b]).astype(np.float32), m[:, b], accm)
         out[i] = acc - accm
+    return out
+
+
+def b32_model(qt, raw, x):
+    """The 32-element kinds in numpy: per block T = sum(x * w) exact in int64 (the kernel's (x + 128) . w - 128 *
+    sum(w)), acc = fma(f32(d_x * d_w), f32(T), acc) rounded once from long double; the activations are Q8_0's
+    (fp16 scales, as llama.cpp's)."""
+    n = x.shape[1]
+    q, yd = ref_quantize_q8_0(x)
+    w, _, wd, _ = block_integers(qt, raw, n)
+    rows, blocks = raw.shape[0], n // 32
+    out = np.empty((x.shape[0], rows), np.float32)
+    for i in range(x.shape[0]):
+        totals = (w * q[i]).reshape(rows, blocks, 32).sum(axis=-1).astype(np.float32)  # exact: |T| < 2^24
+        acc = np.zeros(rows, np.float32)
+        for b in range(blocks):
+            acc = fma32((yd[i, b] * wd[:, b]).astype(np.float32), totals[:, b], acc)
+        out[i] = acc
     return out
 
 
@@ -121,6 +141,60 @@ def test_largest_weights_and_activations_stay_exact(qt):
     np.testing.assert_array_equal(tiled(qt, raw, x).view(np.uint32), tiled_model(qt, raw, x).view(np.uint32))
 
 
+@pytest.mark.parametrize("qt", B32, ids=lambda q: q.name)
+def test_b32_tiles_bitwise_equals_their_model(qt):
+    """37 weight rows (a partial last tile), 640 inputs (20 blocks: not a whole K-quant block), 2 * ROWS + 3
+    activation rows (a tail one row at a time), a quiet block and an all-zero one; within a few f32 roundings of
+    the dequantized weights times the dequantized Q8_0 activations (float64), and of vec_dot's arithmetic."""
+    raw = random_blocks(qt, 37, 640, seed=3)
+    x = np.random.default_rng(4).standard_normal((2 * qtile.ROWS + 3, 640)).astype(np.float32)
+    x[1, :32] *= 1e-3
+    x[5, 96:128] = 0.0
+    got = tiled(qt, raw, x)
+    np.testing.assert_array_equal(got.view(np.uint32), b32_model(qt, raw, x).view(np.uint32))
+    q, yd = ref_quantize_q8_0(x)
+    w, _, wd, _ = block_integers(qt, raw, 640)
+    xq = q.reshape(len(x), -1, 32) * yd[..., None].astype(np.float64)
+    exact = xq.reshape(len(x), 640) @ (w.reshape(37, -1, 32) * wd[..., None].astype(np.float64)).reshape(37, 640).T
+    np.testing.assert_allclose(got, exact, rtol=0, atol=1e-5 * float(np.abs(exact).max()))
+    vec_dot = qint_gemm.matmul_t_many([(int(qt), raw)], x)[0]
+    np.testing.assert_allclose(got, vec_dot, rtol=0, atol=1e-5 * float(np.abs(vec_dot).max()))
+
+
+@pytest.mark.parametrize("qt", B32, ids=lambda q: q.name)
+def test_b32_largest_weights_and_activations_bitwise_equals_their_model(qt):
+    """The weights at their ends (Q8_0: -128 and 127; Q4_0: -8, 7; Q5_0: -16, 15) against activations +-127:
+    the largest totals, the largest unsigned activations (+128 offset) on the most negative weights (Q8_0's
+    pair sums would saturate vpmaddubsw's i16: its kind takes wide sums without VNNI)."""
+    size = {QT.Q8_0: 34, QT.Q4_0: 18, QT.Q5_0: 22}[qt]
+    raw = random_blocks(qt, 20, 256, seed=8).reshape(20, 8, size)
+    raw[:10, :, 2:] = 0xFF if qt != QT.Q8_0 else 0x7F
+    raw[10:, :, 2:] = 0x00 if qt != QT.Q8_0 else 0x80
+    raw = raw.reshape(20, -1)
+    x = np.full((qtile.ROWS + 1, 256), 127.0, np.float32)
+    x[1::2] = -127.0
+    np.testing.assert_array_equal(tiled(qt, raw, x).view(np.uint32), b32_model(qt, raw, x).view(np.uint32))
+
+
+def test_b32_thread_count_and_grouping_keep_the_bits():
+    """A 32-element weight beside K-quant ones in one dispatch (each with its own activations), more tiles than
+    a piece, 1 vs 2 threads; a row's bits the same in any group and alone."""
+    raw8, raw5 = random_blocks(QT.Q8_0, 16 * qtile.PIECE_TILES + 20, 256, seed=5), random_blocks(QT.Q5_0, 24, 256)
+    raw_k = random_blocks(QT.Q4_K, 24, 256, seed=6)
+    weights = [(int(qt), raw, qtile.pack(int(qt), raw)) for qt, raw in ((QT.Q8_0, raw8), (QT.Q4_K, raw_k),
+                                                                        (QT.Q5_0, raw5))]
+    x = np.random.default_rng(6).standard_normal((11, 256)).astype(np.float32)
+    outs = []
+    for n in (1, 2):
+        with numba_threads(n):
+            outs.append(qtile.matmul_t_many(weights, x))
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    np.testing.assert_array_equal(qtile.matmul_t_many(weights[1:2], x)[0], outs[0][1])
+    np.testing.assert_array_equal(qtile.matmul_t_many(weights[:1], x[1:])[0], outs[0][0][1:])
+    np.testing.assert_array_equal(qtile.matmul_t_many(weights[2:], x[6:7])[0], outs[0][2][6:7])
+
+
 def test_bits_do_not_depend_on_threads_cut_or_grouping():
     """More tiles than one piece, two weights in one dispatch, 1 vs 2 threads; a row's bits are the same
     whichever group it falls in (shifted by one row, or alone)."""
@@ -149,6 +223,8 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="row of 256 elements"):
         qtile.matmul_t_many([(q4, random_blocks(QT.Q4_K, 4, 512), qtile.pack(q4, raw))], x)
     with pytest.raises(ValueError, match="no tiled kernel"):
+        qtile.matmul_t_many([(int(QT.Q4_1), random_blocks(QT.Q4_1, 4, 256), qtile.pack(q4, raw))], x)
+    with pytest.raises(ValueError, match="do not belong"):  # a K-quant's tiles for a Q8_0 weight
         qtile.matmul_t_many([(int(QT.Q8_0), random_blocks(QT.Q8_0, 4, 256), qtile.pack(q4, raw))], x)
     with pytest.raises(ValueError, match="must be"):
         qtile.matmul_t_many([(q4, raw, qtile.pack(q4, raw))], np.zeros(256, np.float32))

@@ -62,7 +62,7 @@ def _prompt(n, vocab):
 
 def _ours(path, threads, decode_tokens, repeat, blas_threads=1):
     from threadpoolctl import threadpool_limits
-    from ..llm.quants import FrozenWeight
+    from ..llm.quants import FrozenWeight, for_inference
     from ..models.registry import load_model
     from ..threads import pin_threads
     pin_threads(threads)
@@ -70,6 +70,7 @@ def _ours(path, threads, decode_tokens, repeat, blas_threads=1):
         rss0 = peak_rss_mb()
         t0 = time.perf_counter()
         model = load_model(path)
+        for_inference(model)  # generate's and serve's prompt path (LoadedModel)
         load_ms = (time.perf_counter() - t0) * 1e3
         vocab = model.config.vocab_size
         res = {"load_ms": load_ms, "weight_mb": model.weight_bytes / 2 ** 20}
@@ -206,6 +207,7 @@ def _kernel_rows(path, threads, repeat):
             cases = [("decode_head", 1, True)]
         else:
             cases = [("decode", 1, True), ("prefill64", 64, True), ("prefill256", 256, True)]
+            w.inference = True  # an inference prompt's path (quants.for_inference), as generate and serve take
             if qint.supports(w.format.qtype):  # the A/B: the same products through the other kernels
                 cases.append(("decode_f32", 1, False))
                 w.integer_dot, w.llama_numerics = True, False

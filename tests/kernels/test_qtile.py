@@ -253,6 +253,46 @@ def test_frozen_weight_takes_the_tiles_from_a_prompt_on_and_keeps_vec_dot_below(
         np.testing.assert_array_equal(w.matmul_t(x), qint_gemm.matmul_t_many([(int(QT.Q4_K), raw)], x)[0])
 
 
+def test_32_element_tiles_serve_inference_prompts_only():
+    """Q8_0 / Q5_0 (formats.py: f32_prompt and prompt_tiles): a weight opened for inference takes the tiles
+    from TILE_MIN_ROWS rows, the f32 GEMM below and the row kernels for a decode; any other no-grad forward keeps
+    f32 prompts (the training forward's arithmetic); llama numerics keep vec_dot's bits at any row count."""
+    from pipeline.autograd import no_grad
+    from pipeline.kernels import qgemm
+    from pipeline.llm.quants import FORMATS, FrozenWeight
+    x = np.random.default_rng(12).standard_normal((FrozenWeight.TILE_MIN_ROWS, 256)).astype(np.float32)
+    for qt in (QT.Q8_0, QT.Q5_0):
+        raw = random_blocks(qt, 40, 256, seed=13)
+        w = FrozenWeight(FORMATS[qt], raw, (40, 256))
+        f32 = qgemm.matmul_t(int(qt), raw, x, (40, 256))
+        with no_grad():
+            np.testing.assert_array_equal(w.matmul_t(x), f32)  # not marked: the f32 tiles
+            assert w.tile_bytes == 0
+            w.inference = True
+            np.testing.assert_array_equal(w.matmul_t(x), tiled(qt, raw, x))
+            assert w.tile_bytes > 0
+            few = x[:FrozenWeight.TILE_MIN_ROWS - 1]
+            np.testing.assert_array_equal(w.matmul_t(few), qgemm.matmul_t(int(qt), raw, few, (40, 256)))
+            np.testing.assert_array_equal(w.matmul_t(x[:1]), qint.matmul_t_many([(int(qt), raw)], x[:1])[0])
+            w.tiled = False
+            np.testing.assert_array_equal(w.matmul_t(x), f32)
+            w.tiled, w.llama_numerics = True, True
+            np.testing.assert_array_equal(w.matmul_t(x), qint_gemm.matmul_t_many([(int(qt), raw)], x)[0])
+        w.llama_numerics = False
+        np.testing.assert_array_equal(w.matmul_t(x), f32)  # gradients on: f32 whatever the flags
+
+
+def test_for_inference_marks_the_block_projections_only():
+    from pathlib import Path as P
+    from pipeline.llm.quants import FrozenWeight, for_inference
+    from pipeline.models.registry import load_model
+    model = load_model(P(__file__).resolve().parents[1] / "fixtures" / "qwen3-mini-q8_0.gguf")
+    weights = {n: w for n, w in model.named_weights().items() if isinstance(w, FrozenWeight)}
+    assert not any(w.inference for w in weights.values())
+    for_inference(model)
+    assert all(w.inference == n.startswith("blk.") for n, w in weights.items()) and weights["token_embd.weight"]
+
+
 def test_fucina_tiles_0_turns_the_tiles_off(tmp_path):
     """FUCINA_TILES=0 in the environment: FrozenWeight.tiled starts False (a fresh process)."""
     import os

@@ -14,11 +14,11 @@ from pipeline.threads import numba_threads
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "llm"))
 from test_gguf_dequant import random_blocks  # noqa: E402
-from test_qint import block_integers, fma32, ref_quantize_q8_0, ref_quantize_q8_k  # noqa: E402
+from test_qint import block_integers, fma32, ref_quantize_q8_0, ref_quantize_q8_1, ref_quantize_q8_k  # noqa: E402
 
 
 FORMATS = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q3_K, QT.IQ4_XS, QT.Q2_K]  # Q3_K, IQ4_XS: in Q6_K's layout
-B32 = [QT.Q8_0, QT.Q4_0, QT.Q5_0]  # the 32-element kinds, against Q8_0 activations
+B32 = [QT.Q8_0, QT.Q4_0, QT.Q5_0, QT.Q4_1, QT.Q5_1]  # the 32-element kinds (Q4_1/Q5_1 against Q8_1 activations)
 
 
 def tiled_model(qt, raw, x):
@@ -48,10 +48,13 @@ def tiled_model(qt, raw, x):
 def b32_model(qt, raw, x):
     """The 32-element kinds in numpy: per block T = sum(x * w) exact in int64 (the kernel's (x + 128) . w - 128 *
     sum(w)), acc = fma(f32(d_x * d_w), f32(T), acc) rounded once from long double; the activations are Q8_0's
-    (fp16 scales, as llama.cpp's)."""
+    (fp16 scales, as llama.cpp's). Q4_1/Q5_1: Q8_1 activations, then acc = fma(m_w, s_x, acc) per block."""
     n = x.shape[1]
-    q, yd = ref_quantize_q8_0(x)
-    w, _, wd, _ = block_integers(qt, raw, n)
+    if qt in (QT.Q4_1, QT.Q5_1):
+        q, yd, ys = ref_quantize_q8_1(x)
+    else:
+        (q, yd), ys = ref_quantize_q8_0(x), None
+    w, _, wd, m = block_integers(qt, raw, n)
     rows, blocks = raw.shape[0], n // 32
     out = np.empty((x.shape[0], rows), np.float32)
     for i in range(x.shape[0]):
@@ -59,6 +62,8 @@ def b32_model(qt, raw, x):
         acc = np.zeros(rows, np.float32)
         for b in range(blocks):
             acc = fma32((yd[i, b] * wd[:, b]).astype(np.float32), totals[:, b], acc)
+            if ys is not None:
+                acc = fma32(m[:, b], np.full(rows, ys[i, b], np.float32), acc)
         out[i] = acc
     return out
 
@@ -145,7 +150,8 @@ def test_largest_weights_and_activations_stay_exact(qt):
 def test_b32_tiles_bitwise_equals_their_model(qt):
     """37 weight rows (a partial last tile), 640 inputs (20 blocks: not a whole K-quant block), 2 * ROWS + 3
     activation rows (a tail one row at a time), a quiet block and an all-zero one; within a few f32 roundings of
-    the dequantized weights times the dequantized Q8_0 activations (float64), and of vec_dot's arithmetic."""
+    the dequantized weights times the dequantized Q8_0 activations (float64; Q4_1/Q5_1's mins times Q8_1's
+    block sums), and of vec_dot's arithmetic."""
     raw = random_blocks(qt, 37, 640, seed=3)
     x = np.random.default_rng(4).standard_normal((2 * qtile.ROWS + 3, 640)).astype(np.float32)
     x[1, :32] *= 1e-3
@@ -153,9 +159,11 @@ def test_b32_tiles_bitwise_equals_their_model(qt):
     got = tiled(qt, raw, x)
     np.testing.assert_array_equal(got.view(np.uint32), b32_model(qt, raw, x).view(np.uint32))
     q, yd = ref_quantize_q8_0(x)
-    w, _, wd, _ = block_integers(qt, raw, 640)
+    w, _, wd, m = block_integers(qt, raw, 640)
     xq = q.reshape(len(x), -1, 32) * yd[..., None].astype(np.float64)
     exact = xq.reshape(len(x), 640) @ (w.reshape(37, -1, 32) * wd[..., None].astype(np.float64)).reshape(37, 640).T
+    if m is not None:  # Q4_1/Q5_1's mins against Q8_1's block sums s (llama.cpp's fp16 d * sum(q))
+        exact += ref_quantize_q8_1(x)[2].astype(np.float64) @ m.T.astype(np.float64)
     np.testing.assert_allclose(got, exact, rtol=0, atol=1e-5 * float(np.abs(exact).max()))
     vec_dot = qint_gemm.matmul_t_many([(int(qt), raw)], x)[0]
     np.testing.assert_allclose(got, vec_dot, rtol=0, atol=1e-5 * float(np.abs(vec_dot).max()))
@@ -166,10 +174,11 @@ def test_b32_largest_weights_and_activations_bitwise_equals_their_model(qt):
     """The weights at their ends (Q8_0: -128 and 127; Q4_0: -8, 7; Q5_0: -16, 15) against activations +-127:
     the largest totals, the largest unsigned activations (+128 offset) on the most negative weights (Q8_0's
     pair sums would saturate vpmaddubsw's i16: its kind takes wide sums without VNNI)."""
-    size = {QT.Q8_0: 34, QT.Q4_0: 18, QT.Q5_0: 22}[qt]
+    size = {QT.Q8_0: 34, QT.Q4_0: 18, QT.Q5_0: 22, QT.Q4_1: 20, QT.Q5_1: 24}[qt]
+    at = 4 if qt in (QT.Q4_1, QT.Q5_1) else 2  # the weights' bytes after the fp16 fields
     raw = random_blocks(qt, 20, 256, seed=8).reshape(20, 8, size)
-    raw[:10, :, 2:] = 0xFF if qt != QT.Q8_0 else 0x7F
-    raw[10:, :, 2:] = 0x00 if qt != QT.Q8_0 else 0x80
+    raw[:10, :, at:] = 0xFF if qt != QT.Q8_0 else 0x7F
+    raw[10:, :, at:] = 0x00 if qt != QT.Q8_0 else 0x80
     raw = raw.reshape(20, -1)
     x = np.full((qtile.ROWS + 1, 256), 127.0, np.float32)
     x[1::2] = -127.0
@@ -223,7 +232,10 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="row of 256 elements"):
         qtile.matmul_t_many([(q4, random_blocks(QT.Q4_K, 4, 512), qtile.pack(q4, raw))], x)
     with pytest.raises(ValueError, match="no tiled kernel"):
-        qtile.matmul_t_many([(int(QT.Q4_1), random_blocks(QT.Q4_1, 4, 256), qtile.pack(q4, raw))], x)
+        qtile.matmul_t_many([(int(QT.IQ4_NL), random_blocks(QT.IQ4_NL, 4, 256), qtile.pack(q4, raw))], x)
+    raw8 = random_blocks(QT.Q8_0, 4, 256)
+    with pytest.raises(ValueError, match="no tiled kernel"):  # llama.cpp's tiled arithmetic: the K-quants only
+        qtile.matmul_t_many([(int(QT.Q8_0), raw8, qtile.pack(int(QT.Q8_0), raw8))], x, True)
     with pytest.raises(ValueError, match="do not belong"):  # a K-quant's tiles for a Q8_0 weight
         qtile.matmul_t_many([(int(QT.Q8_0), random_blocks(QT.Q8_0, 4, 256), qtile.pack(q4, raw))], x)
     with pytest.raises(ValueError, match="must be"):

@@ -220,6 +220,7 @@ def _kernel_rows(path, threads, repeat):
             cases = [("decode_head", 1, True)]
         else:
             cases = [("decode", 1, True), ("prefill64", 64, True), ("prefill256", 256, True)]
+            w.inference = True  # an inference prompt's path (quants.for_inference), as generate and serve take
             if qint.supports(w.format.qtype):  # the A/B: the same products through the other kernels
                 cases.append(("decode_f32", 1, False))
                 w.integer_dot, w.llama_numerics = True, False

@@ -25,7 +25,10 @@ class Format:
     (pipeline/kernels/qint_gemm.py blocked integer GEMM), `quantize` (kernels/quantize.py encoder key). `tile_kind` is
     pipeline/kernels/qtile.py's tile layout (-1: no tiles) and `tile_source` the block reader its packer uses.
     `f32_prompt`: the default mode keeps this format's prompts (more rows than a decode) on f32 activations
-    (the tiled f32 GEMM, exact) although it has a `gemm`, which then serves --llama-numerics only."""
+    (the tiled f32 GEMM, exact) although it has a `gemm`, which then serves --llama-numerics only.
+    `prompt_tiles`: an inference prompt (weights opened for inference: generate, serve, bench llm; quants.
+    for_inference) takes the qtile tiles all the same; the other no-grad forwards (fine-tune evaluation, ES
+    members) keep f32_prompt's f32 arithmetic, the training forward's."""
     qtype: int          # gguf GGMLQuantizationType id
     name: str           # ggml's spelling, e.g. "Q4_K"
     block: int          # elements per block (1 for the plain floats)
@@ -43,6 +46,7 @@ class Format:
     gemm: str = ""
     quantize: str = ""
     f32_prompt: bool = False
+    prompt_tiles: bool = False
 
     @property
     def quantized(self) -> bool:
@@ -59,12 +63,12 @@ class Format:
 
 
 def _row(qtype, name, block, block_bytes, layout, d_at=-1, dmin_at=-1, partner="", bsums=False, tile=(-1, -1),
-         kernels=True, gemm=False, quantize=False, f32_prompt=False):
+         kernels=True, gemm=False, quantize=False, f32_prompt=False, prompt_tiles=False):
     key = name.lower()
     return Format(qtype, name, block, block_bytes, layout, d_at, dmin_at, partner, bsums, tile[0], tile[1],
                   f"_dq_{key}" if kernels else "", f"_mv_{key}" if kernels else "",
                   f"_mm_{key}" if partner else "", f"_gemm_{key}" if gemm else "", key if quantize else "",
-                  f32_prompt)
+                  f32_prompt, prompt_tiles)
 
 
 # f32_prompt on the 32-element formats: their blocked GEMM serves --llama-numerics; the default mode's prompts stay
@@ -72,21 +76,25 @@ def _row(qtype, name, block, block_bytes, layout, d_at=-1, dmin_at=-1, partner="
 # to the dequantized model, 2.9e-3 on Q8_1 ones; llama.cpp 3.0e-3) for 2-11% more CPU; Gemma 3's Q5_0/Q8_0 prompt
 # KL 3.5e-3 vs 4.6e-3 on Q8_0 ones (llama.cpp 5.4e-3) for a gain inside the noise (Qwen3-0.6B-shaped Q8_0: 17% at
 # 64 rows). f32 prompts also keep a no-grad forward (fine-tune evaluation, ES's lock-step members) on the training
-# forward's arithmetic, as tests/es and tests/llm expect on the Q8_0 fixture.
+# forward's arithmetic, as tests/es and tests/llm expect on the Q8_0 fixture. prompt_tiles (2026-12-08,
+# docs/BENCHMARKS.md): an inference prompt through Q8_0/Q4_0/Q5_0 takes qtile's 32-element tiles (Gemma 3 prompt
+# KL 4.4e-3, llama.cpp 5.4e-3; its prompt CPU -47%, a Qwen3-0.6B-shaped Q8_0's -65%); Q4_1/Q5_1 have tiles too but
+# keep their exact f32 prompts (SmolLM2 Q4_1's prompt already x1.9-2.1 of llama.cpp's CPU time at 1 thread; KL 0
+# against llama.cpp's 3.0e-3).
 FORMATS = (
     _row(0, "F32", 1, 4, "f32", kernels=False),
     _row(1, "F16", 1, 2, "f16 (its tile kernels take 32-column groups)"),
     _row(30, "BF16", 1, 2, "bf16: the high halves of f32s (32-column groups)"),
-    _row(8, "Q8_0", 32, 34, "d fp16 | qs int8[32]; x = d * q", 0, partner=Q8_0_PARTNER, gemm=True,
-         quantize=True, f32_prompt=True),
+    _row(8, "Q8_0", 32, 34, "d fp16 | qs int8[32]; x = d * q", 0, partner=Q8_0_PARTNER, tile=(6, 6), gemm=True,
+         quantize=True, f32_prompt=True, prompt_tiles=True),
     _row(2, "Q4_0", 32, 18, "d fp16 | qs u8[16] nibbles (values j, j + 16); x = d * (q - 8)", 0, partner=Q8_0_PARTNER,
-         gemm=True, quantize=True, f32_prompt=True),
-    _row(3, "Q4_1", 32, 20, "d fp16 | m fp16 | qs u8[16]; x = d * q + m", 0, 2, partner=Q8_1_PARTNER,
+         tile=(5, 7), gemm=True, quantize=True, f32_prompt=True, prompt_tiles=True),
+    _row(3, "Q4_1", 32, 20, "d fp16 | m fp16 | qs u8[16]; x = d * q + m", 0, 2, partner=Q8_1_PARTNER, tile=(7, 9),
          gemm=True, quantize=True, f32_prompt=True),
     _row(6, "Q5_0", 32, 22, "d fp16 | qh u32 (bit 4 of q) | qs u8[16]; x = d * (q - 16)", 0,
-         partner=Q8_0_PARTNER, gemm=True, quantize=True, f32_prompt=True),
+         partner=Q8_0_PARTNER, tile=(5, 8), gemm=True, quantize=True, f32_prompt=True, prompt_tiles=True),
     _row(7, "Q5_1", 32, 24, "d fp16 | m fp16 | qh u32 | qs u8[16]; x = d * q + m", 0, 2, partner=Q8_1_PARTNER,
-         gemm=True, quantize=True, f32_prompt=True),
+         tile=(7, 10), gemm=True, quantize=True, f32_prompt=True),
     _row(10, "Q2_K", 256, 84, "scales u8[16] (4-bit scale | 4-bit min) | qs u8[64] | d fp16 | dmin fp16", 80, 82,
          partner=Q8_K_PARTNER, bsums=True, tile=(4, 5)),
     _row(11, "Q3_K", 256, 110, "hmask u8[32] | qs u8[64] | scales u8[12] (6-bit, - 32) | d fp16", 108,

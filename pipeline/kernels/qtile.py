@@ -1,4 +1,5 @@
-"""Tiled integer GEMM for prefill through K-quant and IQ4_XS weights: 16 weight rows per vector lane set, x as Q8_K.
+"""Tiled integer GEMM for prefill through K-quant, IQ4_XS and Q8_0/Q4_0/Q5_0 weights: 16 weight rows per vector lane
+set, x as Q8_K (Q8_0 for the 32-element formats).
 
 Trade-off: pipeline/kernels/qint_gemm.py keeps llama.cpp's vec_dot arithmetic (eight f32 lanes per output, each a sum
 over sub-blocks of 4-element dot products scaled by the sub-block's scale), which costs two scaling
@@ -26,12 +27,21 @@ Q6_K's layout too (its table values as the weights, each 32-weight scale for bot
 dots taken without vpmaddubsw where there is no VNNI (its pair sums would saturate i16). Q2_K keeps its 2-bit
 weights four to a byte (bits 2s: four 16-weight sub-blocks per vector), one scale per 16 weights, and its mins
 against the activations' 16-element sums: M = sum_j m_j * bsum16_j over 16 sub-blocks.
+The 32-element formats Q8_0, Q4_0, Q5_0 (kinds 6, 5, 5) take Q6_K's scheme with one block of 32 signed weights
+(q, q - 8, q - 16) and llama.cpp's Q8_0 activations (fp16 scales): per block T = sum((x + 128) * w) - 128 *
+sum(w) = sum(x * w), exact, and acc = fma(f32(d_x * d_w), f32(T), acc), no mins; all of a row's blocks in one
+call (the block loop inside, the accumulators in registers). Q8_0's weights reach -128, whose pairs would
+saturate vpmaddubsw's i16, so its kind takes the wide dots where there is no VNNI, as IQ4_XS's. Q4_1 and Q5_1
+(kind 7) keep their unsigned weights q (0..31) as the unsigned operand against llama.cpp's Q8_1 activations
+(signed; fp16 d and block sums s = d * sum(q)): T = sum(x * w) exact, acc = fma(f32(d_x * d_w), f32(T), acc),
+then acc = fma(m_w, s_x, acc), per block.
 Every output is computed by the same code whatever rows or tiles sit beside it (groups of ROWS activation rows,
 the rest one at a time), so the bits do not depend on grouping, the cut into pieces or the thread count. The
 same arithmetic compiles on every ISA (vpdpbusd with AVX512-VNNI; vpmaddubsw + vpmaddwd by ones with AVX512-BW
 or AVX2; portable IR elsewhere): the same bits on any CPU. The tiles are kept beside the original rows (the
 decode kernels read those): per 16 rows and block 2560 bytes for Q4_K (the file's 2304), 4608 for Q5_K (2816;
-its 5-bit weights unpacked to bytes), 4480 for Q6_K (3360), Q3_K (1760) and IQ4_XS (2176), 1920 for Q2_K (1344).
+its 5-bit weights unpacked to bytes), 4480 for Q6_K (3360), Q3_K (1760) and IQ4_XS (2176), 1920 for Q2_K (1344);
+per 16 rows and 32 weights 640 bytes for Q8_0 (544), Q4_0 (288), Q5_0 (352), Q4_1 (320) and Q5_1 (384).
 """
 from __future__ import annotations
 
@@ -42,7 +52,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .dequant import HALF_TO_FLOAT, _check, _half
-from .formats import FORMATS, Q4_K, QK_K
+from .formats import FORMATS, Q4_1, Q4_K, Q8_0, QK_K
 from .qblocks import AVX2, _F32, _I8, _I32, _I64, _IR, _V8I, _V16S, _target_has, _x86
 from .qint import _IQ4_TABLE, PARTNER, _bsums, quantize_activations
 from .workpool import run_dynamic, split_range, threads as pool_threads
@@ -66,8 +76,13 @@ PIECE_TILES = 8  # tiles per piece (128 weight rows: ~320 KB of tiles per 1024 i
 #   Q2_K: the 2-bit weights four to a byte [chunk c][group g][row][4 bytes] (bits 2s: sub-block 4c + s's
 #         weights 4g..4g+3), scales u8 [16-weight sub-block j][row], mins as i16 pairs [pair p][row](m_2p,
 #         m_2p+1) against the activations' 16-element sums, d f32 [row], dmin f32 [row]
+#   Q4_0, Q5_0 (kind 5), Q8_0 (kind 6), 16 rows x 32 weights: signed weights (q - 8, q - 16, q) as int8
+#         [group g][row][4 bytes], the correction 128 * sum(w) as i32 [row], d f32 [row] (640 bytes)
+#   Q4_1, Q5_1 (kind 7), 16 rows x 32 weights: unsigned weights q as u8 [group g][row][4 bytes], d f32 [row],
+#         m f32 [row] (640 bytes)
 # the file's block, as _pack_rows reads it (pipeline/kernels/formats.py's tile_source): Q4_K 0, Q5_K 1, Q6_K 2, Q3_K 3,
-# IQ4_XS 4, Q2_K 5; by source: the block's bytes, its fp16 offsets, its tile layout and kernel (tile_kind)
+# IQ4_XS 4, Q2_K 5, Q8_0 6, Q4_0 7, Q5_0 8, Q4_1 9, Q5_1 10; by source: the block's bytes, its fp16 offsets, its
+# tile layout and kernel (tile_kind)
 SOURCES = {f.qtype: f.tile_source for f in FORMATS if f.tile_source >= 0}
 _BY_SOURCE = sorted((f for f in FORMATS if f.tile_source >= 0), key=lambda f: f.tile_source)
 _RAW_BLOCK = tuple(f.block_bytes for f in _BY_SOURCE)
@@ -75,13 +90,17 @@ _D_AT, _DMIN_AT = tuple(f.d_at for f in _BY_SOURCE), tuple(f.dmin_at for f in _B
 _KIND_OF_SOURCE = tuple(f.tile_kind for f in _BY_SOURCE)
 KINDS = {qtype: _KIND_OF_SOURCE[src] for qtype, src in SOURCES.items()}
 _QS = 0
-_SC = (2048, 4096, 4096, 4096, 1024)
-_MN = (2176, 4224, -1, -1, 1280)      # Q6_K, IQ4_XS: none
-_CORR = (-1, -1, 4352, 4352, -1)      # Q6_K, IQ4_XS only
-_D = (2432, 4480, 4416, 4416, 1792)
-_DMIN = (2496, 4544, -1, -1, 1856)
-TILE_BLOCK = (2560, 4608, 4480, 4480, 1920)
-_MIN_PAIRS = (4, 4, 0, 0, 8)  # i16 min pairs per block: against 32-element sums (Q4_K/Q5_K), 16-element (Q2_K)
+_SC = (2048, 4096, 4096, 4096, 1024, -1, -1, -1)
+_MN = (2176, 4224, -1, -1, 1280, -1, -1, -1)      # Q6_K, IQ4_XS, the 32-element kinds: none
+_CORR = (-1, -1, 4352, 4352, -1, 512, 512, -1)    # Q6_K, IQ4_XS, Q8_0/Q4_0/Q5_0
+_D = (2432, 4480, 4416, 4416, 1792, 576, 576, 512)
+_DMIN = (2496, 4544, -1, -1, 1856, -1, -1, 576)   # kind 7: Q4_1/Q5_1's m
+TILE_BLOCK = (2560, 4608, 4480, 4480, 1920, 640, 640, 640)
+BLOCK_ELEMS = (QK_K,) * 5 + (32, 32, 32)  # weights per tile block, by kind
+_MIN_PAIRS = (4, 4, 0, 0, 8, 0, 0, 0)  # i16 min pairs per block: against 32-element sums (Q4_K/Q5_K), 16-element (Q2_K)
+# the 32-element kinds: Q4_0/Q5_0 (5), Q8_0 (6: wide dots without VNNI) against Q8_0 activations; Q4_1/Q5_1 (7)
+# against Q8_1's
+B32_KINDS = (5, 6, 7)
 _V64B, _V16I, _V16F = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
 _V32S, _V64I = ir.VectorType(ir.IntType(16), 32), ir.VectorType(_I32, 64)
 
@@ -118,6 +137,22 @@ def _weight(b, o, src, element):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _weight_32(b, o, src, e):
+    """The integer weight e (0..31) of the Q8_0 (source 6), Q4_0 (7: q - 8), Q5_0 (8: q - 16), Q4_1 (9: q) or
+    Q5_1 (10: q) block at b[o] (ggml's dequantize_row order: low nibbles the first 16 weights, Q5's bit e of
+    qh the fifth bit)."""
+    if src == 6:
+        return np.int32(np.int8(b[o + 2 + e]))
+    at = (o + 2, o + 6, o + 4, o + 8)[src - 7]
+    low = np.int32((b[at + e % 16] >> (4 * (e // 16))) & 0xF)
+    if src == 7 or src == 9:
+        return low - 8 * (src == 7)
+    h = o + 2 if src == 8 else o + 4
+    qh = np.int32(b[h]) | (np.int32(b[h + 1]) << 8) | (np.int32(b[h + 2]) << 16) | (np.int32(b[h + 3]) << 24)
+    return (low | (((qh >> e) & 1) << 4)) - 16 * (src == 8)
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _scale_16(b, o, src, j):
     """Sub-block j's (16 weights) signed scale of the Q6_K (source 2: int8), Q3_K (3: 6 bits - 32) or IQ4_XS
     (4: its 32-weight sub-block j // 2's 6 bits - 32) block."""
@@ -141,6 +176,18 @@ def _pack_rows(raw, src, lut, out, out_i16, out_i32, out_f32, t0, t1):
             b = raw[t * TILE_ROWS + lane]
             for blk in range(raw.shape[1] // block):
                 tb, o = out[t, blk], blk * block
+                if kind >= 5:
+                    total = 0
+                    for e in range(32):
+                        w = _weight_32(b, o, src, e)
+                        tb[_QS + 64 * (e // 4) + 4 * lane + e % 4] = np.uint8(w & 0xFF)
+                        total += w
+                    if kind == 7:
+                        out_f32[t, blk, _DMIN[kind] // 4 + lane] = _half(lut, b, o + _DMIN_AT[src])
+                    else:
+                        out_i32[t, blk, _CORR[kind] // 4 + lane] = 128 * total
+                    out_f32[t, blk, _D[kind] // 4 + lane] = _half(lut, b, o + _D_AT[src])
+                    continue
                 if kind == 4:
                     for c in range(4):
                         for g in range(4):
@@ -187,8 +234,9 @@ def _pack_rows(raw, src, lut, out, out_i16, out_i32, out_f32, t0, t1):
                 out_f32[t, blk, _DMIN[kind] // 4 + lane] = _half(lut, b, o + _DMIN_AT[src])
 
 
-def supports(qtype: int) -> bool:
-    return int(qtype) in KINDS
+def supports(qtype: int, ggml_avx2: bool = False) -> bool:
+    """True when the format has tiles (ggml_avx2: and llama.cpp's tiled arithmetic, the K-quant kinds only)."""
+    return int(qtype) in KINDS and not (ggml_avx2 and KINDS[int(qtype)] in B32_KINDS)
 
 
 def pack(qtype: int, raw) -> np.ndarray:
@@ -197,7 +245,7 @@ def pack(qtype: int, raw) -> np.ndarray:
     kind, src = KINDS[int(qtype)], SOURCES[int(qtype)]
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
     nb = raw.shape[1] // _RAW_BLOCK[src]
-    _check(int(qtype), raw, nb * QK_K)
+    _check(int(qtype), raw, nb * BLOCK_ELEMS[kind])
     out = np.empty((-(-raw.shape[0] // TILE_ROWS), nb, TILE_BLOCK[kind]), np.uint8)
     if raw.shape[0] % TILE_ROWS:
         out[-1] = 0  # the rows past the end: all fields zero
@@ -395,6 +443,99 @@ _iq4_xs_rows, _iq4_xs_one = _tile_intrinsic(3, ROWS), _tile_intrinsic(3, 1)
 _q2_k_rows, _q2_k_one = _tile_intrinsic(4, ROWS), _tile_intrinsic(4, 1)
 
 
+# The 32-element kinds' intrinsic (one tile x R activation rows, all of the row's blocks in one call, the block
+# loop inside so the accumulators stay in registers; the Q6_K scheme with one implicit scale of 1 per block):
+#   0 acc f32 [R * 16]   1 tiles uint8 (flat offsets)   2 to (block 0's byte)   3 u uint8 (Q8_0 activations + 128;
+#   kind 7: Q8_1's, signed)   4 qo (row 0's start)   5 q_stride   6 d f32 (the activations' block scales, flat)
+#   7 do (row 0's block 0)   8 d_stride   9 nb (blocks)   10 s f32 (kind 7: Q8_1's block sums d * sum(q), as d)
+def _b32_tiles(kind, rows):
+    """Per block: T = sum((x + 128) * w) - 128 * sum(w) = sum(x * w) exact, acc = fma(f32(d_x * d_w), f32(T), acc);
+    kind 7 (unsigned weights, signed activations): T = sum(x * w), then acc = fma(m_w, s_x, acc) too."""
+    def codegen(context, builder, signature, args):
+        h = _IR(context, builder, signature, args)
+        b = h.b
+        const = lambda v: ir.Constant(_I64, v)
+        fma = cgutils.get_or_insert_function(b.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
+        acc_at = lambda i: b.bitcast(b.gep(h.ptrs[0], [const(16 * i)]), _V16F.as_pointer())
+        accs = []
+        for i in range(rows):
+            slot = cgutils.alloca_once(b, _V16F)
+            b.store(b.load(acc_at(i), align=4), slot)
+            accs.append(slot)
+        zero = ir.Constant(_V16I, [0] * 16)
+        with cgutils.for_range(b, h.ptrs[9]) as loop:
+            k = loop.index
+            tb = b.add(h.ptrs[2], b.mul(k, const(TILE_BLOCK[kind])))
+            xo = [b.add(b.add(h.ptrs[4], b.mul(h.ptrs[5], const(i))), b.mul(k, const(32))) for i in range(rows)]
+            dots = [zero] * rows
+            for g in range(8):
+                w = h.vload(1, b.add(tb, const(_QS + 64 * g)), _V64B)
+                for i in range(rows):
+                    x = _splat_i32(h, 3, b.add(xo[i], const(4 * g)))
+                    dots[i] = (_dpbusd(h, dots[i], w, x) if kind == 7 else
+                               _dpbusd(h, dots[i], x, w, wide=kind == 6))
+            dw = b.bitcast(h.vload(1, b.add(tb, const(_D[kind])), _V64B), _V16F)
+            if kind == 7:
+                mw = b.bitcast(h.vload(1, b.add(tb, const(_DMIN[kind])), _V64B), _V16F)
+            else:
+                corr = b.bitcast(h.vload(1, b.add(tb, const(_CORR[kind])), _V64B), _V16I)
+                dots = [b.sub(dot, corr) for dot in dots]
+            for i in range(rows):
+                at = b.add(b.add(h.ptrs[7], b.mul(h.ptrs[8], const(i))), k)
+                scale = b.fmul(h.splat(b.load(b.gep(h.ptrs[6], [at])), _V16F), dw)
+                acc = b.call(fma, [scale, b.sitofp(dots[i], _V16F), b.load(accs[i])])
+                if kind == 7:
+                    acc = b.call(fma, [mw, h.splat(b.load(b.gep(h.ptrs[10], [at])), _V16F), acc])
+                b.store(acc, accs[i])
+        for i in range(rows):
+            b.store(b.load(accs[i]), acc_at(i), align=4)
+        return context.get_dummy_value()
+    return codegen
+
+
+def _b32_intrinsic(kind, rows):
+    @intrinsic
+    def b32_tile(typingctx, acc, tiles, to, u, qo, q_stride, d, do, d_stride, nb, s):
+        return types.void(acc, tiles, to, u, qo, q_stride, d, do, d_stride, nb, s), _b32_tiles(kind, rows)
+    return b32_tile
+
+
+_b32_rows, _b32_one = _b32_intrinsic(5, ROWS), _b32_intrinsic(5, 1)
+_q8_0_rows, _q8_0_one = _b32_intrinsic(6, ROWS), _b32_intrinsic(6, 1)
+_b32m_rows, _b32m_one = _b32_intrinsic(7, ROWS), _b32_intrinsic(7, 1)
+
+
+@njit(cache=True, nogil=True)
+def _gemm_b32(kind, tiles, u, d, s, out, t0, t1):
+    """out[:, 16 t0: 16 t1] for the tiles t0..t1 of a 32-element kind against Q8_0 activations u (+ 128,
+    unsigned) / d, or (kind 7) Q8_1's signed ones / d / s: ROWS rows per call, the rest one by one, each output
+    the same arithmetic."""
+    m, n = u.shape
+    nb, block = n // 32, TILE_BLOCK[kind]
+    acc, accm = np.empty(ROWS * TILE_ROWS, np.float32), np.zeros(ROWS * TILE_ROWS, np.float32)
+    i = 0
+    while i < m:
+        rows = ROWS if i + ROWS <= m else 1
+        for t in range(t0, t1):
+            acc[:] = 0.0
+            to, qo, do = t * nb * block, i * n, i * nb
+            if kind == 7 and rows == ROWS:
+                _b32m_rows(acc, tiles, to, u, qo, n, d, do, nb, nb, s)
+            elif kind == 7:
+                _b32m_one(acc, tiles, to, u, qo, n, d, do, nb, nb, s)
+            elif kind == 6 and rows == ROWS:
+                _q8_0_rows(acc, tiles, to, u, qo, n, d, do, nb, nb, s)
+            elif kind == 6:
+                _q8_0_one(acc, tiles, to, u, qo, n, d, do, nb, nb, s)
+            elif rows == ROWS:
+                _b32_rows(acc, tiles, to, u, qo, n, d, do, nb, nb, s)
+            else:
+                _b32_one(acc, tiles, to, u, qo, n, d, do, nb, nb, s)
+            for k in range(rows):
+                _store_tile(out, acc, accm, i, k, t)
+        i += rows
+
+
 _ggml_kinds = tuple(_tile_intrinsic(kind, 1, ggml_avx2=True) for kind in range(5))
 _g_q4_k, _g_q5_k, _g_q6_k, _g_iq4_xs, _g_q2_k = _ggml_kinds
 
@@ -480,19 +621,29 @@ def matmul_t_many(weights, x: np.ndarray, ggml_avx2: bool = False) -> list:
     if x.ndim != 2:
         raise ValueError(f"qtile: x must be [m, n_cols], got shape {x.shape}")
     for qtype, raw, tiles in weights:
-        if int(qtype) not in KINDS:
-            raise ValueError(f"qtile: no tiled kernel for ggml type {qtype}")
+        if not supports(qtype, ggml_avx2):
+            raise ValueError(f"qtile: no tiled kernel for ggml type {qtype}" + " (llama.cpp's)" * ggml_avx2)
         _check(int(qtype), raw, x.shape[1])
-        if tiles.shape != (-(-raw.shape[0] // TILE_ROWS), x.shape[1] // QK_K, TILE_BLOCK[KINDS[int(qtype)]]):
+        kind = KINDS[int(qtype)]
+        if tiles.shape != (-(-raw.shape[0] // TILE_ROWS), x.shape[1] // BLOCK_ELEMS[kind], TILE_BLOCK[kind]):
             raise ValueError(f"qtile: tiles of shape {tiles.shape} do not belong to rows {raw.shape} of type {qtype}")
-    q, d, sums = quantize_activations(PARTNER[Q4_K], x)
-    sums16 = sums.astype(np.int16)  # |a 32-element sum| <= 32 * 127: exact
-    unsigned = (q.view(np.uint8) ^ np.uint8(0x80)) if any(KINDS[int(w[0])] in (2, 3) for w in weights) else None
-    bsums16 = None
-    if any(KINDS[int(w[0])] == 4 for w in weights):  # Q2_K's mins read the 16-element sums
+    kinds = {KINDS[int(w[0])] for w in weights}
+    q = d = sums16 = unsigned = bsums16 = u32 = d32 = q81 = d81 = s81 = None
+    if kinds - set(B32_KINDS):  # the K-quants: Q8_K activations
+        q, d, sums = quantize_activations(PARTNER[Q4_K], x)
+        sums16 = sums.astype(np.int16)  # |a 32-element sum| <= 32 * 127: exact
+    if kinds & {2, 3}:
+        unsigned = q.view(np.uint8) ^ np.uint8(0x80)
+    if 4 in kinds:  # Q2_K's mins read the 16-element sums
         bsums = np.empty((x.shape[0], x.shape[1] // 16), np.int32)
         _bsums(q, bsums)
         bsums16 = bsums.astype(np.int16)
+    if kinds & {5, 6}:  # Q8_0/Q4_0/Q5_0: Q8_0 activations (llama.cpp's fp16 scales), + 128
+        q32, d32, _ = quantize_activations(PARTNER[Q8_0], x)
+        u32 = q32.view(np.uint8) ^ np.uint8(0x80)
+    if 7 in kinds:  # Q4_1/Q5_1: Q8_1 activations (fp16 d and block sums s)
+        q81, d81, s81 = quantize_activations(PARTNER[Q4_1], x)
+        q81 = q81.view(np.uint8)
     outs, pieces = [], []
     for qtype, raw, tiles in weights:
         kind = KINDS[int(qtype)]
@@ -503,6 +654,12 @@ def matmul_t_many(weights, x: np.ndarray, ggml_avx2: bool = False) -> list:
 
     def piece(i):
         kind, tiles, out, t0, t1 = pieces[i]
+        if kind == 7:
+            _gemm_b32(kind, tiles, q81, d81, s81, out, t0, t1)
+            return
+        if kind in B32_KINDS:
+            _gemm_b32(kind, tiles, u32, d32, d32, out, t0, t1)
+            return
         gemm = _gemm_tiles_ggml if ggml_avx2 else _gemm_tiles
         gemm(kind, tiles, unsigned if kind in (2, 3) else q, d, bsums16 if kind == 4 else sums16, out, t0, t1)
 

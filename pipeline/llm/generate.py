@@ -122,10 +122,12 @@ class LoadedModel:
                  lora_scale=None, log=None):
         from .chat import ChatTemplate
         from .gguf import GGUFFile
+        from .quants import for_inference
         from .tokenizer import Tokenizer
         from ..models.registry import load_model
         self.gguf = GGUFFile(path)
         self.model = load_model(self.gguf, llama_numerics=llama_numerics)
+        for_inference(self.model)  # its prompts take the prompt_tiles formats' tiles (pipeline/llm/quants.py)
         if lora:  # --lora PATH...: adapters applied beside the frozen weights (pipeline/llm/lora_serve.py)
             from .lora_serve import attach
             attach(self.model, lora, lora_scale, log)

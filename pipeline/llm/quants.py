@@ -81,8 +81,9 @@ class FrozenWeight:
     bit), and any number of rows (prefill) through Q4_K/Q5_K/Q6_K: from
     TILE_MIN_ROWS rows the tiled GEMM (pipeline/kernels/qtile.py, tiles packed at first use and kept; `tiled = False`
     turns it off; Q2_K, Q3_K and IQ4_XS too), fewer rows the register-blocked GEMM (pipeline/kernels/qint_gemm.py),
-    both measured faster than the tiled f32 GEMM; through Q8_0/Q4_0/Q5_0 the register-blocked GEMM; the other
-    formats' prefill (f32_prompt in pipeline/kernels/formats.py, or no blocked GEMM) stays on the tiled f32 GEMM.
+    both measured faster than the tiled f32 GEMM; the 32-element formats' prefill (f32_prompt in
+    pipeline/kernels/formats.py) stays on the tiled f32 GEMM, except an inference prompt (`inference`, set by
+    for_inference) of TILE_MIN_ROWS rows or more through Q8_0/Q4_0/Q5_0 (prompt_tiles): their qtile tiles.
     A forward with gradients on keeps f32 activations (the training contract). `llama_numerics` (parity runs) takes the
     integer path for every block format at any row count.
     """
@@ -94,6 +95,9 @@ class FrozenWeight:
     # set False (on an instance or the class; FUCINA_TILES=0 in the environment, e.g. for many worker processes
     # on one host: each holds its own tiles) to keep prompts on vec_dot's arithmetic and make no tiles
     tiled = os.environ.get("FUCINA_TILES", "1") != "0"
+    # True on the projections of a model opened for inference (for_inference: generate, serve, bench llm): their
+    # prompts take the tiles of the formats whose pipeline/kernels/formats.py row says prompt_tiles
+    inference = False
 
     def __init__(self, fmt: Format, raw, shape: tuple[int, int], name: str = ""):
         self.format, self.raw, self.shape, self.name = fmt, raw, tuple(shape), name
@@ -138,10 +142,19 @@ class FrozenWeight:
         supports, gemm_supports, tile_supports, grad_enabled = _INTEGER or _integer_kernels()
         if not supports(self.format.qtype):
             return False
-        fast = (rows <= self.INTEGER_MAX_ROWS
-                or (gemm_supports(self.format.qtype) and not _formats.BY_QTYPE[self.format.qtype].f32_prompt)
-                or (self.tiled and rows >= self.TILE_MIN_ROWS and tile_supports(self.format.qtype)))
+        row = _formats.BY_QTYPE[self.format.qtype]
+        fast = (rows <= self.INTEGER_MAX_ROWS or (not row.f32_prompt and gemm_supports(self.format.qtype))
+                or self.takes_tiles(rows))
         return self.llama_numerics or (self.integer_dot and fast and not grad_enabled())
+
+    def takes_tiles(self, rows: int) -> bool:
+        """True when a default-mode (not llama_numerics) integer product of `rows` rows takes qtile's tiles:
+        TILE_MIN_ROWS rows or more through a format with tiles, unless its formats.py row keeps prompts on f32
+        (f32_prompt) and this is not an inference weight of a prompt_tiles format."""
+        row = _formats.BY_QTYPE[self.format.qtype]
+        _, _, tile_supports, _ = _INTEGER or _integer_kernels()
+        return (self.tiled and rows >= self.TILE_MIN_ROWS and tile_supports(self.format.qtype)
+                and (not row.f32_prompt or (self.inference and row.prompt_tiles)))
 
     def matmul_t(self, x):
         """x [..., n_in] f32 -> x @ W.T [..., n_out] f32."""
@@ -206,7 +219,8 @@ def integer_matmul_t_many(weights: list, x2, group_rows: int | None = None) -> l
     """x2 [m, n_in] @ W.T for weights on the integer path. The arithmetic is chosen per weight by the rows of
     one independent group (group_rows, default m: a caller stacking ES members or lock-step rows passes one
     member's rows, so each row gets the bits it would get alone):
-      * the K-quants and IQ4_XS with at least FrozenWeight.TILE_MIN_ROWS rows (unless the weight's `tiled` is False):
+      * the K-quants and IQ4_XS (and an inference weight's Q8_0/Q4_0/Q5_0: FrozenWeight.takes_tiles) with at
+        least FrozenWeight.TILE_MIN_ROWS rows (unless the weight's `tiled` is False):
         the tiled GEMM (pipeline/kernels/qtile.py, its own arithmetic: one fma per block and output); a weight with
         llama_numerics from GGML_TILED_MIN_ROWS rows, with llama.cpp's AVX2 tiled arithmetic (qtile's ggml_avx2);
       * otherwise llama.cpp's vec_dot arithmetic: the register-blocked GEMM (pipeline/kernels/qint_gemm.py) for at least
@@ -215,8 +229,8 @@ def integer_matmul_t_many(weights: list, x2, group_rows: int | None = None) -> l
     from pipeline.kernels import qint_gemm, qtile
     n = x2.shape[0] if group_rows is None else group_rows
     # llama numerics: llama.cpp's tiled AVX2 arithmetic from GGML_TILED_MIN_ROWS rows, decided per weight
-    tiled = [qtile.supports(w.format.qtype) and (n >= GGML_TILED_MIN_ROWS if w.llama_numerics else
-                                                 w.tiled and n >= w.TILE_MIN_ROWS) for w in weights]
+    tiled = [qtile.supports(w.format.qtype, True) and n >= GGML_TILED_MIN_ROWS if w.llama_numerics else
+             w.takes_tiles(n) for w in weights]
     rest = [w for w, t in zip(weights, tiled) if not t]
     ys = {}
     for ggml in (False, True):
@@ -231,6 +245,17 @@ def integer_matmul_t_many(weights: list, x2, group_rows: int | None = None) -> l
     else:
         ys_rest = iter(integer_product(rest)(x2))
     return [ys[id(w)] if t else next(ys_rest) for w, t in zip(weights, tiled)]
+
+
+def for_inference(model) -> None:
+    """Mark the block projections of a model opened for inference (generate, serve, bench llm) so that their
+    prompts take the tiles of the prompt_tiles formats (pipeline/kernels/formats.py). Models built for training,
+    fine-tune evaluation or ES members are not marked: their no-grad forwards keep the training forward's f32
+    arithmetic where f32_prompt says so. The head and embedding are left alone (a prompt's head is one row; an
+    all-logits head would pack tiles of the whole vocabulary)."""
+    for name, w in model.named_weights().items():
+        if isinstance(w, FrozenWeight) and name.startswith("blk."):
+            w.inference = True
 
 
 def integer_product(weights: list):

@@ -25,7 +25,7 @@ import numpy as np
 
 from pipeline.kernels.nn import matmul_nn
 
-from .tensor import OpError, OpIndexError, Tensor, _state, enable_grad, grad_enabled, no_grad
+from .tensor import OpError, OpIndexError, Tensor, enable_grad, grad_enabled
 
 __all__ = [
     "as_tensor", "add", "sub", "mul", "div", "neg", "pow", "exp", "log", "tanh", "sigmoid", "silu", "gelu",
@@ -809,22 +809,24 @@ def checkpoint(fn, *inputs):
     fn must be deterministic in its inputs (dropout replays from its seed).
     Tensors captured by fn (weights) that require grad also receive gradients,
     added into their .grad during the recompute. Returns one Tensor.
+
+    The first forward runs with gradients on, on detached copies of the inputs, and
+    its graph is dropped when fn returns (the memory of one call of fn at a time, as
+    the recompute needs anyway): ops that pick their arithmetic by grad mode (a
+    quantized product takes integer dots without gradients) then give the forward
+    the bits the recompute gives, so the loss is the one without checkpointing.
     """
     if not grad_enabled():
         return fn(*inputs)
     tensors = [(i, t) for i, t in enumerate(inputs) if isinstance(t, Tensor)]
-    prev_probe = getattr(_state, "probe", None)
-    _state.probe = [False]
-    try:
-        with no_grad():
-            out = fn(*inputs)
-        touched_trainable = _state.probe[0]
-    finally:
-        _state.probe = prev_probe
+    args = list(inputs)
+    for i, t in tensors:
+        args[i] = Tensor(t.data, dtype=t.dtype)  # no gradient flows back through this forward
+    out = fn(*args)
     if not isinstance(out, Tensor):
         raise OpError(f"checkpoint: fn must return one Tensor, got {type(out).__name__}")
-    if prev_probe is not None and touched_trainable:
-        prev_probe[0] = True
+    touched_trainable = out.requires_grad  # only captured tensors can make it require grad
+    out = Tensor(out.data, dtype=out.dtype)  # the graph of the forward goes with the old node
 
     def backward(g):
         args = list(inputs)

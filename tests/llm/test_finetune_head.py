@@ -101,3 +101,22 @@ def test_head_path_memory_is_a_few_chunks_not_the_dense_head():
     finally:
         tracemalloc.stop()
     assert dense_peak >= dense_bytes
+
+
+def test_checkpointed_layers_give_the_plain_steps_bits_on_a_quantized_model():
+    """checkpoint_layers on a Q4_K_S model: loss and grads bitwise those of the plain step (the checkpointed forward
+    runs with gradients on, so its products are the f32 ones the recompute uses, not the no-grad integer dots)."""
+    from pipeline.models.registry import load_model
+    model = load_model(FIXTURE)
+    g = np.random.default_rng(0)
+    tokens = g.integers(0, model.config.vocab_size, 40)
+    labels = g.integers(0, model.config.vocab_size, 40)
+    out = []
+    for ck in (False, True):
+        tr = LoraModel(model, targets=("q", "v"), rank=4, alpha=8.0, seed=3, checkpoint_layers=ck)
+        for n, p in tr.named_parameters():
+            p.data[...] = np.random.default_rng(len(n)).standard_normal(p.shape).astype(np.float32) * 0.05
+        out.append(_loss_and_grads(tr, tokens, labels))
+    np.testing.assert_array_equal(out[0][0].view(np.uint32), out[1][0].view(np.uint32))
+    for n in out[0][1]:
+        np.testing.assert_array_equal(out[0][1][n].view(np.uint32), out[1][1][n].view(np.uint32), err_msg=n)

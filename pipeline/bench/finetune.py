@@ -14,9 +14,10 @@ over minutes slows both sides alike.
 Long sequences: --seq takes a list (512,1024,2048), one row per length, named `<label>/seq<N>` with --label
 (the model's name). --memory also runs each side alone in a fresh child process (load, build, two steps) and
 reports the peak resident set of its steps (VmHWM reset after the build: weights as each side holds them plus
-the step's activations; the torch child drops the GGUF mapping once its f32 tensors exist). --checkpoint
-(auto: on from CHECKPOINT_MIN_SEQ positions) recomputes each layer in backward, as `finetune
---checkpoint-layers` does.
+the step's activations; the torch child drops the GGUF mapping once its f32 tensors exist). --checkpoint on
+recomputes each layer in backward, as `finetune --checkpoint-layers` does (off by default, as there: from
+1024 keys the attention recomputes its probabilities anyway, pipeline/autograd/ops.ATTN_RECOMPUTE_MIN_KEYS,
+which keeps the step under torch's peak without it; docs/finetune.md#long-sequences).
 
 Trade-off: one synthetic sample keeps the bench independent of a tokenizer and
 a dataset; the per-step work (forward, backward, optimizer) is what a real run
@@ -45,9 +46,8 @@ def add_arguments(p):
                                                "step/in-process (step/seq<N> for several lengths)")
     p.add_argument("--memory", action="store_true",
                    help="also measure each side's peak resident set over two steps, each alone in a fresh process")
-    p.add_argument("--checkpoint", choices=("auto", "on", "off"), default="auto",
-                   help=f"recompute each layer in backward (finetune --checkpoint-layers); auto: from "
-                        f"{CHECKPOINT_MIN_SEQ} positions")
+    p.add_argument("--checkpoint", choices=("on", "off"), default="off",
+                   help="on: recompute each layer in backward (finetune --checkpoint-layers)")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank")
     p.add_argument("--targets", default="q,v", help="adapted projections")
     p.add_argument("--steps", type=int, default=3, help="timed optimizer steps per case (median reported)")
@@ -57,9 +57,6 @@ def add_arguments(p):
     p.add_argument("--pack", type=int, default=0, metavar="N",
                    help="also time one step's N short samples (seq/8 .. seq/4 tokens) one per micro-batch vs packed "
                         "into windows of --seq tokens (finetune --pack); 0: off")
-
-
-CHECKPOINT_MIN_SEQ = 1 << 30  # set from the measured rows (docs/finetune.md): where recomputing pays
 
 
 def _seqs(text):
@@ -74,7 +71,7 @@ def _seqs(text):
 
 
 def _checkpointing(mode, seq):
-    return mode == "on" or (mode == "auto" and seq >= CHECKPOINT_MIN_SEQ)
+    return mode == "on"
 
 
 def _sample(vocab, seq, seed=0):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.kernels.headce import head_ce
+from pipeline.kernels.headce import RowSource, head_ce
 from pipeline.kernels.losses import ce_backward, ce_forward
 from pipeline.kernels.nn import matmul_nn, matmul_nt
 
@@ -104,18 +104,22 @@ def linear_cross_entropy(x, w, labels, ignore_index=-100, reduction="mean", labe
     backward closure and overwritten in place with their gradient before the
     two gradient GEMMs. With chunk_rows=R, at most [R, C] logits exist at a
     time (recomputed per chunk in backward; dw accumulates in chunk order).
+
+    w may be a pipeline/kernels/headce.RowSource (a frozen head kept in its file format, dequantized a chunk of
+    rows at a time): always the one-pass frozen-head path, whose bits equal those with w's dense f32 values.
     """
     op = "linear_cross_entropy"
     _check_options(op, reduction, label_smoothing)
-    x, w = as_tensor(x), as_tensor(w)
-    if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[1]:
+    source = isinstance(w, RowSource)
+    x, w = as_tensor(x), (w if source else as_tensor(w))
+    if len(w.shape) != 2 or x.ndim < 1 or x.shape[-1] != w.shape[1]:
         raise OpError(f"{op}: x {x.shape} and weight {w.shape} do not fit "
                       "(weight is [classes, hidden]; x's last dim must equal hidden)")
     C, H = w.shape
     lead = x.shape[:-1]
     _, flat = _labels(op, labels, lead, C, ignore_index)
     X_all = np.ascontiguousarray(_compute(x.data)).reshape(-1, H)
-    W = _compute(w.data)
+    W = w if source else _compute(w.data)
     valid = flat != ignore_index
     # Ignored rows add nothing to the loss or to any gradient, so only the
     # supervised rows enter the GEMMs (a prompt-masked SFT sample skips its prompt).
@@ -125,6 +129,10 @@ def linear_cross_entropy(x, w, labels, ignore_index=-100, reduction="mean", labe
     step = N if chunk_rows is None else max(1, int(chunk_rows))
     starts = range(0, N, step) if N else []
 
+    if source:
+        if X.dtype != np.float32:
+            raise OpError(f"{op}: a row-source head needs float32 x, got {X.dtype}")
+        return _frozen_head(x, w, X, W, kept, rows, valid, starts, step, reduction, label_smoothing, lead)
     if (grad_enabled() and x.requires_grad and not w.requires_grad
             and X.dtype == W.dtype == np.float32):
         return _frozen_head(x, w, X, W, kept, rows, valid, starts, step, reduction, label_smoothing, lead)
@@ -175,7 +183,8 @@ def _scatter_rows(values, rows, n):
 def _frozen_head(x, w, X, W, kept, rows, valid, starts, step, reduction, label_smoothing, lead):
     """linear_cross_entropy when only x needs a gradient: one pass over W per
     block of `step` rows computes each row's loss and the gradient of its own loss
-    (pipeline/kernels/headce.py); the backward multiplies rows by the reduction's scale."""
+    (pipeline/kernels/headce.py); the backward multiplies rows by the reduction's scale. w: a constant Tensor or
+    a RowSource (never a parent then)."""
     N, H = X.shape
     kept_loss = np.empty(N, np.float64)
     gx_unit = np.empty((N, H), np.float32)
@@ -188,6 +197,8 @@ def _frozen_head(x, w, X, W, kept, rows, valid, starts, step, reduction, label_s
         scale = row_scale(g) if N == valid.size else row_scale(g)[rows]
         gx = gx_unit * scale.astype(np.float32)[:, None]
         gx_unit = None  # release with the graph
-        return _scatter_rows(gx, rows, valid.size).reshape(x.shape), None
+        gx = _scatter_rows(gx, rows, valid.size).reshape(x.shape)
+        return (gx,) if source else (gx, None)
 
-    return Tensor.make(value, (x, w), backward, "linear_cross_entropy")
+    source = isinstance(w, RowSource)
+    return Tensor.make(value, (x,) if source else (x, w), backward, "linear_cross_entropy")

@@ -25,7 +25,7 @@ import numpy as np
 
 from pipeline.kernels.nn import matmul_nn
 
-from .tensor import OpError, OpIndexError, Tensor, _state, enable_grad, grad_enabled, no_grad
+from .tensor import OpError, OpIndexError, Tensor, enable_grad, grad_enabled
 
 __all__ = [
     "as_tensor", "add", "sub", "mul", "div", "neg", "pow", "exp", "log", "tanh", "sigmoid", "silu", "gelu",
@@ -646,6 +646,10 @@ def rope(x, positions, theta=10000.0, freq_factors=None, interleaved=False):
 
 
 _ATTN_QBLOCK = 64  # query positions per block in causal attention
+# From this many keys the backward recomputes each block's probabilities (its GEMM and softmax again, the same
+# bits) instead of keeping them from the forward: heads x seq^2 / 2 floats per layer (SmolLM2 at seq 2048:
+# 75 MB a layer, 2.3 GB for 30 layers) for one more of the six GEMMs. 0: always; None: never.
+ATTN_RECOMPUTE_MIN_KEYS = 1024
 
 
 def attention(q, k, v, causal=True, offset=None, scale=None, window=0, segments=None):
@@ -660,6 +664,7 @@ def attention(q, k, v, causal=True, offset=None, scale=None, window=0, segments=
     segments (causal self-attention only; packed samples): non-decreasing ids [seq], one per position of every
     batch row; a query sees only the keys of its own segment (a block-diagonal causal mask), and a block of
     queries multiplies only against the keys from its first query's segment start on.
+    Probabilities are kept for the backward below ATTN_RECOMPUTE_MIN_KEYS keys, recomputed from there on.
     """
     q, k, v = as_tensor(q), as_tensor(k), as_tensor(v)
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
@@ -722,18 +727,25 @@ def attention(q, k, v, causal=True, offset=None, scale=None, window=0, segments=
     O5 = np.empty(Q5.shape, Q5.dtype)
     typed_scale = np.asarray(scale, dtype=Q5.dtype)
 
+    recompute = ATTN_RECOMPUTE_MIN_KEYS is not None and Sk >= ATTN_RECOMPUTE_MIN_KEYS and grad_enabled()
+
+    def probabilities(b, h, q0, q1, kmin, kmax, mask):
+        """(the block's query rows [G*bq, D], its softmax [G*bq, kmax - kmin]): the same bits at every call."""
+        Qb = Q5[b, h, :, q0:q1].reshape(G * (q1 - q0), D)
+        pb = Qb @ K[b, h, kmin:kmax].T
+        pb *= typed_scale
+        if mask is not None:
+            pb += mask
+        softmax_rows_serial(pb)
+        return Qb, pb
+
     def forward_pair(i):
         b, h = divmod(i, Hkv)
         mine = []
         for q0, q1, kmin, kmax, mask in blocks:
-            Qb = Q5[b, h, :, q0:q1].reshape(G * (q1 - q0), D)
-            pb = Qb @ K[b, h, kmin:kmax].T
-            pb *= typed_scale
-            if mask is not None:
-                pb += mask
-            softmax_rows_serial(pb)
+            Qb, pb = probabilities(b, h, q0, q1, kmin, kmax, mask)
             O5[b, h, :, q0:q1] = (pb @ V[b, h, kmin:kmax]).reshape(G, q1 - q0, D)
-            mine.append((Qb, pb))
+            mine.append(None if recompute else (Qb, pb))
         saved[i] = mine
 
     run_tiles(pairs, forward_pair)
@@ -747,7 +759,8 @@ def attention(q, k, v, causal=True, offset=None, scale=None, window=0, segments=
 
         def backward_pair(i):
             b, h = divmod(i, Hkv)
-            for (q0, q1, kmin, kmax, _), (Qb, pb) in zip(blocks, saved[i]):  # fixed block order: deterministic
+            for (q0, q1, kmin, kmax, mask), kept in zip(blocks, saved[i]):  # fixed block order: deterministic
+                Qb, pb = kept if kept is not None else probabilities(b, h, q0, q1, kmin, kmax, mask)
                 dOb = dO5[b, h, :, q0:q1].reshape(G * (q1 - q0), D)
                 if v.requires_grad:
                     dV[b, h, kmin:kmax] += pb.T @ dOb  # sums over the group inside the GEMM
@@ -809,22 +822,24 @@ def checkpoint(fn, *inputs):
     fn must be deterministic in its inputs (dropout replays from its seed).
     Tensors captured by fn (weights) that require grad also receive gradients,
     added into their .grad during the recompute. Returns one Tensor.
+
+    The first forward runs with gradients on, on detached copies of the inputs, and
+    its graph is dropped when fn returns (the memory of one call of fn at a time, as
+    the recompute needs anyway): ops that pick their arithmetic by grad mode (a
+    quantized product takes integer dots without gradients) then give the forward
+    the bits the recompute gives, so the loss is the one without checkpointing.
     """
     if not grad_enabled():
         return fn(*inputs)
     tensors = [(i, t) for i, t in enumerate(inputs) if isinstance(t, Tensor)]
-    prev_probe = getattr(_state, "probe", None)
-    _state.probe = [False]
-    try:
-        with no_grad():
-            out = fn(*inputs)
-        touched_trainable = _state.probe[0]
-    finally:
-        _state.probe = prev_probe
+    args = list(inputs)
+    for i, t in tensors:
+        args[i] = Tensor(t.data, dtype=t.dtype)  # no gradient flows back through this forward
+    out = fn(*args)
     if not isinstance(out, Tensor):
         raise OpError(f"checkpoint: fn must return one Tensor, got {type(out).__name__}")
-    if prev_probe is not None and touched_trainable:
-        prev_probe[0] = True
+    touched_trainable = out.requires_grad  # only captured tensors can make it require grad
+    out = Tensor(out.data, dtype=out.dtype)  # the graph of the forward goes with the old node
 
     def backward(g):
         args = list(inputs)

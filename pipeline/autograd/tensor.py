@@ -109,9 +109,6 @@ class Tensor:
             out.requires_grad = False
             out._parents = ()
             out._backward = None
-            probe = getattr(_state, "probe", None)
-            if probe is not None and any(p.requires_grad for p in parents):
-                probe[0] = True  # checkpoint(): a trainable tensor took part in a no-grad forward
         return out
 
     @property

@@ -14,8 +14,11 @@ Trade-off: a product with a quantized weight needs its dense values, so by
 default each frozen weight is dequantized per use, a few L2-sized tiles at a
 time inside the GEMM (pipeline/kernels/qgemm.py: forward x @ W.T and backward g @ W), so
 memory stays at the file's bits per weight (resident f32 copies were measured
-slower: streaming them from DRAM costs more than dequantizing tiles). The output head is
-always kept dense: the fused linear + cross-entropy uses it in full every step.
+slower: streaming them from DRAM costs more than dequantizing tiles). The output head too: the
+training step's fused linear + cross-entropy (pipeline/kernels/headce.py) dequantizes it a chunk of rows at a
+time (HeadRows), with the bits a dense f32 copy gave, and never holds that copy (Gemma 3's 262144 x 640 head:
+671 MB). Callers without a gradient (ES scoring, eval logits, generation) still build the dense copy on their
+first use and keep it.
 The step's BLAS runs single-threaded: big products tile over our own threads,
 small ones (attention per head, LoRA) would only spin-wait on BLAS threads.
 
@@ -36,7 +39,8 @@ from pipeline.kernels.rng import derive_seed
 from pipeline.autograd import ops
 from pipeline.autograd.losses import linear_cross_entropy
 from pipeline.autograd.module import Module
-from pipeline.autograd.tensor import Tensor, no_grad
+from pipeline.autograd.tensor import Tensor, grad_enabled, no_grad
+from pipeline.kernels.headce import RowSource
 from pipeline.errors import UserError
 
 from pipeline.models.decoder import PROJECTIONS
@@ -56,10 +60,12 @@ class Frozen:
     file format), a `Linear` (its f32 parameter's data: trainable elsewhere,
     frozen here), a FrozenWeight, or a numpy array. `keep_dense` keeps an f32
     copy resident (~4 bytes per weight) instead of dequantizing tiles per use.
-    A projection's bias (None for most) is a constant too.
+    A projection's bias (None for most) is a constant too. `cache_dense` keeps the f32 copy that the first
+    dense() call makes (none is made before) while the weight's raw is read-only (the mapped file: it cannot
+    change); a writable raw (ES --search full perturbs it in place) is dequantized at every call.
     """
 
-    def __init__(self, proj, keep_dense=False):
+    def __init__(self, proj, keep_dense=False, cache_dense=False):
         w = getattr(proj, "weight", proj)
         if isinstance(w, Tensor):
             w = w.data
@@ -72,9 +78,16 @@ class Frozen:
         elif keep_dense:
             self._dense = w.dequantize()
         self.shape = tuple(w.shape)
+        self._cache_dense, self._cached = cache_dense, None
 
     def dense(self):
-        return self._dense if self._dense is not None else self.weight.dequantize()
+        if self._dense is not None:
+            return self._dense
+        if not self._cache_dense or np.asarray(self.weight.raw).flags.writeable:
+            return self.weight.dequantize()
+        if self._cached is None or self._cached[0] is not self.weight.raw:
+            self._cached = (self.weight.raw, self.weight.dequantize())
+        return self._cached[1]
 
     def matmul_t(self, x2):
         """x2 [N, in] -> x2 @ W.T [N, out]."""
@@ -93,6 +106,34 @@ class Frozen:
         """Dense f32 rows W[ids] (embedding lookup) without dequantizing the whole table."""
         if self._dense is not None:
             return self._dense[ids]
+        return weight_rows(self.weight, ids)
+
+
+class HeadRows(RowSource):
+    """A frozen FrozenWeight as pipeline/kernels/headce.py reads a head: rows a..b dequantized into the caller's
+    buffer on the calling thread (the format's serial dequant kernel, the values dequantize() gives), so the
+    fused CE never needs the [C, H] f32 copy. Reads the weight's raw and format at each call (ES's --search
+    full swaps them for a writable f32 copy)."""
+
+    def __init__(self, weight: FrozenWeight):
+        self.weight = weight
+        self.shape = tuple(weight.shape)
+
+    def rows_into(self, a, b, out):
+        from pipeline.kernels import dequant
+        from pipeline.llm.quants import QT
+        w = self.weight
+        raw = np.asarray(w.raw)[a:b]
+        qt = w.format.qtype
+        if qt in (QT.F32, QT.F16):
+            np.copyto(out, raw)
+        elif qt == QT.BF16:
+            out.view(np.uint32)[...] = raw.view(np.uint16).astype(np.uint32) << 16
+        else:
+            kernel, block = dequant.TILE_KERNELS[int(qt)][:2]
+            kernel(np.ascontiguousarray(raw), out, dequant.HALF_TO_FLOAT, 0, self.shape[1] // block)
+
+    def rows(self, ids):
         return weight_rows(self.weight, ids)
 
 
@@ -183,7 +224,8 @@ class LoraModel(Module):
         self._layers = [{t: Frozen(b.projection(t)) for t in TARGETS} for b in model.blocks]  # per layer: constants
         self._embed = Frozen(model.embed)
         self._out_norm = _const(model.out_norm)
-        self._head = Frozen(model.output, keep_dense=True)  # used in full every step by the fused CE
+        # the training CE reads the head through HeadRows; a dense copy only for no-grad callers (ES, generation)
+        self._head = Frozen(model.output, cache_dense=True)
         self.targets = tuple(t for t in TARGETS if t in targets)  # canonical order
         self.rank, self.alpha, self.dropout, self.seed = int(rank), float(alpha), float(dropout), int(seed)
         # two independent streams from one seed: adapter init and dropout masks never share a seed
@@ -275,8 +317,16 @@ class LoraModel(Module):
         return ops.rms_norm(h, self._out_norm, self.config.rms_eps)
 
     def head_loss(self, h: Tensor, labels, reduction="mean") -> Tensor:
-        """Cross-entropy of final-normed hidden states h [n, hidden] against next-token labels [n]."""
-        return linear_cross_entropy(h, self._head.dense(), np.asarray(labels).astype(np.int64),
+        """Cross-entropy of final-normed hidden states h [n, hidden] against next-token labels [n].
+
+        With a gradient to compute, a quantized head is read a chunk of rows at a time (HeadRows: the bits of
+        its dense copy, which is never made); without one, the dense copy (made once) and the plain CE's bits."""
+        head = self._head
+        if grad_enabled() and h.requires_grad and head._dense is None and isinstance(head.weight, FrozenWeight):
+            w = HeadRows(head.weight)
+        else:
+            w = head.dense()
+        return linear_cross_entropy(h, w, np.asarray(labels).astype(np.int64),
                                     ignore_index=self.ignore_index, reduction=reduction)
 
     def loss(self, tokens, labels, reduction="mean", loss_scale=None, segments=None):
@@ -300,13 +350,13 @@ class LoraModel(Module):
         """Logits [T, vocab] with dropout off; no graph, no counter advance."""
         with no_grad():
             h = self.hidden(tokens, None)
-            return self._head.matmul_t(h.data)
+            return matmul_nt(np.ascontiguousarray(h.data), self._head.dense())
 
     def eval_last_logits(self, tokens):
         """Logits of the last position [vocab] (generation)."""
         with no_grad():
             h = self.hidden(tokens, None)
-            return self._head.matmul_t(h.data[-1:])[0]
+            return matmul_nt(np.ascontiguousarray(h.data[-1:]), self._head.dense())[0]
 
     def generate(self, prompt_ids, max_new_tokens=32, stop_ids=()):
         """Greedy continuation (no KV cache: a training diagnostic, not a decoder)."""

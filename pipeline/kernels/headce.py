@@ -15,6 +15,11 @@ each segment is one task run by ONE thread with the same serial code, and the
 segments are merged serially in segment order, so the bits never depend on the
 thread count.
 
+The weight is a dense f32 array, or a row source (RowSource: a frozen head kept in its file format): each
+chunk of rows is then dequantized into a per-segment buffer just before its two GEMMs, so no f32 copy of the
+whole head ever exists (Gemma 3's 262144 x 640 head: 671 MB) and the GEMMs see the values, so the bits, that
+the dense copy held.
+
 Orientation: logits are computed transposed, W_c @ X.T -> [R, N], because
 single-threaded OpenBLAS ran that ~10% faster than X @ W_c.T for N ~ 100 rows
 (2026-11-29); the softmax kernel then works down columns, vectorized across
@@ -102,8 +107,22 @@ def _add_rows(w, total):
             total[k] += np.float64(row[k])
 
 
+class RowSource:
+    """What head_ce reads a head from instead of a dense W: `shape` (C, H), `dtype` float32,
+    `rows_into(a, b, out)` writing W[a:b] as f32 into out [b - a, H] on the calling thread (head_ce calls it
+    from its tasks, so it must not dispatch to the workers itself), and `rows(ids)` -> W[ids] f32."""
+    shape: tuple
+    dtype = np.dtype(np.float32)
+
+    def rows_into(self, a, b, out):
+        raise NotImplementedError
+
+    def rows(self, ids):
+        raise NotImplementedError
+
+
 def _segment(XT, W, labels, c0, c1, chunk_rows, want_row_sum):
-    """Online softmax over vocabulary rows c0..c1 of W, one thread, chunk by chunk.
+    """Online softmax over vocabulary rows c0..c1 of W (an array or a RowSource), one thread, chunk by chunk.
     -> (m [N] f32, s [N] f64, label_logit [N] f32, acc [N, H] f32 = sum_c exp(logit - m) W[c],
     row_sum [H] f64 = sum_c W[c] or None)."""
     h, n = XT.shape
@@ -118,9 +137,16 @@ def _segment(XT, W, labels, c0, c1, chunk_rows, want_row_sum):
     part = np.empty((n, h), np.float32)
     logits = np.empty((chunk_rows, n), np.float32)
     row_sum = np.zeros(h, np.float64) if want_row_sum else None
+    dense = isinstance(W, np.ndarray)
+    buf = None if dense else np.empty((chunk_rows, h), np.float32)
     for a in range(c0, c1, chunk_rows):
         b = min(c1, a + chunk_rows)
-        lt, w_chunk = logits[:b - a], W[a:b]
+        lt = logits[:b - a]
+        if dense:
+            w_chunk = W[a:b]
+        else:
+            w_chunk = buf[:b - a]
+            W.rows_into(a, b, w_chunk)
         gemm(w_chunk, XT, lt)
         _chunk_softmax(lt, a, labels, m, s, label_logit, rescale, col_max, tile_sum)
         if a == c0:
@@ -136,12 +162,13 @@ def _segment(XT, W, labels, c0, c1, chunk_rows, want_row_sum):
 def head_ce(X, W, labels, smoothing=0.0, segment_rows=None, chunk_rows=None):
     """Per-row cross-entropy of X @ W.T and its gradient w.r.t. X, one pass over W.
 
-    X [N, H] float32, W [C, H] float32, labels [N] all in [0, C) (callers drop
+    X [N, H] float32, W [C, H] float32 (or a RowSource of that shape), labels [N] all in [0, C) (callers drop
     ignored rows first); smoothing eps uses the target (1 - eps) onehot + eps / C.
     Returns (loss [N] float64, gx_unit [N, H] float32 = the gradient of each row's
     own loss w.r.t. its row of X: softmax @ W - (1 - eps) W[y] - eps/C sum_c W[c]).
     segment_rows / chunk_rows default to SEGMENT_ROWS / CHUNK_ROWS (read at call time)."""
-    if not (isinstance(X, np.ndarray) and isinstance(W, np.ndarray) and X.ndim == 2 and W.ndim == 2
+    source = isinstance(W, RowSource)
+    if not (isinstance(X, np.ndarray) and (source or isinstance(W, np.ndarray) and W.ndim == 2) and X.ndim == 2
             and X.dtype == W.dtype == np.float32 and X.shape[1] == W.shape[1]):
         raise ValueError(f"head_ce: expected float32 X [N, H] and W [C, H], got {getattr(X, 'dtype', None)}"
                          f"{getattr(X, 'shape', None)} and {getattr(W, 'dtype', None)}{getattr(W, 'shape', None)}")
@@ -155,7 +182,8 @@ def head_ce(X, W, labels, smoothing=0.0, segment_rows=None, chunk_rows=None):
         raise ValueError(f"head_ce: segment_rows {segment_rows} and chunk_rows {chunk_rows} must be positive")
     if n == 0:
         return np.zeros(0, np.float64), np.zeros_like(X)
-    W = np.ascontiguousarray(W)
+    if not source:
+        W = np.ascontiguousarray(W)
     XT = np.ascontiguousarray(X.T)
     bounds = [(a, min(c, a + segment_rows)) for a in range(0, c, segment_rows)]
     parts = [None] * len(bounds)
@@ -183,10 +211,11 @@ def head_ce(X, W, labels, smoothing=0.0, segment_rows=None, chunk_rows=None):
             row_sum += rs
     loss = big_m + np.log(big_s) - (1.0 - smoothing) * label_logit
     gx *= (1.0 / big_s).astype(np.float32)[:, None]
+    w_labels = W.rows(labels) if source else W[labels]
     if smoothing == 0.0:
-        gx -= W[labels]
+        gx -= w_labels
     else:
         loss -= smoothing / c * (X.astype(np.float64) * row_sum).sum(axis=1)  # numpy, not threaded BLAS: fixed order
-        gx -= np.float32(1.0 - smoothing) * W[labels]
+        gx -= np.float32(1.0 - smoothing) * w_labels
         gx -= (smoothing / c * row_sum).astype(np.float32)
     return loss, gx

@@ -49,3 +49,13 @@ def test_runtime_rows_in_process_and_one_and_two_trainers():
                                             "runtime window accum2/trainers 2"]
     assert all(r["ms"] > 0 and r["tokens_s"] > 0 for r in runtime)
     assert runtime[2]["baselines"]["trainers_1"] == runtime[1]["ms"]
+
+
+def test_bench_rows_per_length_named_by_label_with_each_sides_memory():
+    rows = _rows("--threads", "0", "--no-torch", "--no-trainers", "--seq", "16,24", "--label", "tiny", "--memory",
+                 "--checkpoint", "on")
+    assert [r["case"] for r in rows] == ["tiny/seq16", "tiny/seq24"]
+    assert [r["seq"] for r in rows] == [16, 24] and all(r["checkpoint_layers"] for r in rows)
+    for r in rows:  # the child's steps ran after the reset: their peak is at least the resident set they started at
+        assert r["step_peak_rss_mb"] >= r["step_start_rss_mb"] > 0 and r["process_peak_rss_mb"] >= r["step_peak_rss_mb"]
+        assert r["baseline_step_peak_rss_mb"] == {"torch_f32": None} and "peak RSS of the steps" in r["notes"]

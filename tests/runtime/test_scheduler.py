@@ -1,4 +1,5 @@
 """The step scheduler against mock peers: plan order, in-order loss, lost trainers, stale generations."""
+import os
 import time
 
 import pytest
@@ -11,7 +12,10 @@ from pipeline.runtime.transport import DealerSocket, ipc_endpoints
 M = 4
 
 
-RUN_ID = "testrun"
+# one per process: the tests here and in test_remote_frames / test_bad_answers create real segments under this id
+# (fucina-<id>-optimizer-params ...), and two xdist workers sharing one id mapped each other's (a .ci/run's three
+# failures: a trainer that must find no segment found another test's). Not hex, so no run's leak check counts it.
+RUN_ID = f"testrun{os.getpid()}"
 
 
 def desc(role, what, owner):

@@ -342,7 +342,7 @@ def _llama(path, threads, decode_tokens, repeat, quantized, defaults=False):
 
 def _accuracy_row(args, use_llama):
     t0 = time.perf_counter()
-    kl, ref = _accuracy(args.model, args.threads, use_llama)
+    kl, ref = _accuracy(os.path.abspath(args.model), args.threads, use_llama)  # the workers run from the root
     row = {"case": f"{os.path.basename(args.model)}/kl_exact", "ms": (time.perf_counter() - t0) * 1e3,
            "baselines": {}, "kl": kl, "reference": ref}
     if "error" in kl:
@@ -364,15 +364,16 @@ def run(args):
         raise UserError(f"bench llm times both sides at one thread count: --threads must be >= 1, got {args.threads}")
     gg = GGUFFile(args.model)
     quantized = any(gg.tensor_type(n) not in ("F32", "F16", "BF16") for n in gg.tensor_names)
-    out, why = _in_subprocess(f"_ours_worker({str(args.model)!r}, {args.threads}, {args.decode_tokens}, "
+    model = os.path.abspath(args.model)  # both sides' workers run from the project root: a relative path is this cwd's
+    out, why = _in_subprocess(f"_ours_worker({model!r}, {args.threads}, {args.decode_tokens}, "
                               f"{args.repeat}, {args.blas_threads})", args.threads, who="Fucina")
     if why:  # the file loads in this process (GGUFFile above) but not as a model there: one error line
         raise UserError(f"{args.model}: {why}")
     ours = json.loads(out.strip().splitlines()[-1])
     theirs, fixed, why = None, None, "llama-cpp-python not installed"
     if not args.no_llama and importlib.util.find_spec("llama_cpp") is not None:
-        theirs, why = _llama(args.model, args.threads, args.decode_tokens, args.repeat, quantized, defaults=True)
-        fixed, why_fixed = _llama(args.model, args.threads, args.decode_tokens, args.repeat, quantized)
+        theirs, why = _llama(model, args.threads, args.decode_tokens, args.repeat, quantized, defaults=True)
+        fixed, why_fixed = _llama(model, args.threads, args.decode_tokens, args.repeat, quantized)
         if theirs is None:  # the defaults failed (their kernels on this VM): the fixed layout is still a baseline
             theirs, fixed, why = fixed, None, f"llama.cpp's defaults: {why}; shown: the fixed layout"
         elif fixed is None:

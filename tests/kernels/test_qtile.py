@@ -193,15 +193,21 @@ def test_b32_thread_count_and_grouping_keep_the_bits():
     weights = [(int(qt), raw, qtile.pack(int(qt), raw)) for qt, raw in ((QT.Q8_0, raw8), (QT.Q4_K, raw_k),
                                                                         (QT.Q5_0, raw5))]
     x = np.random.default_rng(6).standard_normal((11, 256)).astype(np.float32)
+    outs = [_same_bits_on_1_and_2_threads(weights, x)]
+    np.testing.assert_array_equal(qtile.matmul_t_many(weights[1:2], x)[0], outs[0][1])
+    np.testing.assert_array_equal(qtile.matmul_t_many(weights[:1], x[1:])[0], outs[0][0][1:])
+    np.testing.assert_array_equal(qtile.matmul_t_many(weights[2:], x[6:7])[0], outs[0][2][6:7])
+
+
+def _same_bits_on_1_and_2_threads(weights, x):
+    """matmul_t_many's outputs, checked bitwise equal on 1 and 2 threads."""
     outs = []
     for n in (1, 2):
         with numba_threads(n):
             outs.append(qtile.matmul_t_many(weights, x))
     for a, b in zip(*outs):
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
-    np.testing.assert_array_equal(qtile.matmul_t_many(weights[1:2], x)[0], outs[0][1])
-    np.testing.assert_array_equal(qtile.matmul_t_many(weights[:1], x[1:])[0], outs[0][0][1:])
-    np.testing.assert_array_equal(qtile.matmul_t_many(weights[2:], x[6:7])[0], outs[0][2][6:7])
+    return outs[0]
 
 
 def test_bits_do_not_depend_on_threads_cut_or_grouping():
@@ -211,12 +217,7 @@ def test_bits_do_not_depend_on_threads_cut_or_grouping():
     weights = [(int(QT.Q4_K), raw_a, qtile.pack(int(QT.Q4_K), raw_a)),
                (int(QT.Q6_K), raw_b, qtile.pack(int(QT.Q6_K), raw_b))]
     x = np.random.default_rng(6).standard_normal((11, 256)).astype(np.float32)
-    outs = []
-    for n in (1, 2):
-        with numba_threads(n):
-            outs.append(qtile.matmul_t_many(weights, x))
-    for a, b in zip(*outs):
-        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    outs = [_same_bits_on_1_and_2_threads(weights, x)]
     np.testing.assert_array_equal(qtile.matmul_t_many(weights[:1], x[1:])[0], outs[0][0][1:])
     np.testing.assert_array_equal(qtile.matmul_t_many(weights[1:], x[6:7])[0], outs[0][1][6:7])
 
